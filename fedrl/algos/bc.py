@@ -1,0 +1,62 @@
+"""Behaviour cloning, the Fed-BC baseline's local update.
+
+Default loss is the tanh-Gaussian negative log-likelihood -log pi(a_D|s) (the same term as
+DRPO's D(pi, pi_b)); ``BCConfig.loss='mse'`` regresses the deterministic action tanh(mu(s)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fedrl.algos.base import POLICY, Batch, adam, load_prefixed, prefixed_state
+from fedrl.algos.config import BCConfig
+from fedrl.nets import TanhGaussianPolicy
+
+
+def bc_nll_loss(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor,
+                eps: float = 1e-6) -> torch.Tensor:
+    """``E_D[-log pi(a_D|s)]`` for pre-tanh parameters ``(B, A)``."""
+    return -TanhGaussianPolicy.log_prob_from(mean, log_std, actions, eps).mean()
+
+
+def bc_mse_loss(mean: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    """``E_D[||tanh(mu(s)) - a_D||^2]``."""
+    return (torch.tanh(mean) - actions).pow(2).sum(-1).mean()
+
+
+class BCLearner:
+    """One agent's behaviour-cloning state (a policy and its optimiser)."""
+
+    def __init__(self, obs_dim: int, act_dim: int, cfg: BCConfig, device: torch.device,
+                 generator: torch.Generator) -> None:
+        self.cfg, self.device, self.gen = cfg, device, generator
+        self.policy = TanhGaussianPolicy(
+            obs_dim, act_dim, cfg.hidden, cfg.log_std_min, cfg.log_std_max
+        ).to(device)
+        self.opt = adam(self.policy.parameters(), cfg.lr)
+
+    def begin_round(self, global_state: Mapping[str, torch.Tensor]) -> None:
+        """Adopt the global policy."""
+        state = {k: v.to(self.device) for k, v in global_state.items()}
+        if not load_prefixed(self.policy, state, POLICY):
+            raise KeyError("global state has no 'policy.*' tensors")
+        if self.cfg.reset_actor_optimizer:
+            self.opt = adam(self.policy.parameters(), self.cfg.lr)
+
+    def shared_state(self, federate_critic: bool = False) -> dict[str, torch.Tensor]:
+        """The policy parameters (BC has no critic)."""
+        return prefixed_state(POLICY, self.policy)
+
+    def update(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """One BC gradient step."""
+        mean, log_std = self.policy(batch.obs)
+        if self.cfg.loss == "nll":
+            loss = bc_nll_loss(mean, log_std, batch.actions, self.cfg.action_clip_eps)
+        else:
+            loss = bc_mse_loss(mean, batch.actions)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return {"bc_loss": loss.detach()}

@@ -1,0 +1,150 @@
+"""Algorithm hyperparameters: frozen dataclasses whose defaults are the paper's table.
+
+Source: Yue et al., "Federated Offline Policy Optimization with Dual Regularization",
+Table "Hyperparameters". Fields the paper leaves open follow CORL's ``cql.py`` and say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+QScale = Literal["raw", "normalized"]
+BCLoss = Literal["nll", "mse"]
+
+
+@dataclass(frozen=True)
+class DRPOConfig:
+    """DRPO local update (CQL critic + doubly regularised actor). CQL is lambda1 = lambda2 = 0."""
+
+    hidden: tuple[int, ...] = (256, 256)
+    """Hidden layer widths of the policy and of each critic (paper: MLP 2 x 256, ReLU)."""
+    actor_lr: float = 3e-5
+    """Adam learning rate of the policy (paper: 3e-5)."""
+    critic_lr: float = 3e-4
+    """Adam learning rate of the twin critic (paper: 3e-4)."""
+    alpha_lr: float = 3e-5
+    """Adam learning rate of the entropy temperature (not in the paper; CORL uses the actor lr)."""
+    gamma: float = 0.99
+    """Discount factor (paper: 0.99)."""
+    batch_size: int = 256
+    """Transitions per gradient step (paper: 256)."""
+    lambda1: float = 0.1
+    """Weight of D(pi, pi_b) = E_D[-log pi(a|s)], cloning the local data (paper: 0.1)."""
+    lambda2: float = 0.2
+    """Weight of D(pi, pi_bar) = E_{s~D, a~pi_bar}[-log pi(a|s)], staying near the global policy (paper: 0.2)."""
+    cql_weight: float = 10.0
+    """beta, the CQL(H) penalty weight on each critic (paper: 10)."""
+    cql_n_actions: int = 10
+    """Sampled actions of each kind (uniform, pi(s), pi(s')) in the CQL(H) log-sum-exp (CORL: 10)."""
+    tau: float = 5e-3
+    """Polyak rate of the target critics, applied every step (CORL: 5e-3)."""
+    auto_alpha: bool = True
+    """Tune the SAC entropy temperature towards ``target_entropy`` (CORL: on)."""
+    alpha_init: float = 1.0
+    """Initial (or, with ``auto_alpha=False``, fixed) entropy temperature; 0 removes the entropy term."""
+    target_entropy: float | None = None
+    """Entropy target of the temperature tuning; ``None`` means -|A| (CORL's choice)."""
+    backup_entropy: bool = False
+    """Subtract alpha * log pi(a'|s') in the TD target (CORL: off)."""
+    q_scale: QScale = "raw"
+    """How the actor's Q term enters L_pi. ``raw``: -Q exactly as eq. (local_updating_pi) is written.
+    ``normalized``: -(q_norm / mean|Q|) * Q with mean|Q| detached (FEDORA / TD3+BC), which keeps the
+    O(1) NLL regularisers relevant when Q is in the hundreds. See docs/ALGORITHM_CHOICES.md."""
+    q_norm: float = 2.5
+    """Target magnitude of the Q term under ``q_scale='normalized'`` (FEDORA/TD3+BC: 2.5)."""
+    global_samples: int = 1
+    """Actions drawn from the frozen global policy per state for D(pi, pi_bar)."""
+    log_std_min: float = -5.0
+    """Lower clamp of the policy's log standard deviation."""
+    log_std_max: float = 2.0
+    """Upper clamp of the policy's log standard deviation."""
+    action_clip_eps: float = 1e-6
+    """Dataset actions are clipped to [-1+eps, 1-eps] before atanh in log pi(a|s)."""
+    reset_actor_optimizer: bool = True
+    """Start each round with fresh Adam moments for the policy (its weights were just replaced by
+    pi_bar). Critic and temperature optimisers always persist, like the critics themselves."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "actor_lr", "critic_lr", "alpha_lr", "batch_size", "cql_n_actions",
+                        "global_samples", "q_norm")
+        _check_nonnegative(self, "lambda1", "lambda2", "cql_weight", "alpha_init")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
+        if not 0.0 < self.tau <= 1.0:
+            raise ValueError(f"tau must be in (0, 1], got {self.tau}")
+        if self.q_scale not in ("raw", "normalized"):
+            raise ValueError(f"q_scale must be 'raw' or 'normalized', got {self.q_scale!r}")
+        if not self.hidden or any(int(h) <= 0 for h in self.hidden):
+            raise ValueError(f"hidden must be positive layer widths, got {self.hidden}")
+        object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
+
+
+@dataclass(frozen=True)
+class BCConfig:
+    """Behaviour cloning (the Fed-BC baseline's local update)."""
+
+    hidden: tuple[int, ...] = (256, 256)
+    """Hidden layer widths of the policy (same network as DRPO's)."""
+    lr: float = 3e-4
+    """Adam learning rate (the paper gives none for BC; 3e-4 is the usual BC rate)."""
+    batch_size: int = 256
+    """Transitions per gradient step."""
+    loss: BCLoss = "nll"
+    """``nll``: -log pi(a|s) of the tanh-Gaussian policy (the same term as DRPO's D(pi, pi_b));
+    ``mse``: squared error of the deterministic action tanh(mu(s))."""
+    log_std_min: float = -5.0
+    """Lower clamp of the policy's log standard deviation."""
+    log_std_max: float = 2.0
+    """Upper clamp of the policy's log standard deviation."""
+    action_clip_eps: float = 1e-6
+    """Dataset actions are clipped to [-1+eps, 1-eps] before atanh in log pi(a|s)."""
+    reset_actor_optimizer: bool = True
+    """Start each round with fresh Adam moments (the weights were just replaced by pi_bar)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "lr", "batch_size")
+        if self.loss not in ("nll", "mse"):
+            raise ValueError(f"loss must be 'nll' or 'mse', got {self.loss!r}")
+        if not self.hidden or any(int(h) <= 0 for h in self.hidden):
+            raise ValueError(f"hidden must be positive layer widths, got {self.hidden}")
+        object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
+
+
+def cql_config(base: DRPOConfig | None = None) -> DRPOConfig:
+    """CQL is DRPO without its two regularisers (lambda1 = lambda2 = 0)."""
+    return dataclasses.replace(base or DRPOConfig(), lambda1=0.0, lambda2=0.0)
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """JSON-ready dict of a config dataclass (saved beside every result and checkpoint)."""
+    return {f.name: (list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v)
+            for f in dataclasses.fields(cfg)}
+
+
+def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Inverse of :func:`config_to_dict`; unknown keys are an error naming them."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
+    kw = dict(data)
+    if "hidden" in kw:
+        kw["hidden"] = tuple(kw["hidden"])
+    return cls(**kw)
+
+
+def _check_positive(cfg: Any, *names: str) -> None:
+    for n in names:
+        if not getattr(cfg, n) > 0:
+            raise ValueError(f"{n} must be > 0, got {getattr(cfg, n)}")
+
+
+def _check_nonnegative(cfg: Any, *names: str) -> None:
+    for n in names:
+        if not getattr(cfg, n) >= 0:
+            raise ValueError(f"{n} must be >= 0, got {getattr(cfg, n)}")
+
+
+__all__ = ["DRPOConfig", "BCConfig", "cql_config", "config_to_dict", "config_from_dict"]

@@ -1,0 +1,64 @@
+"""CQL critic losses (Kumar et al. 2020, CQL(H)); the critic half of the DRPO local update.
+
+Source: the paper's eq. (cql) and CORL ``algorithms/offline/cql.py`` for the practical
+log-sum-exp estimate of the penalty. CQL itself is DRPO with lambda1 = lambda2 = 0
+(:func:`fedrl.algos.config.cql_config`); its learner is :class:`fedrl.algos.drpo.DRPOLearner`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def td_target(
+    rewards: torch.Tensor,
+    dones: torch.Tensor,
+    next_q: torch.Tensor,
+    gamma: float,
+    next_log_prob: torch.Tensor | None = None,
+    alpha: torch.Tensor | float = 0.0,
+) -> torch.Tensor:
+    """``y = r + gamma (1 - done) (Q_targ(s', a') - alpha log pi(a'|s'))``, all ``(B,)``.
+
+    ``next_q`` is already the minimum over the target critics; pass ``next_log_prob`` only when
+    the entropy bonus is backed up (``DRPOConfig.backup_entropy``).
+    """
+    v = next_q if next_log_prob is None else next_q - alpha * next_log_prob
+    return rewards + gamma * (1.0 - dones) * v
+
+
+def td_loss(q_data: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``sum_e 1/2 E_D[(Q_e(s,a) - y)^2]`` for ``q_data (E, B)``, ``target (B,)`` (eq. cql)."""
+    return 0.5 * (q_data - target.detach()).pow(2).mean(dim=-1).sum()
+
+
+def cql_penalty(
+    q_data: torch.Tensor,
+    q_rand: torch.Tensor,
+    q_pi: torch.Tensor,
+    log_pi: torch.Tensor,
+    q_pi_next: torch.Tensor,
+    log_pi_next: torch.Tensor,
+    act_dim: int,
+) -> torch.Tensor:
+    """CQL(H) penalty ``sum_e E_s[logsumexp_a Q_e(s,a) - Q_e(s,a_D)]`` (before the beta weight).
+
+    The log-sum-exp over actions is estimated with importance sampling from three proposals, all
+    evaluated at the current state ``s``: uniform actions (density ``0.5^|A|``), ``a ~ pi(.|s)``
+    and ``a ~ pi(.|s')``. Shapes: ``q_data (E, B)``, ``q_* (E, B, N)``, ``log_pi* (B, N)``.
+    The log-probabilities are proposal densities and carry no gradient.
+    """
+    log_uniform = act_dim * math.log(0.5)
+    cat = torch.cat(
+        [q_rand - log_uniform, q_pi - log_pi.detach(), q_pi_next - log_pi_next.detach()], dim=-1
+    )  # (E, B, 3N)
+    return (torch.logsumexp(cat, dim=-1) - q_data).mean(dim=-1).sum()
+
+
+def temperature_loss(
+    log_alpha: torch.Tensor, log_prob: torch.Tensor, target_entropy: float
+) -> torch.Tensor:
+    """SAC temperature loss ``-log_alpha * E[log pi(a|s) + H_target]`` (log-prob detached)."""
+    return -(log_alpha * (log_prob.detach() + target_entropy)).mean()

@@ -1,0 +1,211 @@
+"""DRPO local update: CQL critic and the doubly regularised actor.
+
+Source: Yue et al., "Federated Offline Policy Optimization with Dual Regularization",
+eq. (local_updating_pi) with the practical KL-based regularisers of its implementation section:
+
+    L_pi = alpha log pi(a|s) - Q(s, a~pi) + lambda1 E_D[-log pi(a_D|s)] + lambda2 E_{a~pi_bar}[-log pi(a|s)]
+
+``pi_bar`` is the frozen global policy received this round; it never receives a gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from fedrl.algos.base import (
+    CRITIC,
+    CRITIC_TARGET,
+    POLICY,
+    Batch,
+    adam,
+    load_prefixed,
+    prefixed_state,
+    soft_update_,
+)
+from fedrl.algos.config import DRPOConfig
+from fedrl.algos.cql import cql_penalty, td_loss, td_target, temperature_loss
+from fedrl.nets import EnsembleCritic, TanhGaussianPolicy
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    """The actor objective and its terms (each a scalar tensor)."""
+
+    total: torch.Tensor
+    q_term: torch.Tensor  # -E[Q] as it enters the loss (scaled under q_scale='normalized')
+    entropy_term: torch.Tensor  # alpha E[log pi]
+    reg_data: torch.Tensor  # E_D[-log pi(a_D|s)], before lambda1
+    reg_global: torch.Tensor  # E_{a~pi_bar}[-log pi(a|s)], before lambda2
+
+
+def actor_loss(
+    q_pi: torch.Tensor,
+    log_pi: torch.Tensor,
+    alpha: torch.Tensor | float,
+    nll_data: torch.Tensor | None,
+    nll_global: torch.Tensor | None,
+    lambda1: float,
+    lambda2: float,
+    q_scale: str = "raw",
+    q_norm: float = 2.5,
+) -> ActorLoss:
+    """L_pi of eq. (local_updating_pi); all per-sample inputs ``(B,)``, ``None`` = term off.
+
+    ``q_scale='raw'`` uses -E[Q] as written; ``'normalized'`` uses -(q_norm / E|Q|) E[Q] with
+    E|Q| detached, so the Q term is O(q_norm) whatever the reward scale.
+    """
+    q_mean = q_pi.mean()
+    if q_scale == "normalized":
+        q_term = -(q_norm / q_pi.abs().mean().detach().clamp_min(1e-6)) * q_mean
+    elif q_scale == "raw":
+        q_term = -q_mean
+    else:
+        raise ValueError(f"q_scale must be 'raw' or 'normalized', got {q_scale!r}")
+    zero = q_mean.new_zeros(())
+    entropy_term = (alpha * log_pi).mean()
+    reg_data = nll_data.mean() if nll_data is not None else zero
+    reg_global = nll_global.mean() if nll_global is not None else zero
+    total = q_term + entropy_term + lambda1 * reg_data + lambda2 * reg_global
+    return ActorLoss(total, q_term, entropy_term, reg_data, reg_global)
+
+
+class DRPOLearner:
+    """One agent's DRPO (or CQL, with lambdas 0) state: policy, twin critic, targets, temperature.
+
+    Critics, target critics and the temperature persist across rounds; the policy is replaced by
+    the global policy at :meth:`begin_round`.
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        act_dim: int,
+        cfg: DRPOConfig,
+        device: torch.device,
+        generator: torch.Generator,
+    ) -> None:
+        self.cfg, self.device, self.gen = cfg, device, generator
+        self.act_dim = act_dim
+        self.policy = TanhGaussianPolicy(
+            obs_dim, act_dim, cfg.hidden, cfg.log_std_min, cfg.log_std_max
+        ).to(device)
+        self.global_policy = copy.deepcopy(self.policy).requires_grad_(False)
+        self.critic = EnsembleCritic(obs_dim, act_dim, cfg.hidden, ensemble=2).to(device)
+        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.target_entropy = (
+            -float(act_dim) if cfg.target_entropy is None else float(cfg.target_entropy)
+        )
+        self.log_alpha: torch.Tensor | None = None
+        if cfg.auto_alpha:
+            self.log_alpha = torch.tensor(
+                float(torch.log(torch.tensor(cfg.alpha_init))), device=device, requires_grad=True
+            )
+            self.alpha_opt = adam([self.log_alpha], cfg.alpha_lr)
+        self.actor_opt = adam(self.policy.parameters(), cfg.actor_lr)
+        self.critic_opt = adam(self.critic.parameters(), cfg.critic_lr)
+
+    # -- federation interface -------------------------------------------------------------
+    def begin_round(self, global_state: Mapping[str, torch.Tensor]) -> None:
+        """Set pi and the frozen pi_bar to the global policy (and critics if they are federated)."""
+        state = {k: v.to(self.device) for k, v in global_state.items()}
+        if not load_prefixed(self.policy, state, POLICY):
+            raise KeyError("global state has no 'policy.*' tensors")
+        self.global_policy.load_state_dict(self.policy.state_dict())
+        load_prefixed(self.critic, state, CRITIC)
+        load_prefixed(self.critic_target, state, CRITIC_TARGET)
+        if self.cfg.reset_actor_optimizer:
+            self.actor_opt = adam(self.policy.parameters(), self.cfg.actor_lr)
+
+    def shared_state(self, federate_critic: bool = False) -> dict[str, torch.Tensor]:
+        """Policy parameters (and critics when ``federate_critic``) as prefixed CPU tensors."""
+        out = prefixed_state(POLICY, self.policy)
+        if federate_critic:
+            out |= prefixed_state(CRITIC, self.critic) | prefixed_state(CRITIC_TARGET, self.critic_target)
+        return out
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        if self.log_alpha is None:
+            return torch.tensor(self.cfg.alpha_init, device=self.device)
+        return self.log_alpha.detach().exp()
+
+    # -- one gradient step ----------------------------------------------------------------
+    def update(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """One DRPO step: temperature, actor and critic losses, one backward, one Polyak update."""
+        cfg, g = self.cfg, self.gen
+        obs, act, rew, next_obs, done = batch
+        n = cfg.cql_n_actions
+
+        # pi(.|s): one forward serves the actor sample, both regularisers and the CQL proposals.
+        mean, log_std = self.policy(obs)  # (B, A) each
+        pi_a, log_pi = TanhGaussianPolicy.sample_from(mean, log_std, g)  # (B, A), (B,)
+
+        losses = []
+        if self.log_alpha is not None:
+            losses.append(temperature_loss(self.log_alpha, log_pi, self.target_entropy))
+        alpha = self.alpha
+
+        nll_data = nll_global = None
+        if cfg.lambda1 > 0:
+            nll_data = -TanhGaussianPolicy.log_prob_from(mean, log_std, act, cfg.action_clip_eps)
+        if cfg.lambda2 > 0:
+            with torch.no_grad():
+                g_mean, g_log_std = self.global_policy(obs)
+                g_a, _ = TanhGaussianPolicy.sample_from(g_mean, g_log_std, g, n=cfg.global_samples)
+            nll_global = -TanhGaussianPolicy.log_prob_from(
+                mean.unsqueeze(-2), log_std.unsqueeze(-2), g_a, cfg.action_clip_eps
+            ).mean(-1)  # (B,)
+
+        # Q(s, a~pi) for the actor: gradients flow into the action only, not the critic weights.
+        self.critic.requires_grad_(False)
+        q_pi = self.critic(obs, pi_a).min(dim=0).values  # (B,)
+        self.critic.requires_grad_(True)
+        actor = actor_loss(q_pi, log_pi, alpha, nll_data, nll_global,
+                           cfg.lambda1, cfg.lambda2, cfg.q_scale, cfg.q_norm)
+        losses.append(actor.total)
+
+        # Critic: TD target from pi(.|s') and the target critics; CQL(H) proposals.
+        with torch.no_grad():
+            n_mean, n_log_std = self.policy(next_obs)
+            next_a, next_log_pi = TanhGaussianPolicy.sample_from(n_mean, n_log_std, g, n=n + 1)
+            next_q = self.critic_target(next_obs, next_a[:, 0]).min(dim=0).values  # (B,)
+            y = td_target(rew, done, next_q, cfg.gamma,
+                          next_log_pi[:, 0] if cfg.backup_entropy else None, alpha)
+            cur_a, cur_log_pi = TanhGaussianPolicy.sample_from(mean, log_std, g, n=n)  # (B, N, A)
+            rand_a = torch.rand(act.shape[0], n, self.act_dim, generator=g, device=act.device,
+                                dtype=act.dtype).mul_(2.0).sub_(1.0)
+        # All critic evaluations at s in one ensemble call: data, uniform, pi(s), pi(s').
+        all_a = torch.cat([act.unsqueeze(1), rand_a, cur_a, next_a[:, 1:]], dim=1)  # (B, 1+3N, A)
+        q_all = self.critic(obs.unsqueeze(1), all_a)  # (E, B, 1+3N)
+        q_data = q_all[..., 0]
+        q_rand, q_cur, q_next = q_all[..., 1:].split(n, dim=-1)
+        c_td = td_loss(q_data, y)
+        c_cql = cql_penalty(q_data, q_rand, q_cur, cur_log_pi, q_next, next_log_pi[:, 1:],
+                            self.act_dim)
+        losses.append(c_td + cfg.cql_weight * c_cql)
+
+        # The three losses touch disjoint parameters, so one backward serves all of them.
+        opts = [self.actor_opt, self.critic_opt]
+        if self.log_alpha is not None:
+            opts.append(self.alpha_opt)
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        torch.stack(losses).sum().backward()
+        for o in opts:
+            o.step()
+        soft_update_(self.critic_target, self.critic, cfg.tau)
+
+        return {
+            "critic_td": c_td.detach(),
+            "cql_penalty": c_cql.detach(),
+            "actor_loss": actor.total.detach(),
+            "actor_q_term": actor.q_term.detach(),
+            "reg_data": actor.reg_data.detach(),
+            "reg_global": actor.reg_global.detach(),
+            "alpha": alpha,
+            "q_data": q_data.detach().mean(),
+        }

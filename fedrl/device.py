@@ -1,0 +1,48 @@
+"""Device choice and seeding: CUDA when present, CPU otherwise, always selectable."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """Map ``auto|cpu|cuda[:N]`` to a torch device; ``auto`` picks CUDA when available.
+
+    Asking for CUDA on a machine without it is an error, never a silent fall-back.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA was requested but torch.cuda.is_available() is False")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: expected one of auto, cpu, cuda[:N]")
+    return dev
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A private RNG stream on ``device``: every sampling call in the learners takes one."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def derive_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (run seed, agent index, ...), independent of process."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h ^= (int(p) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)) & 0xFFFFFFFFFFFFFFFF
+        h = (h * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFFFFFFFFFF

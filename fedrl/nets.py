@@ -1,0 +1,155 @@
+"""Networks: MLP trunks, the tanh-Gaussian policy and the twin critic as one batched ensemble."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+LOG_2PI = math.log(2.0 * math.pi)
+LOG_2 = math.log(2.0)
+
+
+def mlp(in_dim: int, hidden: Sequence[int]) -> nn.Sequential:
+    """Linear+ReLU layers: ``in_dim -> hidden[0] -> ... -> hidden[-1]`` (ReLU after each)."""
+    layers: list[nn.Module] = []
+    d = in_dim
+    for h in hidden:
+        layers += [nn.Linear(d, h), nn.ReLU()]
+        d = h
+    return nn.Sequential(*layers)
+
+
+def tanh_log_det_jacobian(u: torch.Tensor) -> torch.Tensor:
+    """``log(1 - tanh(u)^2)`` computed stably as ``2 (log 2 - u - softplus(-2u))``."""
+    return 2.0 * (LOG_2 - u - F.softplus(-2.0 * u))
+
+
+class TanhGaussianPolicy(nn.Module):
+    """pi(a|s) = tanh(N(mu(s), sigma(s))), actions in [-1, 1]^act_dim.
+
+    The policy is fed *normalised* observations in training. ``obs_mean`` / ``obs_std`` are
+    buffers (part of the state dict, so they travel with the weights) that :meth:`act` applies
+    to raw environment observations, making a saved policy self-contained for evaluation.
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        act_dim: int,
+        hidden: Sequence[int] = (256, 256),
+        log_std_min: float = -5.0,
+        log_std_max: float = 2.0,
+    ) -> None:
+        super().__init__()
+        self.obs_dim, self.act_dim = obs_dim, act_dim
+        self.log_std_min, self.log_std_max = log_std_min, log_std_max
+        self.trunk = mlp(obs_dim, hidden)
+        self.head = nn.Linear(hidden[-1], 2 * act_dim)
+        self.register_buffer("obs_mean", torch.zeros(obs_dim))
+        self.register_buffer("obs_std", torch.ones(obs_dim))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-tanh Gaussian parameters ``(mean, log_std)``, each ``(..., act_dim)``."""
+        mean, log_std = self.head(self.trunk(obs)).chunk(2, dim=-1)
+        return mean, log_std.clamp(self.log_std_min, self.log_std_max)
+
+    @staticmethod
+    def sample_from(
+        mean: torch.Tensor,
+        log_std: torch.Tensor,
+        generator: torch.Generator | None,
+        n: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reparameterised sample and its log-prob from given parameters.
+
+        ``n=None``: one action per state, shapes ``(B, A)`` and ``(B,)``.
+        ``n=k``: k actions per state, shapes ``(B, k, A)`` and ``(B, k)``.
+        """
+        if n is not None:
+            mean = mean.unsqueeze(-2).expand(*mean.shape[:-1], n, mean.shape[-1])
+            log_std = log_std.unsqueeze(-2).expand_as(mean)
+        eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        u = mean + log_std.exp() * eps
+        log_prob = (-0.5 * eps.pow(2) - log_std - 0.5 * LOG_2PI - tanh_log_det_jacobian(u)).sum(-1)
+        return torch.tanh(u), log_prob
+
+    @staticmethod
+    def log_prob_from(
+        mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor, eps: float = 1e-6
+    ) -> torch.Tensor:
+        """log pi(a|s) of given actions (e.g. the dataset's): ``(..., A) -> (...)``.
+
+        Actions are clipped to ``[-1+eps, 1-eps]`` before ``atanh`` so that actions exactly at
+        the bounds (common in D4RL files) give a finite log-probability.
+        """
+        a = actions.clamp(-1.0 + eps, 1.0 - eps)
+        u = torch.atanh(a)
+        z = (u - mean) * torch.exp(-log_std)
+        return (-0.5 * z.pow(2) - log_std - 0.5 * LOG_2PI - tanh_log_det_jacobian(u)).sum(-1)
+
+    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """log pi(a|s) for normalised observations."""
+        mean, log_std = self(obs)
+        return self.log_prob_from(mean, log_std, actions)
+
+    @torch.no_grad()
+    def act(self, raw_obs: torch.Tensor) -> torch.Tensor:
+        """Deterministic evaluation action ``tanh(mu(s))`` for *raw* observations."""
+        mean, _ = self((raw_obs - self.obs_mean) / self.obs_std)
+        return torch.tanh(mean)
+
+    def set_normalizer(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Install the observation statistics :meth:`act` applies."""
+        self.obs_mean.copy_(torch.as_tensor(mean, dtype=self.obs_mean.dtype))
+        self.obs_std.copy_(torch.as_tensor(std, dtype=self.obs_std.dtype))
+
+
+class VectorizedLinear(nn.Module):
+    """``E`` independent linear layers applied as one batched matmul: ``(E, N, in) -> (E, N, out)``."""
+
+    def __init__(self, in_features: int, out_features: int, ensemble: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(ensemble, in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(ensemble, 1, out_features))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Same distribution as nn.Linear's default init, per member.
+        bound = 1.0 / math.sqrt(self.weight.shape[1])
+        nn.init.uniform_(self.weight, -bound, bound)
+        nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.baddbmm(self.bias, x, self.weight)
+
+
+class EnsembleCritic(nn.Module):
+    """``E`` Q-networks (twin: E=2) evaluated as one batched ensemble.
+
+    ``forward(obs (..., O), act (..., A)) -> (E, ...)``; every member sees the same inputs.
+    """
+
+    def __init__(
+        self, obs_dim: int, act_dim: int, hidden: Sequence[int] = (256, 256), ensemble: int = 2
+    ) -> None:
+        super().__init__()
+        self.ensemble = ensemble
+        dims = [obs_dim + act_dim, *hidden]
+        self.hidden = nn.ModuleList(
+            VectorizedLinear(i, o, ensemble) for i, o in zip(dims[:-1], dims[1:])
+        )
+        self.out = VectorizedLinear(dims[-1], 1, ensemble)
+
+    def forward(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        batch_shape = act.shape[:-1]
+        if obs.shape[:-1] != batch_shape:
+            obs = obs.expand(*batch_shape, obs.shape[-1])
+        x = torch.cat([obs, act], dim=-1).reshape(1, -1, obs.shape[-1] + act.shape[-1])
+        x = x.expand(self.ensemble, -1, -1)
+        for layer in self.hidden:
+            x = torch.relu(layer(x))
+        return self.out(x).reshape(self.ensemble, *batch_shape)
