@@ -1,0 +1,90 @@
+"""Datasets by path or by the names D4RL users know (``hopper-random-v2``, ...).
+
+A name resolves, in order, to d4rl's own download cache (``$D4RL_DATASET_DIR`` or
+``~/.d4rl/datasets/<name>.hdf5``), then to this project's cache (``$FEDRL_CACHE_DIR`` or
+``~/.cache/fedrl``)/datasets, where qualities the project can make are made on demand.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from fedrl.data.d4rl import RawDataset, load_d4rl
+from fedrl.data.errors import DatasetError
+from fedrl.data.minari import is_minari_dir, load_minari
+from fedrl.envs import ENVS, EnvInfo, env_info
+
+QUALITIES = ("random", "medium", "medium-replay", "medium-expert", "expert")
+MAKEABLE = ("random",)
+RANDOM_TRANSITIONS = 50_000
+_NAME = re.compile(r"^(?P<env>[a-z0-9]+)-(?P<quality>[a-z-]+?)-v(?P<version>\d+)$")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FEDRL_CACHE_DIR", Path.home() / ".cache" / "fedrl"))
+
+
+def d4rl_dir() -> Path:
+    return Path(os.environ.get("D4RL_DATASET_DIR", Path.home() / ".d4rl" / "datasets"))
+
+
+def is_dataset_name(spec: str) -> bool:
+    return bool(_NAME.match(spec)) and not Path(spec).exists()
+
+
+def resolve(spec: str, progress=print) -> Path:
+    """A dataset path for ``spec``: an existing file/directory, or a name (made if possible)."""
+    p = Path(spec).expanduser()
+    if p.exists():
+        return p
+    m = _NAME.match(spec)
+    if not m:
+        raise DatasetError(spec, "no such file or directory, and not a dataset name like "
+                                 "'hopper-medium-v2'")
+    if m["env"] not in ENVS:
+        raise DatasetError(spec, f"unknown environment {m['env']!r}; known: {', '.join(ENVS)}")
+    if m["quality"] not in QUALITIES:
+        raise DatasetError(spec, f"unknown quality {m['quality']!r}; known: {', '.join(QUALITIES)}")
+    for cand in (d4rl_dir() / f"{spec}.hdf5", cache_dir() / "datasets" / f"{spec}.hdf5"):
+        if cand.is_file():
+            return cand
+    if m["quality"] in MAKEABLE:
+        from fedrl.data.make import make_random_dataset
+
+        out = cache_dir() / "datasets" / f"{spec}.hdf5"
+        progress(f"making {spec} ({RANDOM_TRANSITIONS} transitions of a uniform policy in "
+                 f"{ENVS[m['env']].gym_id}) -> {out}")
+        return make_random_dataset(m["env"], RANDOM_TRANSITIONS, seed=0, out=out)
+    raise DatasetError(
+        spec,
+        f"not found in {d4rl_dir()} or {cache_dir() / 'datasets'}; this version can make only "
+        f"{', '.join(MAKEABLE)} datasets itself. Put D4RL's file there or pass a path.",
+    )
+
+
+def load(spec: str, progress=print) -> RawDataset:
+    """Load a D4RL HDF5 file, a Minari directory, or a named dataset."""
+    path = resolve(spec, progress)
+    raw = load_minari(path) if path.is_dir() and is_minari_dir(path) else None
+    if raw is None:
+        if path.is_dir():
+            raise DatasetError(path, "a directory, but not a Minari dataset (no data/main_data.hdf5)")
+        raw = load_d4rl(path)
+    if is_dataset_name(spec):
+        raw.metadata.setdefault("dataset_name", spec)
+    return raw
+
+
+def infer_env(raw: RawDataset, spec: str, explicit: str | None = None) -> EnvInfo:
+    """The environment of a dataset: ``--env``, else its metadata, else its file name."""
+    for cand in (explicit, raw.metadata.get("env_id"), raw.metadata.get("dataset_name"),
+                 Path(spec).stem):
+        if cand:
+            try:
+                return env_info(str(cand))
+            except ValueError:
+                if cand is explicit:
+                    raise
+    raise DatasetError(raw.source, "cannot tell which environment this dataset is for; pass --env")

@@ -1,0 +1,63 @@
+"""The MuJoCo tasks the project knows: gymnasium ids, dimensions and D4RL reference returns."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """One locomotion task: how to build it and how D4RL normalises its returns."""
+
+    key: str  # d4rl's prefix: hopper, halfcheetah, walker2d, ant
+    gym_id: str  # gymnasium id of the v5 env used for evaluation and data making
+    obs_dim: int
+    act_dim: int
+    ref_min_score: float  # D4RL REF_MIN_SCORE (random policy)
+    ref_max_score: float  # D4RL REF_MAX_SCORE (expert policy)
+    # Observation layouts the v5 env can produce, by width -> make() kwargs.
+    layouts: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def gym_kwargs(self, obs_dim: int | None = None) -> dict[str, Any]:
+        """make() kwargs whose observation layout has ``obs_dim`` entries (default: the env's)."""
+        d = self.obs_dim if obs_dim is None else obs_dim
+        if d == self.obs_dim and d not in self.layouts:
+            return {}
+        if d in self.layouts:
+            return dict(self.layouts[d])
+        hint = ""
+        if self.key == "ant" and d == 111:
+            hint = (" (D4RL's ant-*-v2 files have mujoco-py's 111-dim layout with contact forces of"
+                    " every body; gymnasium's Ant-v5 gives 27 or 105 dims and cannot reproduce it)")
+        raise ValueError(
+            f"{self.gym_id}: no observation layout with {d} dims; known: "
+            f"{sorted({self.obs_dim, *self.layouts})}{hint}"
+        )
+
+
+# Reference returns: D4RL infos.py (REF_MIN_SCORE / REF_MAX_SCORE), identical for v0-v2.
+ENVS: dict[str, EnvInfo] = {
+    "hopper": EnvInfo("hopper", "Hopper-v5", 11, 3, -20.272305, 3234.3),
+    "halfcheetah": EnvInfo("halfcheetah", "HalfCheetah-v5", 17, 6, -280.178953, 12135.0),
+    "walker2d": EnvInfo("walker2d", "Walker2d-v5", 17, 6, 1.629008, 4592.3),
+    "ant": EnvInfo("ant", "Ant-v5", 27, 8, -325.6, 3879.7,
+                   layouts={27: {"use_contact_forces": False}, 105: {"use_contact_forces": True}}),
+}
+
+
+def env_info(name: str) -> EnvInfo:
+    """Find a task by gymnasium id (``Hopper-v5``), d4rl prefix (``hopper``) or dataset name
+    (``hopper-medium-v2``); unknown names list the valid choices."""
+    low = name.lower()
+    m = re.match(r"^([a-z0-9]+?)(?:-v\d+)?$", low)
+    if m and m.group(1) in ENVS:
+        return ENVS[m.group(1)]
+    head = low.split("-")[0]
+    if head in ENVS:
+        return ENVS[head]
+    raise ValueError(
+        f"unknown environment {name!r}; known: "
+        + ", ".join(f"{e.gym_id} ({e.key})" for e in ENVS.values())
+    )

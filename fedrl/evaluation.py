@@ -1,0 +1,88 @@
+"""Roll a policy out in gymnasium MuJoCo: vectorised envs, one batched forward per step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from fedrl.envs import env_info
+from fedrl.nets import TanhGaussianPolicy
+from fedrl.scores import normalized_score
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Returns of ``episodes`` deterministic rollouts and their D4RL normalised scores."""
+
+    env_id: str
+    returns: tuple[float, ...]
+    lengths: tuple[int, ...]
+    return_mean: float
+    return_std: float
+    score_mean: float  # D4RL normalised, 0 = random, 100 = expert
+    score_std: float
+    env_steps: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["returns"], d["lengths"] = list(self.returns), list(self.lengths)
+        return d
+
+
+def make_vec_env(env_name: str, num_envs: int, obs_dim: int | None = None,
+                 max_episode_steps: int = 1000) -> gym.vector.VectorEnv:
+    """``num_envs`` synchronous copies whose observation layout has ``obs_dim`` entries."""
+    info = env_info(env_name)
+    return gym.make_vec(
+        info.gym_id, num_envs=num_envs, vectorization_mode="sync",
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+        max_episode_steps=max_episode_steps, **info.gym_kwargs(obs_dim),
+    )
+
+
+@torch.no_grad()
+def evaluate(policy: TanhGaussianPolicy, env_name: str, episodes: int, seed: int,
+             num_envs: int = 10, max_episode_steps: int = 1000) -> EvalResult:
+    """Exactly ``episodes`` episodes of the deterministic policy ``tanh(mu(s))``.
+
+    Episodes are dealt to ``min(num_envs, episodes)`` envs in fixed quotas so that short episodes
+    are not over-represented; every env keeps stepping (its extra episodes are ignored) until all
+    quotas are met. Seeded: the same policy and seed give the same returns.
+    """
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    info = env_info(env_name)
+    n = min(num_envs, episodes)
+    quota = np.array([episodes // n + (i < episodes % n) for i in range(n)])
+    envs = make_vec_env(env_name, n, policy.obs_dim, max_episode_steps)
+    device = next(policy.parameters()).device
+    returns: list[float] = []
+    lengths: list[int] = []
+    ep_ret, ep_len, done = np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    steps, t0 = 0, time.perf_counter()
+    try:
+        obs, _ = envs.reset(seed=seed)
+        while (done < quota).any():
+            o = torch.as_tensor(obs, dtype=torch.float32, device=device)
+            act = policy.act(o).cpu().numpy()
+            obs, rew, term, trunc, _ = envs.step(act)
+            steps += n
+            ep_ret += rew
+            ep_len += 1
+            for i in np.flatnonzero(term | trunc):
+                if done[i] < quota[i]:
+                    returns.append(float(ep_ret[i]))
+                    lengths.append(int(ep_len[i]))
+                    done[i] += 1
+                ep_ret[i], ep_len[i] = 0.0, 0
+    finally:
+        envs.close()
+    r = np.asarray(returns)
+    scores = np.array([normalized_score(info.key, x) for x in r])
+    return EvalResult(info.gym_id, tuple(returns), tuple(lengths), float(r.mean()), float(r.std()),
+                      float(scores.mean()), float(scores.std()), steps, time.perf_counter() - t0)

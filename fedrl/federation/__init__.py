@@ -1,0 +1,1 @@
+"""Round logic shared by the in-process simulator and the gRPC services."""

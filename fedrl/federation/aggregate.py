@@ -1,0 +1,65 @@
+"""Aggregation: pure functions from agents' parameters to the next global parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+WEIGHTINGS = ("uniform", "samples")
+
+
+class AggregationError(ValueError):
+    """Updates that cannot be combined (mismatched tensors, bad weights, non-finite values)."""
+
+
+def check_compatible(states: Sequence[Mapping[str, torch.Tensor]]) -> None:
+    """All states have the same tensor names, shapes and dtypes as the first, all finite."""
+    if not states:
+        raise AggregationError("no updates to aggregate")
+    ref = states[0]
+    for i, s in enumerate(states):
+        if s.keys() != ref.keys():
+            diff = sorted(set(s) ^ set(ref))
+            raise AggregationError(f"update {i} has different tensor names: {', '.join(diff[:5])}")
+        for k, v in s.items():
+            r = ref[k]
+            if v.shape != r.shape or v.dtype != r.dtype:
+                raise AggregationError(f"update {i}: '{k}' is {v.dtype}{list(v.shape)}, "
+                                       f"expected {r.dtype}{list(r.shape)}")
+            if v.is_floating_point() and not torch.isfinite(v).all():
+                raise AggregationError(f"update {i}: '{k}' contains NaN or Inf")
+
+
+def agent_weights(weighting: str, num_samples: Sequence[int]) -> list[float]:
+    """Per-agent weights: ``uniform`` (the paper's 1/n) or proportional to ``samples``."""
+    if weighting == "uniform":
+        return [1.0] * len(num_samples)
+    if weighting == "samples":
+        if any(n <= 0 for n in num_samples):
+            raise AggregationError(f"sample-count weighting needs positive counts, got {list(num_samples)}")
+        return [float(n) for n in num_samples]
+    raise AggregationError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
+
+
+def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
+           weights: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+    """Weighted parameter average ``sum_i w_i theta_i / sum_i w_i`` (FedAvg; uniform by default).
+
+    Accumulates in float64 in the given order, so the result is deterministic and independent
+    of the transport; returns tensors of the input dtype.
+    """
+    check_compatible(states)
+    w = [1.0] * len(states) if weights is None else [float(x) for x in weights]
+    if len(w) != len(states):
+        raise AggregationError(f"{len(w)} weights for {len(states)} updates")
+    if any(not x >= 0 for x in w) or sum(w) <= 0:
+        raise AggregationError(f"weights must be non-negative with a positive sum, got {w}")
+    total = sum(w)
+    out: dict[str, torch.Tensor] = {}
+    for k, ref in states[0].items():
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        for s, wi in zip(states, w):
+            acc.add_(s[k].to(torch.float64), alpha=wi / total)
+        out[k] = acc.to(ref.dtype)
+    return out

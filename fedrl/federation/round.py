@@ -1,0 +1,97 @@
+"""The agent side of a round: adopt the global model, take local steps, report the update.
+
+Used unchanged by the in-process simulator and (later) by the agent service, so both
+transports compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedrl.algos import BCConfig, BCLearner, DRPOConfig, DRPOLearner, cql_config
+from fedrl.algos.base import Learner
+from fedrl.data.buffer import TensorBuffer
+from fedrl.data.d4rl import Transitions
+from fedrl.device import derive_seed, make_generator
+
+# Seed streams derived from the run seed; keeping them apart keeps runs reproducible.
+SEED_GLOBAL_INIT, SEED_AGENT_INIT, SEED_AGENT_RNG, SEED_EVAL, SEED_SHARDS = range(5)
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    """What an agent returns at the end of its local round."""
+
+    agent: int
+    state: dict[str, torch.Tensor]  # prefixed CPU tensors (policy.*, optionally critic.*)
+    num_samples: int  # transitions in the agent's shard
+    metrics: dict[str, float]  # mean over the round's local steps
+    seconds: float
+
+
+def algo_config(algo: str, drpo: DRPOConfig, bc: BCConfig) -> DRPOConfig | BCConfig:
+    """The hyperparameters an algorithm name implies (``fed-cql``/``cql``: lambdas forced to 0)."""
+    if algo == "drpo":
+        return drpo
+    if algo in ("fed-cql", "cql"):
+        return cql_config(drpo)
+    if algo == "fed-bc":
+        return bc
+    raise ValueError(f"unknown algorithm {algo!r}; choose drpo, fed-cql, fed-bc or cql")
+
+
+def build_learner(cfg: DRPOConfig | BCConfig, obs_dim: int, act_dim: int,
+                  device: torch.device, init_seed: int, rng_seed: int) -> Learner:
+    """A learner whose initial weights come from ``init_seed`` and whose sampling uses ``rng_seed``."""
+    gen = make_generator(rng_seed, device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        if isinstance(cfg, BCConfig):
+            return BCLearner(obs_dim, act_dim, cfg, device, gen)
+        return DRPOLearner(obs_dim, act_dim, cfg, device, gen)
+
+
+def initial_global_state(cfg: DRPOConfig | BCConfig, obs_dim: int, act_dim: int, seed: int,
+                         obs_mean: np.ndarray, obs_std: np.ndarray,
+                         federate_critic: bool) -> dict[str, torch.Tensor]:
+    """Round-0 global model: a freshly initialised policy (and critics, when federated)."""
+    s = derive_seed(seed, SEED_GLOBAL_INIT)
+    learner = build_learner(cfg, obs_dim, act_dim, torch.device("cpu"), s, s)
+    learner.policy.set_normalizer(torch.from_numpy(obs_mean), torch.from_numpy(obs_std))
+    return learner.shared_state(federate_critic)
+
+
+class LocalTrainer:
+    """One agent: its private buffer, its learner, its own RNG stream."""
+
+    def __init__(self, agent: int, cfg: DRPOConfig | BCConfig, transitions: Transitions,
+                 obs_mean: np.ndarray, obs_std: np.ndarray, seed: int, device: torch.device,
+                 federate_critic: bool = False, local_normalizer: bool = False) -> None:
+        self.agent, self.cfg, self.device = agent, cfg, device
+        self.federate_critic, self.local_normalizer = federate_critic, local_normalizer
+        self.obs_mean, self.obs_std = obs_mean, obs_std
+        self.buffer = TensorBuffer(transitions, obs_mean, obs_std, device)
+        obs_dim, act_dim = transitions.obs.shape[1], transitions.actions.shape[1]
+        self.learner = build_learner(cfg, obs_dim, act_dim, device,
+                                     derive_seed(seed, SEED_AGENT_INIT, agent),
+                                     derive_seed(seed, SEED_AGENT_RNG, agent))
+
+    def train_round(self, global_state: Mapping[str, torch.Tensor], steps: int) -> LocalResult:
+        """Adopt ``global_state``, run ``steps`` local updates, return the shared parameters."""
+        t0 = time.perf_counter()
+        self.learner.begin_round(global_state)
+        if self.local_normalizer:
+            self.learner.policy.set_normalizer(torch.from_numpy(self.obs_mean),
+                                               torch.from_numpy(self.obs_std))
+        logs: dict[str, list[torch.Tensor]] = {}
+        for _ in range(steps):
+            for k, v in self.learner.update(self.buffer.sample(self.cfg.batch_size, self.learner.gen)).items():
+                logs.setdefault(k, []).append(v)
+        metrics = {k: float(torch.stack(v).float().mean()) for k, v in logs.items()}
+        return LocalResult(self.agent, self.learner.shared_state(self.federate_critic),
+                           len(self.buffer), metrics, time.perf_counter() - t0)

@@ -1,0 +1,232 @@
+"""In-process federation: the same round logic as the services, without a network.
+
+``fedrl simulate`` runs this. Each round: every agent adopts the global policy, trains locally,
+returns its parameters; the server averages them (``cql``: no server, each agent alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from fedrl.algos import ALGOS, BCConfig, DRPOConfig
+from fedrl.algos.base import POLICY, load_prefixed
+from fedrl.algos.config import config_to_dict
+from fedrl.data.d4rl import check_env_dims, to_transitions
+from fedrl.data.normalize import NORM_CHOICES, agent_normalizers
+from fedrl.data.partition import ShardSource, partition
+from fedrl.data.registry import infer_env, load
+from fedrl.device import derive_seed, resolve_device, seed_everything
+from fedrl.evaluation import evaluate
+from fedrl.federation.aggregate import WEIGHTINGS, agent_weights, fedavg
+from fedrl.federation.round import (
+    SEED_EVAL,
+    SEED_SHARDS,
+    LocalTrainer,
+    algo_config,
+    initial_global_state,
+)
+from fedrl.nets import TanhGaussianPolicy
+
+DEFAULT_DATASET = "hopper-random-v2"
+FEDERATE_CHOICES = ("policy", "policy+critic")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One in-process federated run (deployment-level settings; hyperparameters are nested)."""
+
+    algo: str = "drpo"
+    """drpo, fed-cql, fed-bc, or cql (each agent alone, no federation)."""
+    datasets: tuple[str, ...] = (DEFAULT_DATASET,)
+    """Dataset paths or names; ``PATH:N`` gives N agents to that file (heterogeneous mixes)."""
+    env: str | None = None
+    """Environment for evaluation; inferred from the dataset when omitted."""
+    agents: int = 10
+    """Agents per dataset given without ``:N`` (paper: 10)."""
+    trajectories: int = 5
+    """Whole trajectories per agent (paper: 5)."""
+    rounds: int = 20
+    """Communication rounds (paper: converges within ~20)."""
+    local_steps: int = 1000
+    """Local gradient steps per round (paper: 1000)."""
+    eval_episodes: int = 10
+    """Evaluation episodes of the global policy after each round (0 = no evaluation)."""
+    eval_every: int = 1
+    """Evaluate every this many rounds (the last round is always evaluated)."""
+    seed: int = 0
+    device: str = "auto"
+    obs_norm: str = "pooled"
+    """Observation normalisation: pooled, local or none (see fedrl/data/normalize.py)."""
+    weighting: str = "uniform"
+    """FedAvg weights: uniform (paper) or samples (by shard size)."""
+    federate: str = "policy"
+    """What is averaged: policy (paper) or policy+critic."""
+    drpo: DRPOConfig = field(default_factory=DRPOConfig)
+    bc: BCConfig = field(default_factory=BCConfig)
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ValueError(f"--algo must be one of {', '.join(ALGOS)}, got {self.algo!r}")
+        for name in ("agents", "trajectories", "rounds", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("local_steps", "eval_episodes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.obs_norm not in NORM_CHOICES:
+            raise ValueError(f"--obs-norm must be one of {', '.join(NORM_CHOICES)}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"--weighting must be one of {', '.join(WEIGHTINGS)}")
+        if self.federate not in FEDERATE_CHOICES:
+            raise ValueError(f"--federate must be one of {', '.join(FEDERATE_CHOICES)}")
+        if self.federate == "policy+critic" and self.algo == "fed-bc":
+            raise ValueError("--federate policy+critic needs a critic; fed-bc has none")
+        if not self.datasets:
+            raise ValueError("at least one --dataset is needed")
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["datasets"] = list(self.datasets)
+        d["drpo"], d["bc"] = config_to_dict(self.drpo), config_to_dict(self.bc)
+        return d
+
+
+def parse_source(spec: str, default_agents: int) -> tuple[str, int]:
+    """``PATH`` or ``PATH:N`` -> (path, agents)."""
+    head, sep, tail = spec.rpartition(":")
+    if sep and tail.isdigit() and head:
+        return head, int(tail)
+    return spec, default_agents
+
+
+def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the federation; write ``config.json``, ``rounds.jsonl``, ``summary.json``,
+    ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.device)
+    seed_everything(cfg.seed)
+    t_start = time.perf_counter()
+
+    # Data: load every source, check it against the env, deal trajectories to agents.
+    sources, env = [], None
+    for spec in cfg.datasets:
+        path, n_agents = parse_source(spec, cfg.agents)
+        raw = load(path, progress=log)
+        e = infer_env(raw, path, cfg.env)
+        env = env or e
+        if e.key != env.key:
+            raise ValueError(f"datasets mix environments: {env.gym_id} and {e.gym_id} ({path})")
+        env.gym_kwargs(raw.obs_dim)  # the evaluator must be able to produce this layout
+        check_env_dims(raw, raw.obs_dim, env.act_dim, env.gym_id)
+        sources.append(ShardSource(raw.source, to_transitions(raw), n_agents))
+    shards = partition(sources, cfg.trajectories, derive_seed(cfg.seed, SEED_SHARDS))
+    norms = agent_normalizers(cfg.obs_norm, [s.transitions.obs for s in shards])
+    obs_dim, act_dim = shards[0].transitions.obs.shape[1], shards[0].transitions.actions.shape[1]
+    hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
+    federate_critic = cfg.federate == "policy+critic"
+    trainers = [
+        LocalTrainer(s.agent, hp, s.transitions, m, sd, cfg.seed, device, federate_critic,
+                     local_normalizer=cfg.obs_norm == "local")
+        for s, (m, sd) in zip(shards, norms)
+    ]
+    g_mean = np.mean([m for m, _ in norms], axis=0)
+    g_std = np.mean([sd for _, sd in norms], axis=0)
+    global_state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std, federate_critic)
+    agent_states = [global_state] * len(trainers)  # the independent 'cql' baseline's own policies
+
+    (out / "config.json").write_text(json.dumps({
+        "sim": cfg.as_dict(), "algorithm_hparams": config_to_dict(hp), "env_id": env.gym_id,
+        "device": str(device),
+        "shards": [{"agent": s.agent, "source": s.source, "episodes": list(s.episodes),
+                    "transitions": len(s.transitions)} for s in shards],
+    }, indent=2))
+    log(f"{cfg.algo}: {len(trainers)} agents x {cfg.trajectories} trajectories "
+        f"({sum(len(s.transitions) for s in shards)} transitions) on {env.gym_id}, "
+        f"{cfg.rounds} rounds x {cfg.local_steps} local steps, device {device}")
+
+    eval_policy = TanhGaussianPolicy(obs_dim, act_dim, hp.hidden, hp.log_std_min, hp.log_std_max)
+    eval_seed = derive_seed(cfg.seed, SEED_EVAL) % 2**31
+
+    def eval_state(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+        load_prefixed(eval_policy, state, POLICY)
+        return evaluate(eval_policy, env.gym_id, cfg.eval_episodes, eval_seed).as_dict()
+
+    curve: list[dict[str, Any]] = []
+    with open(out / "rounds.jsonl", "w") as jl:
+        for r in range(1, cfg.rounds + 1):
+            t0 = time.perf_counter()
+            results = []
+            for i, tr in enumerate(trainers):
+                start = agent_states[i] if cfg.algo == "cql" else global_state
+                results.append(tr.train_round(start, cfg.local_steps))
+                if cfg.local_steps >= 200:
+                    log(f"  round {r}: agent {i + 1}/{len(trainers)} done in {results[-1].seconds:.1f}s")
+            if cfg.algo == "cql":
+                agent_states = [res.state for res in results]
+            else:
+                w = agent_weights(cfg.weighting, [res.num_samples for res in results])
+                global_state = fedavg([res.state for res in results], w)
+            train_s = time.perf_counter() - t0
+            rec: dict[str, Any] = {"round": r, "train_seconds": train_s,
+                                   "agents": [{"agent": res.agent, "num_samples": res.num_samples,
+                                               "seconds": res.seconds, **res.metrics} for res in results]}
+            if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
+                if cfg.algo == "cql":
+                    per_agent = [eval_state(s) for s in agent_states]
+                    means = np.array([e["return_mean"] for e in per_agent])
+                    scores = np.array([e["score_mean"] for e in per_agent])
+                    rec["eval"] = {"return_mean": float(means.mean()), "return_std": float(means.std()),
+                                   "score_mean": float(scores.mean()), "score_std": float(scores.std()),
+                                   "spread_over": "agents", "per_agent": per_agent}
+                else:
+                    rec["eval"] = {**eval_state(global_state), "spread_over": "episodes"}
+                curve.append({"round": r, **{k: rec["eval"][k] for k in
+                                             ("return_mean", "return_std", "score_mean", "score_std")}})
+            rec["seconds"] = time.perf_counter() - t0
+            jl.write(json.dumps(rec) + "\n")
+            jl.flush()
+            log(_round_line(r, cfg.rounds, rec))
+
+    final_states = agent_states if cfg.algo == "cql" else [global_state]
+    tensors = {k: v.contiguous() for k, v in final_states[0].items() if k.startswith(POLICY + ".")}
+    save_file(tensors, str(out / "global_policy.safetensors"),
+              metadata={"algo": cfg.algo, "env_id": env.gym_id,
+                        "hparams": json.dumps(config_to_dict(hp)),
+                        "note": "agent 0's policy (no global policy in 'cql')" if cfg.algo == "cql" else "global"})
+    summary = {
+        "algo": cfg.algo, "env_id": env.gym_id, "agents": len(trainers), "rounds": cfg.rounds,
+        "wall_seconds": time.perf_counter() - t_start,
+        "final": curve[-1] if curve else None,
+        "best": max(curve, key=lambda c: c["return_mean"]) if curve else None,
+        "curve": curve,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if curve:
+        from fedrl.plotting import learning_curve
+
+        learning_curve(curve, out / "learning_curve.png", f"{cfg.algo} on {env.gym_id}", env.key)
+    log(f"done in {summary['wall_seconds']:.1f}s; results in {out}")
+    return summary
+
+
+def _round_line(r: int, rounds: int, rec: dict[str, Any]) -> str:
+    ag = rec["agents"]
+    keys = [k for k in ("critic_td", "cql_penalty", "reg_data", "bc_loss") if k in ag[0]]
+    losses = " ".join(f"{k}={np.mean([a[k] for a in ag]):.3g}" for k in keys)
+    ev = rec.get("eval")
+    score = (f"return {ev['return_mean']:8.1f} ± {ev['return_std']:6.1f}  score {ev['score_mean']:6.1f}"
+             if ev else "(not evaluated)")
+    return f"round {r:3d}/{rounds}  {score}  {losses}  [{rec['seconds']:.1f}s]"
