@@ -42,8 +42,8 @@ ENVS: dict[str, EnvInfo] = {
     "hopper": EnvInfo("hopper", "Hopper-v5", 11, 3, -20.272305, 3234.3),
     "halfcheetah": EnvInfo("halfcheetah", "HalfCheetah-v5", 17, 6, -280.178953, 12135.0),
     "walker2d": EnvInfo("walker2d", "Walker2d-v5", 17, 6, 1.629008, 4592.3),
-    "ant": EnvInfo("ant", "Ant-v5", 27, 8, -325.6, 3879.7,
-                   layouts={27: {"use_contact_forces": False}, 105: {"use_contact_forces": True}}),
+    "ant": EnvInfo("ant", "Ant-v5", 105, 8, -325.6, 3879.7,
+                   layouts={27: {"include_cfrc_ext_in_observation": False}}),
 }
 
 

@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny datasets the tests write themselves, an isolated cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedrl.data.d4rl import RawDataset, write_d4rl
+from fedrl.data.make import rollout_dataset
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Never touch the user's ~/.cache/fedrl or ~/.d4rl from a test."""
+    root = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("FEDRL_CACHE_DIR", str(root / "fedrl"))
+    monkeypatch.setenv("D4RL_DATASET_DIR", str(root / "d4rl"))
+
+
+def stand_policy(obs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A PD controller holding Hopper's joints at zero: ~1 reward per step, rarely falls."""
+    return np.clip(-2.0 * obs[2:5] - 0.2 * obs[8:11], -1.0, 1.0).astype(np.float32)
+
+
+@pytest.fixture(scope="session")
+def stand_dataset(tmp_path_factory) -> Path:
+    """Hopper-v5 rollouts of :func:`stand_policy`, 200-step episodes (D4RL format)."""
+    raw = rollout_dataset("Hopper-v5", stand_policy, transitions=2000, seed=1, max_episode_steps=200)
+    return write_d4rl(tmp_path_factory.mktemp("data") / "hopper-stand.hdf5", raw,
+                      {"env_id": "Hopper-v5", "quality": "stand-pd"})
+
+
+@pytest.fixture(scope="session")
+def random_dataset(tmp_path_factory) -> Path:
+    """Hopper-v5 uniform-action rollouts: many short episodes."""
+    rng = np.random.default_rng(0)
+    raw = rollout_dataset("Hopper-v5", lambda o, r: rng.uniform(-1, 1, 3).astype(np.float32),
+                          transitions=3000, seed=2)
+    return write_d4rl(tmp_path_factory.mktemp("data") / "hopper-rand.hdf5", raw, {"env_id": "Hopper-v5"})
+
+
+def tiny_raw(next_obs: bool = False) -> RawDataset:
+    """Seven rows, three episodes: ends by terminal (row 2), timeout (row 4), file end (row 6)."""
+    obs = np.arange(7, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+    return RawDataset(
+        observations=obs,
+        actions=np.full((7, 1), 0.5, np.float32),
+        rewards=np.arange(7, dtype=np.float32) * 10,
+        terminals=np.array([0, 0, 1, 0, 0, 0, 0], bool),
+        timeouts=np.array([0, 0, 0, 0, 1, 0, 0], bool),
+        next_observations=(obs + 100) if next_obs else None,
+    )

@@ -1,0 +1,51 @@
+"""Aggregation as a pure function: table tests."""
+
+import pytest
+import torch
+
+from fedrl.federation.aggregate import AggregationError, agent_weights, fedavg
+
+
+def s(*vals, dtype=torch.float32):
+    return {"w": torch.tensor(vals, dtype=dtype)}
+
+
+@pytest.mark.parametrize("states, weights, expected", [
+    ([s(1.0, 2.0)], None, [1.0, 2.0]),                          # one agent: itself
+    ([s(1.0, 2.0), s(3.0, 6.0)], None, [2.0, 4.0]),             # uniform mean
+    ([s(1.0, 2.0), s(3.0, 6.0)], [1, 3], [2.5, 5.0]),           # weighted
+    ([s(0.0), s(10.0), s(20.0)], [0, 1, 1], [15.0]),            # a zero weight drops an agent
+    ([s(1.0), s(1.0), s(1.0)], [5, 6, 7], [1.0]),               # identical inputs: unchanged
+])
+def test_fedavg_table(states, weights, expected):
+    assert torch.allclose(fedavg(states, weights)["w"], torch.tensor(expected))
+
+
+def test_fedavg_keeps_dtype_and_is_exact_for_identical_inputs():
+    x = {"a": torch.randn(3, 4), "b": torch.randn(2)}
+    out = fedavg([x, x, x])
+    assert all(torch.equal(out[k], x[k]) and out[k].dtype == x[k].dtype for k in x)
+
+
+@pytest.mark.parametrize("states, weights, message", [
+    ([], None, "no updates"),
+    ([s(1.0), {"v": torch.tensor([1.0])}], None, "different tensor names"),
+    ([s(1.0), s(1.0, 2.0)], None, r"'w' is torch.float32\[2\], expected torch.float32\[1\]"),
+    ([s(1.0), s(1.0, dtype=torch.float64)], None, "float64"),
+    ([s(1.0), s(float("nan"))], None, "NaN or Inf"),
+    ([s(1.0), s(2.0)], [1.0], "1 weights for 2 updates"),
+    ([s(1.0), s(2.0)], [0.0, 0.0], "positive sum"),
+    ([s(1.0), s(2.0)], [-1.0, 2.0], "non-negative"),
+])
+def test_fedavg_rejects(states, weights, message):
+    with pytest.raises(AggregationError, match=message):
+        fedavg(states, weights)
+
+
+def test_agent_weights():
+    assert agent_weights("uniform", [10, 30]) == [1.0, 1.0]
+    assert agent_weights("samples", [10, 30]) == [10.0, 30.0]
+    with pytest.raises(AggregationError, match="positive"):
+        agent_weights("samples", [0, 3])
+    with pytest.raises(AggregationError, match="uniform, samples"):
+        agent_weights("median", [1])

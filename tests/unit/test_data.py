@@ -1,0 +1,220 @@
+"""D4RL/Minari loading semantics, writing, validation errors, shards, normalisation."""
+
+import h5py
+import numpy as np
+import pytest
+
+from fedrl.data.d4rl import RawDataset, load_d4rl, to_transitions, trajectories, write_d4rl
+from fedrl.data.errors import DatasetError
+from fedrl.data.minari import load_minari
+from fedrl.data.normalize import ObsStats, agent_normalizers
+from fedrl.data.partition import ShardSource, partition
+from fedrl.data.registry import infer_env, load, resolve
+from tests.conftest import tiny_raw
+
+
+def write_h5(path, **arrays):
+    with h5py.File(path, "w") as f:
+        for k, v in arrays.items():
+            f.create_dataset(k, data=v)
+    return path
+
+
+def raw_arrays(raw: RawDataset):
+    d = {k: getattr(raw, k) for k in ("observations", "actions", "rewards", "terminals", "timeouts")}
+    if raw.next_observations is not None:
+        d["next_observations"] = raw.next_observations
+    return d
+
+
+def test_transitions_follow_qlearning_dataset_semantics(tmp_path):
+    raw = load_d4rl(write_h5(tmp_path / "t.hdf5", **raw_arrays(tiny_raw())))
+    tr = to_transitions(raw)
+    # rows 4 (timeout) and 6 (last row, successor unknown) are dropped
+    assert tr.obs[:, 0].tolist() == [0, 1, 2, 3, 5]
+    # s' = the next row's observation
+    assert tr.next_obs[:, 0].tolist() == [1, 2, 3, 4, 6]
+    # done only on the terminal (row 2), never on the timeout
+    assert tr.dones.tolist() == [0, 0, 1, 0, 0]
+    assert tr.rewards.tolist() == [0, 10, 20, 30, 50]
+    assert tr.episode.tolist() == [0, 0, 0, 1, 2]
+
+
+def test_next_observations_are_used_when_present(tmp_path):
+    raw = load_d4rl(write_h5(tmp_path / "t.hdf5", **raw_arrays(tiny_raw(next_obs=True))))
+    tr = to_transitions(raw)
+    assert tr.obs[:, 0].tolist() == [0, 1, 2, 3, 5, 6]  # last row kept: its successor is known
+    assert tr.next_obs[:, 0].tolist() == [100, 101, 102, 103, 105, 106]
+
+
+def test_missing_timeouts_fall_back_to_time_limit(tmp_path):
+    a = raw_arrays(tiny_raw())
+    del a["timeouts"]
+    a["terminals"] = np.zeros(7, bool)
+    raw = load_d4rl(write_h5(tmp_path / "t.hdf5", **a), max_episode_steps=3)
+    assert raw.timeouts.tolist() == [0, 0, 1, 0, 0, 1, 0]
+
+
+def test_trajectories_and_returns():
+    raw = tiny_raw()
+    eps = trajectories(raw)
+    assert [len(e["rewards"]) for e in eps] == [3, 2, 2]
+    assert raw.episode_returns().tolist() == [30, 70, 110]
+
+
+def test_write_read_round_trip_with_metadata(tmp_path):
+    raw = tiny_raw(next_obs=True)
+    p = write_d4rl(tmp_path / "sub" / "x.hdf5", raw, {"env_id": "Hopper-v5", "seed": 3, "returns": [1.5]})
+    back = load_d4rl(p)
+    for k, v in raw_arrays(raw).items():
+        assert np.array_equal(getattr(back, k), v), k
+    assert back.metadata == {"env_id": "Hopper-v5", "seed": 3, "returns": [1.5]}
+    assert [q.name for q in p.parent.iterdir()] == ["x.hdf5"]  # no temp file left behind
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda a: a.pop("rewards"), "missing dataset key.*rewards"),
+    (lambda a: a.__setitem__("actions", a["actions"][:-1]), "'actions' has 6 rows but 'observations' has 7"),
+    (lambda a: a["observations"].__setitem__((3, 1), np.nan), "'observations' contains 1 NaN/Inf value.*row 3"),
+    (lambda a: a["rewards"].__setitem__(5, np.inf), "'rewards' contains 1 NaN/Inf.*row 5"),
+    (lambda a: a.__setitem__("actions", a["actions"] * 3), r"actions must lie in \[-1, 1\]"),
+    (lambda a: a.__setitem__("observations", a["observations"][:, 0]), "'observations' must be 2-D"),
+])
+def test_bad_files_name_the_file_and_the_problem(tmp_path, mutate, message):
+    a = {k: v.copy() for k, v in raw_arrays(tiny_raw()).items()}
+    mutate(a)
+    path = write_h5(tmp_path / "bad.hdf5", **a)
+    with pytest.raises(DatasetError, match=message) as e:
+        load_d4rl(path)
+    assert str(path) in str(e.value)
+
+
+def test_not_hdf5_and_missing_file(tmp_path):
+    junk = tmp_path / "junk.hdf5"
+    junk.write_bytes(b"not an hdf5 file at all")
+    with pytest.raises(DatasetError, match="not a readable HDF5") as e:
+        load_d4rl(junk)
+    assert str(junk) in str(e.value)
+    with pytest.raises(DatasetError, match="no such file"):
+        load_d4rl(tmp_path / "nope.hdf5")
+
+
+def test_wrong_dims_for_env(tmp_path, random_dataset):
+    from fedrl.data.d4rl import check_env_dims
+    raw = load_d4rl(random_dataset)
+    with pytest.raises(DatasetError, match="observations have 11 dims but Walker2d-v5 expects 17"):
+        check_env_dims(raw, 17, 3, "Walker2d-v5")
+
+
+def make_minari(root, episodes):
+    (root / "data").mkdir(parents=True)
+    with h5py.File(root / "data" / "main_data.hdf5", "w") as f:
+        f.attrs["env_spec"] = '{"id": "Hopper-v5"}'
+        for i, (length, terminated) in enumerate(episodes):
+            g = f.create_group(f"episode_{i}")
+            g.create_dataset("observations", data=np.full((length + 1, 2), i, np.float32)
+                             + np.arange(length + 1, dtype=np.float32)[:, None])
+            g.create_dataset("actions", data=np.zeros((length, 1), np.float32))
+            g.create_dataset("rewards", data=np.ones(length, np.float32))
+            term = np.zeros(length, bool)
+            trunc = np.zeros(length, bool)
+            (term if terminated else trunc)[-1] = True
+            g.create_dataset("terminations", data=term)
+            g.create_dataset("truncations", data=trunc)
+    return root
+
+
+def test_minari_directory(tmp_path):
+    root = make_minari(tmp_path / "hopper-test-v0", [(3, True), (2, False)])
+    raw = load_minari(root)
+    assert len(raw) == 5 and raw.metadata["env_id"] == "Hopper-v5"
+    assert raw.terminals.tolist() == [0, 0, 1, 0, 0] and raw.timeouts.tolist() == [0, 0, 0, 0, 1]
+    tr = to_transitions(raw)
+    assert tr.next_obs[:, 0].tolist() == [1, 2, 3, 2]  # s' from the episode's own observations
+    assert load(str(root)).source == str(root)
+    assert infer_env(raw, str(root)).gym_id == "Hopper-v5"
+
+
+def test_minari_bad_episode_is_named(tmp_path):
+    root = make_minari(tmp_path / "m", [(3, True)])
+    with h5py.File(root / "data" / "main_data.hdf5", "a") as f:
+        del f["episode_0/rewards"]
+    with pytest.raises(DatasetError, match=r"episode_0.*missing key\(s\) rewards"):
+        load_minari(root)
+
+
+def synthetic_transitions(n_episodes=20, length=4):
+    raw = RawDataset(
+        observations=np.random.default_rng(0).normal(size=(n_episodes * length, 3)).astype(np.float32),
+        actions=np.zeros((n_episodes * length, 1), np.float32),
+        rewards=np.zeros(n_episodes * length, np.float32),
+        terminals=np.tile([0] * (length - 1) + [1], n_episodes).astype(bool),
+        timeouts=np.zeros(n_episodes * length, bool),
+    )
+    return to_transitions(raw)
+
+
+def test_shards_disjoint_whole_trajectories_seeded():
+    tr = synthetic_transitions()
+    shards = partition([ShardSource("f", tr, 4)], trajectories=3, seed=7)
+    eps = [set(s.episodes) for s in shards]
+    assert all(len(e) == 3 for e in eps)
+    assert len(set().union(*eps)) == 12  # disjoint
+    for s in shards:  # exactly the transitions of its episodes, whole
+        assert set(s.transitions.episode.tolist()) == set(s.episodes)
+        assert len(s.transitions) == sum((tr.episode == e).sum() for e in s.episodes)
+    again = partition([ShardSource("f", tr, 4)], trajectories=3, seed=7)
+    assert [s.episodes for s in again] == [s.episodes for s in shards]
+    other = partition([ShardSource("f", tr, 4)], trajectories=3, seed=8)
+    assert [s.episodes for s in other] != [s.episodes for s in shards]
+
+
+def test_heterogeneous_mix_and_not_enough_episodes():
+    expert, medium = synthetic_transitions(20), synthetic_transitions(10)
+    shards = partition([ShardSource("expert", expert, 4), ShardSource("medium", medium, 1)], 5, seed=0)
+    assert [s.source for s in shards] == ["expert"] * 4 + ["medium"]
+    assert [s.agent for s in shards] == [0, 1, 2, 3, 4]
+    with pytest.raises(DatasetError, match="5 agents x 5 trajectories need 25 episodes, the file has 20"):
+        partition([ShardSource("expert", expert, 5)], 5, seed=0)
+
+
+def test_normalisation_modes():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(1, 2, (50, 3)), rng.normal(-1, 1, (30, 3))
+    pooled = agent_normalizers("pooled", [a, b])
+    both = np.concatenate([a, b])
+    assert np.allclose(pooled[0][0], both.mean(0), atol=1e-5) and np.allclose(pooled[1][1], both.std(0), atol=1e-5)
+    local = agent_normalizers("local", [a, b])
+    assert np.allclose(local[1][0], b.mean(0), atol=1e-5)
+    none = agent_normalizers("none", [a, b])
+    assert np.all(none[0][0] == 0) and np.all(none[0][1] == 1)
+    const = ObsStats.of(np.ones((5, 2))).mean_std()
+    assert np.all(const[1] > 0)  # constant features do not divide by zero
+    with pytest.raises(ValueError, match="pooled, local, none"):
+        agent_normalizers("zscore", [a])
+
+
+def test_named_dataset_resolution(tmp_path, monkeypatch, random_dataset):
+    d4rl_dir = tmp_path / "d4rl"
+    d4rl_dir.mkdir()
+    (d4rl_dir / "hopper-medium-v2.hdf5").write_bytes(random_dataset.read_bytes())
+    monkeypatch.setenv("D4RL_DATASET_DIR", str(d4rl_dir))
+    assert resolve("hopper-medium-v2") == d4rl_dir / "hopper-medium-v2.hdf5"
+    with pytest.raises(DatasetError, match="unknown quality 'great'.*medium-replay"):
+        resolve("hopper-great-v2")
+    with pytest.raises(DatasetError, match="unknown environment 'pong'"):
+        resolve("pong-medium-v2")
+    with pytest.raises(DatasetError, match="not found in"):
+        resolve("walker2d-expert-v2")
+
+
+def test_random_dataset_is_made_on_demand_once(monkeypatch):
+    import fedrl.data.registry as reg
+    monkeypatch.setattr(reg, "RANDOM_TRANSITIONS", 300)
+    messages = []
+    path = resolve("hopper-random-v2", progress=messages.append)
+    assert path.parent == reg.cache_dir() / "datasets" and len(messages) == 1
+    raw = load_d4rl(path)
+    assert len(raw) == 300 and raw.metadata["quality"] == "random" and raw.metadata["env_id"] == "Hopper-v5"
+    assert resolve("hopper-random-v2", progress=messages.append) == path and len(messages) == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == ["hopper-random-v2.hdf5"]

@@ -1,0 +1,55 @@
+"""MuJoCo rollouts, normalised scores, env layouts."""
+
+import pytest
+import torch
+
+from fedrl.envs import env_info
+from fedrl.evaluation import evaluate
+from fedrl.nets import TanhGaussianPolicy
+from fedrl.scores import normalized_score
+
+
+def test_d4rl_reference_constants():
+    assert normalized_score("hopper", 3234.3) == pytest.approx(100.0)
+    assert normalized_score("Hopper-v5", -20.272305) == pytest.approx(0.0)
+    assert normalized_score("walker2d-medium-v2", 1.629008 + (4592.3 - 1.629008) / 2) == pytest.approx(50.0)
+    assert normalized_score("halfcheetah", 12135.0) == pytest.approx(100.0)
+    assert normalized_score("ant", -325.6) == pytest.approx(0.0)
+
+
+def test_env_lookup_and_layouts():
+    assert env_info("hopper-medium-replay-v2").gym_id == "Hopper-v5"
+    assert env_info("Walker2d-v5").obs_dim == 17
+    assert env_info("ant").gym_kwargs(105) == {}
+    assert env_info("ant").gym_kwargs(27) == {"include_cfrc_ext_in_observation": False}
+    with pytest.raises(ValueError, match="mujoco-py's 111-dim layout"):
+        env_info("ant").gym_kwargs(111)
+    with pytest.raises(ValueError, match="unknown environment 'pong'.*Hopper-v5"):
+        env_info("pong")
+
+
+def test_evaluate_runs_exact_episode_count_deterministically():
+    torch.manual_seed(0)
+    pol = TanhGaussianPolicy(11, 3, (16, 16))
+    r1 = evaluate(pol, "Hopper-v5", episodes=7, seed=3, num_envs=3)
+    r2 = evaluate(pol, "Hopper-v5", episodes=7, seed=3, num_envs=3)
+    assert len(r1.returns) == 7 and r1.returns == r2.returns
+    assert r1.score_mean == pytest.approx(normalized_score("hopper", r1.return_mean))
+    assert r1.env_steps >= sum(r1.lengths) / 3
+
+
+def test_evaluate_uses_the_policy_normaliser():
+    torch.manual_seed(0)
+    pol = TanhGaussianPolicy(11, 3, (16, 16))
+    base = evaluate(pol, "Hopper-v5", episodes=2, seed=0)
+    pol.set_normalizer(torch.full((11,), 5.0), torch.full((11,), 0.01))
+    assert evaluate(pol, "Hopper-v5", episodes=2, seed=0).returns != base.returns
+
+
+@pytest.mark.parametrize("env, obs_dim", [("HalfCheetah-v5", 17), ("Walker2d-v5", 17),
+                                          ("Ant-v5", 105), ("Ant-v5", 27)])
+def test_other_tasks_roll_out(env, obs_dim):
+    info = env_info(env)
+    pol = TanhGaussianPolicy(obs_dim, info.act_dim, (8,))
+    r = evaluate(pol, env, episodes=1, seed=0, max_episode_steps=20)
+    assert len(r.returns) == 1 and r.lengths[0] <= 20

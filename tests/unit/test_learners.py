@@ -1,0 +1,167 @@
+"""DRPO/CQL/BC update steps: what they touch, what they must not, determinism, learning."""
+
+import copy
+
+import pytest
+import torch
+
+from fedrl.algos import Batch, BCConfig, BCLearner, DRPOConfig, DRPOLearner, cql_config
+from fedrl.device import make_generator, resolve_device
+from fedrl.nets import EnsembleCritic
+
+CPU = torch.device("cpu")
+TINY = DRPOConfig(hidden=(32, 32), batch_size=16, cql_n_actions=3)
+
+
+def batch(seed=0, b=16, o=5, a=2):
+    g = torch.Generator().manual_seed(seed)
+    return Batch(torch.randn(b, o, generator=g), torch.rand(b, a, generator=g) * 2 - 1,
+                 torch.randn(b, generator=g), torch.randn(b, o, generator=g),
+                 (torch.rand(b, generator=g) < 0.2).float())
+
+
+def learner(cfg=TINY, seed=0):
+    torch.manual_seed(seed)
+    return DRPOLearner(5, 2, cfg, CPU, make_generator(seed, CPU))
+
+
+def test_global_policy_gets_no_gradient_and_stays_fixed():
+    L = learner()
+    L.begin_round(L.shared_state())
+    before = copy.deepcopy(L.global_policy.state_dict())
+    p_before = copy.deepcopy(L.policy.state_dict())
+    for i in range(3):
+        L.update(batch(i))
+    for p in L.global_policy.parameters():
+        assert p.grad is None and not p.requires_grad
+    for k, v in L.global_policy.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert any(not torch.equal(v, p_before[k]) for k, v in L.policy.state_dict().items())
+
+
+def test_update_moves_policy_critic_targets_and_temperature():
+    L = learner()
+    L.begin_round(L.shared_state())
+    crit, targ, alpha = (copy.deepcopy(L.critic.state_dict()), copy.deepcopy(L.critic_target.state_dict()),
+                         L.alpha.clone())
+    m = L.update(batch())
+    assert all(torch.isfinite(v) for v in m.values())
+    assert all(not torch.equal(v, crit[k]) for k, v in L.critic.state_dict().items())
+    # Polyak: target moved by tau towards the *updated* critic
+    for k, v in L.critic_target.state_dict().items():
+        expected = crit[k] + TINY.tau * (L.critic.state_dict()[k] - crit[k])
+        assert torch.allclose(v, expected, atol=1e-6), k
+        assert not torch.equal(v, targ[k])
+    assert L.alpha.item() != alpha.item()
+
+
+def test_critic_stays_trainable_after_the_actor_pass():
+    # The actor's Q evaluation freezes the critic's weights temporarily; they must come back.
+    L = learner()
+    L.begin_round(L.shared_state())
+    L.update(batch())
+    assert all(p.requires_grad for p in L.critic.parameters())  # restored after the actor pass
+
+
+def test_ensemble_critic_equals_two_separate_networks():
+    torch.manual_seed(0)
+    c = EnsembleCritic(3, 2, (8, 8), ensemble=2)
+    obs, act = torch.randn(4, 3), torch.rand(4, 2)
+    x = torch.cat([obs, act], -1)
+    out = c(obs, act)
+    for e in range(2):
+        h = x
+        for layer in c.hidden:
+            h = torch.relu(h @ layer.weight[e] + layer.bias[e, 0])
+        q = (h @ c.out.weight[e] + c.out.bias[e, 0]).squeeze(-1)
+        assert torch.allclose(out[e], q, atol=1e-6)
+    # broadcasting a state over N sampled actions
+    acts = torch.rand(4, 5, 2)
+    assert torch.allclose(c(obs.unsqueeze(1), acts)[:, :, 1], c(obs, acts[:, 1]), atol=1e-6)
+
+
+def test_same_seed_same_weights_different_seed_different():
+    def run(seed):
+        L = learner(seed=seed)
+        L.begin_round(L.shared_state())
+        for i in range(5):
+            L.update(batch(i))
+        return L.shared_state(federate_critic=True)
+    a, b, c = run(0), run(0), run(1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_begin_round_adopts_global_policy_and_keeps_critic():
+    L, other = learner(seed=0), learner(seed=1)
+    L.begin_round(L.shared_state())
+    L.update(batch())
+    critic = copy.deepcopy(L.critic.state_dict())
+    L.begin_round(other.shared_state())
+    for k, v in L.policy.state_dict().items():
+        assert torch.equal(v, other.policy.state_dict()[k])
+        assert torch.equal(L.global_policy.state_dict()[k], v)
+    assert all(torch.equal(v, critic[k]) for k, v in L.critic.state_dict().items())
+    # federating critics: the critic is replaced too
+    L.begin_round(other.shared_state(federate_critic=True))
+    assert all(torch.equal(v, other.critic.state_dict()[k]) for k, v in L.critic.state_dict().items())
+    with pytest.raises(KeyError, match="policy"):
+        L.begin_round({})
+
+
+def test_lambda_terms_pull_policy_towards_data_actions():
+    # A large lambda1 makes the update behaviour cloning: the data's log-likelihood rises.
+    cfg = DRPOConfig(hidden=(32, 32), batch_size=64, cql_n_actions=2, lambda1=50.0, lambda2=0.0,
+                     actor_lr=3e-3)
+    L = learner(cfg)
+    L.begin_round(L.shared_state())
+    b = batch(0, b=64)
+    b = b._replace(actions=torch.tanh(b.obs[:, :2]) * 0.8)  # a learnable function of the state
+    before = L.policy.log_prob(b.obs, b.actions).mean().item()
+    for _ in range(150):
+        L.update(b)
+    assert L.policy.log_prob(b.obs, b.actions).mean().item() > before + 1.0
+
+
+def test_cql_config_zeroes_regularisers_and_skips_them():
+    cfg = cql_config(TINY)
+    assert cfg.lambda1 == 0 and cfg.lambda2 == 0 and cfg.cql_weight == TINY.cql_weight
+    m = learner(cfg).update(batch())
+    assert m["reg_data"].item() == 0 and m["reg_global"].item() == 0
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="lambda1"):
+        DRPOConfig(lambda1=-1)
+    with pytest.raises(ValueError, match="q_scale"):
+        DRPOConfig(q_scale="huge")
+    with pytest.raises(ValueError, match="loss"):
+        BCConfig(loss="l1")
+
+
+def test_paper_defaults():
+    c = DRPOConfig()
+    assert (c.hidden, c.actor_lr, c.critic_lr, c.gamma, c.lambda1, c.lambda2, c.cql_weight,
+            c.batch_size) == ((256, 256), 3e-5, 3e-4, 0.99, 0.1, 0.2, 10.0, 256)
+
+
+@pytest.mark.parametrize("loss", ["nll", "mse"])
+def test_bc_update_reduces_its_loss(loss):
+    torch.manual_seed(0)
+    L = BCLearner(5, 2, BCConfig(hidden=(32, 32), loss=loss, lr=3e-3), CPU, make_generator(0, CPU))
+    b = batch(0, b=64)
+    b = b._replace(actions=torch.tanh(b.obs[:, :2]) * 0.8)
+    first = L.update(b)["bc_loss"].item()
+    for _ in range(200):
+        last = L.update(b)["bc_loss"].item()
+    assert last < first - 0.5 * abs(first) or last < first - 1.0
+
+
+def test_device_resolution():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            resolve_device("cuda")
+    with pytest.raises((ValueError, RuntimeError)):
+        resolve_device("tpu")
