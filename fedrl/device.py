@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import random
+import sys
 
 import numpy as np
 import torch
@@ -46,3 +49,28 @@ def derive_seed(*parts: int) -> int:
         h ^= (int(p) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)) & 0xFFFFFFFFFFFFFFFF
         h = (h * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     return h & 0x7FFFFFFFFFFFFFFF
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_allocator_tuned = False
+
+
+def tune_allocator() -> bool:
+    """Keep freed large buffers in the process heap (glibc only; a no-op elsewhere).
+
+    A training step allocates and frees tens of MB of activations. By default glibc serves such
+    blocks with mmap and returns them to the OS on free, so every step page-faults its whole
+    working set again; on a 2-core CPU that cost ~20-30% of the DRPO update's time. Raising the
+    mmap and trim thresholds keeps the memory mapped (peak RSS is reached each step anyway).
+    """
+    global _allocator_tuned
+    if _allocator_tuned or not sys.platform.startswith("linux"):
+        return _allocator_tuned
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 512 * 1024 * 1024) == 1
+        ok &= libc.mallopt(_M_TRIM_THRESHOLD, 1024 * 1024 * 1024) == 1
+    except (OSError, AttributeError):
+        return False
+    _allocator_tuned = bool(ok)
+    return _allocator_tuned

@@ -151,5 +151,5 @@ class EnsembleCritic(nn.Module):
         x = torch.cat([obs, act], dim=-1).reshape(1, -1, obs.shape[-1] + act.shape[-1])
         x = x.expand(self.ensemble, -1, -1)
         for layer in self.hidden:
-            x = torch.relu(layer(x))
+            x = layer(x).relu_()  # in place: one less (E, N, H) buffer per layer
         return self.out(x).reshape(self.ensemble, *batch_shape)

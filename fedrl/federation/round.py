@@ -17,7 +17,7 @@ from fedrl.algos import BCConfig, BCLearner, DRPOConfig, DRPOLearner, cql_config
 from fedrl.algos.base import Learner
 from fedrl.data.buffer import TensorBuffer
 from fedrl.data.d4rl import Transitions
-from fedrl.device import derive_seed, make_generator
+from fedrl.device import derive_seed, make_generator, tune_allocator
 
 # Seed streams derived from the run seed; keeping them apart keeps runs reproducible.
 SEED_GLOBAL_INIT, SEED_AGENT_INIT, SEED_AGENT_RNG, SEED_EVAL, SEED_SHARDS = range(5)
@@ -48,6 +48,7 @@ def algo_config(algo: str, drpo: DRPOConfig, bc: BCConfig) -> DRPOConfig | BCCon
 def build_learner(cfg: DRPOConfig | BCConfig, obs_dim: int, act_dim: int,
                   device: torch.device, init_seed: int, rng_seed: int) -> Learner:
     """A learner whose initial weights come from ``init_seed`` and whose sampling uses ``rng_seed``."""
+    tune_allocator()
     gen = make_generator(rng_seed, device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed)

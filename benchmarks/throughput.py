@@ -1,0 +1,173 @@
+"""Gradient steps per second of the DRPO, CQL and BC updates vs the FLOP ceiling.
+
+    python -m benchmarks.throughput [--device cpu] [--env Hopper-v5] [--seconds 20] [--out FILE]
+
+FLOPs of one update are counted by torch's FlopCounterMode (matmuls, forward and backward, as
+the update actually runs them). Two matmul rates are measured in the same run, giving two
+ceilings (steps/s if the update did nothing but its matmuls at that rate):
+- ``peak``: a 2048^3 float32 GEMM, the machine's practical best;
+- ``shapes``: the update's own matmul calls (recorded once with a dispatch mode, same ops,
+  shapes and strides) replayed alone on random data: what those GEMMs can reach here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from fedrl.algos import BCConfig, DRPOConfig, cql_config
+from fedrl.data.buffer import TensorBuffer
+from fedrl.data.d4rl import Transitions
+from fedrl.device import resolve_device
+from fedrl.envs import env_info
+from fedrl.federation.round import build_learner
+
+
+def synthetic_transitions(obs_dim: int, act_dim: int, n: int = 5000) -> Transitions:
+    rng = np.random.default_rng(0)
+    return Transitions(
+        obs=rng.normal(size=(n, obs_dim)).astype(np.float32),
+        actions=rng.uniform(-1, 1, (n, act_dim)).astype(np.float32),
+        rewards=rng.normal(size=n).astype(np.float32),
+        next_obs=rng.normal(size=(n, obs_dim)).astype(np.float32),
+        dones=(rng.random(n) < 0.01).astype(np.float32),
+        episode=np.zeros(n, np.int64),
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(device: torch.device, n: int = 2048, seconds: float = 3.0) -> float:
+    """FLOP/s of an n x n x n float32 GEMM, best of repeated timings."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        sync(device)
+        best = max(best, 5 * 2 * n**3 / (time.perf_counter() - t))
+    return best
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+             torch.ops.aten.baddbmm.default}
+
+
+class _RecordMatmuls(TorchDispatchMode):
+    """Records every matmul op with its tensor shapes/strides and scalar arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS:
+            spec = tuple(("T", a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else ("S", a)
+                         for a in args)
+            self.calls.append((func, spec, dict(kwargs)))
+        return func(*args, **kwargs)
+
+
+def replay_seconds(calls: list[tuple], device: torch.device, repeats: int = 20) -> float:
+    """Best time of running just the recorded matmuls (fresh random operands, same layouts)."""
+    def operand(shape, stride, dtype):  # same layout, including broadcast (stride-0) dims
+        size = 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        return torch.randn(size, dtype=dtype, device=device).as_strided(shape, stride)
+
+    prepared = []
+    for func, spec, kwargs in calls:
+        args = [operand(*s[1:]) if s[0] == "T" else s[1] for s in spec]
+        prepared.append((func, args, kwargs))
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        for func, args, kwargs in prepared:
+            func(*args, **kwargs)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bench(name: str, cfg, obs_dim: int, act_dim: int, device: torch.device, seconds: float) -> dict:
+    learner = build_learner(cfg, obs_dim, act_dim, device, 0, 0)
+    buf = TensorBuffer(synthetic_transitions(obs_dim, act_dim), np.zeros(obs_dim, np.float32),
+                       np.ones(obs_dim, np.float32), device)
+    learner.begin_round(learner.shared_state())
+    for _ in range(5):
+        learner.update(buf.sample(cfg.batch_size, learner.gen))
+    with FlopCounterMode(display=False) as fc:
+        learner.update(buf.sample(cfg.batch_size, learner.gen))
+    flops = fc.get_total_flops()
+    with _RecordMatmuls() as rec:
+        learner.update(buf.sample(cfg.batch_size, learner.gen))
+    sync(device)
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            learner.update(buf.sample(cfg.batch_size, learner.gen))
+        steps += 10
+        sync(device)
+    rate = steps / (time.perf_counter() - t0)
+    matmul_s = replay_seconds(rec.calls, device)
+    return {"update": name, "steps_per_s": rate, "gflop_per_step": flops / 1e9,
+            "matmul_calls": len(rec.calls), "shape_gflops": flops / matmul_s / 1e9,
+            "ceiling_shapes_steps_per_s": 1.0 / matmul_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--env", default="Hopper-v5")
+    p.add_argument("--seconds", type=float, default=20.0, help="timing per update kind")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = resolve_device(a.device)
+    env = env_info(a.env)
+    peak_before = matmul_rate(device)
+    rows = [
+        bench("drpo", DRPOConfig(), env.obs_dim, env.act_dim, device, a.seconds),
+        bench("cql", cql_config(), env.obs_dim, env.act_dim, device, a.seconds),
+        bench("bc", BCConfig(), env.obs_dim, env.act_dim, device, a.seconds),
+    ]
+    peak = max(peak_before, matmul_rate(device))
+    print(f"device {device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+          f"torch {torch.__version__}, env {env.gym_id} (obs {env.obs_dim}, act {env.act_dim}), paper sizes")
+    print(f"matmul rate (2048^3 fp32 GEMM, best of run): {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'update':7s} {'GFLOP/step':>10s} {'steps/s':>8s} | {'ceiling@peak':>12s} {'of it':>6s} | "
+          f"{'GFLOP/s@shapes':>14s} {'ceiling@shapes':>14s} {'of it':>6s}")
+    for r in rows:
+        r["ceiling_peak_steps_per_s"] = peak / (r["gflop_per_step"] * 1e9)
+        r["fraction_of_peak_ceiling"] = r["steps_per_s"] / r["ceiling_peak_steps_per_s"]
+        r["fraction_of_shapes_ceiling"] = r["steps_per_s"] / r["ceiling_shapes_steps_per_s"]
+        print(f"{r['update']:7s} {r['gflop_per_step']:10.3f} {r['steps_per_s']:8.1f} | "
+              f"{r['ceiling_peak_steps_per_s']:12.1f} {100 * r['fraction_of_peak_ceiling']:5.1f}% | "
+              f"{r['shape_gflops']:14.1f} {r['ceiling_shapes_steps_per_s']:14.1f} "
+              f"{100 * r['fraction_of_shapes_ceiling']:5.1f}%")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "env": env.gym_id, "matmul_gflops": peak / 1e9, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
