@@ -141,11 +141,7 @@ def load_d4rl(path: str | Path, max_episode_steps: int = DEFAULT_MAX_EPISODE_STE
     path = Path(path)
     if not path.exists():
         raise DatasetError(path, "no such file")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as e:
-        raise DatasetError(path, f"not a readable HDF5 file ({e})") from None
-    with f:
+    with open_hdf5(path) as f:
         missing = [k for k in REQUIRED_KEYS if k not in f]
         if missing:
             raise DatasetError(
@@ -177,6 +173,14 @@ def load_d4rl(path: str | Path, max_episode_steps: int = DEFAULT_MAX_EPISODE_STE
     )
     raw.validate()
     return raw
+
+
+def open_hdf5(path: Path) -> h5py.File:
+    """Open an HDF5 file read-only; a file that is not HDF5 (or is truncated) names itself."""
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise DatasetError(path, f"not a readable HDF5 file ({e})") from None
 
 
 def write_d4rl(path: str | Path, raw: RawDataset, metadata: dict[str, Any] | None = None) -> Path:

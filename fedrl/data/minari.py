@@ -15,7 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from fedrl.data.d4rl import RawDataset
+from fedrl.data.d4rl import RawDataset, open_hdf5
 from fedrl.data.errors import DatasetError
 
 _EPISODE = re.compile(r"^episode_(\d+)$")
@@ -31,10 +31,7 @@ def load_minari(path: str | Path) -> RawDataset:
     main = root / "data" / "main_data.hdf5"
     if not main.is_file():
         raise DatasetError(root, "not a Minari dataset directory (no data/main_data.hdf5)")
-    try:
-        f = h5py.File(main, "r")
-    except OSError as e:
-        raise DatasetError(main, f"not a readable HDF5 file ({e})") from None
+    f = open_hdf5(main)
     parts: dict[str, list[np.ndarray]] = {k: [] for k in
                                           ("obs", "next_obs", "act", "rew", "term", "trunc")}
     metadata: dict = {"format": "minari"}
