@@ -23,6 +23,7 @@ from fedrl.algos import ALGOS, BCConfig, DRPOConfig
 from fedrl.algos.base import POLICY, load_prefixed
 from fedrl.algos.config import config_to_dict
 from fedrl.data.d4rl import check_env_dims, to_transitions
+from fedrl.data.errors import DatasetError
 from fedrl.data.normalize import NORM_CHOICES, agent_normalizers
 from fedrl.data.partition import ShardSource, partition
 from fedrl.data.registry import infer_env, load
@@ -129,7 +130,10 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         env = env or e
         if e.key != env.key:
             raise ValueError(f"datasets mix environments: {env.gym_id} and {e.gym_id} ({path})")
-        env.gym_kwargs(raw.obs_dim)  # the evaluator must be able to produce this layout
+        try:  # the evaluator must be able to produce this observation layout
+            env.gym_kwargs(raw.obs_dim)
+        except ValueError as e:
+            raise DatasetError(raw.source, f"observations have {raw.obs_dim} dims: {e}") from None
         check_env_dims(raw, raw.obs_dim, env.act_dim, env.gym_id)
         sources.append(ShardSource(raw.source, to_transitions(raw), n_agents))
     shards = partition(sources, cfg.trajectories, derive_seed(cfg.seed, SEED_SHARDS))

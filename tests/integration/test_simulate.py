@@ -130,3 +130,10 @@ def test_fed_bc_learns_towards_the_behaviour_return(tmp_path, stand_dataset):
     after = run(cfg, tmp_path / "b1", log=lambda m: None)["best"]["return_mean"]
     assert before < 100, before
     assert after > before + 150, (before, after)
+
+
+def test_dataset_of_the_wrong_width_for_the_env_names_the_file(tmp_path, random_dataset):
+    from fedrl.data.errors import DatasetError
+    with pytest.raises(DatasetError, match="observations have 11 dims.*Walker2d-v5") as e:
+        run(tiny(random_dataset, env="Walker2d-v5"), tmp_path / "w", log=lambda m: None)
+    assert str(random_dataset) in str(e.value)
