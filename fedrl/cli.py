@@ -104,7 +104,8 @@ def _cmd_evaluate(a: argparse.Namespace) -> int:
     hp = json.loads(meta.get("hparams", "{}"))
     obs_dim = state[f"{POLICY}.obs_mean"].shape[0]
     act_dim = state[f"{POLICY}.head.bias"].shape[0] // 2
-    hidden = [state[k].shape[0] for k in sorted(state) if k.startswith(f"{POLICY}.trunk.") and k.endswith(".bias")]
+    trunk_biases = [k for k in state if k.startswith(f"{POLICY}.trunk.") and k.endswith(".bias")]
+    hidden = [state[k].shape[0] for k in sorted(trunk_biases, key=lambda k: int(k.split(".")[2]))]
     pol = TanhGaussianPolicy(obs_dim, act_dim, hidden, hp.get("log_std_min", -5.0), hp.get("log_std_max", 2.0))
     load_prefixed(pol, state, POLICY)
     env = a.env or meta.get("env_id")

@@ -45,6 +45,11 @@ def test_cli_writes_a_complete_run_folder(tmp_path, random_dataset):
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     weights = load_file(out / "global_policy.safetensors")
     assert "policy.head.weight" in weights and "policy.obs_mean" in weights
+    # the saved policy evaluates itself (env and sizes from the file) and matches the run's last eval
+    ev = subprocess.run([sys.executable, "-m", "fedrl.cli", "evaluate", str(out / "global_policy.safetensors"),
+                         "--episodes", "2", "--seed", "0"], capture_output=True, text=True, timeout=120)
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout)["env_id"] == "Hopper-v5" and len(json.loads(ev.stdout)["returns"]) == 2
 
 
 def test_cli_bad_input_exits_2_with_a_named_problem(tmp_path):
