@@ -123,18 +123,6 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
             for f in dataclasses.fields(cfg)}
 
 
-def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Inverse of :func:`config_to_dict`; unknown keys are an error naming them."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
-    kw = dict(data)
-    if "hidden" in kw:
-        kw["hidden"] = tuple(kw["hidden"])
-    return cls(**kw)
-
-
 def _check_positive(cfg: Any, *names: str) -> None:
     for n in names:
         if not getattr(cfg, n) > 0:
@@ -147,4 +135,4 @@ def _check_nonnegative(cfg: Any, *names: str) -> None:
             raise ValueError(f"{n} must be >= 0, got {getattr(cfg, n)}")
 
 
-__all__ = ["DRPOConfig", "BCConfig", "cql_config", "config_to_dict", "config_from_dict"]
+__all__ = ["DRPOConfig", "BCConfig", "cql_config", "config_to_dict"]

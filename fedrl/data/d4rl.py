@@ -86,10 +86,6 @@ class Transitions:
         """The transitions of the given episode indices."""
         return self.select(np.isin(self.episode, episodes))
 
-    @staticmethod
-    def concat(parts: list["Transitions"]) -> "Transitions":
-        return Transitions(*(np.concatenate([getattr(p, f) for p in parts]) for f in _TRANSITION_FIELDS))
-
 
 _TRANSITION_FIELDS = ("obs", "actions", "rewards", "next_obs", "dones", "episode")
 
