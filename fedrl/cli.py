@@ -122,6 +122,25 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     info.add_argument("dataset", help="D4RL HDF5 file, Minari directory or dataset name")
     info.set_defaults(func=_cmd_data_info)
 
+    from fedrl.behavior.sac import SACConfig
+
+    c = SACConfig()
+    tb = dsub.add_parser("train-behavior", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         help="train an online SAC behaviour policy, checkpointing as it goes",
+                         description="Online SAC in gymnasium MuJoCo, as D4RL trained its behaviour "
+                                     "policies. Rerun the same command to resume after an interruption.")
+    tb.add_argument("--env", required=True, help="Hopper-v5, HalfCheetah-v5, Walker2d-v5 or Ant-v5")
+    tb.add_argument("--out", required=True, help="run folder (checkpoints/, progress.jsonl, state/)")
+    tb.add_argument("--steps", type=int, default=c.total_steps, help="total environment steps")
+    tb.add_argument("--start-steps", type=int, default=c.start_steps)
+    tb.add_argument("--eval-every", type=int, default=c.eval_every)
+    tb.add_argument("--eval-episodes", type=int, default=c.eval_episodes)
+    tb.add_argument("--batch-size", type=int, default=c.batch_size)
+    tb.add_argument("--hidden", type=int, nargs="+", default=list(c.hidden))
+    tb.add_argument("--seed", type=int, default=c.seed)
+    tb.add_argument("--device", default="auto")
+    tb.set_defaults(func=_cmd_train_behavior)
+
 
 def _cmd_data_info(a: argparse.Namespace) -> int:
     from fedrl.data.d4rl import to_transitions
@@ -141,6 +160,19 @@ def _cmd_data_info(a: argparse.Namespace) -> int:
     except DatasetError:
         pass
     print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def _cmd_train_behavior(a: argparse.Namespace) -> int:
+    from fedrl.behavior.sac import SACConfig, train
+
+    cfg = SACConfig(total_steps=a.steps, start_steps=a.start_steps, eval_every=a.eval_every,
+                    eval_episodes=a.eval_episodes, batch_size=a.batch_size, hidden=tuple(a.hidden),
+                    seed=a.seed)
+    recs = train(a.env, cfg, a.out, a.device, log=lambda m: print(m, flush=True))
+    best = max(recs, key=lambda r: r["stochastic_return_mean"])
+    print(json.dumps({"out": a.out, "steps": recs[-1]["step"], "best_step": best["step"],
+                      "best_stochastic_return": round(best["stochastic_return_mean"], 1)}))
     return 0
 
 

@@ -1,0 +1,1 @@
+"""Behaviour policies: online SAC training and the checkpoints datasets are made from."""

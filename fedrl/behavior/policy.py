@@ -1,0 +1,83 @@
+"""A policy as plain numpy for fast single-environment rollouts (recording datasets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from fedrl.envs import env_info
+from fedrl.nets import TanhGaussianPolicy
+
+
+class NumpyPolicy:
+    """``tanh(N(mu(s), sigma(s)))`` evaluated in numpy: ~10x cheaper than torch for one state.
+
+    ``stochastic=True`` samples (how D4RL recorded its SAC datasets); ``False`` takes the mean.
+    Called as ``policy(obs, rng)``, the :data:`fedrl.data.make.Policy` signature.
+    """
+
+    def __init__(self, policy: TanhGaussianPolicy, stochastic: bool = True) -> None:
+        sd = {k: v.detach().cpu().double().numpy() for k, v in policy.state_dict().items()}
+        n = len([k for k in sd if k.startswith("trunk.") and k.endswith(".weight")])
+        self.layers = [(sd[f"trunk.{2 * i}.weight"].T.copy(), sd[f"trunk.{2 * i}.bias"])
+                       for i in range(n)]
+        self.head = (sd["head.weight"].T.copy(), sd["head.bias"])
+        self.mean, self.std = sd["obs_mean"], sd["obs_std"]
+        self.lo, self.hi = policy.log_std_min, policy.log_std_max
+        self.act_dim, self.stochastic = policy.act_dim, stochastic
+
+    def __call__(self, obs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        x = (np.asarray(obs, np.float64) - self.mean) / self.std
+        for w, b in self.layers:
+            x = np.maximum(x @ w + b, 0.0)
+        out = x @ self.head[0] + self.head[1]
+        mu = out[: self.act_dim]
+        if self.stochastic:
+            log_std = np.clip(out[self.act_dim:], self.lo, self.hi)
+            mu = mu + np.exp(log_std) * rng.standard_normal(self.act_dim)
+        return np.tanh(mu).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Returns:
+    returns: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.returns))
+
+    @property
+    def std(self) -> float:
+        return float(np.std(self.returns))
+
+
+def episode_returns(policy, env_name: str, episodes: int, seed: int,
+                    max_episode_steps: int = 1000) -> Returns:
+    """Returns of ``episodes`` sequential episodes of ``policy(obs, rng)``."""
+    info = env_info(env_name)
+    env = gym.make(info.gym_id, max_episode_steps=max_episode_steps,
+                   **info.gym_kwargs(getattr(policy, "mean", np.zeros(info.obs_dim)).shape[0]))
+    rng = np.random.default_rng(seed)
+    out = []
+    try:
+        for ep in range(episodes):
+            obs, _ = env.reset(seed=seed + ep)
+            total, done = 0.0, False
+            while not done:
+                obs, r, term, trunc, _ = env.step(policy(obs, rng))
+                total += float(r)
+                done = term or trunc
+            out.append(total)
+    finally:
+        env.close()
+    return Returns(tuple(out))
+
+
+def stochastic_return(policy: TanhGaussianPolicy, env_name: str, episodes: int, seed: int,
+                      max_episode_steps: int = 1000) -> Returns:
+    """Returns of the sampling policy: what a dataset recorded from it will contain."""
+    return episode_returns(NumpyPolicy(policy, stochastic=True), env_name, episodes, seed,
+                           max_episode_steps)

@@ -1,0 +1,300 @@
+"""Online SAC in gymnasium MuJoCo: the behaviour policies our D4RL-style datasets are made from.
+
+D4RL recorded its gym-mujoco datasets from SAC agents (Haarnoja et al. 2018) trained online;
+this trainer does the same, checkpointing the policy (safetensors) with the returns it achieved
+so that ``fedrl data make`` can pick a ``medium`` (about a third of expert return) and an
+``expert`` checkpoint, and the checkpoint sequence up to ``medium`` for ``medium-replay``.
+
+Resumable: every ``eval_every`` steps the whole trainer (networks, optimisers, temperature,
+replay buffer, RNG states, counters) is written atomically to ``<out>/state``; rerunning the
+same command continues from there. The episode in progress at the interruption is dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+from safetensors.numpy import load_file as load_np, save_file as save_np
+from safetensors.torch import load_file, save_file
+
+from fedrl.algos.base import adam, soft_update_
+from fedrl.algos.config import config_to_dict
+from fedrl.algos.cql import td_loss, td_target, temperature_loss
+from fedrl.behavior.policy import stochastic_return
+from fedrl.device import make_generator, resolve_device, seed_everything, tune_allocator
+from fedrl.envs import env_info
+from fedrl.evaluation import evaluate
+from fedrl.nets import EnsembleCritic, TanhGaussianPolicy
+from fedrl.policy_io import save_policy
+
+STATE_DIR = "state"
+CKPT_DIR = "checkpoints"
+PROGRESS = "progress.jsonl"
+
+
+@dataclass(frozen=True)
+class SACConfig:
+    """Online SAC with automatic temperature (Haarnoja et al. 2018, "SAC: Algorithms and Applications")."""
+
+    total_steps: int = 400_000
+    """Environment steps to train for (one gradient step per environment step after ``start_steps``)."""
+    start_steps: int = 5_000
+    """Initial steps of uniformly random actions before the policy acts (and before updates start)."""
+    hidden: tuple[int, ...] = (256, 256)
+    """Hidden widths of the policy and each critic (same networks as the offline learners)."""
+    lr: float = 3e-4
+    """Adam learning rate of actor, critics and temperature."""
+    gamma: float = 0.99
+    """Discount factor."""
+    tau: float = 5e-3
+    """Polyak rate of the target critics."""
+    batch_size: int = 256
+    """Transitions per gradient step."""
+    eval_every: int = 10_000
+    """Steps between evaluations; each writes a checkpoint and the resume state."""
+    eval_episodes: int = 5
+    """Episodes per evaluation (deterministic policy, and the stochastic one data is made with)."""
+    max_episode_steps: int = 1000
+    """Time limit of training and evaluation episodes (D4RL's)."""
+    seed: int = 0
+    """Seeds network init, the environment and every sample."""
+
+    def __post_init__(self) -> None:
+        for n in ("total_steps", "batch_size", "eval_every", "eval_episodes", "max_episode_steps"):
+            if getattr(self, n) <= 0:
+                raise ValueError(f"{n} must be > 0, got {getattr(self, n)}")
+        if not 0 <= self.start_steps <= self.total_steps:
+            raise ValueError(f"start_steps must be in [0, total_steps], got {self.start_steps}")
+        object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
+
+
+class SACAgent:
+    """Policy, twin critic (one ensemble), target critic and temperature with one fused update."""
+
+    def __init__(self, obs_dim: int, act_dim: int, cfg: SACConfig, device: torch.device,
+                 gen: torch.Generator) -> None:
+        self.cfg, self.device, self.gen = cfg, device, gen
+        self.policy = TanhGaussianPolicy(obs_dim, act_dim, cfg.hidden).to(device)
+        self.critic = EnsembleCritic(obs_dim, act_dim, cfg.hidden, ensemble=2).to(device)
+        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.log_alpha = torch.zeros((), device=device, requires_grad=True)
+        self.target_entropy = -float(act_dim)
+        self.opts = {"actor": adam(self.policy.parameters(), cfg.lr),
+                     "critic": adam(self.critic.parameters(), cfg.lr),
+                     "alpha": adam([self.log_alpha], cfg.lr)}
+
+    def update(self, obs, act, rew, next_obs, done) -> dict[str, torch.Tensor]:
+        """One SAC step. Actor, critic and temperature losses touch disjoint parameters (the
+        actor sees the critic through its action only), so one backward serves all three."""
+        g, alpha = self.gen, self.log_alpha.detach().exp()
+        mean, log_std = self.policy(obs)
+        pi_a, log_pi = TanhGaussianPolicy.sample_from(mean, log_std, g)
+        with torch.no_grad():
+            n_mean, n_log_std = self.policy(next_obs)
+            next_a, next_log_pi = TanhGaussianPolicy.sample_from(n_mean, n_log_std, g)
+            next_q = self.critic_target(next_obs, next_a).min(dim=0).values
+            y = td_target(rew, done, next_q, self.cfg.gamma, next_log_pi, alpha)
+        q_data = self.critic(obs, act)
+        critic = td_loss(q_data, y)
+        self.critic.requires_grad_(False)
+        q_pi = self.critic(obs, pi_a).min(dim=0).values
+        self.critic.requires_grad_(True)
+        actor = (alpha * log_pi - q_pi).mean()
+        temp = temperature_loss(self.log_alpha, log_pi, self.target_entropy)
+        for o in self.opts.values():
+            o.zero_grad(set_to_none=True)
+        (critic + actor + temp).backward()
+        for o in self.opts.values():
+            o.step()
+        soft_update_(self.critic_target, self.critic, self.cfg.tau)
+        return {"critic": critic.detach(), "actor": actor.detach(), "alpha": alpha,
+                "q": q_data.detach().mean()}
+
+    # -- resume state: every tensor in one safetensors file, scalars as JSON --------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"policy.{k}": v for k, v in self.policy.state_dict().items()}
+        out |= {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
+        out |= {f"critic_target.{k}": v for k, v in self.critic_target.state_dict().items()}
+        out["log_alpha"] = self.log_alpha.detach()
+        for name, opt in self.opts.items():
+            for i, st in opt.state_dict()["state"].items():
+                for k, v in st.items():
+                    out[f"opt.{name}.{i}.{k}"] = torch.as_tensor(v)
+        return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
+
+    def load_state_tensors(self, t: dict[str, torch.Tensor]) -> None:
+        def sub(p: str) -> dict[str, torch.Tensor]:
+            return {k[len(p):]: v.to(self.device) for k, v in t.items() if k.startswith(p)}
+
+        self.policy.load_state_dict(sub("policy."))
+        self.critic.load_state_dict(sub("critic."))
+        self.critic_target.load_state_dict(sub("critic_target."))
+        with torch.no_grad():
+            self.log_alpha.copy_(t["log_alpha"])
+        for name, opt in self.opts.items():
+            sd = opt.state_dict()
+            st: dict[int, dict[str, torch.Tensor]] = {}
+            for k, v in sub(f"opt.{name}.").items():
+                i, key = k.split(".", 1)
+                st.setdefault(int(i), {})[key] = v.cpu() if key == "step" else v
+            sd["state"] = st
+            opt.load_state_dict(sd)
+
+
+class ReplayBuffer:
+    """Fixed-capacity transitions as numpy arrays (the capacity is the whole run, as D4RL's)."""
+
+    KEYS = ("obs", "act", "rew", "next_obs", "done")
+
+    def __init__(self, capacity: int, obs_dim: int, act_dim: int) -> None:
+        self.data = {"obs": np.zeros((capacity, obs_dim), np.float32),
+                     "act": np.zeros((capacity, act_dim), np.float32),
+                     "rew": np.zeros(capacity, np.float32),
+                     "next_obs": np.zeros((capacity, obs_dim), np.float32),
+                     "done": np.zeros(capacity, np.float32)}
+        self.size = 0
+
+    def add(self, obs, act, rew, next_obs, done) -> None:
+        i = self.size
+        for k, v in zip(self.KEYS, (obs, act, rew, next_obs, done)):
+            self.data[k][i] = v
+        self.size += 1
+
+    def sample(self, n: int, rng: np.random.Generator, device: torch.device) -> list[torch.Tensor]:
+        idx = rng.integers(0, self.size, n)
+        return [torch.from_numpy(self.data[k][idx]).to(device) for k in self.KEYS]
+
+    def save(self, path: Path) -> None:
+        save_np({k: v[: self.size] for k, v in self.data.items()}, str(path))
+
+    def load(self, path: Path) -> None:
+        d = load_np(str(path))
+        self.size = len(d["rew"])
+        for k in self.KEYS:
+            self.data[k][: self.size] = d[k]
+
+
+def _atomic_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def train(env_name: str, cfg: SACConfig, out: str | Path, device: str = "auto",
+          log: Callable[[str], None] = print) -> list[dict]:
+    """Train (or resume) SAC in ``env_name``; returns the evaluation records so far."""
+    info = env_info(env_name)
+    dev = resolve_device(device)
+    out = Path(out)
+    (out / CKPT_DIR).mkdir(parents=True, exist_ok=True)
+    (out / STATE_DIR).mkdir(exist_ok=True)
+    cfg_path = out / "config.json"
+    cfg_dict = {"env_id": info.gym_id, "sac": config_to_dict(cfg)}
+    if cfg_path.exists():
+        old = json.loads(cfg_path.read_text())
+        # total_steps may grow on resume (train longer); anything else must match.
+        same = {**old, "sac": {**old.get("sac", {}), "total_steps": cfg.total_steps}}
+        if same != cfg_dict:
+            raise ValueError(f"{out}: holds a run with a different configuration ({cfg_path}); "
+                             "use another --out or the same settings to resume")
+    _atomic_json(cfg_path, cfg_dict)
+
+    tune_allocator()
+    seed_everything(cfg.seed)
+    agent = SACAgent(info.obs_dim, info.act_dim, cfg, dev, make_generator(cfg.seed, dev))
+    buf = ReplayBuffer(cfg.total_steps, info.obs_dim, info.act_dim)
+    rng = np.random.default_rng(cfg.seed)
+    meta_path = out / STATE_DIR / "meta.json"
+    step, episodes, wall, records = 0, 0, 0.0, []
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        step, episodes, wall, records = meta["step"], meta["episodes"], meta["wall_seconds"], meta["evals"]
+        agent.load_state_tensors(load_file(str(out / STATE_DIR / meta["files"]["agent"])))
+        buf.load(out / STATE_DIR / meta["files"]["replay"])
+        rng = np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(step,)))
+        agent.gen.manual_seed(cfg.seed + step)
+        log(f"resuming {out} at step {step} ({episodes} episodes, {wall / 60:.1f} min so far)")
+
+    env = gym.make(info.gym_id, max_episode_steps=cfg.max_episode_steps)
+    obs, _ = env.reset(seed=cfg.seed + step)
+    ep_ret, ep_len, recent = 0.0, 0, []
+    t_seg, step_seg = time.perf_counter(), step
+    while step < cfg.total_steps:
+        if step < cfg.start_steps:
+            a = rng.uniform(-1.0, 1.0, info.act_dim).astype(np.float32)
+        else:
+            with torch.no_grad():
+                m, ls = agent.policy(torch.as_tensor(obs, dtype=torch.float32, device=dev))
+                a = torch.tanh(m + ls.exp() * torch.randn(m.shape, generator=agent.gen, device=dev))
+                a = a.cpu().numpy()
+        nxt, r, term, trunc, _ = env.step(a)
+        buf.add(obs, a, r, nxt, float(term))
+        ep_ret += float(r)
+        ep_len += 1
+        step += 1
+        obs = nxt
+        if term or trunc:
+            recent = (recent + [ep_ret])[-10:]
+            episodes += 1
+            obs, _ = env.reset()
+            ep_ret, ep_len = 0.0, 0
+        if step >= cfg.start_steps:
+            losses = agent.update(*buf.sample(cfg.batch_size, rng, dev))
+        if step % cfg.eval_every == 0 or step == cfg.total_steps:
+            wall += time.perf_counter() - t_seg
+            rec = _evaluate_and_checkpoint(agent, info.gym_id, cfg, out, step, episodes, wall,
+                                           float(np.mean(recent)) if recent else float("nan"),
+                                           (step - step_seg) / max(time.perf_counter() - t_seg, 1e-9),
+                                           {k: float(v) for k, v in losses.items()}
+                                           if step >= cfg.start_steps else {})
+            records.append(rec)
+            _save_state(agent, buf, out, step, episodes, wall, records)
+            log(f"step {step:>8}  eval {rec['return_mean']:8.1f} (stochastic "
+                f"{rec['stochastic_return_mean']:8.1f})  train-episode {rec['train_return_recent']:8.1f}"
+                f"  {rec['steps_per_second']:5.0f} steps/s  {wall / 60:6.1f} min")
+            t_seg, step_seg = time.perf_counter(), step
+    env.close()
+    return records
+
+
+def _evaluate_and_checkpoint(agent: SACAgent, gym_id: str, cfg: SACConfig, out: Path, step: int,
+                             episodes: int, wall: float, train_ret: float, sps: float,
+                             losses: dict) -> dict:
+    pol = copy.deepcopy(agent.policy).to("cpu").eval()
+    det = evaluate(pol, gym_id, cfg.eval_episodes, seed=10_000 + step)
+    sto = stochastic_return(pol, gym_id, cfg.eval_episodes, seed=20_000 + step,
+                            max_episode_steps=cfg.max_episode_steps)
+    rec = {"step": step, "episodes": episodes, "wall_seconds": round(wall, 1),
+           "return_mean": det.return_mean, "return_std": det.return_std,
+           "stochastic_return_mean": sto.mean, "stochastic_return_std": sto.std,
+           "train_return_recent": train_ret, "steps_per_second": round(sps, 1), "losses": losses}
+    save_policy(pol, out / CKPT_DIR / f"step-{step:09d}.safetensors",
+                {"env_id": gym_id, "step": step, "return_mean": det.return_mean,
+                 "stochastic_return_mean": sto.mean, "seed": cfg.seed})
+    with open(out / PROGRESS, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def _save_state(agent: SACAgent, buf: ReplayBuffer, out: Path, step: int, episodes: int,
+                wall: float, records: list[dict]) -> None:
+    """Write step-stamped state files, then ``meta.json`` naming them (the commit point), then
+    delete the previous ones: a crash at any moment leaves one complete, consistent state."""
+    d = out / STATE_DIR
+    files = {"agent": f"agent-{step:09d}.safetensors", "replay": f"replay-{step:09d}.safetensors"}
+    save_file(agent.state_tensors(), str(d / files["agent"]))
+    buf.save(d / files["replay"])
+    _atomic_json(d / "meta.json", {"step": step, "episodes": episodes, "wall_seconds": wall,
+                                   "files": files, "evals": records})
+    for f in d.glob("*.safetensors"):
+        if f.name not in files.values():
+            f.unlink()
