@@ -92,22 +92,10 @@ def _evaluate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_evaluate(a: argparse.Namespace) -> int:
-    from safetensors import safe_open
-
-    from fedrl.algos.base import POLICY, load_prefixed
     from fedrl.evaluation import evaluate
-    from fedrl.nets import TanhGaussianPolicy
+    from fedrl.policy_io import load_policy
 
-    with safe_open(a.policy, "pt") as f:
-        meta = f.metadata() or {}
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    hp = json.loads(meta.get("hparams", "{}"))
-    obs_dim = state[f"{POLICY}.obs_mean"].shape[0]
-    act_dim = state[f"{POLICY}.head.bias"].shape[0] // 2
-    trunk_biases = [k for k in state if k.startswith(f"{POLICY}.trunk.") and k.endswith(".bias")]
-    hidden = [state[k].shape[0] for k in sorted(trunk_biases, key=lambda k: int(k.split(".")[2]))]
-    pol = TanhGaussianPolicy(obs_dim, act_dim, hidden, hp.get("log_std_min", -5.0), hp.get("log_std_max", 2.0))
-    load_prefixed(pol, state, POLICY)
+    pol, meta = load_policy(a.policy)
     env = a.env or meta.get("env_id")
     if not env:
         raise ValueError(f"{a.policy}: no env recorded in the file; pass --env")
@@ -123,6 +111,30 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     info.set_defaults(func=_cmd_data_info)
 
     from fedrl.behavior.sac import SACConfig
+    from fedrl.data.make import QUALITIES
+
+    mk = dsub.add_parser("make", help="make a D4RL-format dataset from behaviour policies",
+                         description="Roll the shipped behaviour policies (or --behavior-dir) out in "
+                                     "MuJoCo and write a D4RL-format HDF5 file with provenance metadata. "
+                                     "Default size: D4RL's (1M transitions; medium-replay: its buffer).")
+    mk.add_argument("--env", required=True, help="Hopper-v5, HalfCheetah-v5, Walker2d-v5 or Ant-v5")
+    mk.add_argument("--quality", required=True, choices=QUALITIES)
+    size = mk.add_mutually_exclusive_group()
+    size.add_argument("--episodes", type=int, default=None, help="whole episodes to record")
+    size.add_argument("--transitions", type=int, default=None, help="rows to record")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--out", required=True, help="output .hdf5 file (written atomically)")
+    mk.add_argument("--behavior-dir", default=None,
+                    help="a behaviour set written by ship-behavior (default: the shipped one)")
+    mk.set_defaults(func=_cmd_data_make)
+
+    sh = dsub.add_parser("ship-behavior", help="choose medium/expert/replay checkpoints from a "
+                                               "train-behavior run and write a behaviour set")
+    sh.add_argument("run", help="the --out folder of train-behavior")
+    sh.add_argument("--dest", required=True, help="e.g. fedrl/behavior/checkpoints/hopper")
+    sh.add_argument("--replay-checkpoints", type=int, default=5)
+    sh.add_argument("--episodes", type=int, default=10, help="episodes per candidate measurement")
+    sh.set_defaults(func=_cmd_ship_behavior)
 
     c = SACConfig()
     tb = dsub.add_parser("train-behavior", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -160,6 +172,27 @@ def _cmd_data_info(a: argparse.Namespace) -> int:
     except DatasetError:
         pass
     print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def _cmd_data_make(a: argparse.Namespace) -> int:
+    from fedrl.data.d4rl import load_d4rl
+    from fedrl.data.make import make_dataset
+
+    t0 = time.perf_counter()
+    path = make_dataset(a.env, a.quality, a.seed, a.out, transitions=a.transitions,
+                        episodes=a.episodes, behavior_dir=a.behavior_dir)
+    meta = load_d4rl(path).metadata
+    print(json.dumps({"out": str(path), "seconds": round(time.perf_counter() - t0, 1),
+                      **{k: meta[k] for k in ("env_id", "quality", "transitions", "episodes",
+                                              "return_mean", "return_min", "return_max")}}))
+    return 0
+
+
+def _cmd_ship_behavior(a: argparse.Namespace) -> int:
+    from fedrl.behavior.shipped import ship
+
+    ship(a.run, a.dest, replay_checkpoints=a.replay_checkpoints, episodes=a.episodes)
     return 0
 
 

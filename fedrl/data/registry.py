@@ -2,7 +2,8 @@
 
 A name resolves, in order, to d4rl's own download cache (``$D4RL_DATASET_DIR`` or
 ``~/.d4rl/datasets/<name>.hdf5``), then to this project's cache (``$FEDRL_CACHE_DIR`` or
-``~/.cache/fedrl``)/datasets, where qualities the project can make are made on demand.
+``~/.cache/fedrl``)/datasets, where qualities the project can make are made on demand (from
+the shipped behaviour checkpoints, :mod:`fedrl.behavior.shipped`) and kept.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from fedrl.data.minari import is_minari_dir, load_minari
 from fedrl.envs import ENVS, EnvInfo, env_info
 
 QUALITIES = ("random", "medium", "medium-replay", "medium-expert", "expert")
-MAKEABLE = ("random",)
-RANDOM_TRANSITIONS = 50_000
+# Size of a named dataset made on demand. D4RL's files have 1M rows; 200k (~200 expert episodes,
+# ~30 s to make) is far more than a federation of 10 agents x 5 trajectories samples from. A
+# full-size file made with ``fedrl data make --transitions 1000000 --out <cache>/<name>.hdf5``
+# is picked up instead. medium-replay is always its replay buffer's size.
+NAMED_TRANSITIONS = 200_000
 _NAME = re.compile(r"^(?P<env>[a-z0-9]+)-(?P<quality>[a-z-]+?)-v(?P<version>\d+)$")
 
 
@@ -50,18 +54,30 @@ def resolve(spec: str, progress=print) -> Path:
     for cand in (d4rl_dir() / f"{spec}.hdf5", cache_dir() / "datasets" / f"{spec}.hdf5"):
         if cand.is_file():
             return cand
-    if m["quality"] in MAKEABLE:
-        from fedrl.data.make import make_random_dataset
+    made = makeable(m["env"])
+    if m["quality"] in made:
+        from fedrl.data.make import make_dataset
 
         out = cache_dir() / "datasets" / f"{spec}.hdf5"
-        progress(f"making {spec} ({RANDOM_TRANSITIONS} transitions of a uniform policy in "
-                 f"{ENVS[m['env']].gym_id}) -> {out}")
-        return make_random_dataset(m["env"], RANDOM_TRANSITIONS, seed=0, out=out)
+        progress(f"making {spec} with this project's behaviour policies in {ENVS[m['env']].gym_id} "
+                 f"(once, ~30 s) -> {out}")
+        return make_dataset(m["env"], m["quality"], seed=0, out=out,
+                            transitions=None if m["quality"] == "medium-replay" else NAMED_TRANSITIONS)
     raise DatasetError(
         spec,
-        f"not found in {d4rl_dir()} or {cache_dir() / 'datasets'}; this version can make only "
-        f"{', '.join(MAKEABLE)} datasets itself. Put D4RL's file there or pass a path.",
+        f"not found in {d4rl_dir()} or {cache_dir() / 'datasets'}; for {m['env']} this project can "
+        f"make only {', '.join(made)}. Put D4RL's file there or pass a path.",
     )
+
+
+def makeable(env_key: str) -> tuple[str, ...]:
+    """Qualities this installation can make for ``env_key`` (random always; the others need a
+    shipped behaviour set)."""
+    from fedrl.behavior.shipped import shipped_envs
+
+    if env_key in shipped_envs():
+        return QUALITIES
+    return ("random",)
 
 
 def load(spec: str, progress=print) -> RawDataset:

@@ -210,7 +210,7 @@ def test_named_dataset_resolution(tmp_path, monkeypatch, random_dataset):
 
 def test_random_dataset_is_made_on_demand_once(monkeypatch):
     import fedrl.data.registry as reg
-    monkeypatch.setattr(reg, "RANDOM_TRANSITIONS", 300)
+    monkeypatch.setattr(reg, "NAMED_TRANSITIONS", 300)
     messages = []
     path = resolve("hopper-random-v2", progress=messages.append)
     assert path.parent == reg.cache_dir() / "datasets" and len(messages) == 1

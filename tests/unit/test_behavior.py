@@ -1,0 +1,210 @@
+"""Behaviour policies and dataset making: SAC training/resume, shipping a set, every quality."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from fedrl.behavior.policy import NumpyPolicy
+from fedrl.behavior.sac import SACConfig, train
+from fedrl.behavior.shipped import _apportion, behavior_set, ship
+from fedrl.cli import main
+from fedrl.data.d4rl import load_d4rl, to_transitions
+from fedrl.data.make import make_dataset, return_stats
+from fedrl.nets import TanhGaussianPolicy
+from fedrl.policy_io import load_policy, save_policy
+
+TINY = dict(start_steps=50, eval_every=100, eval_episodes=1, max_episode_steps=60,
+            hidden=(16, 16), batch_size=32)
+
+
+@pytest.fixture(scope="module")
+def sac_run(tmp_path_factory):
+    """A tiny SAC run trained in two sittings (300 steps, then resumed to 500)."""
+    out = tmp_path_factory.mktemp("sac") / "run"
+    logs: list[str] = []
+    first = train("Hopper-v5", SACConfig(total_steps=300, **TINY), out, "cpu", logs.append)
+    second = train("Hopper-v5", SACConfig(total_steps=500, **TINY), out, "cpu", logs.append)
+    return out, first, second, logs
+
+
+def test_sac_checkpoints_progress_and_resume(sac_run):
+    out, first, second, logs = sac_run
+    assert [r["step"] for r in first] == [100, 200, 300]
+    assert [r["step"] for r in second] == [100, 200, 300, 400, 500]
+    assert any(m.startswith("resuming") and "step 300" in m for m in logs)
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == [f"step-{s:09d}.safetensors" for s in (100, 200, 300, 400, 500)]
+    pol, meta = load_policy(out / "checkpoints" / ckpts[-1])
+    assert meta["env_id"] == "Hopper-v5" and meta["step"] == 500 and pol.obs_dim == 11
+    # One consistent resume state: the newest step's files only.
+    state = json.loads((out / "state" / "meta.json").read_text())
+    assert state["step"] == 500
+    assert sorted(p.name for p in (out / "state").glob("*.safetensors")) == sorted(state["files"].values())
+    lines = (out / "progress.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [100, 200, 300, 400, 500]
+    assert all(np.isfinite(json.loads(x)["stochastic_return_mean"]) for x in lines)
+
+
+def test_sac_resume_refuses_a_different_config(sac_run):
+    out = sac_run[0]
+    with pytest.raises(ValueError, match="different configuration"):
+        train("Hopper-v5", SACConfig(total_steps=600, **{**TINY, "batch_size": 64}), out, "cpu")
+
+
+def test_sac_learns_weights_that_change(sac_run):
+    out = sac_run[0]
+    a = load_policy(out / "checkpoints" / "step-000000100.safetensors")[0]
+    b = load_policy(out / "checkpoints" / "step-000000500.safetensors")[0]
+    assert not torch.equal(a.head.weight, b.head.weight)
+
+
+@pytest.fixture(scope="module")
+def behavior_dir(sac_run, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ship") / "hopper"
+    manifest = ship(sac_run[0], d, replay_checkpoints=3, episodes=2, candidates=2, log=lambda m: None)
+    return d, manifest
+
+
+def test_ship_chooses_expert_medium_and_replay(behavior_dir, sac_run):
+    d, m = behavior_dir
+    assert m["env_id"] == "Hopper-v5"
+    assert m["medium"]["step"] < m["expert"]["step"]
+    rp = m["medium_replay"]
+    steps = [c["step"] for c in rp["checkpoints"]]
+    assert steps == sorted(steps) and steps[-1] == m["medium"]["step"] and len(steps) <= 3
+    assert rp["buffer_transitions"] == m["medium"]["step"]
+    assert rp["uniform_share"] + sum(c["share"] for c in rp["checkpoints"]) == pytest.approx(1.0)
+    for f in d.glob("*.safetensors"):
+        pol, meta = load_policy(f)
+        assert meta["env_id"] == "Hopper-v5"
+    # Shipped weights are float16 on disk.
+    from safetensors import safe_open
+    with safe_open(str(d / "expert.safetensors"), "pt") as f:
+        assert f.get_tensor("policy.head.weight").dtype == torch.float16
+    assert json.loads((d / "manifest.json").read_text()) == m
+
+
+@pytest.mark.parametrize("quality", ["random", "medium", "expert", "medium-replay", "medium-expert"])
+def test_make_every_quality(quality, behavior_dir, tmp_path):
+    d, m = behavior_dir
+    out = tmp_path / f"hopper-{quality}.hdf5"
+    make_dataset("Hopper-v5", quality, seed=3, out=out, transitions=400, behavior_dir=d)
+    with h5py.File(out) as f:
+        assert {"observations", "actions", "rewards", "terminals", "timeouts",
+                "next_observations"} <= set(f.keys())
+        assert f["observations"].shape == (400, 11) and f["actions"].shape == (400, 3)
+    raw = load_d4rl(out)
+    md = raw.metadata
+    assert md["quality"] == quality and md["env_id"] == "Hopper-v5" and md["seed"] == 3
+    assert md["transitions"] == 400 and md["episodes"] == len(raw.episode_returns())
+    assert raw.timeouts[-1] or raw.terminals[-1]  # the file's last episode is closed
+    # The core loader reads it with D4RL's semantics (timeout rows are dropped).
+    assert len(to_transitions(raw)) == 400 - int(raw.timeouts.sum())
+    if quality in ("medium", "expert"):
+        assert md["behavior"]["checkpoint"] == f"{quality}.safetensors"
+        assert md["behavior"]["sha256"] == m[quality]["sha256"]
+    if quality == "medium-replay":
+        parts = md["behavior"]["checkpoints"]
+        assert md["behavior"]["uniform"] + sum(p["amount"] for p in parts) == 400
+
+
+def test_make_by_episodes_and_is_seeded(behavior_dir, tmp_path):
+    d, _ = behavior_dir
+    a = make_dataset("Hopper-v5", "medium", seed=5, out=tmp_path / "a.hdf5", episodes=3, behavior_dir=d)
+    b = make_dataset("Hopper-v5", "medium", seed=5, out=tmp_path / "b.hdf5", episodes=3, behavior_dir=d)
+    ra, rb = load_d4rl(a), load_d4rl(b)
+    assert len(ra.episode_returns()) == 3 and ra.metadata["episodes"] == 3
+    assert np.array_equal(ra.observations, rb.observations)
+    c = load_d4rl(make_dataset("Hopper-v5", "medium", seed=6, out=tmp_path / "c.hdf5", episodes=3,
+                               behavior_dir=d))
+    assert not np.array_equal(ra.observations[:50], c.observations[:50])
+
+
+def test_make_errors_name_the_problem(behavior_dir, tmp_path):
+    d, _ = behavior_dir
+    with pytest.raises(ValueError, match="unknown quality 'great'.*medium-replay"):
+        make_dataset("Hopper-v5", "great", 0, tmp_path / "x.hdf5")
+    with pytest.raises(ValueError, match="unknown environment 'pong'"):
+        make_dataset("pong", "random", 0, tmp_path / "x.hdf5")
+    with pytest.raises(ValueError, match="no behaviour checkpoints for Hopper-v5"):
+        make_dataset("Hopper-v5", "medium", 0, tmp_path / "x.hdf5", behavior_dir=tmp_path)
+    with pytest.raises(ValueError, match="behaviour set is for Hopper-v5, not Walker2d-v5"):
+        make_dataset("Walker2d-v5", "medium", 0, tmp_path / "x.hdf5", behavior_dir=d)
+    # A damaged checkpoint is detected by its checksum; nothing is written.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in d.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    raw = bytearray((bad / "expert.safetensors").read_bytes())
+    raw[-8:] = b"\x00" * 8
+    (bad / "expert.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="checksum"):
+        make_dataset("Hopper-v5", "expert", 0, tmp_path / "y.hdf5", transitions=10, behavior_dir=bad)
+    assert not (tmp_path / "y.hdf5").exists() and not list(tmp_path.glob(".y.hdf5*"))
+
+
+def test_cli_make_and_info(behavior_dir, tmp_path, capsys):
+    d, _ = behavior_dir
+    out = tmp_path / "m.hdf5"
+    assert main(["data", "make", "--env", "Hopper-v5", "--quality", "medium", "--episodes", "2",
+                 "--seed", "1", "--out", str(out), "--behavior-dir", str(d)]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["episodes"] == 2 and made["quality"] == "medium"
+    assert main(["data", "info", str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["episodes"] == 2 and info["metadata"]["quality"] == "medium"
+    assert info["env_id"] == "Hopper-v5" and "score_mean" in info
+    assert main(["data", "make", "--env", "Hopper-v5", "--quality", "medium", "--out",
+                 str(tmp_path / "z.hdf5"), "--behavior-dir", str(tmp_path / "none")]) == 2
+    assert "no behaviour checkpoints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["data", "make", "--env", "Hopper-v5", "--quality", "superb", "--out", "x"])
+    assert "invalid choice: 'superb'" in capsys.readouterr().err
+
+
+def test_numpy_policy_matches_torch_policy():
+    torch.manual_seed(0)
+    pol = TanhGaussianPolicy(11, 3, (32, 32))
+    pol.set_normalizer(torch.randn(11), torch.rand(11) + 0.5)
+    obs = np.random.default_rng(0).standard_normal(11).astype(np.float32)
+    det = NumpyPolicy(pol, stochastic=False)(obs, np.random.default_rng(0))
+    ref = pol.act(torch.from_numpy(obs)[None])[0].numpy()
+    np.testing.assert_allclose(det, ref, atol=1e-5)
+    s1 = NumpyPolicy(pol)(obs, np.random.default_rng(1))
+    assert not np.allclose(s1, det) and np.all(np.abs(s1) <= 1)
+
+
+def test_policy_file_roundtrip_and_errors(tmp_path):
+    pol = TanhGaussianPolicy(5, 2, (8, 4))
+    p = save_policy(pol, tmp_path / "p.safetensors", {"env_id": "Hopper-v5", "step": 3})
+    back, meta = load_policy(p)
+    assert meta["step"] == 3 and [l.out_features for l in back.trunk if hasattr(l, "out_features")] == [8, 4]
+    for k, v in pol.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k])
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    with pytest.raises(ValueError, match="junk.safetensors: not a readable safetensors"):
+        load_policy(tmp_path / "junk.safetensors")
+
+
+def test_return_stats_ignore_a_cut_final_episode(tmp_path):
+    from tests.conftest import tiny_raw
+    raw = tiny_raw()  # episodes end at rows 2 (terminal), 4 (timeout); rows 5-6 are unfinished
+    s = return_stats(raw)
+    assert s["episodes"] == 3
+    assert s["return_mean"] == pytest.approx(np.mean([0 + 10 + 20, 30 + 40]))
+
+
+def test_apportion_sums_exactly():
+    assert _apportion(10, [0.5, 0.25, 0.25]) == [5, 3, 2]
+    for total in (1, 7, 400, 12345):
+        assert sum(_apportion(total, [0.1, 0.3, 0.6, 0.05])) == total
+
+
+def test_behavior_set_reports_what_is_missing(tmp_path):
+    with pytest.raises(ValueError, match="Train one with 'fedrl data train-behavior'"):
+        behavior_set("walker2d", tmp_path)
