@@ -45,16 +45,32 @@ class ObsStats:
         return mean.astype(np.float32), np.maximum(np.sqrt(var), STD_FLOOR).astype(np.float32)
 
 
-def agent_normalizers(mode: str, agent_obs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The (mean, std) each agent applies under ``mode``."""
+def identity(dim: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros(dim, np.float32), np.ones(dim, np.float32)
+
+
+def global_normalizer(mode: str, stats: list[ObsStats]) -> tuple[np.ndarray, np.ndarray]:
+    """The (mean, std) the initial global policy carries: pooled statistics, the mean of the
+    agents' own (``local``), or the identity (``none``). ``stats`` in agent order."""
     if mode not in NORM_CHOICES:
         raise ValueError(f"obs normalisation must be one of {', '.join(NORM_CHOICES)}, got {mode!r}")
-    dim = agent_obs[0].shape[1]
     if mode == "none":
-        ident = (np.zeros(dim, np.float32), np.ones(dim, np.float32))
-        return [ident for _ in agent_obs]
+        return identity(len(stats[0].total))
+    if mode == "pooled":
+        return ObsStats.pool(stats).mean_std()
+    per = [s.mean_std() for s in stats]
+    return (np.mean([m for m, _ in per], axis=0, dtype=np.float64).astype(np.float32),
+            np.mean([sd for _, sd in per], axis=0, dtype=np.float64).astype(np.float32))
+
+
+def agent_normalizer(mode: str, own: ObsStats, global_norm: tuple[np.ndarray, np.ndarray]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The (mean, std) one agent applies to its shard: its own under ``local``, else the global."""
+    return own.mean_std() if mode == "local" else global_norm
+
+
+def agent_normalizers(mode: str, agent_obs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (mean, std) each agent applies under ``mode``."""
     stats = [ObsStats.of(o) for o in agent_obs]
-    if mode == "local":
-        return [s.mean_std() for s in stats]
-    pooled = ObsStats.pool(stats).mean_std()
-    return [pooled for _ in agent_obs]
+    g = global_normalizer(mode, stats)
+    return [agent_normalizer(mode, s, g) for s in stats]

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 WEIGHTINGS = ("uniform", "samples")
+AGGREGATIONS = ("fedavg",)
 
 
 class AggregationError(ValueError):
@@ -63,3 +64,11 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
             acc.add_(s[k].to(torch.float64), alpha=wi / total)
         out[k] = acc.to(ref.dtype)
     return out
+
+
+def aggregate(method: str, states: Sequence[Mapping[str, torch.Tensor]],
+              weights: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+    """The next global parameters by ``method`` (one of :data:`AGGREGATIONS`)."""
+    if method == "fedavg":
+        return fedavg(states, weights)
+    raise AggregationError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {method!r}")

@@ -24,8 +24,8 @@ from fedrl.algos.base import POLICY, load_prefixed
 from fedrl.algos.config import config_to_dict
 from fedrl.data.d4rl import check_env_dims, to_transitions
 from fedrl.data.errors import DatasetError
-from fedrl.data.normalize import NORM_CHOICES, agent_normalizers
-from fedrl.data.partition import ShardSource, partition
+from fedrl.data.normalize import NORM_CHOICES, ObsStats, agent_normalizer, global_normalizer
+from fedrl.data.partition import Shard, ShardSource, partition
 from fedrl.data.registry import infer_env, load
 from fedrl.device import derive_seed, resolve_device, seed_everything
 from fedrl.evaluation import evaluate
@@ -37,6 +37,7 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
+from fedrl.envs import EnvInfo
 from fedrl.nets import TanhGaussianPolicy
 
 DEFAULT_DATASET = "hopper-random-v2"
@@ -111,6 +112,30 @@ def parse_source(spec: str, default_agents: int) -> tuple[str, int]:
     return spec, default_agents
 
 
+def load_shards(datasets: tuple[str, ...] | list[str], default_agents: int, trajectories: int,
+                seed: int, env_name: str | None, log: Callable[[str], None]) -> tuple[list[Shard], EnvInfo]:
+    """Load every source, check it against the env, deal trajectories to agents (seeded).
+
+    The agent service calls this too and keeps only its own shard, so a service run and an
+    in-process run with the same settings train on identical data.
+    """
+    sources, env = [], None
+    for spec in datasets:
+        path, n_agents = parse_source(spec, default_agents)
+        raw = load(path, progress=log)
+        e = infer_env(raw, path, env_name)
+        env = env or e
+        if e.key != env.key:
+            raise ValueError(f"datasets mix environments: {env.gym_id} and {e.gym_id} ({path})")
+        try:  # the evaluator must be able to produce this observation layout
+            env.gym_kwargs(raw.obs_dim)
+        except ValueError as e:
+            raise DatasetError(raw.source, f"observations have {raw.obs_dim} dims: {e}") from None
+        check_env_dims(raw, raw.obs_dim, env.act_dim, env.gym_id)
+        sources.append(ShardSource(raw.source, to_transitions(raw), n_agents))
+    return partition(sources, trajectories, derive_seed(seed, SEED_SHARDS)), env
+
+
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the federation; write ``config.json``, ``rounds.jsonl``, ``summary.json``,
     ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``."""
@@ -121,23 +146,10 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     seed_everything(cfg.seed)
     t_start = time.perf_counter()
 
-    # Data: load every source, check it against the env, deal trajectories to agents.
-    sources, env = [], None
-    for spec in cfg.datasets:
-        path, n_agents = parse_source(spec, cfg.agents)
-        raw = load(path, progress=log)
-        e = infer_env(raw, path, cfg.env)
-        env = env or e
-        if e.key != env.key:
-            raise ValueError(f"datasets mix environments: {env.gym_id} and {e.gym_id} ({path})")
-        try:  # the evaluator must be able to produce this observation layout
-            env.gym_kwargs(raw.obs_dim)
-        except ValueError as e:
-            raise DatasetError(raw.source, f"observations have {raw.obs_dim} dims: {e}") from None
-        check_env_dims(raw, raw.obs_dim, env.act_dim, env.gym_id)
-        sources.append(ShardSource(raw.source, to_transitions(raw), n_agents))
-    shards = partition(sources, cfg.trajectories, derive_seed(cfg.seed, SEED_SHARDS))
-    norms = agent_normalizers(cfg.obs_norm, [s.transitions.obs for s in shards])
+    shards, env = load_shards(cfg.datasets, cfg.agents, cfg.trajectories, cfg.seed, cfg.env, log)
+    stats = [ObsStats.of(s.transitions.obs) for s in shards]
+    g_norm = global_normalizer(cfg.obs_norm, stats)
+    norms = [agent_normalizer(cfg.obs_norm, st, g_norm) for st in stats]
     obs_dim, act_dim = shards[0].transitions.obs.shape[1], shards[0].transitions.actions.shape[1]
     hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
     federate_critic = cfg.federate == "policy+critic"
@@ -146,9 +158,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                      local_normalizer=cfg.obs_norm == "local")
         for s, (m, sd) in zip(shards, norms)
     ]
-    g_mean = np.mean([m for m, _ in norms], axis=0)
-    g_std = np.mean([sd for _, sd in norms], axis=0)
-    global_state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std, federate_critic)
+    global_state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, *g_norm, federate_critic)
     agent_states = [global_state] * len(trainers)  # the independent 'cql' baseline's own policies
 
     (out / "config.json").write_text(json.dumps({

@@ -1,0 +1,1 @@
+"""The agent service (see README.md)."""

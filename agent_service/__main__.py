@@ -1,0 +1,73 @@
+"""``python -m agent_service`` (or ``fedrl-agent``): one data holder's agent process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedrl-agent", description="A federated DRPO agent: trains on "
+                                "its private shard, exchanges only policy weights with the aggregator.")
+    p.add_argument("--aggregator", required=True, metavar="HOST:PORT")
+    p.add_argument("--dataset", action="append", required=True, metavar="PATH|NAME[:AGENTS]",
+                   help="the private data: a D4RL/Minari file or dataset name; with --shard, the "
+                        "federation's shared file(s) this agent takes its seeded shard of")
+    p.add_argument("--shard", type=int, default=None, help="this agent's shard index (0-based)")
+    p.add_argument("--shards", type=int, default=None, help="agents per dataset given without :N")
+    p.add_argument("--trajectories", type=int, default=5, help="whole trajectories per shard")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shard partition (the run's seed)")
+    p.add_argument("--agent-id", default=None, help="default: agent-<shard>")
+    p.add_argument("--env", default=None)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from agent_service.client import Agent, AgentConfig
+    from fedrl.data.errors import DatasetError
+    from fedrl.data.d4rl import to_transitions
+    from fedrl.data.partition import Shard
+    from fedrl.data.registry import infer_env, load
+    from fedrl.device import resolve_device
+    from fedrl.federation.simulate import load_shards
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        device = resolve_device(a.device)
+        if a.shard is None:
+            if len(a.dataset) != 1:
+                raise ValueError("without --shard give exactly one --dataset (the agent's own file)")
+            raw = load(a.dataset[0], progress=logging.getLogger("fedrl.agent").info)
+            env = infer_env(raw, a.dataset[0], a.env)
+            tr = to_transitions(raw)
+            shard, index = Shard(0, raw.source, (), tr), 0
+        else:
+            shards, env = load_shards(a.dataset, a.shards or a.shard + 1, a.trajectories, a.seed, a.env,
+                                      logging.getLogger("fedrl.agent").info)
+            if not 0 <= a.shard < len(shards):
+                raise ValueError(f"--shard {a.shard} is outside the {len(shards)} shards")
+            shard, index = shards[a.shard], a.shard
+    except (DatasetError, ValueError) as e:
+        print(f"fedrl-agent: error: {e}", file=sys.stderr)
+        return 2
+    agent = Agent(AgentConfig(a.aggregator, a.agent_id or f"agent-{index}", index, env.gym_id, device), shard)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    try:
+        agent.run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

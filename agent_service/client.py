@@ -1,0 +1,136 @@
+"""The agent's side of the federation: join, wait for a task, fetch, train, submit; reconnect."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from fedrl.codec import assemble, encode
+from fedrl.data.normalize import ObsStats
+from fedrl.data.partition import Shard
+from fedrl.federation.round import LocalTrainer, algo_config
+from fedrl.federation.runconfig import parse_run_config
+from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc, weights_pb2
+from fedrl.rpc import create_channel
+from fedrl.serde import manifest_to_proto, read_weight_parts
+
+log = logging.getLogger("fedrl.agent")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+
+@dataclass
+class AgentConfig:
+    target: str
+    agent_id: str
+    index: int
+    env_id: str
+    device: torch.device
+    task_wait: float = 10.0
+    backoff_initial: float = 0.2
+    backoff_max: float = 10.0
+    rpc_timeout: float = 120.0
+
+
+class Agent:
+    """Runs until :meth:`stop`; survives aggregator restarts by rejoining with backoff."""
+
+    def __init__(self, cfg: AgentConfig, shard: Shard) -> None:
+        self.cfg, self.shard = cfg, shard
+        self.stats = ObsStats.of(shard.transitions.obs)
+        self._stop = threading.Event()
+        self.trainer: LocalTrainer | None = None
+        self.trainer_run = ""
+        self.rounds_done = 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        delay = self.cfg.backoff_initial
+        while not self._stop.is_set():
+            channel = create_channel(self.cfg.target)
+            try:
+                stub = federation_pb2_grpc.FederationStub(channel)
+                self._join(stub)
+                delay = self.cfg.backoff_initial
+                self._loop(stub)
+            except grpc.RpcError as e:
+                code = e.code()
+                if code not in RETRYABLE and code != grpc.StatusCode.NOT_FOUND:
+                    log.error("giving up: %s %s", code.name, e.details())
+                    raise
+                log.warning("aggregator unavailable (%s: %s); retrying in %.1fs", code.name, e.details(), delay)
+                self._stop.wait(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.cfg.backoff_max)
+            finally:
+                channel.close()
+
+    def _join(self, stub) -> None:
+        tr = self.shard.transitions
+        req = federation_pb2.JoinRequest(
+            agent_id=self.cfg.agent_id, agent_index=self.cfg.index, num_samples=len(tr),
+            obs_dim=tr.obs.shape[1], act_dim=tr.actions.shape[1], env_id=self.cfg.env_id,
+            obs_moments=federation_pb2.ObsMoments(count=self.stats.count, sum=self.stats.total.tolist(),
+                                                  sum_sq=self.stats.total_sq.tolist()),
+            device=str(self.cfg.device))
+        reply = stub.Join(req, timeout=self.cfg.rpc_timeout, wait_for_ready=True)
+        log.info("joined as %s (run %s)", self.cfg.agent_id, reply.run_id or "none yet")
+
+    def _loop(self, stub) -> None:
+        while not self._stop.is_set():
+            task = stub.NextTask(federation_pb2.TaskRequest(agent_id=self.cfg.agent_id,
+                                                            wait_seconds=self.cfg.task_wait),
+                                 timeout=self.cfg.task_wait + 30)
+            if task.kind == federation_pb2.Task.TRAIN:
+                self._train(stub, task)
+            elif task.kind == federation_pb2.Task.STOP:
+                log.info("run %s is over", task.run_id)
+                self.trainer, self.trainer_run = None, ""
+
+    def _trainer_for(self, task) -> LocalTrainer:
+        if self.trainer is None or self.trainer_run != task.run_id:
+            rc = parse_run_config(task.run_config_json)
+            hp = algo_config(rc.algo, rc.drpo, rc.bc)
+            self.trainer = LocalTrainer(
+                self.cfg.index, hp, self.shard.transitions, np.asarray(task.obs_mean, np.float32),
+                np.asarray(task.obs_std, np.float32), rc.seed, self.cfg.device,
+                federate_critic=rc.federate == "policy+critic", local_normalizer=rc.obs_norm == "local")
+            self.trainer_run = task.run_id
+        return self.trainer
+
+    def _train(self, stub, task) -> None:
+        trainer = self._trainer_for(task)
+        parts = stub.FetchGlobal(federation_pb2.FetchRequest(run_id=task.run_id, version=task.base_version),
+                                 timeout=self.cfg.rpc_timeout)
+        manifest, chunks = read_weight_parts(parts)
+        state = assemble(manifest, chunks)
+        res = trainer.train_round(state, task.local_steps)
+        enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples)
+
+        def parts_out():
+            yield federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(
+                agent_id=self.cfg.agent_id, weights=manifest_to_proto(enc.manifest),
+                metrics=res.metrics, train_seconds=res.seconds))
+            for c in enc.chunks():
+                yield federation_pb2.UpdatePart(chunk=c)
+
+        try:
+            stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
+            self.rounds_done += 1
+            log.info("round %d: submitted after %d steps in %.1fs", task.round, task.local_steps, res.seconds)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+                log.warning("round %d: update not taken (%s)", task.round, e.details())
+                return
+            raise
+
+
+__all__ = ["Agent", "AgentConfig", "weights_pb2"]

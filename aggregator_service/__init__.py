@@ -1,0 +1,1 @@
+"""The aggregator service (see README.md)."""

@@ -1,0 +1,60 @@
+"""``python -m aggregator_service`` (or ``fedrl-aggregator``): rounds, aggregation, the store."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedrl-aggregator", description="The federation's aggregator: "
+                                "Federation (agents) and Control (operators) gRPC services.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--state-dir", required=True, help="where every global version is kept")
+    p.add_argument("--max-workers", type=int, default=128, help="RPC threads (long polls hold one each)")
+    p.add_argument("--task-wait", type=float, default=30.0, help="longest NextTask long poll, seconds")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.servicer import ControlServicer, FederationServicer
+    from aggregator_service.store import Store
+    from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
+    from fedrl.rpc import create_server
+
+    try:
+        store = Store(a.state_dir)
+    except OSError as e:
+        print(f"fedrl-aggregator: error: {e}", file=sys.stderr)
+        return 2
+    coord = Coordinator(store, max_task_wait=a.task_wait)
+    server = create_server([
+        (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord), "fedrl.v1.Federation"),
+        (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(coord), "fedrl.v1.Control"),
+    ], a.host, a.port, a.max_workers)
+    logging.getLogger("fedrl.aggregator").info("serving on %s:%d, state in %s", a.host, server.port, a.state_dir)
+    if a.port_file:
+        tmp = Path(a.port_file + ".tmp")
+        tmp.write_text(str(server.port))
+        tmp.replace(a.port_file)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
+    server.stop(1.0)
+    coord.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

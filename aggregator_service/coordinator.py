@@ -1,0 +1,428 @@
+"""The aggregator's round state machine, free of gRPC message types.
+
+States of a run: ``waiting_for_agents`` -> ``running`` -> ``finished`` (or ``stopped`` /
+``failed``). A round opens with the current global version; every selected agent fetches it,
+trains and submits; the round closes when all selected agents have submitted, or at its
+deadline if at least ``min_agents`` have. The new global version is written to the store
+*before* it is announced; if it cannot be written the round stays open and the run reports why.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from aggregator_service.store import Store
+from fedrl.codec import Encoded, Manifest, check_matches, encode
+from fedrl.data.normalize import ObsStats, global_normalizer
+from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
+from fedrl.federation.round import algo_config, initial_global_state
+from fedrl.federation.runconfig import ConfigError, RunConfig, parse_run_config
+from fedrl.rpc import ServiceError
+
+log = logging.getLogger("fedrl.aggregator")
+ACTIVE = ("waiting_for_agents", "running")
+
+
+@dataclass
+class AgentRecord:
+    agent_id: str
+    index: int
+    num_samples: int
+    obs_dim: int
+    act_dim: int
+    env_id: str
+    stats: ObsStats | None
+    device: str = ""
+    last_seen: float = 0.0
+    rounds_submitted: int = 0
+    stop_sent_for: str = ""
+
+
+@dataclass
+class Submission:
+    state: dict[str, torch.Tensor]
+    num_samples: int
+    metrics: dict[str, float]
+    seconds: float
+
+
+@dataclass
+class Run:
+    run_id: str
+    cfg: RunConfig
+    config_json: str
+    created: float
+    state: str = "waiting_for_agents"
+    message: str = ""
+    round: int = 0
+    version: int = 0
+    selected: list[str] = field(default_factory=list)
+    global_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    encoded: dict[int, Encoded] = field(default_factory=dict)
+    submissions: dict[str, Submission] = field(default_factory=dict)
+    round_opened: float = 0.0
+    deadline: float = 0.0
+    norms: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    env_id: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Thread-safe: every public method takes the one lock; waiters use its condition."""
+
+    def __init__(self, store: Store, max_task_wait: float = 30.0, tick: float = 0.1) -> None:
+        self.store = store
+        self.max_task_wait = max_task_wait
+        self.cond = threading.Condition()
+        self.agents: dict[str, AgentRecord] = {}
+        self.run: Run | None = None
+        self._closed = False
+        self._ticker = threading.Thread(target=self._tick_loop, args=(tick,), daemon=True,
+                                        name="aggregator-ticker")
+        self._ticker.start()
+
+    def close(self) -> None:
+        with self.cond:
+            self._closed = True
+            self.cond.notify_all()
+        self._ticker.join(timeout=2)
+
+    # -- agents ----------------------------------------------------------------------------
+    def join(self, rec: AgentRecord) -> str:
+        if not rec.agent_id or len(rec.agent_id) > 128:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "agent_id must be 1-128 characters")
+        if rec.obs_dim <= 0 or rec.act_dim <= 0 or rec.num_samples <= 0:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"agent {rec.agent_id}: obs_dim, act_dim and num_samples must be positive")
+        if rec.stats is not None and (len(rec.stats.total) != rec.obs_dim or len(rec.stats.total_sq) != rec.obs_dim
+                                      or rec.stats.count <= 0):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"agent {rec.agent_id}: observation moments must have obs_dim={rec.obs_dim} "
+                               "entries and a positive count")
+        with self.cond:
+            old = self.agents.get(rec.agent_id)
+            run = self.run
+            if old is not None and run is not None and run.state == "running" and rec.agent_id in run.selected:
+                if (old.obs_dim, old.act_dim) != (rec.obs_dim, rec.act_dim):
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"agent {rec.agent_id} rejoined with different dimensions")
+                rec.rounds_submitted = old.rounds_submitted
+            rec.last_seen = time.time()
+            self.agents[rec.agent_id] = rec
+            log.info("agent %s joined (index %d, %d samples)", rec.agent_id, rec.index, rec.num_samples)
+            self._maybe_begin()
+            self.cond.notify_all()
+            return run.run_id if run else ""
+
+    def _agent(self, agent_id: str) -> AgentRecord:
+        a = self.agents.get(agent_id)
+        if a is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown agent {agent_id!r}: call Join first",
+                               "unknown_agent")
+        a.last_seen = time.time()
+        return a
+
+    def next_task(self, agent_id: str, wait: float) -> dict[str, Any]:
+        """A task for the agent: TRAIN, STOP, or WAIT after at most ``wait`` seconds."""
+        end = time.monotonic() + max(0.0, min(wait, self.max_task_wait))
+        with self.cond:
+            while True:
+                a = self._agent(agent_id)
+                run = self.run
+                if run is not None and agent_id in run.selected:
+                    if (run.state == "running" and agent_id not in run.submissions):
+                        mean, std = run.norms[agent_id]
+                        return {"kind": "TRAIN", "run_id": run.run_id, "round": run.round,
+                                "base_version": run.version, "local_steps": run.cfg.local_steps,
+                                "run_config_json": run.config_json, "obs_mean": mean, "obs_std": std,
+                                "deadline_unix": run.deadline}
+                    if run.state not in ACTIVE and a.stop_sent_for != run.run_id:
+                        a.stop_sent_for = run.run_id
+                        return {"kind": "STOP", "run_id": run.run_id}
+                left = end - time.monotonic()
+                if left <= 0 or self._closed:
+                    return {"kind": "WAIT"}
+                self.cond.wait(left)
+
+    def global_weights(self, run_id: str, version: int) -> Encoded:
+        with self.cond:
+            run = self.run
+            if run is None or (run_id and run_id != run.run_id):
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id!r}", "unknown_run")
+            if run.state == "waiting_for_agents":
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the run has not started yet")
+            v = run.version if version < 0 else version
+            enc = run.encoded.get(v)
+            if enc is not None:
+                return enc
+            if v > run.version:
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} does not exist yet "
+                                   f"(latest is {run.version})", "unknown_version")
+        try:
+            state = self.store.load_version(run_id or run.run_id, v)
+        except FileNotFoundError:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} is not stored", "unknown_version") from None
+        return encode(state, run.run_id, v, v)
+
+    def check_header(self, agent_id: str, m: Manifest) -> None:
+        """Refuse an update before its chunks are read (unknown agent, wrong run/round, duplicate)."""
+        with self.cond:
+            self._check_submission(agent_id, m)
+
+    def _check_submission(self, agent_id: str, m: Manifest) -> Run:
+        self._agent(agent_id)
+        run = self.run
+        if run is None or run.run_id != m.run_id:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"update for run {m.run_id!r}, but the active run is "
+                               f"{run.run_id if run else 'none'!r}", "wrong_run")
+        if agent_id not in run.selected:
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"agent {agent_id!r} is not a participant of run {run.run_id}", "not_selected")
+        if run.state != "running":
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"run {run.run_id} is {run.state}; no round is open", "closed_round")
+        if m.round < run.round:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"round {m.round} is closed (round {run.round} is open)", "stale_round")
+        if m.round > run.round:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"round {m.round} is in the future (round {run.round} is open)", "future_round")
+        if m.base_version != run.version:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"update trained from version {m.base_version}, round {run.round} "
+                               f"distributes version {run.version}", "wrong_base")
+        if agent_id in run.submissions:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"agent {agent_id!r} already submitted for round {run.round}", "duplicate")
+        return run
+
+    def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor],
+               metrics: Mapping[str, float], seconds: float) -> int:
+        """Accept a verified update; closes the round when it completes. Returns the round."""
+        with self.cond:
+            run = self._check_submission(agent_id, m)
+            try:
+                check_matches(state, run.global_state)
+            except ValueError as e:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e), "tensor_mismatch") from None
+            clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
+            run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds)
+            self.agents[agent_id].rounds_submitted += 1
+            r = run.round
+            if len(run.submissions) == len(run.selected):
+                self._close_round(run)
+            self.cond.notify_all()
+            return r
+
+    # -- runs ------------------------------------------------------------------------------
+    def start_run(self, config_json: str) -> dict[str, Any]:
+        try:
+            cfg = parse_run_config(config_json)
+        except ConfigError as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid run config: {e}", "bad_config") from None
+        with self.cond:
+            if self.run is not None and self.run.state in ACTIVE:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"run {self.run.run_id} is {self.run.state}; stop it first", "run_active")
+            run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+            run = Run(run_id, cfg, cfg.to_json(), time.time())
+            self.store.create_run(run_id, run.config_json)
+            self.run = run
+            self._event(run, "RUN_STARTED", message=f"waiting for {cfg.agents} agents")
+            self._maybe_begin()
+            self.cond.notify_all()
+            return self._status()
+
+    def stop_run(self, reason: str) -> dict[str, Any]:
+        with self.cond:
+            run = self.run
+            if run is None or run.state not in ACTIVE:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no active run to stop", "no_run")
+            run.state, run.message = "stopped", reason or "stopped by operator"
+            self._event(run, "RUN_STOPPED", message=run.message)
+            self.cond.notify_all()
+            return self._status()
+
+    def report_evaluation(self, report: dict[str, Any]) -> None:
+        with self.cond:
+            run = self.run
+            if run is None or report.get("run_id") != run.run_id:
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {report.get('run_id')!r}", "unknown_run")
+            v = int(report["version"])
+            if not 0 <= v <= run.version:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"version {v} does not exist (latest {run.version})", "unknown_version")
+            run.evaluations[v] = dict(report)
+            self._event(run, "EVALUATED", version=v, round=v, evaluation=dict(report))
+            self.cond.notify_all()
+
+    def status(self) -> dict[str, Any]:
+        with self.cond:
+            return self._status()
+
+    def _status(self) -> dict[str, Any]:
+        run = self.run
+        now = time.time()
+        agents = [{"agent_id": a.agent_id, "agent_index": a.index, "num_samples": a.num_samples,
+                   "connected": now - a.last_seen < 2 * self.max_task_wait + 5,
+                   "last_seen_unix": a.last_seen, "rounds_submitted": a.rounds_submitted}
+                  for a in sorted(self.agents.values(), key=lambda a: (a.index, a.agent_id))]
+        if run is None:
+            return {"state": "idle", "agents": agents}
+        last = run.evaluations[max(run.evaluations)] if run.evaluations else None
+        return {"run_id": run.run_id, "state": run.state, "round": run.round, "rounds": run.cfg.rounds,
+                "global_version": run.version, "agents": agents, "message": run.message,
+                "last_evaluation": last, "config_json": run.config_json, "env_id": run.env_id}
+
+    def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5) -> Iterator[dict[str, Any]]:
+        """Events of the current run with version > ``after_version``, then live ones, until it ends."""
+        sent = 0
+        with self.cond:
+            run = self.run
+        if run is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no run to watch", "no_run")
+        while is_active():
+            with self.cond:
+                new = run.events[sent:]
+                sent = len(run.events)
+                ended = run.state not in ACTIVE
+                if not new and not ended:
+                    self.cond.wait(poll)
+                    continue
+            for e in new:
+                if e["kind"] in ("ROUND_OPENED", "ROUND_CLOSED", "EVALUATED") and e["version"] <= after_version:
+                    continue
+                yield e
+            if ended and not new:
+                return
+            if ended:
+                with self.cond:
+                    if len(run.events) == sent:
+                        return
+
+    # -- internals (lock held) ---------------------------------------------------------------
+    def _event(self, run: Run, kind: str, **kw: Any) -> None:
+        e = {"kind": kind, "run_id": run.run_id, "round": kw.pop("round", run.round),
+             "version": kw.pop("version", run.version), "time_unix": time.time(), **kw}
+        run.events.append(e)
+        try:
+            self.store.append_event(run.run_id, e)
+        except OSError as err:
+            log.error("cannot append event to the store: %s", err)
+
+    def _maybe_begin(self) -> None:
+        run = self.run
+        if run is None or run.state != "waiting_for_agents" or len(self.agents) < run.cfg.agents:
+            return
+        chosen = sorted(self.agents.values(), key=lambda a: (a.index, a.agent_id))[: run.cfg.agents]
+        dims = {(a.obs_dim, a.act_dim) for a in chosen}
+        envs = {a.env_id for a in chosen if a.env_id}
+        if len(dims) != 1 or len(envs) > 1:
+            self._fail(run, f"agents disagree on the task: dims {sorted(dims)}, envs {sorted(envs)}")
+            return
+        obs_dim, act_dim = dims.pop()
+        cfg = run.cfg
+        if cfg.obs_norm != "none" and any(a.stats is None for a in chosen):
+            self._fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments")
+            return
+        stats = [a.stats for a in chosen] if cfg.obs_norm != "none" else [ObsStats(1, np.zeros(obs_dim), np.zeros(obs_dim))]
+        g_mean, g_std = global_normalizer(cfg.obs_norm, stats)
+        hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
+        state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
+                                     cfg.federate == "policy+critic")
+        run.env_id = cfg.env or (envs.pop() if envs else "")
+        try:
+            self.store.save_version(run.run_id, 0, state, self._version_meta(run, 0))
+        except OSError as e:
+            self._fail(run, f"cannot write version 0 to the state directory: {e}")
+            return
+        run.selected = [a.agent_id for a in chosen]
+        for a in chosen:
+            own = a.stats.mean_std() if cfg.obs_norm == "local" else (g_mean, g_std)
+            run.norms[a.agent_id] = (own[0].tolist(), own[1].tolist())
+        run.global_state = state
+        run.encoded = {0: encode(state, run.run_id, 0, 0)}
+        run.state = "running"
+        self._open_round(run, 1)
+
+    def _version_meta(self, run: Run, version: int) -> dict[str, Any]:
+        hp = algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)
+        from fedrl.algos.config import config_to_dict
+        return {"run_id": run.run_id, "version": version, "algo": run.cfg.algo,
+                "env_id": run.env_id, "hparams": config_to_dict(hp)}
+
+    def _open_round(self, run: Run, r: int) -> None:
+        run.round, run.submissions = r, {}
+        run.round_opened = time.time()
+        run.deadline = run.round_opened + run.cfg.round_timeout
+        self._event(run, "ROUND_OPENED", agents=list(run.selected))
+
+    def _close_round(self, run: Run) -> None:
+        order = [a for a in run.selected if a in run.submissions]
+        subs = [run.submissions[a] for a in order]
+        try:
+            w = agent_weights(run.cfg.weighting, [s.num_samples for s in subs])
+            new = aggregate(run.cfg.aggregation, [s.state for s in subs], w)
+        except AggregationError as e:
+            self._fail(run, f"aggregation failed in round {run.round}: {e}")
+            return
+        v = run.version + 1
+        try:
+            self.store.save_version(run.run_id, v, new, self._version_meta(run, v))
+        except OSError as e:
+            msg = f"cannot persist version {v}; round {run.round} stays open: {e}"
+            if run.message != msg:
+                log.error(msg)
+            run.message = msg
+            return
+        run.message = ""
+        run.version, run.global_state = v, new
+        run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
+        run.encoded[v] = encode(new, run.run_id, v, v)
+        metrics: dict[str, float] = {}
+        for s in subs:
+            for k, x in s.metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + x / len(subs)
+        self._event(run, "ROUND_CLOSED", agents=order, metrics=metrics,
+                    seconds=time.time() - run.round_opened)
+        if run.round >= run.cfg.rounds:
+            run.state = "finished"
+            self._event(run, "RUN_FINISHED")
+        else:
+            self._open_round(run, run.round + 1)
+
+    def _fail(self, run: Run, message: str) -> None:
+        log.error("run %s failed: %s", run.run_id, message)
+        run.state, run.message = "failed", message
+        self._event(run, "RUN_FAILED", message=message)
+
+    def _tick_loop(self, tick: float) -> None:
+        while True:
+            with self.cond:
+                if self._closed:
+                    return
+                self.cond.wait(tick)
+                run = self.run
+                if run is None:
+                    continue
+                now = time.time()
+                if run.state == "waiting_for_agents" and now - run.created > run.cfg.join_timeout:
+                    self._fail(run, f"only {len(self.agents)} of {run.cfg.agents} agents joined within "
+                                    f"{run.cfg.join_timeout:.0f}s")
+                    self.cond.notify_all()
+                elif run.state == "running" and (now >= run.deadline or run.message) and run.submissions:
+                    if len(run.submissions) >= run.cfg.quorum:
+                        self._close_round(run)
+                        self.cond.notify_all()

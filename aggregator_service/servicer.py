@@ -1,0 +1,116 @@
+"""gRPC servicers of the aggregator: protobuf in and out, everything else in the coordinator."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import numpy as np
+
+from aggregator_service.coordinator import AgentRecord, Coordinator
+from fedrl.codec import Assembler, CodecError
+from fedrl.data.normalize import ObsStats
+from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
+from fedrl.rpc import ServiceError
+from fedrl.serde import event_to_proto, evaluation_from_proto, manifest_from_proto, status_to_proto, weight_parts
+
+log = logging.getLogger("fedrl.aggregator")
+
+# Codec failures -> status codes: corruption is DATA_LOSS, overlong streams OUT_OF_RANGE.
+CODEC_STATUS = {"sha256_mismatch": grpc.StatusCode.DATA_LOSS, "truncated": grpc.StatusCode.DATA_LOSS,
+                "oversize": grpc.StatusCode.OUT_OF_RANGE}
+
+
+def _abort(context: grpc.ServicerContext, e: Exception) -> None:
+    if isinstance(e, ServiceError):
+        context.abort(e.code, e.message)
+    if isinstance(e, CodecError):
+        context.abort(CODEC_STATUS.get(e.reason, grpc.StatusCode.INVALID_ARGUMENT), str(e))
+    raise e
+
+
+class FederationServicer(federation_pb2_grpc.FederationServicer):
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    def Join(self, request, context):
+        m = request.obs_moments
+        stats = None
+        if m.count > 0 or len(m.sum):
+            stats = ObsStats(int(m.count), np.asarray(m.sum, np.float64), np.asarray(m.sum_sq, np.float64))
+        rec = AgentRecord(request.agent_id, int(request.agent_index), int(request.num_samples),
+                          int(request.obs_dim), int(request.act_dim), request.env_id, stats, request.device)
+        try:
+            run_id = self.coord.join(rec)
+        except ServiceError as e:
+            _abort(context, e)
+        return federation_pb2.JoinReply(agent_id=request.agent_id, run_id=run_id)
+
+    def NextTask(self, request, context):
+        try:
+            t = self.coord.next_task(request.agent_id, request.wait_seconds)
+        except ServiceError as e:
+            _abort(context, e)
+        kind = federation_pb2.Task.Kind.Value(t.pop("kind"))
+        return federation_pb2.Task(kind=kind, **t)
+
+    def FetchGlobal(self, request, context):
+        try:
+            enc = self.coord.global_weights(request.run_id, request.version)
+        except ServiceError as e:
+            _abort(context, e)
+        yield from weight_parts(enc)
+
+    def SubmitUpdate(self, request_iterator, context):
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("part") != "header":
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an update stream must start with its header")
+            h = first.header
+            manifest = manifest_from_proto(h.weights)
+            self.coord.check_header(h.agent_id, manifest)
+            asm = Assembler(manifest)
+            for part in request_iterator:
+                if part.WhichOneof("part") != "chunk":
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one update stream")
+                asm.add(part.chunk)
+            state = asm.finish()
+            r = self.coord.submit(h.agent_id, manifest, state, dict(h.metrics), h.train_seconds)
+        except (ServiceError, CodecError) as e:
+            log.warning("update refused: %s", e)
+            _abort(context, e)
+        return federation_pb2.SubmitReply(accepted=True, round=r, received_bytes=manifest.total_bytes)
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    def StartRun(self, request, context):
+        try:
+            return status_to_proto(self.coord.start_run(request.config_json))
+        except ServiceError as e:
+            _abort(context, e)
+
+    def GetStatus(self, request, context):
+        return status_to_proto(self.coord.status())
+
+    def StopRun(self, request, context):
+        try:
+            return status_to_proto(self.coord.stop_run(request.reason))
+        except ServiceError as e:
+            _abort(context, e)
+
+    def WatchRounds(self, request, context):
+        try:
+            for e in self.coord.watch(request.after_version, context.is_active):
+                yield event_to_proto(e)
+        except ServiceError as e:
+            _abort(context, e)
+
+    def ReportEvaluation(self, request, context):
+        try:
+            self.coord.report_evaluation(evaluation_from_proto(request))
+        except ServiceError as e:
+            _abort(context, e)
+        return control_pb2.ReportAck()

@@ -1,0 +1,84 @@
+"""The aggregator's state directory: every global version on disk, written before it is announced.
+
+Layout::
+
+    <state-dir>/runs/<run_id>/config.json          the validated run config
+    <state-dir>/runs/<run_id>/v000003.safetensors  global version 3 (policy.*, maybe critic.*)
+    <state-dir>/runs/<run_id>/events.jsonl         round events, appended after each version
+
+Every file is written to a temporary name, fsynced, then renamed: a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        (self.root / "runs").mkdir(parents=True, exist_ok=True)
+        if not os.access(self.root / "runs", os.W_OK):
+            raise PermissionError(f"state directory {self.root / 'runs'} is not writable")
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.root / "runs" / run_id
+
+    def version_path(self, run_id: str, version: int) -> Path:
+        return self.run_dir(run_id) / f"v{version:06d}.safetensors"
+
+    def create_run(self, run_id: str, config_json: str) -> None:
+        d = self.run_dir(run_id)
+        d.mkdir(parents=True, exist_ok=False)
+        self._write_bytes(d / "config.json", config_json.encode())
+
+    def save_version(self, run_id: str, version: int, state: Mapping[str, torch.Tensor],
+                     metadata: Mapping[str, Any]) -> Path:
+        path = self.version_path(run_id, version)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+                      metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path
+
+    def load_version(self, run_id: str, version: int) -> dict[str, torch.Tensor]:
+        return load_file(str(self.version_path(run_id, version)))
+
+    def versions(self, run_id: str) -> list[int]:
+        return sorted(int(p.stem[1:]) for p in self.run_dir(run_id).glob("v*.safetensors"))
+
+    def append_event(self, run_id: str, event: Mapping[str, Any]) -> None:
+        with open(self.run_dir(run_id) / "events.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _write_bytes(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)

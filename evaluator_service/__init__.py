@@ -1,0 +1,1 @@
+"""The evaluator service (see README.md)."""

@@ -1,0 +1,62 @@
+"""``python -m evaluator_service`` (or ``fedrl-evaluator``): roll each global version out in MuJoCo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedrl-evaluator", description="Follows the aggregator's rounds, "
+                                "evaluates every new global policy and reports returns and scores.")
+    p.add_argument("--aggregator", default=None, metavar="HOST:PORT",
+                   help="follow this aggregator (omit to serve on-demand evaluation only)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052, help="0 picks a free port")
+    p.add_argument("--port-file", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the evaluation episodes")
+    p.add_argument("--num-envs", type=int, default=10, help="vectorised environments per rollout")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+
+    from evaluator_service.follower import Follower
+    from evaluator_service.servicer import EvaluatorServicer
+    from fedrl.proto.v1 import evaluator_pb2_grpc
+    from fedrl.rpc import create_server
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    follower = Follower(a.aggregator, a.seed, a.num_envs) if a.aggregator else None
+    server = create_server([(evaluator_pb2_grpc.add_EvaluatorServicer_to_server,
+                             EvaluatorServicer(follower, a.num_envs), "fedrl.v1.Evaluator")], a.host, a.port)
+    logging.getLogger("fedrl.evaluator").info("serving on %s:%d", a.host, server.port)
+    if a.port_file:
+        tmp = Path(a.port_file + ".tmp")
+        tmp.write_text(str(server.port))
+        tmp.replace(a.port_file)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    if follower is not None:
+        t = threading.Thread(target=follower.run, daemon=True, name="follower")
+        t.start()
+    done.wait()
+    if follower is not None:
+        follower.stop()
+    server.stop(1.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

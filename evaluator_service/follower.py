@@ -1,0 +1,126 @@
+"""Follow the aggregator: evaluate every new global version, report it back, catch up after restarts."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from fedrl.codec import assemble
+from fedrl.evaluation import evaluate
+from fedrl.federation.runconfig import parse_run_config
+from fedrl.policy_io import policy_from_state
+from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
+from fedrl.rpc import create_channel
+from fedrl.serde import evaluation_to_proto, event_from_proto, read_weight_parts
+
+log = logging.getLogger("fedrl.evaluator")
+
+
+class Follower:
+    """Evaluates versions >= 1 of the aggregator's runs in order, each once."""
+
+    def __init__(self, target: str, seed: int = 0, num_envs: int = 10,
+                 on_report: Callable[[dict], None] = lambda r: None) -> None:
+        self.target, self.seed, self.num_envs, self.on_report = target, seed, num_envs, on_report
+        self._stop = threading.Event()
+        self.reports: dict[tuple[str, int], dict] = {}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        delay = 0.2
+        while not self._stop.is_set():
+            channel = create_channel(self.target)
+            try:
+                self._follow(channel)
+                delay = 0.2
+                self._stop.wait(1.0)  # run over: look for the next one
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no run yet
+                    self._stop.wait(1.0)
+                    continue
+                log.warning("aggregator unavailable (%s); retrying in %.1fs", e.code().name, delay)
+                self._stop.wait(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 10.0)
+            finally:
+                channel.close()
+
+    def _follow(self, channel: grpc.Channel) -> None:
+        control = control_pb2_grpc.ControlStub(channel)
+        fed = federation_pb2_grpc.FederationStub(channel)
+        stream = control.WatchRounds(control_pb2.WatchRequest(after_version=-1), wait_for_ready=True)
+        events: queue.Queue = queue.Queue()
+
+        def pump() -> None:
+            try:
+                for ev in stream:
+                    events.put(event_from_proto(ev))
+            except grpc.RpcError as e:
+                events.put(e)
+            events.put(None)
+
+        threading.Thread(target=pump, daemon=True, name="evaluator-watch").start()
+        pending: list[tuple[str, int]] = []
+        done: set[tuple[str, int]] = set(self.reports)
+        ended = False
+        try:
+            while not self._stop.is_set():
+                # Drain what has arrived so versions already evaluated (EVALUATED) are skipped.
+                block = not pending and not ended
+                try:
+                    item = events.get(timeout=0.5) if block else events.get_nowait()
+                except queue.Empty:
+                    if ended and not pending:
+                        return
+                    if not pending:
+                        continue
+                    item = "work"
+                if isinstance(item, grpc.RpcError):
+                    raise item
+                if item is None:
+                    ended = True
+                    continue
+                if isinstance(item, dict):
+                    key = (item["run_id"], item["version"])
+                    if item["kind"] == "EVALUATED":
+                        done.add(key)
+                    elif item["kind"] == "ROUND_CLOSED" and key not in done and key not in pending:
+                        pending.append(key)
+                    continue
+                pending = [k for k in pending if k not in done]
+                if pending:
+                    key = pending.pop(0)
+                    try:
+                        self._evaluate(control, fed, *key)
+                    except (ValueError, RuntimeError) as e:  # a bad model or config: report, go on
+                        log.error("run %s version %d not evaluated: %s", key[0], key[1], e)
+                    done.add(key)
+        finally:
+            stream.cancel()
+
+    def _evaluate(self, control, fed, run_id: str, version: int) -> None:
+        status = control.GetStatus(control_pb2.StatusRequest(), timeout=30)
+        cfg = parse_run_config(status.config_json)
+        if cfg.eval_episodes == 0:
+            return
+        manifest, chunks = read_weight_parts(fed.FetchGlobal(
+            federation_pb2.FetchRequest(run_id=run_id, version=version), timeout=120))
+        state = assemble(manifest, chunks)
+        hp = cfg.bc if cfg.algo == "fed-bc" else cfg.drpo
+        policy = policy_from_state(state, hp.log_std_min, hp.log_std_max)
+        env = cfg.env or status.env_id
+        if not env:
+            raise ValueError(f"run {run_id}: no evaluation env known; set env in the run config")
+        res = evaluate(policy, env, cfg.eval_episodes, seed=self.seed, num_envs=self.num_envs)
+        report = {"run_id": run_id, "version": version, **res.as_dict()}
+        report.pop("lengths", None)
+        control.ReportEvaluation(evaluation_to_proto(report), timeout=30)
+        self.reports[(run_id, version)] = report
+        self.on_report(report)
+        log.info("run %s version %d: return %.1f, score %.1f", run_id, version, res.return_mean, res.score_mean)

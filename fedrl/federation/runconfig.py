@@ -1,0 +1,160 @@
+"""The configuration of a service-run federation, parsed from JSON with errors that name the field.
+
+Sent by ``fedrl ctl start`` / ``fedrl up`` to the aggregator's Control service, which refuses
+anything that does not validate (INVALID_ARGUMENT) before a run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedrl.algos import BCConfig, DRPOConfig
+from fedrl.algos.config import config_to_dict
+from fedrl.data.normalize import NORM_CHOICES
+from fedrl.federation.aggregate import AGGREGATIONS, WEIGHTINGS
+
+SERVICE_ALGOS = ("drpo", "fed-cql", "fed-bc")
+FEDERATE_CHOICES = ("policy", "policy+critic")
+
+
+class ConfigError(ValueError):
+    """A run configuration that does not validate; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One federated run driven by the aggregator."""
+
+    algo: str = "drpo"
+    """drpo, fed-cql or fed-bc (the independent ``cql`` baseline has no server: use simulate)."""
+    agents: int = 2
+    """Agents the run waits for before round 1; every round selects all of them."""
+    min_agents: int = 0
+    """Quorum: at its deadline a round closes if at least this many submitted (0 = all agents)."""
+    rounds: int = 5
+    local_steps: int = 50
+    round_timeout: float = 600.0
+    """Seconds after which a round closes with the quorum."""
+    join_timeout: float = 600.0
+    """Seconds to wait for ``agents`` agents to join before the run fails."""
+    seed: int = 0
+    obs_norm: str = "pooled"
+    weighting: str = "uniform"
+    aggregation: str = "fedavg"
+    federate: str = "policy"
+    eval_episodes: int = 10
+    """Episodes the evaluator rolls out per global version (0 = no evaluation)."""
+    env: str | None = None
+    """Evaluation env; default: the env the agents' shards report."""
+    drpo: DRPOConfig = field(default_factory=DRPOConfig)
+    bc: BCConfig = field(default_factory=BCConfig)
+
+    @property
+    def quorum(self) -> int:
+        return self.min_agents or self.agents
+
+    def to_json(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["drpo"], d["bc"] = config_to_dict(self.drpo), config_to_dict(self.bc)
+        return json.dumps(d, sort_keys=True)
+
+
+_INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes")
+_FLOATS = ("round_timeout", "join_timeout")
+_CHOICES = {"algo": SERVICE_ALGOS, "obs_norm": NORM_CHOICES, "weighting": WEIGHTINGS,
+            "aggregation": AGGREGATIONS, "federate": FEDERATE_CHOICES}
+
+
+def _sub_config(cls, value: Any, name: str):
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: expected an object, got {type(value).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ConfigError(f"{name}: unknown field(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    kw = {}
+    defaults = cls()
+    for k, v in value.items():
+        d = getattr(defaults, k)
+        if isinstance(d, bool):
+            if not isinstance(v, bool):
+                raise ConfigError(f"{name}.{k}: expected true/false, got {v!r}")
+        elif isinstance(d, tuple):
+            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise ConfigError(f"{name}.{k}: expected a list of integers, got {v!r}")
+            v = tuple(v)
+        elif isinstance(d, int | float) and d is not None and not isinstance(d, str):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ConfigError(f"{name}.{k}: expected a finite number, got {v!r}")
+            if isinstance(d, int) and not float(v).is_integer():
+                raise ConfigError(f"{name}.{k}: expected an integer, got {v!r}")
+            v = type(d)(v)
+        elif isinstance(d, str) and not isinstance(v, str):
+            raise ConfigError(f"{name}.{k}: expected a string, got {v!r}")
+        kw[k] = v
+    try:
+        return cls(**kw)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
+def parse_run_config(text: str | bytes | dict) -> RunConfig:
+    """A :class:`RunConfig` from JSON (or a dict); raises :class:`ConfigError` naming the problem."""
+    if isinstance(text, dict):
+        data = text
+    else:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+            raise ConfigError(f"run config is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"run config must be a JSON object, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
+    kw: dict[str, Any] = {}
+    for k, v in data.items():
+        if k in _INTS:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{k}: expected an integer, got {v!r}")
+        elif k in _FLOATS:
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ConfigError(f"{k}: expected a finite number, got {v!r}")
+            v = float(v)
+        elif k in _CHOICES:
+            if v not in _CHOICES[k]:
+                raise ConfigError(f"{k}: {v!r} is not one of {', '.join(_CHOICES[k])}")
+        elif k == "env":
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"env: expected a string, got {v!r}")
+        elif k == "drpo":
+            v = _sub_config(DRPOConfig, v, "drpo")
+        elif k == "bc":
+            v = _sub_config(BCConfig, v, "bc")
+        kw[k] = v
+    cfg = RunConfig(**kw)
+    for k in ("agents", "rounds"):
+        if getattr(cfg, k) < 1:
+            raise ConfigError(f"{k}: must be >= 1, got {getattr(cfg, k)}")
+    for k in ("min_agents", "local_steps", "eval_episodes", "seed"):
+        if getattr(cfg, k) < 0:
+            raise ConfigError(f"{k}: must be >= 0, got {getattr(cfg, k)}")
+    if cfg.min_agents > cfg.agents:
+        raise ConfigError(f"min_agents: {cfg.min_agents} exceeds agents ({cfg.agents})")
+    for k in _FLOATS:
+        if getattr(cfg, k) <= 0:
+            raise ConfigError(f"{k}: must be > 0 seconds, got {getattr(cfg, k)}")
+    if cfg.federate == "policy+critic" and cfg.algo == "fed-bc":
+        raise ConfigError("federate: policy+critic needs a critic; fed-bc has none")
+    if cfg.env is not None:
+        from fedrl.envs import env_info
+        try:
+            env_info(cfg.env)
+        except ValueError as e:
+            raise ConfigError(f"env: {e}") from None
+    return cfg

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (package fedrl.v1 on the wire)."""

@@ -1,0 +1,1 @@
+"""Generated from protos/fedrl/v1 by `python -m fedrl.proto.generate`."""

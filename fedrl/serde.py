@@ -1,0 +1,102 @@
+"""Domain <-> protobuf conversions. Servicers and clients call these; nothing else sees protos."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from fedrl.codec import Encoded, Manifest, TensorSpec
+from fedrl.proto.v1 import control_pb2, weights_pb2
+
+
+def manifest_to_proto(m: Manifest) -> weights_pb2.WeightsManifest:
+    return weights_pb2.WeightsManifest(
+        run_id=m.run_id, round=m.round, base_version=m.base_version,
+        tensors=[weights_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in m.tensors],
+        num_samples=m.num_samples, total_bytes=m.total_bytes, sha256=m.sha256, encoding=m.encoding)
+
+
+def manifest_from_proto(p: weights_pb2.WeightsManifest) -> Manifest:
+    return Manifest(p.run_id, p.round, p.base_version,
+                    tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in p.tensors),
+                    p.num_samples, p.total_bytes, p.sha256, p.encoding)
+
+
+def weight_parts(enc: Encoded) -> Iterator[weights_pb2.WeightsPart]:
+    """A manifest part, then one part per chunk."""
+    yield weights_pb2.WeightsPart(manifest=manifest_to_proto(enc.manifest))
+    for c in enc.chunks():
+        yield weights_pb2.WeightsPart(chunk=c)
+
+
+def read_weight_parts(parts: Iterable[weights_pb2.WeightsPart]) -> tuple[Manifest, list[bytes]]:
+    """Split a weights stream into its manifest and chunks (structure only; no verification)."""
+    it = iter(parts)
+    first = next(it, None)
+    if first is None or first.WhichOneof("part") != "manifest":
+        raise ValueError("weights stream must start with a manifest")
+    chunks = []
+    for p in it:
+        if p.WhichOneof("part") != "chunk":
+            raise ValueError("a weights stream has exactly one manifest, first")
+        chunks.append(p.chunk)
+    return manifest_from_proto(first.manifest), chunks
+
+
+def evaluation_to_proto(d: dict | None) -> control_pb2.EvaluationReport | None:
+    if not d:
+        return None
+    return control_pb2.EvaluationReport(
+        run_id=d.get("run_id", ""), version=int(d.get("version", 0)), env_id=d.get("env_id", ""),
+        returns=list(d.get("returns", [])), return_mean=d.get("return_mean", 0.0),
+        return_std=d.get("return_std", 0.0), score_mean=d.get("score_mean", 0.0),
+        score_std=d.get("score_std", 0.0), env_steps=int(d.get("env_steps", 0)),
+        seconds=d.get("seconds", 0.0))
+
+
+def evaluation_from_proto(p: control_pb2.EvaluationReport) -> dict:
+    return {"run_id": p.run_id, "version": p.version, "env_id": p.env_id, "returns": list(p.returns),
+            "return_mean": p.return_mean, "return_std": p.return_std, "score_mean": p.score_mean,
+            "score_std": p.score_std, "env_steps": p.env_steps, "seconds": p.seconds}
+
+
+def status_to_proto(s: dict) -> control_pb2.RunStatus:
+    msg = control_pb2.RunStatus(
+        run_id=s.get("run_id", ""), state=s["state"], round=s.get("round", 0), rounds=s.get("rounds", 0),
+        global_version=s.get("global_version", 0), message=s.get("message", ""),
+        config_json=s.get("config_json", ""), env_id=s.get("env_id", ""),
+        agents=[control_pb2.AgentInfo(**a) for a in s["agents"]])
+    ev = evaluation_to_proto(s.get("last_evaluation"))
+    if ev is not None:
+        msg.last_evaluation.CopyFrom(ev)
+    return msg
+
+
+def event_to_proto(e: dict) -> control_pb2.RoundEvent:
+    msg = control_pb2.RoundEvent(
+        kind=control_pb2.RoundEvent.Kind.Value(e["kind"]), run_id=e["run_id"], round=e["round"],
+        version=e["version"], agents=e.get("agents", []), metrics=e.get("metrics", {}),
+        seconds=e.get("seconds", 0.0), message=e.get("message", ""), time_unix=e["time_unix"])
+    ev = evaluation_to_proto(e.get("evaluation"))
+    if ev is not None:
+        msg.evaluation.CopyFrom(ev)
+    return msg
+
+
+def status_from_proto(p: control_pb2.RunStatus) -> dict:
+    d = {"run_id": p.run_id, "state": p.state, "round": p.round, "rounds": p.rounds,
+         "global_version": p.global_version, "message": p.message, "config_json": p.config_json,
+         "env_id": p.env_id, "agents": [{"agent_id": a.agent_id, "agent_index": a.agent_index, "num_samples": a.num_samples,
+                     "connected": a.connected, "last_seen_unix": a.last_seen_unix,
+                     "rounds_submitted": a.rounds_submitted} for a in p.agents]}
+    if p.HasField("last_evaluation"):
+        d["last_evaluation"] = evaluation_from_proto(p.last_evaluation)
+    return d
+
+
+def event_from_proto(p: control_pb2.RoundEvent) -> dict:
+    d = {"kind": control_pb2.RoundEvent.Kind.Name(p.kind), "run_id": p.run_id, "round": p.round,
+         "version": p.version, "agents": list(p.agents), "metrics": dict(p.metrics),
+         "seconds": p.seconds, "message": p.message, "time_unix": p.time_unix}
+    if p.HasField("evaluation"):
+        d["evaluation"] = evaluation_from_proto(p.evaluation)
+    return d
