@@ -29,7 +29,7 @@ from fedrl.data.partition import Shard, ShardSource, partition
 from fedrl.data.registry import infer_env, load
 from fedrl.device import derive_seed, resolve_device, seed_everything
 from fedrl.evaluation import evaluate
-from fedrl.federation.aggregate import WEIGHTINGS, agent_weights, fedavg
+from fedrl.federation.aggregate import WEIGHTINGS, agent_weights, aggregate
 from fedrl.federation.round import (
     SEED_EVAL,
     SEED_SHARDS,
@@ -136,9 +136,11 @@ def load_shards(datasets: tuple[str, ...] | list[str], default_agents: int, traj
     return partition(sources, trajectories, derive_seed(seed, SEED_SHARDS)), env
 
 
-def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
+        on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> dict[str, Any]:
     """Run the federation; write ``config.json``, ``rounds.jsonl``, ``summary.json``,
-    ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``."""
+    ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``.
+    ``on_round(r, global_state)`` sees every new global model (the equivalence tests use it)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -192,7 +194,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 agent_states = [res.state for res in results]
             else:
                 w = agent_weights(cfg.weighting, [res.num_samples for res in results])
-                global_state = fedavg([res.state for res in results], w)
+                global_state = aggregate("fedavg", [res.state for res in results], w)
+                if on_round is not None:
+                    on_round(r, global_state)
             train_s = time.perf_counter() - t0
             rec: dict[str, Any] = {"round": r, "train_seconds": train_s,
                                    "agents": [{"agent": res.agent, "num_samples": res.num_samples,

@@ -1,0 +1,75 @@
+"""Real gRPC servers on 127.0.0.1:0 (in this process) and real agents in threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from aggregator_service.coordinator import Coordinator
+from aggregator_service.servicer import ControlServicer, FederationServicer
+from aggregator_service.store import Store
+from agent_service.client import Agent, AgentConfig
+from fedrl.federation.simulate import load_shards
+from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
+from fedrl.rpc import create_channel, create_server
+
+
+class Aggregator:
+    def __init__(self, state_dir, task_wait: float = 2.0) -> None:
+        self.store = Store(state_dir)
+        self.coord = Coordinator(self.store, max_task_wait=task_wait, tick=0.02)
+        self.server = create_server([
+            (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(self.coord), "fedrl.v1.Federation"),
+            (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(self.coord), "fedrl.v1.Control"),
+        ], "127.0.0.1", 0)
+        self.target = f"127.0.0.1:{self.server.port}"
+        self.channel = create_channel(self.target)
+        self.fed = federation_pb2_grpc.FederationStub(self.channel)
+        self.control = control_pb2_grpc.ControlStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(0.5)
+        self.coord.close()
+
+
+@pytest.fixture
+def aggregator(tmp_path):
+    agg = Aggregator(tmp_path / "state")
+    yield agg
+    agg.close()
+
+
+class AgentThreads:
+    """Real agent clients (the agent service's own code) running in threads."""
+
+    def __init__(self) -> None:
+        self.agents: list[Agent] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self, target: str, dataset: str, n: int, trajectories: int, seed: int) -> list[Agent]:
+        shards, env = load_shards([dataset], n, trajectories, seed, None, lambda m: None)
+        for s in shards:
+            a = Agent(AgentConfig(target, f"agent-{s.agent}", s.agent, env.gym_id, torch.device("cpu"),
+                                  task_wait=1.0, backoff_initial=0.05, backoff_max=0.5), s)
+            t = threading.Thread(target=a.run, daemon=True)
+            t.start()
+            self.agents.append(a)
+            self.threads.append(t)
+        return self.agents
+
+    def stop(self) -> None:
+        for a in self.agents:
+            a.stop()
+        for t in self.threads:
+            t.join(timeout=10)
+            assert not t.is_alive(), "an agent thread did not stop"
+
+
+@pytest.fixture
+def agent_threads():
+    at = AgentThreads()
+    yield at
+    at.stop()

@@ -1,0 +1,266 @@
+"""The aggregator and agents over real gRPC on loopback: runs, equivalence, refusals."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from fedrl.algos import BCConfig, DRPOConfig
+from fedrl.codec import encode
+from fedrl.federation.runconfig import RunConfig
+from fedrl.federation.simulate import SimConfig, run as simulate
+from fedrl.proto.v1 import control_pb2, federation_pb2
+from fedrl.serde import manifest_to_proto, read_weight_parts, status_from_proto
+from fedrl.codec import assemble
+
+SMALL = DRPOConfig(hidden=(32, 32), batch_size=16, cql_n_actions=2)
+SMALL_BC = BCConfig(hidden=(32, 32), batch_size=16)
+
+
+def run_config(**kw) -> str:
+    base = dict(algo="drpo", agents=2, rounds=2, local_steps=3, seed=7, eval_episodes=0,
+                round_timeout=30.0, join_timeout=30.0, drpo=SMALL, bc=SMALL_BC)
+    return RunConfig(**{**base, **kw}).to_json()
+
+
+def wait_for(pred, timeout: float = 60.0, what: str = "condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def status(agg) -> dict:
+    return status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
+
+
+@pytest.mark.parametrize("algo,obs_norm", [("drpo", "pooled"), ("fed-bc", "local")])
+def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_dataset, tmp_path,
+                                               algo, obs_norm):
+    """Same config and seeds: the service run's stored global versions are bit-identical to
+    the in-process simulator's global model after every round."""
+    sim_states: dict[int, dict[str, torch.Tensor]] = {}
+    simulate(SimConfig(algo=algo, datasets=(str(stand_dataset),), agents=2, trajectories=2, rounds=2,
+                       local_steps=3, eval_episodes=0, seed=7, device="cpu", obs_norm=obs_norm,
+                       drpo=SMALL, bc=SMALL_BC),
+             tmp_path / "sim", log=lambda m: None, on_round=lambda r, s: sim_states.__setitem__(r, s))
+
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+    st = status_from_proto(aggregator.control.StartRun(
+        control_pb2.StartRunRequest(config_json=run_config(algo=algo, obs_norm=obs_norm)), timeout=10))
+    assert st["state"] == "running" and st["round"] == 1
+    done = wait_for(lambda: (s := status(aggregator))["state"] == "finished" and s, what="run to finish")
+    assert done["global_version"] == 2
+    for v in (1, 2):
+        stored = aggregator.store.load_version(done["run_id"], v)
+        assert stored.keys() == sim_states[v].keys()
+        for k in stored:
+            assert torch.equal(stored[k], sim_states[v][k]), f"version {v}: {k} differs"
+    assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
+
+
+def test_watch_streams_round_events_and_replays(aggregator, agent_threads, stand_dataset):
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=1)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=10)
+    kinds = [control_pb2.RoundEvent.Kind.Name(e.kind) for e in
+             aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=60)]
+    assert kinds[0] == "RUN_STARTED" and kinds[-1] == "RUN_FINISHED"
+    assert kinds.count("ROUND_CLOSED") == 3 and kinds.count("ROUND_OPENED") == 3
+    # A watcher that saw version 2 gets only what came after it.
+    later = list(aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=2), timeout=10))
+    closed = [e for e in later if e.kind == control_pb2.RoundEvent.ROUND_CLOSED]
+    assert [e.version for e in closed] == [3]
+    assert set(closed[0].metrics) >= {"critic_td", "cql_penalty", "reg_data", "reg_global"}
+
+
+# -- bad input: a hand-driven federation whose round 1 stays open ---------------------------------
+
+def join(agg, agent_id: str, index: int, obs_dim: int = 11):
+    return agg.fed.Join(federation_pb2.JoinRequest(
+        agent_id=agent_id, agent_index=index, num_samples=100, obs_dim=obs_dim, act_dim=3,
+        env_id="Hopper-v5", obs_moments=federation_pb2.ObsMoments(
+            count=100, sum=[1.0] * obs_dim, sum_sq=[2.0] * obs_dim)), timeout=5)
+
+
+@pytest.fixture
+def open_round(aggregator):
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    st = status_from_proto(aggregator.control.StartRun(
+        control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=5))
+    parts = aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)
+    manifest, chunks = read_weight_parts(parts)
+    g = assemble(manifest, chunks)
+    path = aggregator.store.version_path(st["run_id"], 0)
+    return aggregator, st["run_id"], g, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def submit(agg, agent_id, state, run_id, round=1, base=0, tamper=None, extra_chunks=(), chunk_bytes=1 << 20):
+    enc = encode(state, run_id, round, base, 100, chunk_bytes=chunk_bytes)
+    m = manifest_to_proto(enc.manifest)
+    chunks = list(enc.chunks())
+    if tamper:
+        m, chunks = tamper(m, chunks)
+
+    def parts():
+        yield federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(agent_id=agent_id, weights=m))
+        for c in [*chunks, *extra_chunks]:
+            yield federation_pb2.UpdatePart(chunk=c)
+
+    return agg.fed.SubmitUpdate(parts(), timeout=10)
+
+
+def assert_refused(call, code: grpc.StatusCode, text: str) -> None:
+    with pytest.raises(grpc.RpcError) as ei:
+        call()
+    assert ei.value.code() == code, ei.value.details()
+    assert text in ei.value.details(), ei.value.details()
+
+
+def assert_untouched(agg, run_id, g, digest) -> None:
+    st = status(agg)
+    assert st["global_version"] == 0 and st["round"] == 1 and st["state"] == "running"
+    assert agg.store.versions(run_id) == [0]
+    assert hashlib.sha256(agg.store.version_path(run_id, 0).read_bytes()).hexdigest() == digest
+    assert all(torch.equal(agg.coord.run.global_state[k], g[k]) for k in g)
+
+
+def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round):
+    agg, run_id, g, digest = open_round
+    k0 = "policy.head.weight"
+
+    def with_(k, v):
+        return {**g, k: v}
+
+    cases = [
+        ("wrong name", lambda: submit(agg, "a0", {**{k: v for k, v in g.items() if k != k0}, "policy.extra": g[k0]}, run_id),
+         grpc.StatusCode.INVALID_ARGUMENT, "tensor names differ"),
+        ("wrong shape", lambda: submit(agg, "a0", with_(k0, torch.zeros(7, 32)), run_id),
+         grpc.StatusCode.INVALID_ARGUMENT, "'policy.head.weight' is F32[7, 32]"),
+        ("wrong dtype", lambda: submit(agg, "a0", with_(k0, g[k0].double()), run_id),
+         grpc.StatusCode.INVALID_ARGUMENT, "F64"),
+        ("NaN", lambda: submit(agg, "a0", with_(k0, torch.full_like(g[k0], float("nan"))), run_id),
+         grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
+        ("Inf", lambda: submit(agg, "a0", with_(k0, torch.full_like(g[k0], float("inf"))), run_id),
+         grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
+        ("sha256", lambda: submit(agg, "a0", g, run_id, tamper=lambda m, c: (m, [bytes([c[0][0] ^ 1]) + c[0][1:], *c[1:]])),
+         grpc.StatusCode.DATA_LOSS, "sha256"),
+        ("extra chunk", lambda: submit(agg, "a0", g, run_id, extra_chunks=[b"x"]),
+         grpc.StatusCode.OUT_OF_RANGE, "exceed the declared"),
+        ("truncated", lambda: submit(agg, "a0", g, run_id, chunk_bytes=1000, tamper=lambda m, c: (m, c[:-1])),
+         grpc.StatusCode.DATA_LOSS, "received"),
+        ("unknown agent", lambda: submit(agg, "mallory", g, run_id),
+         grpc.StatusCode.NOT_FOUND, "unknown agent 'mallory'"),
+        ("future round", lambda: submit(agg, "a0", g, run_id, round=2),
+         grpc.StatusCode.FAILED_PRECONDITION, "round 2 is in the future"),
+        ("closed round", lambda: submit(agg, "a0", g, run_id, round=0),
+         grpc.StatusCode.FAILED_PRECONDITION, "round 0 is closed"),
+        ("wrong run", lambda: submit(agg, "a0", g, "other-run"),
+         grpc.StatusCode.FAILED_PRECONDITION, "update for run 'other-run'"),
+        ("pickle encoding", lambda: submit(agg, "a0", g, run_id, tamper=lambda m, c: (_set(m, encoding="pickle"), c)),
+         grpc.StatusCode.INVALID_ARGUMENT, "encoding 'pickle' is not accepted"),
+    ]
+    for name, call, code, text in cases:
+        assert_refused(call, code, text)
+        assert_untouched(agg, run_id, g, digest)
+
+    # A valid update is taken once; the second for the same round is refused.
+    assert submit(agg, "a0", g, run_id).accepted
+    assert_refused(lambda: submit(agg, "a0", g, run_id), grpc.StatusCode.ALREADY_EXISTS, "already submitted")
+    assert agg.store.versions(run_id) == [0]
+    # The other agent completes the round: version 1 exists and equals the average.
+    assert submit(agg, "a1", g, run_id).round == 1
+    st = wait_for(lambda: (s := status(agg))["global_version"] == 1 and s, what="round 1 to close")
+    assert st["round"] == 2
+    v1 = agg.store.load_version(run_id, 1)
+    assert all(torch.equal(v1[k], g[k]) for k in g)
+    # Now round 1 is closed for everyone.
+    assert_refused(lambda: submit(agg, "a0", g, run_id, round=1, base=1), grpc.StatusCode.FAILED_PRECONDITION,
+                   "round 1 is closed")
+
+
+def _set(m, **kw):
+    for k, v in kw.items():
+        setattr(m, k, v)
+    return m
+
+
+def test_bad_configs_and_control_misuse(aggregator):
+    c = aggregator.control
+    bad = [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        (json.dumps({"agents": 0}), "agents: must be >= 1"),
+        (json.dumps({"algo": "ppo"}), "algo: 'ppo' is not one of drpo, fed-cql, fed-bc"),
+        (json.dumps({"rounds": "five"}), "rounds: expected an integer"),
+        (json.dumps({"colour": "red"}), "unknown field(s) colour"),
+        (json.dumps({"drpo": {"lambda1": -1}}), "drpo: lambda1 must be >= 0"),
+        (json.dumps({"drpo": {"learning_rate": 1}}), "drpo: unknown field(s) learning_rate"),
+        (json.dumps({"agents": 2, "min_agents": 3}), "min_agents: 3 exceeds agents"),
+        (json.dumps({"env": "Pong-v5"}), "env: unknown environment"),
+    ]
+    for text, msg in bad:
+        assert_refused(lambda: c.StartRun(control_pb2.StartRunRequest(config_json=text), timeout=5),
+                       grpc.StatusCode.INVALID_ARGUMENT, msg)
+    assert status(aggregator)["state"] == "idle"
+    assert_refused(lambda: c.StopRun(control_pb2.StopRunRequest(), timeout=5),
+                   grpc.StatusCode.FAILED_PRECONDITION, "no active run")
+    c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    assert status(aggregator)["state"] == "waiting_for_agents"
+    assert_refused(lambda: c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5),
+                   grpc.StatusCode.FAILED_PRECONDITION, "stop it first")
+    st = status_from_proto(c.StopRun(control_pb2.StopRunRequest(reason="test"), timeout=5))
+    assert st["state"] == "stopped" and st["message"] == "test"
+
+
+def test_join_and_task_refusals(aggregator):
+    f = aggregator.fed
+    assert_refused(lambda: f.NextTask(federation_pb2.TaskRequest(agent_id="nobody", wait_seconds=0), timeout=5),
+                   grpc.StatusCode.NOT_FOUND, "unknown agent 'nobody'")
+    assert_refused(lambda: f.Join(federation_pb2.JoinRequest(agent_id="", obs_dim=1, act_dim=1, num_samples=1), timeout=5),
+                   grpc.StatusCode.INVALID_ARGUMENT, "agent_id")
+    assert_refused(lambda: f.Join(federation_pb2.JoinRequest(
+        agent_id="x", obs_dim=3, act_dim=1, num_samples=5,
+        obs_moments=federation_pb2.ObsMoments(count=5, sum=[1.0], sum_sq=[1.0])), timeout=5),
+        grpc.StatusCode.INVALID_ARGUMENT, "obs_dim=3")
+    join(aggregator, "a0", 0)
+    t0 = time.monotonic()
+    task = f.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.3), timeout=5)
+    assert task.kind == federation_pb2.Task.WAIT and 0.25 < time.monotonic() - t0 < 3
+    # Agents whose data disagree on dimensions fail the run with the reason.
+    join(aggregator, "a1", 1, obs_dim=17)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    st = status(aggregator)
+    assert st["state"] == "failed" and "agents disagree" in st["message"]
+    assert_refused(lambda: f.FetchGlobal(federation_pb2.FetchRequest(run_id="nope", version=0), timeout=5).next(),
+                   grpc.StatusCode.NOT_FOUND, "unknown run 'nope'")
+
+
+def test_round_closes_at_deadline_with_quorum(aggregator):
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(min_agents=1, round_timeout=0.5)), timeout=5))
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+    scaled = {k: v * 2 if v.is_floating_point() else v for k, v in g.items()}
+    submit(aggregator, "a0", scaled, st["run_id"])
+    t0 = time.monotonic()
+    s = wait_for(lambda: (x := status(aggregator))["global_version"] == 1 and x, timeout=10, what="deadline close")
+    assert time.monotonic() - t0 < 5 and s["round"] == 2
+    v1 = aggregator.store.load_version(st["run_id"], 1)
+    assert torch.equal(v1["policy.head.weight"], scaled["policy.head.weight"])  # only a0's update
+    ev = [e for e in aggregator.coord.run.events if e["kind"] == "ROUND_CLOSED"]
+    assert ev[0]["agents"] == ["a0"]
+    np.testing.assert_allclose(v1["policy.obs_mean"].numpy(), 2 * g["policy.obs_mean"].numpy())
