@@ -76,13 +76,15 @@ class Run:
     env_id: str = ""
     events: list[dict[str, Any]] = field(default_factory=list)
     evaluations: dict[int, dict[str, Any]] = field(default_factory=dict)
+    ended: float = 0.0
 
 
 class Coordinator:
     """Thread-safe: every public method takes the one lock; waiters use its condition."""
 
-    def __init__(self, store: Store, max_task_wait: float = 30.0, tick: float = 0.1) -> None:
-        self.store = store
+    def __init__(self, store: Store, max_task_wait: float = 30.0, tick: float = 0.1,
+                 eval_grace: float = 120.0) -> None:
+        self.store, self.eval_grace = store, eval_grace
         self.max_task_wait = max_task_wait
         self.cond = threading.Condition()
         self.agents: dict[str, AgentRecord] = {}
@@ -297,7 +299,7 @@ class Coordinator:
             with self.cond:
                 new = run.events[sent:]
                 sent = len(run.events)
-                ended = run.state not in ACTIVE
+                ended = self._watch_over(run)
                 if not new and not ended:
                     self.cond.wait(poll)
                     continue
@@ -313,6 +315,16 @@ class Coordinator:
                         return
 
     # -- internals (lock held) ---------------------------------------------------------------
+    def _watch_over(self, run: Run) -> bool:
+        """A run's event stream ends once it is over and every version has been evaluated
+        (or evaluation is off, or ``eval_grace`` seconds passed without an evaluator)."""
+        if run.state in ACTIVE:
+            return False
+        if run.state != "finished" or run.cfg.eval_episodes == 0:
+            return True
+        missing = [v for v in range(1, run.version + 1) if v not in run.evaluations]
+        return not missing or time.time() - run.ended > self.eval_grace
+
     def _event(self, run: Run, kind: str, **kw: Any) -> None:
         e = {"kind": kind, "run_id": run.run_id, "round": kw.pop("round", run.round),
              "version": kw.pop("version", run.version), "time_unix": time.time(), **kw}
@@ -398,7 +410,7 @@ class Coordinator:
         self._event(run, "ROUND_CLOSED", agents=order, metrics=metrics,
                     seconds=time.time() - run.round_opened)
         if run.round >= run.cfg.rounds:
-            run.state = "finished"
+            run.state, run.ended = "finished", time.time()
             self._event(run, "RUN_FINISHED")
         else:
             self._open_round(run, run.round + 1)

@@ -1,4 +1,4 @@
-"""The ``fedrl`` command line: ``simulate``, ``evaluate``, ``data info``."""
+"""The ``fedrl`` command line: ``up``, ``ctl``, ``simulate``, ``evaluate``, ``data ...``."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help=f"one of {', '.join(DEVICE_CHOICES)}[:N]")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: torch's default). Results are bit-identical only for "
+                        "equal thread counts: use 1 to reproduce a `fedrl up` run, whose agents use 1")
     p.add_argument("--obs-norm", choices=NORM_CHOICES, default=d.obs_norm)
     p.add_argument("--weighting", choices=WEIGHTINGS, default=d.weighting)
     p.add_argument("--federate", choices=FEDERATE_CHOICES, default=d.federate)
@@ -60,6 +63,10 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_simulate(a: argparse.Namespace) -> int:
     from fedrl.federation.simulate import DEFAULT_DATASET, SimConfig, run
+
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
 
     hidden = tuple(a.hidden)
     cfg = SimConfig(
@@ -209,12 +216,109 @@ def _cmd_train_behavior(a: argparse.Namespace) -> int:
     return 0
 
 
+UP_DEFAULT_DATASET = "hopper-medium-v2"
+UP_DEFAULTS = {"agents": 3, "rounds": 5, "local_steps": 100, "eval_episodes": 5}
+
+
+def _up_parser(sub: argparse._SubParsersAction) -> None:
+    from fedrl.federation.runconfig import SERVICE_ALGOS
+
+    p = sub.add_parser("up", help="run the whole federation here: aggregator, agents, evaluator as processes",
+                       description="Starts the aggregator, N agents and the evaluator as real processes on "
+                                   "127.0.0.1, runs the federation, writes a run folder. The default needs "
+                                   f"nothing from outside ({UP_DEFAULT_DATASET}, made from the shipped "
+                                   "behaviour policies) and takes a few minutes on 2 CPU cores.")
+    p.add_argument("--config", default=None, help="run config JSON file (fields of RunConfig); flags override it")
+    p.add_argument("--dataset", action="append", metavar="PATH|NAME[:AGENTS]",
+                   help=f"the federation's data, dealt to agents in shards (default {UP_DEFAULT_DATASET})")
+    p.add_argument("--algo", choices=SERVICE_ALGOS, default=None)
+    p.add_argument("--agents", type=int, default=None, help=f"default {UP_DEFAULTS['agents']}")
+    p.add_argument("--trajectories", type=int, default=5, help="whole trajectories per agent")
+    p.add_argument("--rounds", type=int, default=None, help=f"default {UP_DEFAULTS['rounds']}")
+    p.add_argument("--local-steps", type=int, default=None, help=f"default {UP_DEFAULTS['local_steps']}")
+    p.add_argument("--eval-episodes", type=int, default=None, help=f"default {UP_DEFAULTS['eval_episodes']}")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="auto", help="agents' device: auto, cpu, cuda[:N]")
+    p.add_argument("--agent-threads", type=int, default=1, help="torch threads per agent process")
+    p.add_argument("--out", default=None, help="run folder (default runs/up-<time>)")
+    p.set_defaults(func=_cmd_up)
+
+
+def _cmd_up(a: argparse.Namespace) -> int:
+    from fedrl.federation.runconfig import parse_run_config
+    from fedrl.launcher import UpConfig, up
+
+    data = dict(UP_DEFAULTS)
+    if a.config:
+        data.update(json.loads(Path(a.config).read_text()))
+    for k in ("algo", "agents", "rounds", "local_steps", "eval_episodes", "seed"):
+        if getattr(a, k) is not None:
+            data[k] = getattr(a, k)
+    datasets = tuple(a.dataset or [UP_DEFAULT_DATASET])
+    rc = parse_run_config(data)
+    out = Path(a.out or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}")
+    return up(UpConfig(rc, datasets, a.trajectories, out, a.device, a.agent_threads),
+              log=lambda m: print(m, flush=True))
+
+
+def _ctl_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, stop")
+    p.add_argument("--target", default="127.0.0.1:50051", help="aggregator HOST:PORT")
+    csub = p.add_subparsers(dest="ctl_cmd", required=True)
+    st = csub.add_parser("start", help="start a run")
+    st.add_argument("--config", default=None, help="run config JSON file")
+    st.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="override a field, e.g. --set rounds=10 --set 'drpo={\"lambda1\": 0.2}'")
+    csub.add_parser("status", help="the run's state, round, agents and last evaluation")
+    w = csub.add_parser("watch", help="print round events until the run ends")
+    w.add_argument("--after-version", type=int, default=-1)
+    sp = csub.add_parser("stop", help="stop the active run")
+    sp.add_argument("--reason", default="stopped by operator")
+    p.set_defaults(func=_cmd_ctl)
+
+
+def _cmd_ctl(a: argparse.Namespace) -> int:
+    import grpc
+
+    from fedrl.client import ControlClient, dumps
+
+    try:
+        with ControlClient(a.target) as c:
+            if a.ctl_cmd == "start":
+                data = json.loads(Path(a.config).read_text()) if a.config else {}
+                for kv in a.set:
+                    k, sep, v = kv.partition("=")
+                    if not sep:
+                        raise ValueError(f"--set {kv!r}: expected KEY=VALUE")
+                    try:
+                        data[k] = json.loads(v)
+                    except json.JSONDecodeError:
+                        data[k] = v
+                print(dumps(c.start(data)))
+            elif a.ctl_cmd == "status":
+                print(dumps(c.status()))
+            elif a.ctl_cmd == "watch":
+                for e in c.watch(a.after_version):
+                    print(json.dumps(e), flush=True)
+            elif a.ctl_cmd == "stop":
+                print(dumps(c.stop(a.reason)))
+    except grpc.RpcError as e:
+        print(f"fedrl ctl: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except ConnectionError as e:
+        print(f"fedrl ctl: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl", description="Federated offline RL (DRPO)")
     sub = p.add_subparsers(dest="cmd", required=True)
     _simulate_parser(sub)
     _evaluate_parser(sub)
     _data_parser(sub)
+    _up_parser(sub)
+    _ctl_parser(sub)
     return p
 
 

@@ -6,6 +6,7 @@ transports compute the same numbers.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from fedrl.algos.base import Learner
 from fedrl.data.buffer import TensorBuffer
 from fedrl.data.d4rl import Transitions
 from fedrl.device import derive_seed, make_generator, tune_allocator
+
+_INIT_LOCK = threading.Lock()
 
 # Seed streams derived from the run seed; keeping them apart keeps runs reproducible.
 SEED_GLOBAL_INIT, SEED_AGENT_INIT, SEED_AGENT_RNG, SEED_EVAL, SEED_SHARDS = range(5)
@@ -50,7 +53,9 @@ def build_learner(cfg: DRPOConfig | BCConfig, obs_dim: int, act_dim: int,
     """A learner whose initial weights come from ``init_seed`` and whose sampling uses ``rng_seed``."""
     tune_allocator()
     gen = make_generator(rng_seed, device)
-    with torch.random.fork_rng(devices=[]):
+    # Module initialisers draw from torch's global RNG: seed it and build under one lock, so
+    # learners built concurrently (agents in threads) still get exactly their seed's weights.
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(init_seed)
         if isinstance(cfg, BCConfig):
             return BCLearner(obs_dim, act_dim, cfg, device, gen)

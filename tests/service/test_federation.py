@@ -23,6 +23,14 @@ SMALL = DRPOConfig(hidden=(32, 32), batch_size=16, cql_n_actions=2)
 SMALL_BC = BCConfig(hidden=(32, 32), batch_size=16)
 
 
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def run_config(**kw) -> str:
     base = dict(algo="drpo", agents=2, rounds=2, local_steps=3, seed=7, eval_episodes=0,
                 round_timeout=30.0, join_timeout=30.0, drpo=SMALL, bc=SMALL_BC)
@@ -45,9 +53,10 @@ def status(agg) -> dict:
 
 @pytest.mark.parametrize("algo,obs_norm", [("drpo", "pooled"), ("fed-bc", "local")])
 def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_dataset, tmp_path,
-                                               algo, obs_norm):
+                                               algo, obs_norm, one_thread):
     """Same config and seeds: the service run's stored global versions are bit-identical to
-    the in-process simulator's global model after every round."""
+    the in-process simulator's global model after every round. (PyTorch's CPU kernels split
+    work by thread count, so both sides use one thread per learner, as ``fedrl up`` does.)"""
     sim_states: dict[int, dict[str, torch.Tensor]] = {}
     simulate(SimConfig(algo=algo, datasets=(str(stand_dataset),), agents=2, trajectories=2, rounds=2,
                        local_steps=3, eval_episodes=0, seed=7, device="cpu", obs_norm=obs_norm,

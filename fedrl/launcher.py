@@ -1,0 +1,250 @@
+"""``fedrl up``: the whole federation on this machine as real processes on 127.0.0.1.
+
+Starts the aggregator, the evaluator and N agents (each its own OS process, free ports),
+starts the run through the Control API, prints round-by-round progress and writes a run folder:
+
+    <out>/run_config.json      the validated run configuration
+    <out>/rounds.jsonl, .csv   one row per round: losses, seconds, evaluation
+    <out>/learning_curve.png   evaluated return per round
+    <out>/global_policy.safetensors   the final global policy (``fedrl evaluate`` reads it)
+    <out>/summary.json
+    <out>/state/               the aggregator's state directory (every global version)
+    <out>/logs/*.log           each process's log
+
+Exit status: 0 when the run finished and every process behaved; 1 if the run failed or a
+process died; 130 on Ctrl-C (every child is stopped first).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedrl.federation.runconfig import RunConfig
+
+STARTUP_TIMEOUT = 120.0
+
+
+@dataclass
+class UpConfig:
+    run: RunConfig
+    datasets: tuple[str, ...]
+    trajectories: int = 5
+    out: Path = Path("runs/up")
+    device: str = "auto"
+    agent_threads: int = 1
+    eval_num_envs: int = 10
+    python: str = sys.executable
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+class Launcher:
+    def __init__(self, cfg: UpConfig, log: Callable[[str], None] = print) -> None:
+        self.cfg, self.log = cfg, log
+        self.out = Path(cfg.out)
+        self.children: dict[str, subprocess.Popen] = {}
+        self.logs: list = []
+
+    # -- processes ---------------------------------------------------------------------------
+    def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
+        logf = open(self.out / "logs" / f"{name}.log", "w")
+        self.logs.append(logf)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.extra_env}
+        p = subprocess.Popen([self.cfg.python, "-m", module, *args], stdout=logf, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+        self.children[name] = p
+        return p
+
+    def _wait_port(self, name: str, port_file: Path) -> int:
+        end = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < end:
+            if port_file.exists():
+                return int(port_file.read_text())
+            self._check_children()
+            time.sleep(0.05)
+        raise ChildFailed(f"{name} did not start within {STARTUP_TIMEOUT:.0f}s; see {self.out / 'logs' / name}.log")
+
+    def _check_children(self) -> None:
+        for name, p in self.children.items():
+            rc = p.poll()
+            if rc is not None:
+                tail = (self.out / "logs" / f"{name}.log").read_text().strip().splitlines()[-5:]
+                raise ChildFailed(f"{name} exited with status {rc}:\n    " + "\n    ".join(tail))
+
+    def stop_children(self, grace: float = 10.0) -> None:
+        for p in self.children.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        end = time.monotonic() + grace
+        for p in self.children.values():
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        for f in self.logs:
+            f.close()
+
+    # -- the run -----------------------------------------------------------------------------
+    def run(self) -> int:
+        from fedrl.client import ControlClient
+        from fedrl.data.registry import resolve
+        from fedrl.federation.simulate import parse_source
+
+        cfg = self.cfg
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        # Make or find the data once, before agents start (they would race to make it).
+        datasets = []
+        for spec in cfg.datasets:
+            path, n = parse_source(spec, cfg.run.agents)
+            datasets.append(f"{resolve(path, progress=self.log)}:{n}")
+        n_agents = sum(int(d.rpartition(":")[2]) for d in datasets)
+        if n_agents != cfg.run.agents:
+            raise ValueError(f"the datasets give {n_agents} agents but the run config says {cfg.run.agents}")
+        (self.out / "run_config.json").write_text(json.dumps(json.loads(cfg.run.to_json()), indent=2))
+
+        agg_port = self.out / "aggregator.port"
+        agg_port.unlink(missing_ok=True)
+        self._spawn("aggregator", "aggregator_service", "--port", "0", "--port-file", str(agg_port),
+                    "--state-dir", str(self.out / "state"))
+        target = f"127.0.0.1:{self._wait_port('aggregator', agg_port)}"
+        ev_port = self.out / "evaluator.port"
+        ev_port.unlink(missing_ok=True)
+        if cfg.run.eval_episodes:
+            self._spawn("evaluator", "evaluator_service", "--aggregator", target, "--port", "0",
+                        "--port-file", str(ev_port), "--seed", str(cfg.run.seed),
+                        "--num-envs", str(cfg.eval_num_envs), "--threads", "1")
+        for i in range(n_agents):
+            args = ["--aggregator", target, "--shard", str(i), "--trajectories", str(cfg.trajectories),
+                    "--seed", str(cfg.run.seed), "--device", cfg.device, "--threads", str(cfg.agent_threads)]
+            for d in datasets:
+                args += ["--dataset", d]
+            self._spawn(f"agent-{i}", "agent_service", *args)
+        self.log(f"aggregator on {target}; {n_agents} agents and "
+                 f"{'an evaluator' if cfg.run.eval_episodes else 'no evaluator'} starting (logs in {self.out / 'logs'})")
+
+        with ControlClient(target) as client:
+            st = client.start(cfg.run)
+            self.log(f"run {st['run_id']}: {cfg.run.algo}, {cfg.run.rounds} rounds x {cfg.run.local_steps} local steps")
+            rounds = self._follow(client, st["run_id"])
+            final = client.status()
+            ok = final["state"] == "finished"
+            if final["global_version"] > 0:
+                self._save_policy(client, final)
+        self._write_results(rounds, final)
+        if not ok:
+            self.log(f"run {final.get('run_id')} {final['state']}: {final.get('message', '')}")
+        return 0 if ok else 1
+
+    def _follow(self, client, run_id: str) -> dict[int, dict[str, Any]]:
+        import threading
+
+        rounds: dict[int, dict[str, Any]] = {}
+        errors: list[BaseException] = []
+        events: list[dict] = []
+        done = threading.Event()
+
+        def pump() -> None:
+            try:
+                for e in client.watch():
+                    events.append(e)
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        seen = 0
+        while not done.is_set() or seen < len(events):
+            if seen == len(events):
+                done.wait(0.2)
+                self._check_children()
+                continue
+            e = events[seen]
+            seen += 1
+            if e["kind"] == "ROUND_CLOSED":
+                rounds[e["version"]] = {"round": e["round"], "version": e["version"], "seconds": e["seconds"],
+                                        "agents": e["agents"], **{f"loss_{k}": v for k, v in e["metrics"].items()}}
+                if not self.cfg.run.eval_episodes:
+                    self.log(self._line(rounds[e["version"]]))
+            elif e["kind"] == "EVALUATED" and e["version"] in rounds:
+                ev = e["evaluation"]
+                rounds[e["version"]].update(return_mean=ev["return_mean"], return_std=ev["return_std"],
+                                            score_mean=ev["score_mean"], score_std=ev["score_std"])
+                self.log(self._line(rounds[e["version"]]))
+            elif e["kind"] in ("RUN_FAILED", "RUN_STOPPED"):
+                self.log(f"run {e['kind'].split('_')[1].lower()}: {e.get('message', '')}")
+        if errors:
+            raise errors[0]
+        return rounds
+
+    def _line(self, r: dict[str, Any]) -> str:
+        ev = (f"return {r['return_mean']:8.1f} ± {r['return_std']:6.1f}  score {r['score_mean']:6.1f}"
+              if "return_mean" in r else "")
+        losses = "  ".join(f"{k[5:]}={v:.3g}" for k, v in r.items()
+                           if k in ("loss_critic_td", "loss_cql_penalty", "loss_reg_data", "loss_bc_loss"))
+        return f"round {r['round']:3d}/{self.cfg.run.rounds}  {ev}  {losses}  [{r['seconds']:.1f}s]"
+
+    def _save_policy(self, client, status: dict) -> None:
+        from fedrl.policy_io import policy_from_state, save_policy
+
+        state = client.fetch_global(status["run_id"], status["global_version"])
+        rc = self.cfg.run
+        hp = rc.bc if rc.algo == "fed-bc" else rc.drpo
+        pol = policy_from_state(state, hp.log_std_min, hp.log_std_max)
+        from fedrl.algos.config import config_to_dict
+        save_policy(pol, self.out / "global_policy.safetensors",
+                    {"env_id": status.get("env_id", ""), "algo": rc.algo, "run_id": status["run_id"],
+                     "version": status["global_version"], "hparams": config_to_dict(hp)})
+
+    def _write_results(self, rounds: dict[int, dict[str, Any]], final: dict) -> None:
+        rows = [rounds[v] for v in sorted(rounds)]
+        with open(self.out / "rounds.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        keys = sorted({k for r in rows for k in r if k != "agents"})
+        with open(self.out / "rounds.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+        curve = [{"round": r["round"], **{k: r[k] for k in ("return_mean", "return_std", "score_mean", "score_std")}}
+                 for r in rows if "return_mean" in r]
+        env = final.get("env_id", "")
+        if curve and env:
+            from fedrl.envs import env_info
+            from fedrl.plotting import learning_curve
+            learning_curve(curve, self.out / "learning_curve.png", f"{self.cfg.run.algo} on {env}", env_info(env).key)
+        summary = {"run_id": final.get("run_id"), "state": final["state"], "message": final.get("message", ""),
+                   "env_id": env, "rounds": len(rows), "final": curve[-1] if curve else None,
+                   "best": max(curve, key=lambda c: c["return_mean"]) if curve else None}
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def up(cfg: UpConfig, log: Callable[[str], None] = print) -> int:
+    launcher = Launcher(cfg, log)
+    try:
+        return launcher.run()
+    except ChildFailed as e:
+        log(f"fedrl up: {e}")
+        return 1
+    except KeyboardInterrupt:
+        log("fedrl up: interrupted; stopping every process")
+        return 130
+    finally:
+        launcher.stop_children()

@@ -1,0 +1,93 @@
+"""``fedrl up`` as a user runs it: real processes on loopback, a finished run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from safetensors import safe_open
+
+TINY = {"drpo": {"hidden": [32, 32], "batch_size": 16, "cql_n_actions": 2},
+        "bc": {"hidden": [32, 32], "batch_size": 16}}
+
+
+def fedrl(*args, timeout=240, **kw):
+    return subprocess.run([sys.executable, "-m", "fedrl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def test_up_runs_the_federation_and_writes_the_run_folder(stand_dataset, tmp_path):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({**TINY, "round_timeout": 120}))
+    out = tmp_path / "run"
+    p = fedrl("up", "--config", str(cfg), "--dataset", str(stand_dataset), "--agents", "2",
+              "--trajectories", "2", "--rounds", "2", "--local-steps", "3", "--eval-episodes", "1",
+              "--device", "cpu", "--out", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "round   2/2" in p.stdout and "return" in p.stdout
+    rows = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and all("return_mean" in r for r in rows)
+    assert (out / "rounds.csv").read_text().splitlines()[0].startswith("loss_")
+    assert (out / "learning_curve.png").stat().st_size > 1000
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["state"] == "finished" and summary["env_id"] == "Hopper-v5"
+    with safe_open(str(out / "global_policy.safetensors"), "pt") as f:
+        assert "policy.head.weight" in f.keys() and f.metadata()["env_id"] == '"Hopper-v5"'
+    assert sorted(p.name for p in (out / "state" / "runs" / summary["run_id"]).glob("v*.safetensors")) == \
+        ["v000000.safetensors", "v000001.safetensors", "v000002.safetensors"]
+    logs = sorted(p.name for p in (out / "logs").iterdir())
+    assert logs == ["agent-0.log", "agent-1.log", "aggregator.log", "evaluator.log"]
+    # The saved policy evaluates with the CLI a user would use next.
+    ev = fedrl("evaluate", str(out / "global_policy.safetensors"), "--episodes", "1")
+    assert ev.returncode == 0 and json.loads(ev.stdout)["env_id"] == "Hopper-v5"
+
+
+def test_up_refuses_a_missing_dataset_before_starting_anything(tmp_path):
+    p = fedrl("up", "--dataset", str(tmp_path / "missing.hdf5"), "--agents", "2", "--out", str(tmp_path / "r"))
+    assert p.returncode == 2 and "missing.hdf5" in p.stderr
+    assert not (tmp_path / "r" / "state").exists()
+
+
+def test_up_stops_every_child_on_ctrl_c(stand_dataset, tmp_path):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps(TINY))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fedrl.cli", "up", "--config", str(cfg), "--dataset",
+                             str(stand_dataset), "--agents", "2", "--trajectories", "2", "--rounds", "1000",
+                             "--local-steps", "2", "--eval-episodes", "0", "--device", "cpu", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.monotonic() + 120
+        while not any((out / "state" / "runs").glob("*/v000002.safetensors")):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < end, "the run did not reach round 2"
+            time.sleep(0.1)
+        children = _children(proc.pid)
+        assert len(children) >= 3
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130
+    time.sleep(0.5)
+    assert [c for c in children if _alive(c)] == []
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose.
+    stat = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
+    return stat not in ("Z", "X")

@@ -1,0 +1,74 @@
+"""The operator's tools (Python client, ``fedrl ctl``), health/reflection, and stub freshness."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from fedrl.client import ControlClient
+from fedrl.federation.runconfig import ConfigError
+from fedrl.proto.generate import stale
+
+from tests.service.test_federation import join, run_config, wait_for
+
+
+def test_committed_stubs_match_the_protos():
+    assert stale() == [], "run `python -m fedrl.proto.generate`"
+
+
+def test_python_client_drives_a_run(aggregator):
+    join(aggregator, "a0", 0)
+    with ControlClient(aggregator.target) as c:
+        with pytest.raises(ConfigError, match="agents: must be >= 1"):
+            c.start({"agents": 0})  # validated before it is sent
+        st = c.start(json.loads(run_config(agents=2)))
+        assert st["state"] == "waiting_for_agents"
+        join(aggregator, "a1", 1)
+        assert wait_for(lambda: c.status()["state"] == "running")
+        assert c.fetch_global()["policy.head.weight"].shape == (6, 32)
+        assert c.stop("enough")["state"] == "stopped"
+        kinds = [e["kind"] for e in c.watch()]
+        assert kinds[0] == "RUN_STARTED" and kinds[-1] == "RUN_STOPPED"
+
+
+def test_ctl_command_line(aggregator):
+    def ctl(*args):
+        return subprocess.run([sys.executable, "-m", "fedrl.cli", "ctl", "--target", aggregator.target, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    p = ctl("status")
+    assert p.returncode == 0 and json.loads(p.stdout)["state"] == "idle"
+    p = ctl("start", "--set", "agents=1", "--set", "rounds=1", "--set", "algo=ppo")
+    assert p.returncode == 2 and "algo: 'ppo' is not one of" in p.stderr
+    p = ctl("start", "--set", "agents=3", "--set", 'drpo={"hidden": [16, 16]}')
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["state"] == "waiting_for_agents"
+    p = ctl("start", "--set", "agents=3")
+    assert p.returncode == 1 and "FAILED_PRECONDITION" in p.stderr
+    p = ctl("stop", "--reason", "from the test")
+    assert p.returncode == 0 and json.loads(p.stdout)["message"] == "from the test"
+    p = ctl("watch")
+    assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["kind"] == "RUN_STOPPED"
+    p = subprocess.run([sys.executable, "-m", "fedrl.cli", "ctl", "--target", "127.0.0.1:1", "status"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "no aggregator answering at 127.0.0.1:1" in p.stderr
+
+
+def test_health_and_reflection(aggregator):
+    h = health_pb2_grpc.HealthStub(aggregator.channel)
+    for svc in ("", "fedrl.v1.Federation", "fedrl.v1.Control"):
+        assert h.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as ei:
+        h.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    r = reflection_pb2_grpc.ServerReflectionStub(aggregator.channel)
+    resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"fedrl.v1.Federation", "fedrl.v1.Control", "grpc.health.v1.Health"} <= names
