@@ -33,6 +33,8 @@ from fedrl.policy_io import load_policy, save_policy
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 MANIFEST = "manifest.json"
+# The issue's bar for an expert behaviour policy (mean sampling return), per env.
+EXPERT_MIN = {"hopper": 2500.0}
 
 
 def shipped_envs() -> list[str]:
@@ -56,7 +58,11 @@ class BehaviorSet:
     def entry(self, name: str) -> dict:
         if name not in ("medium", "expert"):
             raise KeyError(name)
-        return self.manifest[name]
+        e = self.manifest.get(name)
+        if e is None:
+            raise ValueError(f"no {name} behaviour policy is shipped for {self.env_id}: "
+                             f"{self.manifest.get('expert_missing_reason') or 'not in the manifest'}")
+        return e
 
     def policy(self, name: str, stochastic: bool = True) -> NumpyPolicy:
         e = self.entry(name)
@@ -122,12 +128,15 @@ def behavior_set(env_key: str, root: str | Path | None = None) -> BehaviorSet:
 # -- choosing and exporting a set from a training run ----------------------------------------------
 
 def ship(run_dir: str | Path, dest: str | Path, replay_checkpoints: int = 5, episodes: int = 10,
-         candidates: int = 3, medium_fraction: float = 1 / 3, log=print) -> dict:
+         candidates: int = 3, medium_fraction: float = 1 / 3, expert_min: float | None = None,
+         log=print) -> dict:
     """Choose expert/medium/replay checkpoints from a ``train-behavior`` run and write a set.
 
     Candidates are re-measured (``episodes`` sampling episodes, float16 weights) before choosing:
     the ``candidates`` best by training-time return for expert; for medium, the ``candidates``
-    earlier checkpoints closest to ``medium_fraction`` of the expert return.
+    earlier checkpoints closest to ``medium_fraction`` of the expert return. When the best
+    checkpoint returns less than ``expert_min`` (default: 2500 for Hopper, else 0) no expert is
+    shipped, and medium aims at ``medium_fraction`` of D4RL's expert reference return instead.
     """
     run, dest = Path(run_dir), Path(dest)
     cfg = json.loads((run / "config.json").read_text())
@@ -136,6 +145,9 @@ def ship(run_dir: str | Path, dest: str | Path, replay_checkpoints: int = 5, epi
     if len(recs) < 2:
         raise ValueError(f"{run}: needs at least two evaluated checkpoints, found {len(recs)}")
     env_id = cfg["env_id"]
+    info = env_info(env_id)
+    if expert_min is None:
+        expert_min = EXPERT_MIN.get(info.key, 0.0)
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.safetensors"):
         old.unlink()
@@ -154,7 +166,14 @@ def ship(run_dir: str | Path, dest: str | Path, replay_checkpoints: int = 5, epi
     measured = {r["step"]: measure(r["step"]) for r in top}
     e_step = max(measured, key=lambda s: measured[s][1])
     e_ret = measured[e_step][1]
-    target = medium_fraction * e_ret
+    has_expert = e_ret >= expert_min
+    if has_expert:
+        target = medium_fraction * e_ret
+    else:
+        target = medium_fraction * info.ref_max_score
+        log(f"best sampling return {e_ret:.1f} < {expert_min:.0f}: no expert shipped; medium aims at "
+            f"{medium_fraction:.2f} x D4RL's expert reference ({info.ref_max_score})")
+        e_step = max(r["step"] for r in recs) + 1
     log(f"medium candidates (target {target:.1f})")
     start = cfg["sac"]["start_steps"]
     earlier = [r for r in recs if start < r["step"] < e_step]
@@ -189,21 +208,24 @@ def ship(run_dir: str | Path, dest: str | Path, replay_checkpoints: int = 5, epi
     by_step = {r["step"]: r for r in recs}
     manifest = {
         "env_id": env_id,
-        "expert": write("expert", *measured[e_step][:1], e_step, *measured[e_step][1:]),
+        "expert": write("expert", *measured[e_step][:1], e_step, *measured[e_step][1:]) if has_expert else None,
+        "expert_missing_reason": "" if has_expert else
+            f"best checkpoint's sampling return {e_ret:.1f} is below {expert_min:.0f}; train longer",
         "medium": write("medium", *m_measured[m_step][:1], m_step, *m_measured[m_step][1:]),
         "medium_replay": {"buffer_transitions": m_step, "uniform_share": start / m_step,
                           "checkpoints": replay},
         "training": {"sac": cfg["sac"], "steps_trained": max(by_step),
                      "wall_seconds": by_step[max(by_step)]["wall_seconds"],
-                     "wall_seconds_to_expert": by_step[e_step]["wall_seconds"],
+                     "wall_seconds_to_expert": by_step[e_step]["wall_seconds"] if has_expert else None,
                      "command": f"fedrl data train-behavior --env {env_id} --steps {cfg['sac']['total_steps']}"
                                 f" --seed {cfg['sac']['seed']} --out RUN",
                      "torch_threads": torch.get_num_threads()},
-        "selection": {"medium_fraction": medium_fraction, "eval_episodes": episodes,
+        "selection": {"medium_fraction": medium_fraction, "medium_target": round(target, 1),
+                      "expert_min": expert_min, "eval_episodes": episodes,
                       "candidates": candidates, "dtype": "float16"},
     }
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    log(f"wrote {dest}: expert step {e_step} ({e_ret:.1f}), medium step {m_step} "
+    log(f"wrote {dest}: expert {f'step {e_step} ({e_ret:.1f})' if has_expert else 'none'}, medium step {m_step} "
         f"({m_measured[m_step][1]:.1f}), replay {chosen}")
     return manifest
 

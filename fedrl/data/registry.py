@@ -72,12 +72,14 @@ def resolve(spec: str, progress=print) -> Path:
 
 def makeable(env_key: str) -> tuple[str, ...]:
     """Qualities this installation can make for ``env_key`` (random always; the others need a
-    shipped behaviour set)."""
-    from fedrl.behavior.shipped import shipped_envs
+    shipped behaviour set, expert-based ones an expert checkpoint in it)."""
+    from fedrl.behavior.shipped import behavior_set, shipped_envs
 
-    if env_key in shipped_envs():
-        return QUALITIES
-    return ("random",)
+    if env_key not in shipped_envs():
+        return ("random",)
+    if behavior_set(env_key).manifest.get("expert") is None:
+        return ("random", "medium", "medium-replay")
+    return QUALITIES
 
 
 def load(spec: str, progress=print) -> RawDataset:

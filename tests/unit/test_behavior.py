@@ -66,7 +66,8 @@ def test_sac_learns_weights_that_change(sac_run):
 @pytest.fixture(scope="module")
 def behavior_dir(sac_run, tmp_path_factory):
     d = tmp_path_factory.mktemp("ship") / "hopper"
-    manifest = ship(sac_run[0], d, replay_checkpoints=3, episodes=2, candidates=2, log=lambda m: None)
+    manifest = ship(sac_run[0], d, replay_checkpoints=3, episodes=2, candidates=2, expert_min=0.0,
+                    log=lambda m: None)
     return d, manifest
 
 
@@ -208,3 +209,15 @@ def test_apportion_sums_exactly():
 def test_behavior_set_reports_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match="Train one with 'fedrl data train-behavior'"):
         behavior_set("walker2d", tmp_path)
+
+
+def test_ship_without_an_expert_when_the_bar_is_not_met(sac_run, tmp_path):
+    d = tmp_path / "hopper"
+    m = ship(sac_run[0], d, replay_checkpoints=2, episodes=1, candidates=1, log=lambda m: None)
+    assert m["expert"] is None and "below 2500" in m["expert_missing_reason"]
+    assert not (d / "expert.safetensors").exists() and (d / "medium.safetensors").exists()
+    assert m["selection"]["medium_target"] == pytest.approx(3234.3 / 3, abs=0.1)
+    with pytest.raises(ValueError, match="no expert behaviour policy is shipped for Hopper-v5: best"):
+        make_dataset("Hopper-v5", "expert", 0, tmp_path / "e.hdf5", transitions=10, behavior_dir=d)
+    raw = load_d4rl(make_dataset("Hopper-v5", "medium", 0, tmp_path / "m.hdf5", transitions=50, behavior_dir=d))
+    assert len(raw) == 50

@@ -1,0 +1,237 @@
+"""System speed of the services on loopback, each beside its raw baseline measured in the same run.
+
+    python -m benchmarks.services overhead  [--agents 10] [--rounds 30]
+    python -m benchmarks.services transfer  [--agents 10] [--mb 30] [--rounds 3]
+    python -m benchmarks.services evaluator [--env Hopper-v5] [--episodes 400]
+    python -m benchmarks.services all       (writes benchmarks/results/services-cpu.json)
+
+- overhead: the real aggregator process and N real agent processes, Hopper-size policy,
+  zero local steps; wall time per round (from the aggregator's round events).
+- transfer: the same with a synthetic ~30 MB policy (fed-bc, wide hidden layers, zero steps):
+  MB of weights moved per second (N downloads + N uploads per round), beside raw gRPC
+  streaming of the same bytes in 1 MiB chunks between the same number of client processes.
+- evaluator: environment steps/s of the evaluator's rollout with the policy, beside random
+  actions stepping the same vectorised env.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _dataset(tmp: Path) -> Path:
+    from fedrl.data.make import make_dataset
+
+    return make_dataset("Hopper-v5", "random", 0, tmp / "hopper-random.hdf5", transitions=20_000)
+
+
+def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path) -> dict:
+    """Run real processes; return per-round wall seconds measured by the aggregator."""
+    from fedrl.client import ControlClient
+
+    data = _dataset(tmp)
+    port_file = tmp / "agg.port"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "aggregator_service", "--port", "0", "--port-file",
+                               str(port_file), "--state-dir", str(tmp / "state"), "--log-level", "WARNING"],
+                              env=env)]
+    try:
+        end = time.monotonic() + 60
+        while not port_file.exists():
+            assert time.monotonic() < end, "aggregator did not start"
+            time.sleep(0.05)
+        target = f"127.0.0.1:{port_file.read_text()}"
+        for i in range(agents):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "agent_service", "--aggregator", target, "--dataset", f"{data}:{agents}",
+                 "--shard", str(i), "--trajectories", "5", "--threads", "1", "--device", "cpu",
+                 "--log-level", "WARNING"], env=env))
+        with ControlClient(target) as c:
+            end = time.monotonic() + 120
+            while len(c.status()["agents"]) < agents:
+                assert time.monotonic() < end, "agents did not join"
+                time.sleep(0.1)
+            c.start({**config, "agents": agents, "rounds": rounds, "local_steps": 0, "eval_episodes": 0})
+            closed = [e for e in c.watch() if e["kind"] in ("ROUND_OPENED", "ROUND_CLOSED")]
+            st = c.status()
+        assert st["state"] == "finished", st
+        opened = {e["round"]: e["time_unix"] for e in closed if e["kind"] == "ROUND_OPENED"}
+        per_round = [e["time_unix"] - opened[e["round"]] for e in closed if e["kind"] == "ROUND_CLOSED"]
+        return {"per_round_seconds": per_round}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(20)
+
+
+def bench_overhead(agents: int, rounds: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        r = federation_rounds(agents, rounds, {"algo": "drpo"}, Path(d))
+    s = np.array(r["per_round_seconds"][3:])  # the first rounds include connection set-up
+    out = {"agents": agents, "rounds_measured": len(s), "policy": "Hopper-v5, 2x256 (~280 KB)",
+           "round_ms_median": float(np.median(s) * 1e3), "round_ms_mean": float(s.mean() * 1e3),
+           "round_ms_p90": float(np.percentile(s, 90) * 1e3), "target_ms": 20.0}
+    print(json.dumps(out))
+    return out
+
+
+# -- raw gRPC byte streaming (no protobuf messages: identity serialisers) -------------------------
+
+def _raw_server(port_q, payload_mb: int, stop) -> None:
+    import grpc
+
+    from fedrl.rpc import SERVER_OPTIONS
+    chunk = b"\x01" * (1 << 20)
+
+    def down(request, context):
+        for _ in range(payload_mb):
+            yield chunk
+
+    def up(request_iterator, context):
+        n = sum(len(c) for c in request_iterator)
+        return n.to_bytes(8, "little")
+
+    handler = grpc.method_handlers_generic_handler("raw.Bytes", {
+        "Down": grpc.unary_stream_rpc_method_handler(down, request_deserializer=None, response_serializer=None),
+        "Up": grpc.stream_unary_rpc_method_handler(up, request_deserializer=None, response_serializer=None),
+    })
+    server = grpc.server(futures.ThreadPoolExecutor(32), options=SERVER_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    port_q.put(port)
+    stop.wait()
+    server.stop(0)
+
+
+def _raw_client(port: int, payload_mb: int, rounds: int, start, result_q) -> None:
+    import grpc
+
+    from fedrl.rpc import CHANNEL_OPTIONS
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    down = ch.unary_stream("/raw.Bytes/Down")
+    up = ch.stream_unary("/raw.Bytes/Up")
+    chunk = b"\x02" * (1 << 20)
+    start.wait()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        got = b"".join(down(b""))  # what the agent does: keep the whole payload
+        assert len(got) == payload_mb << 20
+        n = int.from_bytes(up(iter([chunk] * payload_mb)), "little")
+        assert n == payload_mb << 20
+    result_q.put(time.perf_counter() - t0)
+    ch.close()
+
+
+def raw_grpc(agents: int, payload_mb: int, rounds: int) -> dict:
+    ctx = mp.get_context("spawn")
+    port_q, result_q, stop, start = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    srv = ctx.Process(target=_raw_server, args=(port_q, payload_mb, stop))
+    srv.start()
+    port = port_q.get(timeout=60)
+    clients = [ctx.Process(target=_raw_client, args=(port, payload_mb, rounds, start, result_q)) for _ in range(agents)]
+    for c in clients:
+        c.start()
+    time.sleep(3.0)  # let every client import grpc and connect
+    t0 = time.perf_counter()
+    start.set()
+    [result_q.get(timeout=600) for _ in clients]
+    wall = time.perf_counter() - t0
+    for c in clients:
+        c.join(30)
+    stop.set()
+    srv.join(30)
+    moved = 2 * agents * rounds * payload_mb * (1 << 20)
+    return {"seconds": wall, "bytes": moved, "mb_per_s": moved / wall / 1e6}
+
+
+def bench_transfer(agents: int, mb: int, rounds: int) -> dict:
+    # fed-bc policy with hidden (h, h): params ~ h^2 + (obs + 2 act + 2) h; pick h for ~mb MB.
+    h = int((mb * 1e6 / 4) ** 0.5)
+    params = 11 * h + h + h * h + h + h * 6 + 6 + 22
+    bytes_model = params * 4
+    with tempfile.TemporaryDirectory() as d:
+        r = federation_rounds(agents, rounds + 1, {"algo": "fed-bc", "bc": {"hidden": [h, h]}}, Path(d))
+    s = np.array(r["per_round_seconds"][1:])
+    moved = 2 * agents * bytes_model
+    fed = {"model_mb": bytes_model / 1e6, "hidden": [h, h], "round_seconds_median": float(np.median(s)),
+           "mb_per_s": float(moved / np.median(s) / 1e6)}
+    raw = raw_grpc(agents, round(bytes_model / (1 << 20)), rounds)
+    out = {"agents": agents, "federation": fed, "raw_grpc": raw,
+           "ratio_to_raw": fed["mb_per_s"] / raw["mb_per_s"], "target_ratio": 0.70}
+    print(json.dumps(out))
+    return out
+
+
+def bench_evaluator(env: str, episodes: int) -> dict:
+    import torch
+
+    from fedrl.envs import env_info
+    from fedrl.evaluation import evaluate, make_vec_env
+    from fedrl.nets import TanhGaussianPolicy
+
+    torch.set_num_threads(1)  # as the evaluator process runs under fedrl up
+    info = env_info(env)
+    pol = TanhGaussianPolicy(info.obs_dim, info.act_dim)
+    # A random-init policy falls fast; a fixed episode length makes both sides step equally.
+    res = evaluate(pol, env, episodes, seed=0, num_envs=10, max_episode_steps=200)
+    policy_sps = res.env_steps / res.seconds
+    envs = make_vec_env(env, 10, None, 200)
+    rng = np.random.default_rng(0)
+    envs.reset(seed=0)
+    n = res.env_steps // 10
+    t0 = time.perf_counter()
+    for _ in range(n):
+        envs.step(rng.uniform(-1, 1, (10, info.act_dim)).astype(np.float32))
+    raw_sps = n * 10 / (time.perf_counter() - t0)
+    envs.close()
+    out = {"env": info.gym_id, "num_envs": 10, "env_steps": res.env_steps,
+           "policy_steps_per_s": policy_sps, "raw_steps_per_s": raw_sps,
+           "ratio_to_raw": policy_sps / raw_sps, "target_ratio": 0.80}
+    print(json.dumps(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.services")
+    p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all"))
+    p.add_argument("--agents", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--mb", type=int, default=30)
+    p.add_argument("--env", default="Hopper-v5")
+    p.add_argument("--episodes", type=int, default=400)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                             "python": platform.python_version()},
+                 "date": time.strftime("%Y-%m-%d")}
+    if a.what in ("overhead", "all"):
+        res["overhead"] = bench_overhead(a.agents, a.rounds)
+    if a.what in ("transfer", "all"):
+        res["transfer"] = bench_transfer(a.agents, a.mb, 3)
+    if a.what in ("evaluator", "all"):
+        res["evaluator"] = bench_evaluator(a.env, a.episodes)
+    out = Path(a.out) if a.out else (RESULTS / "services-cpu.json" if a.what == "all" else None)
+    if out:
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
