@@ -286,7 +286,8 @@ class Coordinator:
         last = run.evaluations[max(run.evaluations)] if run.evaluations else None
         return {"run_id": run.run_id, "state": run.state, "round": run.round, "rounds": run.cfg.rounds,
                 "global_version": run.version, "agents": agents, "message": run.message,
-                "last_evaluation": last, "config_json": run.config_json, "env_id": run.env_id}
+                "last_evaluation": last, "config_json": run.config_json, "env_id": run.env_id,
+                "evaluated_versions": sorted(run.evaluations)}
 
     def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5) -> Iterator[dict[str, Any]]:
         """Events of the current run with version > ``after_version``, then live ones, until it ends."""

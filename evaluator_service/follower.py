@@ -106,6 +106,8 @@ class Follower:
 
     def _evaluate(self, control, fed, run_id: str, version: int) -> None:
         status = control.GetStatus(control_pb2.StatusRequest(), timeout=30)
+        if status.run_id != run_id or version in status.evaluated_versions:
+            return  # another (or an earlier) evaluator did it, or the run is gone
         cfg = parse_run_config(status.config_json)
         if cfg.eval_episodes == 0:
             return

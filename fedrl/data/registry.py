@@ -59,7 +59,7 @@ def resolve(spec: str, progress=print) -> Path:
         from fedrl.data.make import make_dataset
 
         out = cache_dir() / "datasets" / f"{spec}.hdf5"
-        progress(f"making {spec} with this project's behaviour policies in {ENVS[m['env']].gym_id} "
+        progress(f"making {spec} in {ENVS[m['env']].gym_id} "
                  f"(once, ~30 s) -> {out}")
         return make_dataset(m["env"], m["quality"], seed=0, out=out,
                             transitions=None if m["quality"] == "medium-replay" else NAMED_TRANSITIONS)

@@ -41,7 +41,7 @@ class AgentInfo(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., agent_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., connected: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., rounds_submitted: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "round", "rounds", "global_version", "agents", "message", "last_evaluation", "config_json", "env_id")
+    __slots__ = ("run_id", "state", "round", "rounds", "global_version", "agents", "message", "last_evaluation", "config_json", "env_id", "evaluated_versions")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class RunStatus(_message.Message):
     LAST_EVALUATION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    EVALUATED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: str
     round: int
@@ -62,7 +63,8 @@ class RunStatus(_message.Message):
     last_evaluation: EvaluationReport
     config_json: str
     env_id: str
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., global_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., message: _Optional[str] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., config_json: _Optional[str] = ..., env_id: _Optional[str] = ...) -> None: ...
+    evaluated_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., global_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., message: _Optional[str] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., config_json: _Optional[str] = ..., env_id: _Optional[str] = ..., evaluated_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("after_version",)

@@ -1,0 +1,125 @@
+"""The evaluator (following rounds and on demand) and agents surviving an aggregator restart."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from evaluator_service.follower import Follower
+from evaluator_service.servicer import EvaluatorServicer
+from fedrl.codec import encode
+from fedrl.nets import TanhGaussianPolicy
+from fedrl.algos.base import POLICY, prefixed_state
+from fedrl.proto.v1 import control_pb2, evaluator_pb2, evaluator_pb2_grpc
+from fedrl.rpc import create_channel, create_server
+from fedrl.serde import status_from_proto, weight_parts
+from tests.service.conftest import Aggregator
+from tests.service.test_federation import run_config, status, wait_for
+
+
+@pytest.fixture
+def evaluator():
+    server = create_server([(evaluator_pb2_grpc.add_EvaluatorServicer_to_server, EvaluatorServicer(None, 2),
+                             "fedrl.v1.Evaluator")], "127.0.0.1", 0)
+    ch = create_channel(f"127.0.0.1:{server.port}")
+    yield evaluator_pb2_grpc.EvaluatorStub(ch)
+    ch.close()
+    server.stop(0.5)
+
+
+def _request(header, state, tamper=None):
+    yield evaluator_pb2.EvaluatePart(header=header)
+    parts = list(weight_parts(encode(state)))
+    if tamper:
+        parts = tamper(parts)
+    for p in parts:
+        yield evaluator_pb2.EvaluatePart(weights=p)
+
+
+def test_on_demand_evaluation_and_its_refusals(evaluator):
+    torch.manual_seed(0)
+    state = prefixed_state(POLICY, TanhGaussianPolicy(11, 3, (16, 16)))
+    rep = evaluator.Evaluate(_request(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=3, seed=1), state),
+                             timeout=60)
+    assert rep.env_id == "Hopper-v5" and len(rep.returns) == 3 and rep.env_steps > 0
+    again = evaluator.Evaluate(_request(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=3, seed=1), state),
+                               timeout=60)
+    assert list(again.returns) == list(rep.returns)  # seeded
+
+    def refused(header, st, code, text, tamper=None):
+        with pytest.raises(grpc.RpcError) as ei:
+            evaluator.Evaluate(_request(header, st, tamper), timeout=60)
+        assert ei.value.code() == code and text in ei.value.details(), ei.value.details()
+
+    refused(evaluator_pb2.EvaluateHeader(env_id="Pong-v5", episodes=1), state,
+            grpc.StatusCode.INVALID_ARGUMENT, "unknown environment")
+    refused(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=0), state,
+            grpc.StatusCode.INVALID_ARGUMENT, "episodes must be in")
+    refused(evaluator_pb2.EvaluateHeader(env_id="Walker2d-v5", episodes=1), state,
+            grpc.StatusCode.INVALID_ARGUMENT, "")
+    refused(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1), {"x": torch.zeros(2)},
+            grpc.StatusCode.INVALID_ARGUMENT, "not a policy")
+    bad = {**state, "policy.head.bias": torch.full((6,), float("nan"))}
+    refused(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1), bad,
+            grpc.StatusCode.INVALID_ARGUMENT, "NaN")
+
+
+def test_follower_evaluates_every_version_and_catches_up(aggregator, agent_threads, stand_dataset):
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=3)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents")
+    aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(rounds=3, eval_episodes=1)), timeout=10)
+    wait_for(lambda: status(aggregator)["state"] == "finished", what="run to finish")
+    # The evaluator starts late: it catches up on all three versions, each reported once.
+    f = Follower(aggregator.target, seed=0, num_envs=1)
+    t = threading.Thread(target=f.run, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(f.reports) == 3, what="three evaluations")
+        st = status(aggregator)
+        assert st["last_evaluation"]["version"] == 3 and st["last_evaluation"]["env_id"] == "Hopper-v5"
+        evaluated = [e for e in aggregator.coord.run.events if e["kind"] == "EVALUATED"]
+        assert sorted(e["version"] for e in evaluated) == [1, 2, 3]
+        kinds = [control_pb2.RoundEvent.Kind.Name(e.kind) for e in
+                 aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10)]
+        assert kinds[-1] == "EVALUATED"  # the stream stays open until every version is evaluated
+    finally:
+        f.stop()
+        t.join(10)
+    # A second follower (a restarted evaluator) re-evaluates nothing.
+    g = Follower(aggregator.target, seed=0, num_envs=1)
+    t2 = threading.Thread(target=g.run, daemon=True)
+    t2.start()
+    import time
+    time.sleep(1.5)
+    g.stop()
+    t2.join(10)
+    assert g.reports == {}
+
+
+def test_agent_rejoins_a_restarted_aggregator(tmp_path, agent_threads, stand_dataset):
+    first = Aggregator(tmp_path / "s1")
+    port = first.server.port
+    agent_threads.start(first.target, str(stand_dataset), 1, 2, seed=0)
+    wait_for(lambda: len(status(first)["agents"]) == 1, what="agent to join")
+    first.close()
+    # A new aggregator on the same port: the agent finds it by itself and takes part in a run.
+    second = wait_for(lambda: _try_start(tmp_path / "s2", port), timeout=20, what="port to be free")
+    try:
+        wait_for(lambda: len(status(second)["agents"]) == 1, timeout=30, what="agent to rejoin")
+        st = status_from_proto(second.control.StartRun(control_pb2.StartRunRequest(
+            config_json=run_config(agents=1, rounds=1)), timeout=10))
+        assert st["state"] == "running"
+        wait_for(lambda: status(second)["state"] == "finished", what="run on the new aggregator")
+    finally:
+        second.close()
+
+
+def _try_start(state_dir, port):
+    try:
+        return Aggregator(state_dir, port=port)
+    except (OSError, RuntimeError):
+        return None
