@@ -9,6 +9,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from fedrl.behavior.policy import NumpyPolicy
 from fedrl.envs import env_info
 from fedrl.nets import TanhGaussianPolicy
 from fedrl.scores import normalized_score
@@ -60,7 +61,9 @@ def evaluate(policy: TanhGaussianPolicy, env_name: str, episodes: int, seed: int
     n = min(num_envs, episodes)
     quota = np.array([episodes // n + (i < episodes % n) for i in range(n)])
     envs = make_vec_env(env_name, n, policy.obs_dim, max_episode_steps)
-    device = next(policy.parameters()).device
+    # One small batched forward per step: numpy (float32) is several times cheaper than torch's
+    # per-call overhead at these sizes, which matters next to MuJoCo's ~0.1 ms per env step.
+    act_fn = NumpyPolicy(policy, stochastic=False, dtype=np.float32)
     returns: list[float] = []
     lengths: list[int] = []
     ep_ret, ep_len, done = np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -68,9 +71,7 @@ def evaluate(policy: TanhGaussianPolicy, env_name: str, episodes: int, seed: int
     try:
         obs, _ = envs.reset(seed=seed)
         while (done < quota).any():
-            o = torch.as_tensor(obs, dtype=torch.float32, device=device)
-            act = policy.act(o).cpu().numpy()
-            obs, rew, term, trunc, _ = envs.step(act)
+            obs, rew, term, trunc, _ = envs.step(act_fn(obs))
             steps += n
             ep_ret += rew
             ep_len += 1

@@ -96,10 +96,13 @@ class TanhGaussianPolicy(nn.Module):
         mean, log_std = self(obs)
         return self.log_prob_from(mean, log_std, actions)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def act(self, raw_obs: torch.Tensor) -> torch.Tensor:
-        """Deterministic evaluation action ``tanh(mu(s))`` for *raw* observations."""
-        mean, _ = self((raw_obs - self.obs_mean) / self.obs_std)
+        """Deterministic evaluation action ``tanh(mu(s))`` for *raw* observations.
+
+        Only the mean half of the head is computed (the log-std is not needed here)."""
+        h = self.trunk((raw_obs - self.obs_mean) / self.obs_std)
+        mean = torch.nn.functional.linear(h, self.head.weight[: self.act_dim], self.head.bias[: self.act_dim])
         return torch.tanh(mean)
 
     def set_normalizer(self, mean: torch.Tensor, std: torch.Tensor) -> None:

@@ -19,25 +19,29 @@ class NumpyPolicy:
     Called as ``policy(obs, rng)``, the :data:`fedrl.data.make.Policy` signature.
     """
 
-    def __init__(self, policy: TanhGaussianPolicy, stochastic: bool = True) -> None:
-        sd = {k: v.detach().cpu().double().numpy() for k, v in policy.state_dict().items()}
+    def __init__(self, policy: TanhGaussianPolicy, stochastic: bool = True,
+                 dtype: type = np.float64) -> None:
+        sd = {k: v.detach().cpu().double().numpy().astype(dtype) for k, v in policy.state_dict().items()}
         n = len([k for k in sd if k.startswith("trunk.") and k.endswith(".weight")])
         self.layers = [(sd[f"trunk.{2 * i}.weight"].T.copy(), sd[f"trunk.{2 * i}.bias"])
                        for i in range(n)]
         self.head = (sd["head.weight"].T.copy(), sd["head.bias"])
         self.mean, self.std = sd["obs_mean"], sd["obs_std"]
         self.lo, self.hi = policy.log_std_min, policy.log_std_max
-        self.act_dim, self.stochastic = policy.act_dim, stochastic
+        self.act_dim, self.stochastic, self.dtype = policy.act_dim, stochastic, dtype
+        self.head_mean = (self.head[0][:, : self.act_dim].copy(), self.head[1][: self.act_dim].copy())
 
-    def __call__(self, obs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        x = (np.asarray(obs, np.float64) - self.mean) / self.std
+    def __call__(self, obs: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
+        """Actions for ``obs`` of shape ``(O,)`` or a batch ``(N, O)``."""
+        x = (np.asarray(obs, self.dtype) - self.mean) / self.std
         for w, b in self.layers:
             x = np.maximum(x @ w + b, 0.0)
+        if not self.stochastic:
+            return np.tanh(x @ self.head_mean[0] + self.head_mean[1]).astype(np.float32)
         out = x @ self.head[0] + self.head[1]
-        mu = out[: self.act_dim]
-        if self.stochastic:
-            log_std = np.clip(out[self.act_dim:], self.lo, self.hi)
-            mu = mu + np.exp(log_std) * rng.standard_normal(self.act_dim)
+        mu = out[..., : self.act_dim]
+        log_std = np.clip(out[..., self.act_dim:], self.lo, self.hi)
+        mu = mu + np.exp(log_std) * rng.standard_normal(mu.shape)
         return np.tanh(mu).astype(np.float32)
 
 
