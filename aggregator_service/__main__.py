@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", required=True, help="where every global version is kept")
     p.add_argument("--max-workers", type=int, default=128, help="RPC threads (long polls hold one each)")
     p.add_argument("--task-wait", type=float, default=30.0, help="longest NextTask long poll, seconds")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads; its tensor work is small, and more threads only contend "
+                        "with agents sharing the machine")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -26,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+
+    torch.set_num_threads(max(1, a.threads))
     from aggregator_service.coordinator import Coordinator
     from aggregator_service.servicer import ControlServicer, FederationServicer
     from aggregator_service.store import Store

@@ -71,12 +71,23 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path) -> dict
         assert st["state"] == "finished", st
         opened = {e["round"]: e["time_unix"] for e in closed if e["kind"] == "ROUND_OPENED"}
         per_round = [e["time_unix"] - opened[e["round"]] for e in closed if e["kind"] == "ROUND_CLOSED"]
-        return {"per_round_seconds": per_round}
+        cpu = [_cpu_seconds(p.pid) for p in procs]
+        return {"per_round_seconds": per_round,
+                "cpu_seconds": {"aggregator": cpu[0], "agents_total": sum(cpu[1:])}}
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(20)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_overhead(agents: int, rounds: int) -> dict:
@@ -85,7 +96,9 @@ def bench_overhead(agents: int, rounds: int) -> dict:
     s = np.array(r["per_round_seconds"][3:])  # the first rounds include connection set-up
     out = {"agents": agents, "rounds_measured": len(s), "policy": "Hopper-v5, 2x256 (~280 KB)",
            "round_ms_median": float(np.median(s) * 1e3), "round_ms_mean": float(s.mean() * 1e3),
-           "round_ms_p90": float(np.percentile(s, 90) * 1e3), "target_ms": 20.0}
+           "round_ms_p90": float(np.percentile(s, 90) * 1e3), "target_ms": 20.0,
+           "cpu_seconds_whole_run": r["cpu_seconds"], "rounds": rounds,
+           "note": "cpu_seconds include process start-up (imports, data loading) and joining"}
     print(json.dumps(out))
     return out
 
@@ -187,6 +200,7 @@ def bench_evaluator(env: str, episodes: int) -> dict:
 
     torch.set_num_threads(1)  # as the evaluator process runs under fedrl up
     info = env_info(env)
+    torch.manual_seed(0)
     pol = TanhGaussianPolicy(info.obs_dim, info.act_dim)
     # A random-init policy falls fast; a fixed episode length makes both sides step equally.
     res = evaluate(pol, env, episodes, seed=0, num_envs=10, max_episode_steps=200)

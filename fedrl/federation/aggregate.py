@@ -57,14 +57,20 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
     if any(not x >= 0 for x in w) or sum(w) <= 0:
         raise AggregationError(f"weights must be non-negative with a positive sum, got {w}")
     total = sum(w)
+    # One flat float64 vector per state: the same element-wise additions in the same order as
+    # a per-tensor loop (so the same bits), in a handful of large ops instead of n x tensors.
+    keys = list(states[0])
+    acc = torch.zeros(sum(states[0][k].numel() for k in keys), dtype=torch.float64)
+    for s, wi in zip(states, w):
+        flat = torch.cat([s[k].reshape(-1).to(torch.float64) for k in keys])
+        acc.add_(flat, alpha=wi / total)
     out: dict[str, torch.Tensor] = {}
-    for k, ref in states[0].items():
-        acc = torch.zeros(ref.shape, dtype=torch.float64)
-        for s, wi in zip(states, w):
-            acc.add_(s[k].to(torch.float64), alpha=wi / total)
-        out[k] = acc.to(ref.dtype)
+    offset = 0
+    for k in keys:
+        ref = states[0][k]
+        out[k] = acc[offset:offset + ref.numel()].reshape(ref.shape).to(ref.dtype)
+        offset += ref.numel()
     return out
-
 
 def aggregate(method: str, states: Sequence[Mapping[str, torch.Tensor]],
               weights: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
