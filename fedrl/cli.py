@@ -251,12 +251,17 @@ def _cmd_up(a: argparse.Namespace) -> int:
     from fedrl.launcher import UpConfig, up
 
     data = dict(UP_DEFAULTS)
-    if a.config:
-        data.update(json.loads(Path(a.config).read_text()))
+    data_from_file = json.loads(Path(a.config).read_text()) if a.config else {}
+    if not isinstance(data_from_file, dict):
+        raise ValueError(f"{a.config}: expected a JSON object of run settings")
+    data.update(data_from_file)
     for k in ("algo", "agents", "rounds", "local_steps", "eval_episodes", "seed"):
         if getattr(a, k) is not None:
             data[k] = getattr(a, k)
     datasets = tuple(a.dataset or [UP_DEFAULT_DATASET])
+    counts = [d.rpartition(":")[2] for d in datasets]
+    if a.agents is None and "agents" not in data_from_file and all(c.isdigit() for c in counts):
+        data["agents"] = sum(int(c) for c in counts)  # e.g. expert.hdf5:4 medium.hdf5:1 -> 5 agents
     rc = parse_run_config(data)
     out = Path(a.out or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}")
     return up(UpConfig(rc, datasets, a.trajectories, out, a.device, a.agent_threads),

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from fedrl.federation.runconfig import RunConfig
 
 STARTUP_TIMEOUT = 120.0
@@ -191,6 +193,7 @@ class Launcher:
             elif e["kind"] in ("RUN_FAILED", "RUN_STOPPED"):
                 self.log(f"run {e['kind'].split('_')[1].lower()}: {e.get('message', '')}")
         if errors:
+            self._check_children()  # a dead aggregator explains a broken stream best
             raise errors[0]
         return rounds
 
@@ -242,6 +245,10 @@ def up(cfg: UpConfig, log: Callable[[str], None] = print) -> int:
         return launcher.run()
     except ChildFailed as e:
         log(f"fedrl up: {e}")
+        return 1
+    except grpc.RpcError as e:
+        log(f"fedrl up: lost the aggregator: {e.code().name}: {e.details()} "
+            f"(logs in {launcher.out / 'logs'})")
         return 1
     except KeyboardInterrupt:
         log("fedrl up: interrupted; stopping every process")
