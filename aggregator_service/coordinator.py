@@ -387,7 +387,7 @@ class Coordinator:
         subs = [run.submissions[a] for a in order]
         try:
             w = agent_weights(run.cfg.weighting, [s.num_samples for s in subs])
-            new = aggregate(run.cfg.aggregation, [s.state for s in subs], w)
+            new = aggregate(run.cfg.aggregation, [s.state for s in subs], w, run.cfg.trim_fraction)
         except AggregationError as e:
             self._fail(run, f"aggregation failed in round {run.round}: {e}")
             return

@@ -13,7 +13,7 @@ from fedrl.algos import ALGOS, BCConfig, DRPOConfig
 from fedrl.data.errors import DatasetError
 from fedrl.data.normalize import NORM_CHOICES
 from fedrl.device import DEVICE_CHOICES
-from fedrl.federation.aggregate import WEIGHTINGS
+from fedrl.federation.aggregate import AGGREGATIONS, WEIGHTINGS
 
 
 def _simulate_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +44,8 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--obs-norm", choices=NORM_CHOICES, default=d.obs_norm)
     p.add_argument("--weighting", choices=WEIGHTINGS, default=d.weighting)
     p.add_argument("--federate", choices=FEDERATE_CHOICES, default=d.federate)
+    p.add_argument("--aggregation", choices=AGGREGATIONS, default=d.aggregation)
+    p.add_argument("--trim-fraction", type=float, default=d.trim_fraction)
     p.add_argument("--out", default=None, help="run folder (default runs/<algo>-<time>)")
     g = p.add_argument_group("DRPO / CQL hyperparameters (defaults: the paper's table)")
     g.add_argument("--lambda1", type=float, default=hp.lambda1)
@@ -74,6 +76,7 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
         trajectories=a.trajectories, rounds=a.rounds, local_steps=a.local_steps,
         eval_episodes=a.eval_episodes, eval_every=a.eval_every, seed=a.seed, device=a.device,
         obs_norm=a.obs_norm, weighting=a.weighting, federate=a.federate,
+        aggregation=a.aggregation, trim_fraction=a.trim_fraction,
         drpo=DRPOConfig(hidden=hidden, lambda1=a.lambda1, lambda2=a.lambda2, cql_weight=a.cql_weight,
                         q_scale=a.q_scale, actor_lr=a.actor_lr, critic_lr=a.critic_lr,
                         batch_size=a.batch_size, gamma=a.gamma),
@@ -240,6 +243,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-steps", type=int, default=None, help=f"default {UP_DEFAULTS['local_steps']}")
     p.add_argument("--eval-episodes", type=int, default=None, help=f"default {UP_DEFAULTS['eval_episodes']}")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--aggregation", choices=AGGREGATIONS, default=None, help="default fedavg")
     p.add_argument("--device", default="auto", help="agents' device: auto, cpu, cuda[:N]")
     p.add_argument("--agent-threads", type=int, default=1, help="torch threads per agent process")
     p.add_argument("--out", default=None, help="run folder (default runs/up-<time>)")
@@ -255,7 +259,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
     if not isinstance(data_from_file, dict):
         raise ValueError(f"{a.config}: expected a JSON object of run settings")
     data.update(data_from_file)
-    for k in ("algo", "agents", "rounds", "local_steps", "eval_episodes", "seed"):
+    for k in ("algo", "agents", "rounds", "local_steps", "eval_episodes", "seed", "aggregation"):
         if getattr(a, k) is not None:
             data[k] = getattr(a, k)
     datasets = tuple(a.dataset or [UP_DEFAULT_DATASET])

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import math
+
 import torch
 
 WEIGHTINGS = ("uniform", "samples")
-AGGREGATIONS = ("fedavg",)
+AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
 
 
 class AggregationError(ValueError):
@@ -72,9 +74,56 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
         offset += ref.numel()
     return out
 
+def _flat(states: Sequence[Mapping[str, torch.Tensor]]) -> tuple[torch.Tensor, list[str]]:
+    keys = list(states[0])
+    return torch.stack([torch.cat([s[k].reshape(-1).to(torch.float64) for k in keys]) for s in states]), keys
+
+
+def _unflat(vec: torch.Tensor, ref: Mapping[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for k in keys:
+        r = ref[k]
+        out[k] = vec[offset:offset + r.numel()].reshape(r.shape).to(r.dtype)
+        offset += r.numel()
+    return out
+
+
+def coordinate_median(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Coordinate-wise median (the mean of the two middle values for an even count).
+
+    Robust to fewer than half the agents sending arbitrary values; ignores agent weights.
+    """
+    check_compatible(states)
+    x, keys = _flat(states)
+    srt = x.sort(dim=0).values
+    n = len(states)
+    med = srt[n // 2] if n % 2 else 0.5 * (srt[n // 2 - 1] + srt[n // 2])
+    return _unflat(med, states[0], keys)
+
+
+def trimmed_mean(states: Sequence[Mapping[str, torch.Tensor]], trim: float = 0.1) -> dict[str, torch.Tensor]:
+    """Coordinate-wise mean after dropping the ``ceil(trim * n)`` largest and smallest values
+    (at least one each when n >= 3). Ignores agent weights."""
+    check_compatible(states)
+    if not 0.0 <= trim < 0.5:
+        raise AggregationError(f"trim fraction must be in [0, 0.5), got {trim}")
+    n = len(states)
+    k = min(max(math.ceil(trim * n), 1 if n >= 3 and trim > 0 else 0), (n - 1) // 2)
+    x, keys = _flat(states)
+    srt = x.sort(dim=0).values
+    return _unflat(srt[k:n - k].mean(dim=0), states[0], keys)
+
+
 def aggregate(method: str, states: Sequence[Mapping[str, torch.Tensor]],
-              weights: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
-    """The next global parameters by ``method`` (one of :data:`AGGREGATIONS`)."""
+              weights: Sequence[float] | None = None, trim: float = 0.1) -> dict[str, torch.Tensor]:
+    """The next global parameters by ``method`` (one of :data:`AGGREGATIONS`).
+
+    ``fedavg`` uses ``weights``; the robust methods (``median``, ``trimmed-mean``) do not.
+    """
     if method == "fedavg":
         return fedavg(states, weights)
+    if method == "median":
+        return coordinate_median(states)
+    if method == "trimmed-mean":
+        return trimmed_mean(states, trim)
     raise AggregationError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {method!r}")

@@ -45,6 +45,9 @@ class RunConfig:
     obs_norm: str = "pooled"
     weighting: str = "uniform"
     aggregation: str = "fedavg"
+    """fedavg (paper), median or trimmed-mean (coordinate-wise; robust to a minority of bad agents)."""
+    trim_fraction: float = 0.1
+    """Share of the largest and of the smallest values dropped per coordinate by trimmed-mean."""
     federate: str = "policy"
     eval_episodes: int = 10
     """Episodes the evaluator rolls out per global version (0 = no evaluation)."""
@@ -64,7 +67,7 @@ class RunConfig:
 
 
 _INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes")
-_FLOATS = ("round_timeout", "join_timeout")
+_FLOATS = ("round_timeout", "join_timeout", "trim_fraction")
 _CHOICES = {"algo": SERVICE_ALGOS, "obs_norm": NORM_CHOICES, "weighting": WEIGHTINGS,
             "aggregation": AGGREGATIONS, "federate": FEDERATE_CHOICES}
 
@@ -146,7 +149,9 @@ def parse_run_config(text: str | bytes | dict) -> RunConfig:
             raise ConfigError(f"{k}: must be >= 0, got {getattr(cfg, k)}")
     if cfg.min_agents > cfg.agents:
         raise ConfigError(f"min_agents: {cfg.min_agents} exceeds agents ({cfg.agents})")
-    for k in _FLOATS:
+    if not 0.0 <= cfg.trim_fraction < 0.5:
+        raise ConfigError(f"trim_fraction: must be in [0, 0.5), got {cfg.trim_fraction}")
+    for k in ("round_timeout", "join_timeout"):
         if getattr(cfg, k) <= 0:
             raise ConfigError(f"{k}: must be > 0 seconds, got {getattr(cfg, k)}")
     if cfg.federate == "policy+critic" and cfg.algo == "fed-bc":

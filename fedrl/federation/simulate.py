@@ -29,7 +29,7 @@ from fedrl.data.partition import Shard, ShardSource, partition
 from fedrl.data.registry import infer_env, load
 from fedrl.device import derive_seed, resolve_device, seed_everything
 from fedrl.evaluation import evaluate
-from fedrl.federation.aggregate import WEIGHTINGS, agent_weights, aggregate
+from fedrl.federation.aggregate import AGGREGATIONS, WEIGHTINGS, agent_weights, aggregate
 from fedrl.federation.round import (
     SEED_EVAL,
     SEED_SHARDS,
@@ -74,6 +74,10 @@ class SimConfig:
     """FedAvg weights: uniform (paper) or samples (by shard size)."""
     federate: str = "policy"
     """What is averaged: policy (paper) or policy+critic."""
+    aggregation: str = "fedavg"
+    """fedavg (paper), median or trimmed-mean (robust to a minority of bad agents)."""
+    trim_fraction: float = 0.1
+    """Share of the largest and smallest values per coordinate dropped by trimmed-mean."""
     drpo: DRPOConfig = field(default_factory=DRPOConfig)
     bc: BCConfig = field(default_factory=BCConfig)
 
@@ -90,6 +94,8 @@ class SimConfig:
             raise ValueError(f"--obs-norm must be one of {', '.join(NORM_CHOICES)}")
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"--weighting must be one of {', '.join(WEIGHTINGS)}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}")
         if self.federate not in FEDERATE_CHOICES:
             raise ValueError(f"--federate must be one of {', '.join(FEDERATE_CHOICES)}")
         if self.federate == "policy+critic" and self.algo == "fed-bc":
@@ -194,7 +200,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 agent_states = [res.state for res in results]
             else:
                 w = agent_weights(cfg.weighting, [res.num_samples for res in results])
-                global_state = aggregate("fedavg", [res.state for res in results], w)
+                global_state = aggregate(cfg.aggregation, [res.state for res in results], w, cfg.trim_fraction)
                 if on_round is not None:
                     on_round(r, global_state)
             train_s = time.perf_counter() - t0

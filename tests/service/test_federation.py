@@ -273,3 +273,23 @@ def test_round_closes_at_deadline_with_quorum(aggregator):
     ev = [e for e in aggregator.coord.run.events if e["kind"] == "ROUND_CLOSED"]
     assert ev[0]["agents"] == ["a0"]
     np.testing.assert_allclose(v1["policy.obs_mean"].numpy(), 2 * g["policy.obs_mean"].numpy())
+
+
+@pytest.mark.parametrize("aggregation", ["fedavg", "median", "trimmed-mean"])
+def test_one_byzantine_agent_corrupts_fedavg_but_not_robust_aggregation(aggregator, aggregation):
+    for i in range(3):
+        join(aggregator, f"a{i}", i)
+    st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(agents=3, aggregation=aggregation, trim_fraction=0.34)), timeout=5))
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+    submit(aggregator, "a0", g, st["run_id"])
+    submit(aggregator, "a1", g, st["run_id"])
+    submit(aggregator, "a2", {k: v * 1e6 if v.is_floating_point() else v for k, v in g.items()}, st["run_id"])
+    wait_for(lambda: status(aggregator)["global_version"] == 1, what="round 1 to close")
+    v1 = aggregator.store.load_version(st["run_id"], 1)
+    w = "policy.trunk.0.weight"
+    if aggregation == "fedavg":
+        assert (v1[w] - g[w]).abs().max() > 1e3
+    else:
+        assert torch.equal(v1[w], g[w])

@@ -49,3 +49,28 @@ def test_agent_weights():
         agent_weights("samples", [0, 3])
     with pytest.raises(AggregationError, match="uniform, samples"):
         agent_weights("median", [1])
+
+
+def test_robust_aggregation_ignores_one_wild_agent():
+    from fedrl.federation.aggregate import aggregate
+    torch.manual_seed(0)
+    honest = [{"w": torch.randn(4, 3) * 0.01 + 1.0, "b": torch.randn(3) * 0.01} for _ in range(4)]
+    wild = {"w": torch.full((4, 3), 1e6), "b": torch.full((3,), -1e6)}
+    states = honest + [wild]
+    avg = aggregate("fedavg", states)
+    assert avg["w"].abs().max() > 1e5  # FedAvg is dragged away by one agent
+    for method in ("median", "trimmed-mean"):
+        g = aggregate(method, states, trim=0.2)
+        assert (g["w"] - 1.0).abs().max() < 0.05 and g["b"].abs().max() < 0.05, method
+        assert g["w"].dtype == torch.float32 and g["w"].shape == (4, 3)
+
+
+def test_median_and_trimmed_mean_values():
+    from fedrl.federation.aggregate import AggregationError, coordinate_median, trimmed_mean
+    s = [{"x": torch.tensor([v, -v])} for v in (1.0, 2.0, 10.0, 4.0)]
+    assert torch.equal(coordinate_median(s)["x"], torch.tensor([3.0, -3.0]))  # mean of 2 and 4
+    assert torch.equal(coordinate_median(s[:3])["x"], torch.tensor([2.0, -2.0]))
+    assert torch.equal(trimmed_mean(s, 0.25)["x"], torch.tensor([3.0, -3.0]))  # drops 1 and 10
+    assert torch.allclose(trimmed_mean(s, 0.0)["x"], torch.tensor([4.25, -4.25]))
+    with pytest.raises(AggregationError, match="trim fraction"):
+        trimmed_mean(s, 0.5)
