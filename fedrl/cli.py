@@ -219,9 +219,8 @@ def _cmd_train_behavior(a: argparse.Namespace) -> int:
     return 0
 
 
-# hopper-medium-v2 becomes the default once a Hopper behaviour set is shipped (see README);
-# until then the default is the random quality, which needs no behaviour policy.
-UP_DEFAULT_DATASET = "hopper-random-v2"
+# Made on first use from the shipped Hopper behaviour policies (fedrl/behavior/checkpoints/hopper).
+UP_DEFAULT_DATASET = "hopper-medium-v2"
 UP_DEFAULTS = {"agents": 3, "rounds": 5, "local_steps": 100, "eval_episodes": 5}
 
 
@@ -231,7 +230,8 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the whole federation here: aggregator, agents, evaluator as processes",
                        description="Starts the aggregator, N agents and the evaluator as real processes on "
                                    "127.0.0.1, runs the federation, writes a run folder. The default needs "
-                                   f"nothing from outside ({UP_DEFAULT_DATASET}, made locally on first use) "
+                                   f"nothing from outside ({UP_DEFAULT_DATASET}, made on first use from the "
+                                   "shipped behaviour policies) "
                                    "and takes a few minutes on 2 CPU cores.")
     p.add_argument("--config", default=None, help="run config JSON file (fields of RunConfig); flags override it")
     p.add_argument("--dataset", action="append", metavar="PATH|NAME[:AGENTS]",
