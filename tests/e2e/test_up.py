@@ -56,14 +56,16 @@ def test_up_stops_every_child_on_ctrl_c(stand_dataset, tmp_path):
     cfg = tmp_path / "run.json"
     cfg.write_text(json.dumps(TINY))
     out = tmp_path / "run"
+    # Output to a file: an unread pipe would fill up and block the launcher's prints.
+    console = open(tmp_path / "console.txt", "w")
     proc = subprocess.Popen([sys.executable, "-m", "fedrl.cli", "up", "--config", str(cfg), "--dataset",
                              str(stand_dataset), "--agents", "2", "--trajectories", "2", "--rounds", "1000",
                              "--local-steps", "2", "--eval-episodes", "0", "--device", "cpu", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=console, stderr=subprocess.STDOUT, text=True)
     try:
         end = time.monotonic() + 120
         while not any((out / "state" / "runs").glob("*/v000002.safetensors")):
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, (tmp_path / "console.txt").read_text()
             assert time.monotonic() < end, "the run did not reach round 2"
             time.sleep(0.1)
         children = _children(proc.pid)
@@ -73,7 +75,9 @@ def test_up_stops_every_child_on_ctrl_c(stand_dataset, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 130
+        console.close()
+    assert rc == 130, (tmp_path / "console.txt").read_text()[-2000:]
+    assert "interrupted; stopping every process" in (tmp_path / "console.txt").read_text()
     time.sleep(0.5)
     assert [c for c in children if _alive(c)] == []
 

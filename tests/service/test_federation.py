@@ -48,7 +48,7 @@ def wait_for(pred, timeout: float = 60.0, what: str = "condition"):
 
 
 def status(agg) -> dict:
-    return status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
+    return status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5, wait_for_ready=True))
 
 
 @pytest.mark.parametrize("algo,obs_norm", [("drpo", "pooled"), ("fed-bc", "local")])
