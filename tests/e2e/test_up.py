@@ -59,8 +59,8 @@ def test_up_stops_every_child_on_ctrl_c(stand_dataset, tmp_path):
     # Output to a file: an unread pipe would fill up and block the launcher's prints.
     console = open(tmp_path / "console.txt", "w")
     proc = subprocess.Popen([sys.executable, "-m", "fedrl.cli", "up", "--config", str(cfg), "--dataset",
-                             str(stand_dataset), "--agents", "2", "--trajectories", "2", "--rounds", "1000",
-                             "--local-steps", "2", "--eval-episodes", "0", "--device", "cpu", "--out", str(out)],
+                             str(stand_dataset), "--agents", "2", "--trajectories", "2", "--rounds", "100000",
+                             "--local-steps", "20", "--eval-episodes", "0", "--device", "cpu", "--out", str(out)],
                             stdout=console, stderr=subprocess.STDOUT, text=True)
     try:
         end = time.monotonic() + 120
