@@ -239,7 +239,16 @@ class Launcher:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def up(cfg: UpConfig, log: Callable[[str], None] = print) -> int:
+    # Ctrl-C and SIGTERM both stop every child. Installed explicitly: a process started from a
+    # non-interactive shell's background job inherits SIGINT ignored, and Python then never
+    # raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     launcher = Launcher(cfg, log)
     try:
         return launcher.run()
