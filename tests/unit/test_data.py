@@ -218,3 +218,17 @@ def test_random_dataset_is_made_on_demand_once(monkeypatch):
     assert len(raw) == 300 and raw.metadata["quality"] == "random" and raw.metadata["env_id"] == "Hopper-v5"
     assert resolve("hopper-random-v2", progress=messages.append) == path and len(messages) == 1
     assert sorted(p.name for p in path.parent.iterdir()) == ["hopper-random-v2.hdf5"]
+
+
+def test_truncated_and_foreign_hdf5_name_the_file(tmp_path, random_dataset):
+    cut = tmp_path / "cut.hdf5"
+    data = random_dataset.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DatasetError, match="cut.hdf5"):
+        load_d4rl(cut)
+    foreign = tmp_path / "foreign.hdf5"
+    import h5py
+    with h5py.File(foreign, "w") as f:
+        f.create_dataset("images", data=np.zeros((3, 4)))
+    with pytest.raises(DatasetError, match=r"foreign.hdf5.*observations"):
+        load_d4rl(foreign)
