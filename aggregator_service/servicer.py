@@ -11,21 +11,18 @@ from aggregator_service.coordinator import AgentRecord, Coordinator
 from fedrl.codec import Assembler, CodecError
 from fedrl.data.normalize import ObsStats
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
-from fedrl.rpc import ServiceError
+from fedrl.rpc import ServiceError, codec_status
 from fedrl.serde import event_to_proto, evaluation_from_proto, manifest_from_proto, status_to_proto, weight_parts
 
 log = logging.getLogger("fedrl.aggregator")
 
-# Codec failures -> status codes: corruption is DATA_LOSS, overlong streams OUT_OF_RANGE.
-CODEC_STATUS = {"sha256_mismatch": grpc.StatusCode.DATA_LOSS, "truncated": grpc.StatusCode.DATA_LOSS,
-                "oversize": grpc.StatusCode.OUT_OF_RANGE}
 
 
 def _abort(context: grpc.ServicerContext, e: Exception) -> None:
     if isinstance(e, ServiceError):
         context.abort(e.code, e.message)
     if isinstance(e, CodecError):
-        context.abort(CODEC_STATUS.get(e.reason, grpc.StatusCode.INVALID_ARGUMENT), str(e))
+        context.abort(codec_status(e.reason), str(e))
     raise e
 
 

@@ -12,6 +12,7 @@ import grpc
 
 from fedrl.codec import assemble
 from fedrl.evaluation import evaluate
+from fedrl.federation.round import algo_config
 from fedrl.federation.runconfig import parse_run_config
 from fedrl.policy_io import policy_from_state
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
@@ -114,7 +115,7 @@ class Follower:
         manifest, chunks = read_weight_parts(fed.FetchGlobal(
             federation_pb2.FetchRequest(run_id=run_id, version=version), timeout=120))
         state = assemble(manifest, chunks)
-        hp = cfg.bc if cfg.algo == "fed-bc" else cfg.drpo
+        hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
         policy = policy_from_state(state, hp.log_std_min, hp.log_std_max)
         env = cfg.env or status.env_id
         if not env:

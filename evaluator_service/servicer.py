@@ -10,7 +10,8 @@ from evaluator_service.follower import Follower
 from fedrl.codec import CodecError, assemble
 from fedrl.evaluation import evaluate
 from fedrl.policy_io import policy_from_state
-from fedrl.proto.v1 import control_pb2, evaluator_pb2, evaluator_pb2_grpc
+from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc
+from fedrl.rpc import codec_status
 from fedrl.serde import evaluation_to_proto, read_weight_parts
 
 MAX_EPISODES = 1000
@@ -35,8 +36,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
             state = assemble(manifest, chunks)
             policy = policy_from_state(state)
         except CodecError as e:
-            code = grpc.StatusCode.DATA_LOSS if e.reason in ("sha256_mismatch", "truncated") else grpc.StatusCode.INVALID_ARGUMENT
-            context.abort(code, str(e))
+            context.abort(codec_status(e.reason), str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -53,5 +53,3 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
             reports = [r for r in reports if r["run_id"] == request.run_id]
         return evaluator_pb2.ReportsReply(reports=[evaluation_to_proto(r) for r in reports])
 
-
-__all__ = ["EvaluatorServicer", "control_pb2"]

@@ -205,13 +205,14 @@ class Launcher:
         return f"round {r['round']:3d}/{self.cfg.run.rounds}  {ev}  {losses}  [{r['seconds']:.1f}s]"
 
     def _save_policy(self, client, status: dict) -> None:
+        from fedrl.algos.config import config_to_dict
+        from fedrl.federation.round import algo_config
         from fedrl.policy_io import policy_from_state, save_policy
 
         state = client.fetch_global(status["run_id"], status["global_version"])
         rc = self.cfg.run
-        hp = rc.bc if rc.algo == "fed-bc" else rc.drpo
+        hp = algo_config(rc.algo, rc.drpo, rc.bc)
         pol = policy_from_state(state, hp.log_std_min, hp.log_std_max)
-        from fedrl.algos.config import config_to_dict
         save_policy(pol, self.out / "global_policy.safetensors",
                     {"env_id": status.get("env_id", ""), "algo": rc.algo, "run_id": status["run_id"],
                      "version": status["global_version"], "hparams": config_to_dict(hp)})

@@ -83,6 +83,17 @@ def wait_ready(channel: grpc.Channel, timeout: float) -> None:
     grpc.channel_ready_future(channel).result(timeout=timeout)
 
 
+# Codec refusals -> status codes: corruption is DATA_LOSS, an overlong stream OUT_OF_RANGE,
+# everything else (bad manifest, dtype, names, shapes, NaN) INVALID_ARGUMENT.
+_CODEC_STATUS = {"sha256_mismatch": grpc.StatusCode.DATA_LOSS, "truncated": grpc.StatusCode.DATA_LOSS,
+                 "oversize": grpc.StatusCode.OUT_OF_RANGE}
+
+
+def codec_status(reason: str) -> grpc.StatusCode:
+    """The status a :class:`fedrl.codec.CodecError` with ``reason`` is answered with."""
+    return _CODEC_STATUS.get(reason, grpc.StatusCode.INVALID_ARGUMENT)
+
+
 class ServiceError(Exception):
     """A refusal with a specific gRPC status; servicers turn it into ``context.abort``."""
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from fedrl.algos import ALGOS, BCConfig, DRPOConfig
 from fedrl.algos.base import POLICY, load_prefixed
@@ -39,6 +38,7 @@ from fedrl.federation.round import (
 )
 from fedrl.envs import EnvInfo
 from fedrl.nets import TanhGaussianPolicy
+from fedrl.policy_io import save_policy
 
 DEFAULT_DATASET = "hopper-random-v2"
 FEDERATE_CHOICES = ("policy", "policy+critic")
@@ -225,11 +225,10 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             log(_round_line(r, cfg.rounds, rec))
 
     final_states = agent_states if cfg.algo == "cql" else [global_state]
-    tensors = {k: v.contiguous() for k, v in final_states[0].items() if k.startswith(POLICY + ".")}
-    save_file(tensors, str(out / "global_policy.safetensors"),
-              metadata={"algo": cfg.algo, "env_id": env.gym_id,
-                        "hparams": json.dumps(config_to_dict(hp)),
-                        "note": "agent 0's policy (no global policy in 'cql')" if cfg.algo == "cql" else "global"})
+    load_prefixed(eval_policy, final_states[0], POLICY)
+    save_policy(eval_policy, out / "global_policy.safetensors",
+                {"algo": cfg.algo, "env_id": env.gym_id, "hparams": config_to_dict(hp),
+                 "note": "agent 0's policy (no global policy in 'cql')" if cfg.algo == "cql" else "global"})
     summary = {
         "algo": cfg.algo, "env_id": env.gym_id, "agents": len(trainers), "rounds": cfg.rounds,
         "wall_seconds": time.perf_counter() - t_start,
