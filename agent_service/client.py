@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -17,7 +16,7 @@ from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.round import LocalTrainer, algo_config
 from fedrl.federation.runconfig import parse_run_config
-from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc, weights_pb2
+from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
 from fedrl.rpc import create_channel
 from fedrl.serde import manifest_to_proto, read_weight_parts
 
@@ -132,5 +131,3 @@ class Agent:
                 return
             raise
 
-
-__all__ = ["Agent", "AgentConfig", "weights_pb2"]

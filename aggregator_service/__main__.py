@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
-from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from aggregator_service.servicer import ControlServicer, FederationServicer
     from aggregator_service.store import Store
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
-    from fedrl.rpc import create_server
+    from fedrl.rpc import announce_port, create_server, wait_for_shutdown
 
     try:
         store = Store(a.state_dir)
@@ -49,14 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(coord), "fedrl.v1.Control"),
     ], a.host, a.port, a.max_workers)
     logging.getLogger("fedrl.aggregator").info("serving on %s:%d, state in %s", a.host, server.port, a.state_dir)
-    if a.port_file:
-        tmp = Path(a.port_file + ".tmp")
-        tmp.write_text(str(server.port))
-        tmp.replace(a.port_file)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    done.wait()
+    announce_port(a.port_file, server.port)
+    wait_for_shutdown()
     server.stop(1.0)
     coord.close()
     return 0

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from aggregator_service.store import Store
+from fedrl.algos.config import config_to_dict
 from fedrl.codec import Encoded, Manifest, check_matches, encode
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
@@ -310,10 +311,6 @@ class Coordinator:
                 yield e
             if ended and not new:
                 return
-            if ended:
-                with self.cond:
-                    if len(run.events) == sent:
-                        return
 
     # -- internals (lock held) ---------------------------------------------------------------
     def _watch_over(self, run: Run) -> bool:
@@ -372,7 +369,6 @@ class Coordinator:
 
     def _version_meta(self, run: Run, version: int) -> dict[str, Any]:
         hp = algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)
-        from fedrl.algos.config import config_to_dict
         return {"run_id": run.run_id, "version": version, "algo": run.cfg.algo,
                 "env_id": run.env_id, "hparams": config_to_dict(hp)}
 

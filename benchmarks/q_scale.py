@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 
-import numpy as np
 import torch
 
 from fedrl.algos import DRPOConfig, cql_config

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
-from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from evaluator_service.follower import Follower
     from evaluator_service.servicer import EvaluatorServicer
     from fedrl.proto.v1 import evaluator_pb2_grpc
-    from fedrl.rpc import create_server
+    from fedrl.rpc import announce_port, create_server, wait_for_shutdown
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -41,17 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     server = create_server([(evaluator_pb2_grpc.add_EvaluatorServicer_to_server,
                              EvaluatorServicer(follower, a.num_envs), "fedrl.v1.Evaluator")], a.host, a.port)
     logging.getLogger("fedrl.evaluator").info("serving on %s:%d", a.host, server.port)
-    if a.port_file:
-        tmp = Path(a.port_file + ".tmp")
-        tmp.write_text(str(server.port))
-        tmp.replace(a.port_file)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
+    announce_port(a.port_file, server.port)
     if follower is not None:
-        t = threading.Thread(target=follower.run, daemon=True, name="follower")
-        t.start()
-    done.wait()
+        threading.Thread(target=follower.run, daemon=True, name="follower").start()
+    wait_for_shutdown()
     if follower is not None:
         follower.stop()
     server.stop(1.0)

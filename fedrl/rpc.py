@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -71,6 +74,22 @@ def create_server(
     s = Server(server, bound, hs, names)
     s.set_serving(True)
     return s
+
+
+def announce_port(port_file: str | None, port: int) -> None:
+    """Write the bound port to ``port_file`` atomically (how launchers learn a ``--port 0``)."""
+    if port_file:
+        tmp = Path(port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(port_file)
+
+
+def wait_for_shutdown() -> None:
+    """Block until SIGTERM or SIGINT (main thread only)."""
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    done.wait()
 
 
 def create_channel(target: str) -> grpc.Channel:

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import gymnasium as gym
 import numpy as np
-import torch
 
 from fedrl.envs import env_info
 from fedrl.nets import TanhGaussianPolicy

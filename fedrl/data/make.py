@@ -172,7 +172,3 @@ def make_dataset(env_name: str, quality: str, seed: int, out: str | Path, *,
     raw.metadata.clear()
     return write_d4rl(out, raw, meta)
 
-
-def make_random_dataset(env_name: str, transitions: int, seed: int, out: str | Path) -> Path:
-    """A ``random``-quality dataset (uniform actions) written to ``out`` in D4RL format."""
-    return make_dataset(env_name, "random", seed, out, transitions=transitions)
