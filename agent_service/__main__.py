@@ -4,10 +4,28 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import signal
 import sys
 
 import torch
+
+from fedrl.metrics import add_metrics_args
+
+
+def index_arg(value: str) -> int:
+    """An index, or ``ordinal``: the number a StatefulSet puts at the end of the pod's hostname."""
+    if value != "ordinal":
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer or 'ordinal', got {value!r}") from None
+    host = os.environ.get("HOSTNAME") or os.uname().nodename
+    m = re.search(r"-(\d+)$", host)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"'ordinal' needs a hostname ending in -N (a StatefulSet pod), got {host!r}")
+    return int(m.group(1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,15 +35,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", action="append", required=True, metavar="PATH|NAME[:AGENTS]",
                    help="the private data: a D4RL/Minari file or dataset name; with --shard, the "
                         "federation's shared file(s) this agent takes its seeded shard of")
-    p.add_argument("--shard", type=int, default=None, help="this agent's shard index (0-based)")
+    p.add_argument("--shard", type=index_arg, default=None,
+                   help="this agent's shard index (0-based), or 'ordinal' (from a StatefulSet pod's hostname)")
+    p.add_argument("--index", type=index_arg, default=None,
+                   help="without --shard: the agent's index (its seed stream and order), or 'ordinal'")
     p.add_argument("--shards", type=int, default=None, help="agents per dataset given without :N")
     p.add_argument("--trajectories", type=int, default=5, help="whole trajectories per shard")
     p.add_argument("--seed", type=int, default=0, help="seed of the shard partition (the run's seed)")
-    p.add_argument("--agent-id", default=None, help="default: agent-<shard>")
+    p.add_argument("--agent-id", default=None, help="default: agent-<shard or index>")
     p.add_argument("--env", default=None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--host", default="127.0.0.1", help="address the health and metrics ports bind")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="serve gRPC health checking (only) on this port, for probes (0: a free port)")
     p.add_argument("--log-level", default="INFO")
+    add_metrics_args(p)
     return p
 
 
@@ -50,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             raw = load(a.dataset[0], progress=logging.getLogger("fedrl.agent").info)
             env = infer_env(raw, a.dataset[0], a.env)
             tr = to_transitions(raw)
-            shard, index = Shard(0, raw.source, (), tr), 0
+            index = a.index or 0
+            shard = Shard(index, raw.source, (), tr)
         else:
             shards, env = load_shards(a.dataset, a.shards or a.shard + 1, a.trajectories, a.seed, a.env,
                                       logging.getLogger("fedrl.agent").info)
@@ -60,12 +86,28 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, ValueError) as e:
         print(f"fedrl-agent: error: {e}", file=sys.stderr)
         return 2
-    agent = Agent(AgentConfig(a.aggregator, a.agent_id or f"agent-{index}", index, env.gym_id, device), shard)
+    from fedrl.metrics import AgentMetrics, start_metrics_from_args
+    from fedrl.rpc import create_server
+
+    agent_id = a.agent_id or f"agent-{index}"
+    metrics = AgentMetrics(agent_id, str(device))
+    agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device), shard, metrics)
+    log = logging.getLogger("fedrl.agent")
+    health = None
+    if a.health_port is not None:
+        health = create_server([], a.host, a.health_port, max_workers=4, interceptors=[metrics.grpc])
+        log.info("health on %s:%d", a.host, health.port)
+    mport = start_metrics_from_args(a, metrics.registry)
+    if mport is not None:
+        log.info("metrics on http://%s:%d/metrics", a.host, mport)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     try:
         agent.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        if health is not None:
+            health.stop(0.5)
     return 0
 
 

@@ -16,6 +16,7 @@ from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.round import LocalTrainer, algo_config
 from fedrl.federation.runconfig import parse_run_config
+from fedrl.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
 from fedrl.rpc import create_channel
 from fedrl.serde import manifest_to_proto, read_weight_parts
@@ -41,8 +42,9 @@ class AgentConfig:
 class Agent:
     """Runs until :meth:`stop`; survives aggregator restarts by rejoining with backoff."""
 
-    def __init__(self, cfg: AgentConfig, shard: Shard) -> None:
+    def __init__(self, cfg: AgentConfig, shard: Shard, metrics: AgentMetrics | None = None) -> None:
         self.cfg, self.shard = cfg, shard
+        self.metrics = metrics or AgentMetrics(cfg.agent_id, str(cfg.device))
         self.stats = ObsStats.of(shard.transitions.obs)
         self._stop = threading.Event()
         self.trainer: LocalTrainer | None = None
@@ -67,6 +69,7 @@ class Agent:
                     log.error("giving up: %s %s", code.name, e.details())
                     raise
                 log.warning("aggregator unavailable (%s: %s); retrying in %.1fs", code.name, e.details(), delay)
+                self.metrics.reconnects.inc()
                 self._stop.wait(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.cfg.backoff_max)
             finally:
@@ -112,6 +115,7 @@ class Agent:
         manifest, chunks = read_weight_parts(parts)
         state = assemble(manifest, chunks)
         res = trainer.train_round(state, task.local_steps)
+        self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples)
 
         def parts_out():
@@ -124,6 +128,7 @@ class Agent:
         try:
             stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
             self.rounds_done += 1
+            self.metrics.rounds.inc()
             log.info("round %d: submitted after %d steps in %.1fs", task.round, task.local_steps, res.seconds)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from fedrl.metrics import add_metrics_args
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl-aggregator", description="The federation's aggregator: "
@@ -20,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads; its tensor work is small, and more threads only contend "
                         "with agents sharing the machine")
     p.add_argument("--log-level", default="INFO")
+    add_metrics_args(p)
     return p
 
 
@@ -32,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from aggregator_service.coordinator import Coordinator
     from aggregator_service.servicer import ControlServicer, FederationServicer
     from aggregator_service.store import Store
+    from fedrl.metrics import AggregatorMetrics, start_metrics_from_args
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
     from fedrl.rpc import announce_port, create_server, wait_for_shutdown
 
@@ -40,12 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"fedrl-aggregator: error: {e}", file=sys.stderr)
         return 2
-    coord = Coordinator(store, max_task_wait=a.task_wait)
+    metrics = AggregatorMetrics()
+    coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics)
     server = create_server([
         (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord), "fedrl.v1.Federation"),
         (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(coord), "fedrl.v1.Control"),
-    ], a.host, a.port, a.max_workers)
+    ], a.host, a.port, a.max_workers, interceptors=[metrics.grpc])
     logging.getLogger("fedrl.aggregator").info("serving on %s:%d, state in %s", a.host, server.port, a.state_dir)
+    mport = start_metrics_from_args(a, metrics.registry)
+    if mport is not None:
+        logging.getLogger("fedrl.aggregator").info("metrics on http://%s:%d/metrics", a.host, mport)
     announce_port(a.port_file, server.port)
     wait_for_shutdown()
     server.stop(1.0)

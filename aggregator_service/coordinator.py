@@ -28,6 +28,7 @@ from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.round import algo_config, initial_global_state
 from fedrl.federation.runconfig import ConfigError, RunConfig, parse_run_config
+from fedrl.metrics import AggregatorMetrics
 from fedrl.rpc import ServiceError
 
 log = logging.getLogger("fedrl.aggregator")
@@ -84,8 +85,10 @@ class Coordinator:
     """Thread-safe: every public method takes the one lock; waiters use its condition."""
 
     def __init__(self, store: Store, max_task_wait: float = 30.0, tick: float = 0.1,
-                 eval_grace: float = 120.0) -> None:
+                 eval_grace: float = 120.0, metrics: AggregatorMetrics | None = None) -> None:
         self.store, self.eval_grace = store, eval_grace
+        self.metrics = metrics or AggregatorMetrics()
+        self.metrics.bind(self.gauges)
         self.max_task_wait = max_task_wait
         self.cond = threading.Condition()
         self.agents: dict[str, AgentRecord] = {}
@@ -223,6 +226,7 @@ class Coordinator:
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
             run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds)
             self.agents[agent_id].rounds_submitted += 1
+            self.metrics.accepted.inc()
             r = run.round
             if len(run.submissions) == len(run.selected):
                 self._close_round(run)
@@ -275,11 +279,25 @@ class Coordinator:
         with self.cond:
             return self._status()
 
+    def gauges(self) -> dict[str, float]:
+        """The numbers the aggregator's state gauges show (read at scrape time)."""
+        with self.cond:
+            run, now = self.run, time.time()
+            active = run is not None and run.state in ACTIVE
+            return {"agents_connected": sum(self._connected(a, now) for a in self.agents.values()),
+                    "agents_expected": run.cfg.agents if active else 0,
+                    "global_version": run.version if run else 0, "round": run.round if run else 0,
+                    "run_active": 1.0 if active else 0.0,
+                    "round_deadline": run.deadline if run is not None and run.state == "running" else 0.0}
+
+    def _connected(self, a: AgentRecord, now: float) -> bool:
+        return now - a.last_seen < 2 * self.max_task_wait + 5
+
     def _status(self) -> dict[str, Any]:
         run = self.run
         now = time.time()
         agents = [{"agent_id": a.agent_id, "agent_index": a.index, "num_samples": a.num_samples,
-                   "connected": now - a.last_seen < 2 * self.max_task_wait + 5,
+                   "connected": self._connected(a, now),
                    "last_seen_unix": a.last_seen, "rounds_submitted": a.rounds_submitted}
                   for a in sorted(self.agents.values(), key=lambda a: (a.index, a.agent_id))]
         if run is None:
@@ -404,8 +422,9 @@ class Coordinator:
         for s in subs:
             for k, x in s.metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + x / len(subs)
-        self._event(run, "ROUND_CLOSED", agents=order, metrics=metrics,
-                    seconds=time.time() - run.round_opened)
+        seconds = time.time() - run.round_opened
+        self.metrics.round_closed(seconds)
+        self._event(run, "ROUND_CLOSED", agents=order, metrics=metrics, seconds=seconds)
         if run.round >= run.cfg.rounds:
             run.state, run.ended = "finished", time.time()
             self._event(run, "RUN_FINISHED")

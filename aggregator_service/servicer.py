@@ -56,25 +56,33 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             enc = self.coord.global_weights(request.run_id, request.version)
         except ServiceError as e:
             _abort(context, e)
-        yield from weight_parts(enc)
+        for part in weight_parts(enc):
+            if part.WhichOneof("part") == "chunk":
+                self.coord.metrics.bytes_sent.inc(len(part.chunk))
+            yield part
 
     def SubmitUpdate(self, request_iterator, context):
+        metrics = self.coord.metrics
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("part") != "header":
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an update stream must start with its header")
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an update stream must start with its header",
+                                   "bad_stream")
             h = first.header
             manifest = manifest_from_proto(h.weights)
             self.coord.check_header(h.agent_id, manifest)
             asm = Assembler(manifest)
             for part in request_iterator:
                 if part.WhichOneof("part") != "chunk":
-                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one update stream")
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one update stream",
+                                       "bad_stream")
+                metrics.bytes_received.inc(len(part.chunk))
                 asm.add(part.chunk)
             state = asm.finish()
             r = self.coord.submit(h.agent_id, manifest, state, dict(h.metrics), h.train_seconds)
         except (ServiceError, CodecError) as e:
             log.warning("update refused: %s", e)
+            metrics.reject(e.reason)
             _abort(context, e)
         return federation_pb2.SubmitReply(accepted=True, round=r, received_bytes=manifest.total_bytes)
 

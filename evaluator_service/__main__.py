@@ -7,6 +7,8 @@ import logging
 import sys
 import threading
 
+from fedrl.metrics import add_metrics_args
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl-evaluator", description="Follows the aggregator's rounds, "
@@ -20,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-envs", type=int, default=10, help="vectorised environments per rollout")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--log-level", default="INFO")
+    add_metrics_args(p)
     return p
 
 
@@ -30,15 +33,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from evaluator_service.follower import Follower
     from evaluator_service.servicer import EvaluatorServicer
+    from fedrl.metrics import EvaluatorMetrics, start_metrics_from_args
     from fedrl.proto.v1 import evaluator_pb2_grpc
     from fedrl.rpc import announce_port, create_server, wait_for_shutdown
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    follower = Follower(a.aggregator, a.seed, a.num_envs) if a.aggregator else None
+    metrics = EvaluatorMetrics()
+    follower = Follower(a.aggregator, a.seed, a.num_envs, metrics=metrics) if a.aggregator else None
     server = create_server([(evaluator_pb2_grpc.add_EvaluatorServicer_to_server,
-                             EvaluatorServicer(follower, a.num_envs), "fedrl.v1.Evaluator")], a.host, a.port)
-    logging.getLogger("fedrl.evaluator").info("serving on %s:%d", a.host, server.port)
+                             EvaluatorServicer(follower, a.num_envs, metrics), "fedrl.v1.Evaluator")],
+                           a.host, a.port, interceptors=[metrics.grpc])
+    log = logging.getLogger("fedrl.evaluator")
+    log.info("serving on %s:%d", a.host, server.port)
+    mport = start_metrics_from_args(a, metrics.registry)
+    if mport is not None:
+        log.info("metrics on http://%s:%d/metrics", a.host, mport)
     announce_port(a.port_file, server.port)
     if follower is not None:
         threading.Thread(target=follower.run, daemon=True, name="follower").start()

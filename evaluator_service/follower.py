@@ -14,6 +14,7 @@ from fedrl.codec import assemble
 from fedrl.evaluation import evaluate
 from fedrl.federation.round import algo_config
 from fedrl.federation.runconfig import parse_run_config
+from fedrl.metrics import EvaluatorMetrics
 from fedrl.policy_io import policy_from_state
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
 from fedrl.rpc import create_channel
@@ -26,8 +27,10 @@ class Follower:
     """Evaluates versions >= 1 of the aggregator's runs in order, each once."""
 
     def __init__(self, target: str, seed: int = 0, num_envs: int = 10,
-                 on_report: Callable[[dict], None] = lambda r: None) -> None:
+                 on_report: Callable[[dict], None] = lambda r: None,
+                 metrics: EvaluatorMetrics | None = None) -> None:
         self.target, self.seed, self.num_envs, self.on_report = target, seed, num_envs, on_report
+        self.metrics = metrics or EvaluatorMetrics()
         self._stop = threading.Event()
         self.reports: dict[tuple[str, int], dict] = {}
 
@@ -101,6 +104,7 @@ class Follower:
                         self._evaluate(control, fed, *key)
                     except (ValueError, RuntimeError) as e:  # a bad model or config: report, go on
                         log.error("run %s version %d not evaluated: %s", key[0], key[1], e)
+                        self.metrics.failures.inc()
                     done.add(key)
         finally:
             stream.cancel()
@@ -121,9 +125,11 @@ class Follower:
         if not env:
             raise ValueError(f"run {run_id}: no evaluation env known; set env in the run config")
         res = evaluate(policy, env, cfg.eval_episodes, seed=self.seed, num_envs=self.num_envs)
+        self.metrics.rollout("follower", len(res.returns), res.env_steps, res.seconds)
         report = {"run_id": run_id, "version": version, **res.as_dict()}
         report.pop("lengths", None)
         control.ReportEvaluation(evaluation_to_proto(report), timeout=30)
         self.reports[(run_id, version)] = report
+        self.metrics.latest(report)
         self.on_report(report)
         log.info("run %s version %d: return %.1f, score %.1f", run_id, version, res.return_mean, res.score_mean)

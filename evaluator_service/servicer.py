@@ -9,6 +9,7 @@ import grpc
 from evaluator_service.follower import Follower
 from fedrl.codec import CodecError, assemble
 from fedrl.evaluation import evaluate
+from fedrl.metrics import EvaluatorMetrics
 from fedrl.policy_io import policy_from_state
 from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc
 from fedrl.rpc import codec_status
@@ -18,8 +19,10 @@ MAX_EPISODES = 1000
 
 
 class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
-    def __init__(self, follower: Follower | None, num_envs: int = 10) -> None:
+    def __init__(self, follower: Follower | None, num_envs: int = 10,
+                 metrics: EvaluatorMetrics | None = None) -> None:
         self.follower, self.num_envs = follower, num_envs
+        self.metrics = metrics or (follower.metrics if follower else EvaluatorMetrics())
         self._lock = threading.Lock()  # one on-demand rollout at a time (CPU bound)
 
     def Evaluate(self, request_iterator, context):
@@ -42,6 +45,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
         try:
             with self._lock:
                 res = evaluate(policy, h.env_id, int(h.episodes), int(h.seed), self.num_envs)
+            self.metrics.rollout("on_demand", len(res.returns), res.env_steps, res.seconds)
         except ValueError as e:  # unknown env, layout mismatch
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         d = {"run_id": manifest.run_id, "version": manifest.base_version, **res.as_dict()}

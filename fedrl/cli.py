@@ -247,6 +247,10 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="agents' device: auto, cpu, cuda[:N]")
     p.add_argument("--agent-threads", type=int, default=1, help="torch threads per agent process")
     p.add_argument("--out", default=None, help="run folder (default runs/up-<time>)")
+    p.add_argument("--prometheus", action="store_true",
+                   help="also start a real Prometheus on 127.0.0.1 scraping every process, with the "
+                        "deployment's alert rules (needs the prometheus binary, e.g. apt-get install prometheus)")
+    p.add_argument("--prometheus-bin", default=None, help="the prometheus binary (default: from PATH)")
     p.set_defaults(func=_cmd_up)
 
 
@@ -268,18 +272,30 @@ def _cmd_up(a: argparse.Namespace) -> int:
         data["agents"] = sum(int(c) for c in counts)  # e.g. expert.hdf5:4 medium.hdf5:1 -> 5 agents
     rc = parse_run_config(data)
     out = Path(a.out or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}")
-    return up(UpConfig(rc, datasets, a.trajectories, out, a.device, a.agent_threads),
+    if a.prometheus:
+        from fedrl.local_prometheus import PrometheusError, find_prometheus
+        try:
+            find_prometheus(a.prometheus_bin)
+        except PrometheusError as e:
+            print(f"fedrl up: error: {e}", file=sys.stderr)
+            return 2
+    return up(UpConfig(rc, datasets, a.trajectories, out, a.device, a.agent_threads,
+                       prometheus=a.prometheus, prometheus_bin=a.prometheus_bin),
               log=lambda m: print(m, flush=True))
 
 
 def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, stop")
     p.add_argument("--target", default="127.0.0.1:50051", help="aggregator HOST:PORT")
+    p.add_argument("--connect-timeout", type=float, default=10.0,
+                   help="seconds to wait for the aggregator to answer (e.g. while its pod starts)")
     csub = p.add_subparsers(dest="ctl_cmd", required=True)
     st = csub.add_parser("start", help="start a run")
     st.add_argument("--config", default=None, help="run config JSON file")
     st.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a field, e.g. --set rounds=10 --set 'drpo={\"lambda1\": 0.2}'")
+    st.add_argument("--if-idle", action="store_true",
+                    help="succeed without starting anything when a run is already active (idempotent jobs)")
     csub.add_parser("status", help="the run's state, round, agents and last evaluation")
     w = csub.add_parser("watch", help="print round events until the run ends")
     w.add_argument("--after-version", type=int, default=-1)
@@ -294,8 +310,10 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
     from fedrl.client import ControlClient, dumps
 
     try:
-        with ControlClient(a.target) as c:
-            if a.ctl_cmd == "start":
+        with ControlClient(a.target, connect_timeout=a.connect_timeout) as c:
+            if a.ctl_cmd == "start" and a.if_idle and c.status()["state"] in ("waiting_for_agents", "running"):
+                print(dumps(c.status()))
+            elif a.ctl_cmd == "start":
                 data = json.loads(Path(a.config).read_text()) if a.config else {}
                 for kv in a.set:
                     k, sep, v = kv.partition("=")

@@ -10,6 +10,8 @@ starts the run through the Control API, prints round-by-round progress and write
     <out>/summary.json
     <out>/state/               the aggregator's state directory (every global version)
     <out>/logs/*.log           each process's log
+    <out>/metrics_targets.json every process's Prometheus endpoint
+    <out>/prometheus/          with --prometheus: the local Prometheus's config, rules and data
 
 Exit status: 0 when the run finished and every process behaved; 1 if the run failed or a
 process died; 130 on Ctrl-C (every child is stopped first).
@@ -32,6 +34,7 @@ from typing import Any
 import grpc
 
 from fedrl.federation.runconfig import RunConfig
+from fedrl.local_prometheus import PrometheusError
 
 STARTUP_TIMEOUT = 120.0
 
@@ -47,6 +50,8 @@ class UpConfig:
     eval_num_envs: int = 10
     python: str = sys.executable
     extra_env: dict[str, str] = field(default_factory=dict)
+    prometheus: bool = False
+    prometheus_bin: str | None = None
 
 
 class ChildFailed(RuntimeError):
@@ -59,14 +64,22 @@ class Launcher:
         self.out = Path(cfg.out)
         self.children: dict[str, subprocess.Popen] = {}
         self.logs: list = []
+        self.metrics_ports: dict[str, int] = {}
+        self.prometheus = None
 
     # -- processes ---------------------------------------------------------------------------
+    def _port_file(self, name: str) -> Path:
+        f = self.out / "ports" / name
+        f.unlink(missing_ok=True)
+        return f
+
     def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
         logf = open(self.out / "logs" / f"{name}.log", "w")
         self.logs.append(logf)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.extra_env}
-        p = subprocess.Popen([self.cfg.python, "-m", module, *args], stdout=logf, stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True)
+        metrics = ["--metrics-port", "0", "--metrics-port-file", str(self._port_file(f"{name}.metrics"))]
+        p = subprocess.Popen([self.cfg.python, "-m", module, *args, *metrics], stdout=logf,
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.children[name] = p
         return p
 
@@ -87,6 +100,8 @@ class Launcher:
                 raise ChildFailed(f"{name} exited with status {rc}:\n    " + "\n    ".join(tail))
 
     def stop_children(self, grace: float = 10.0) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
         for p in self.children.values():
             if p.poll() is None:
                 try:
@@ -111,6 +126,7 @@ class Launcher:
 
         cfg = self.cfg
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        (self.out / "ports").mkdir(exist_ok=True)
         # Make or find the data once, before agents start (they would race to make it).
         datasets = []
         for spec in cfg.datasets:
@@ -121,13 +137,11 @@ class Launcher:
             raise ValueError(f"the datasets give {n_agents} agents but the run config says {cfg.run.agents}")
         (self.out / "run_config.json").write_text(json.dumps(json.loads(cfg.run.to_json()), indent=2))
 
-        agg_port = self.out / "aggregator.port"
-        agg_port.unlink(missing_ok=True)
+        agg_port = self._port_file("aggregator")
         self._spawn("aggregator", "aggregator_service", "--port", "0", "--port-file", str(agg_port),
                     "--state-dir", str(self.out / "state"))
         target = f"127.0.0.1:{self._wait_port('aggregator', agg_port)}"
-        ev_port = self.out / "evaluator.port"
-        ev_port.unlink(missing_ok=True)
+        ev_port = self._port_file("evaluator")
         if cfg.run.eval_episodes:
             self._spawn("evaluator", "evaluator_service", "--aggregator", target, "--port", "0",
                         "--port-file", str(ev_port), "--seed", str(cfg.run.seed),
@@ -140,6 +154,7 @@ class Launcher:
             self._spawn(f"agent-{i}", "agent_service", *args)
         self.log(f"aggregator on {target}; {n_agents} agents and "
                  f"{'an evaluator' if cfg.run.eval_episodes else 'no evaluator'} starting (logs in {self.out / 'logs'})")
+        self._metrics_endpoints()
 
         with ControlClient(target) as client:
             st = client.start(cfg.run)
@@ -153,6 +168,28 @@ class Launcher:
         if not ok:
             self.log(f"run {final.get('run_id')} {final['state']}: {final.get('message', '')}")
         return 0 if ok else 1
+
+    def _metrics_endpoints(self) -> None:
+        """Wait for every process's metrics port; record them; start Prometheus if asked."""
+        for name in self.children:
+            self.metrics_ports[name] = self._wait_port(name, self.out / "ports" / f"{name}.metrics")
+        (self.out / "metrics_targets.json").write_text(json.dumps(
+            {n: f"http://127.0.0.1:{p}/metrics" for n, p in self.metrics_ports.items()}, indent=2))
+        if not self.cfg.prometheus:
+            return
+        from fedrl.local_prometheus import LocalPrometheus, write_config
+
+        jobs: dict[str, list[tuple[str, str]]] = {}
+        for name, port in self.metrics_ports.items():
+            job = "fedrl-agent" if name.startswith("agent-") else f"fedrl-{name}"
+            jobs.setdefault(job, []).append((f"127.0.0.1:{port}", name))
+        folder = self.out / "prometheus"
+        config = write_config(folder, jobs)
+        logf = open(self.out / "logs" / "prometheus.log", "w")
+        self.logs.append(logf)
+        self.prometheus = LocalPrometheus(folder, config, self.cfg.prometheus_bin, logf)
+        self.prometheus.wait_ready()
+        self.log(f"prometheus on {self.prometheus.url} (try the query fedrl_aggregator_rounds_completed_total)")
 
     def _follow(self, client, run_id: str) -> dict[int, dict[str, Any]]:
         import threading
@@ -253,7 +290,7 @@ def up(cfg: UpConfig, log: Callable[[str], None] = print) -> int:
     launcher = Launcher(cfg, log)
     try:
         return launcher.run()
-    except ChildFailed as e:
+    except (ChildFailed, PrometheusError) as e:
         log(f"fedrl up: {e}")
         return 1
     except grpc.RpcError as e:

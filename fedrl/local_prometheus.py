@@ -1,0 +1,121 @@
+"""A real Prometheus server on loopback, scraping a ``fedrl up`` run (no cluster needed).
+
+The alert rules are the ones the Kubernetes deployment ships
+(``deploy/components/monitoring/prometheusrule.yaml``): the server loads their ``spec`` so the
+same alerts evaluate locally. Data stays in ``<run>/prometheus/data``; reopen it later with
+``prometheus --config.file <run>/prometheus/prometheus.yml --storage.tsdb.path <run>/prometheus/data``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+RULES_FILE = REPO_DEPLOY / "components" / "monitoring" / "prometheusrule.yaml"
+
+
+class PrometheusError(RuntimeError):
+    pass
+
+
+def find_prometheus(binary: str | None = None) -> str:
+    path = shutil.which(binary or "prometheus")
+    if path is None:
+        raise PrometheusError(f"{binary or 'prometheus'} is not installed or not on PATH "
+                              "(Debian/Ubuntu: apt-get install prometheus; or download it from "
+                              "prometheus.io and pass --prometheus-bin)")
+    return path
+
+
+def rule_groups(rules_file: Path = RULES_FILE) -> list[dict[str, Any]]:
+    """The rule groups of the deployment's PrometheusRule (what ``promtool`` and Prometheus read)."""
+    import yaml
+
+    doc = yaml.safe_load(Path(rules_file).read_text())
+    if not isinstance(doc, dict) or doc.get("kind") != "PrometheusRule":
+        raise PrometheusError(f"{rules_file}: not a PrometheusRule")
+    return doc["spec"]["groups"]
+
+
+def write_config(folder: Path, targets: Mapping[str, Sequence[tuple[str, str]]],
+                 scrape_interval: str = "2s", rules_file: Path | None = RULES_FILE) -> Path:
+    """Write ``prometheus.yml`` (and ``rules.yml``) into ``folder``.
+
+    ``targets`` maps a job name to ``(host:port, instance label)`` pairs; every target also
+    gets the ``service`` label the Kubernetes ServiceMonitors attach, so rules and dashboard
+    queries read the same either way.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg: dict[str, Any] = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval}}
+    if rules_file is not None and Path(rules_file).exists():
+        (folder / "rules.yml").write_text(json.dumps({"groups": rule_groups(rules_file)}, indent=1))
+        cfg["rule_files"] = [str((folder / "rules.yml").resolve())]
+    cfg["scrape_configs"] = [
+        {"job_name": job, "static_configs": [
+            {"targets": [t], "labels": {"instance": inst, "service": job}} for t, inst in pairs]}
+        for job, pairs in targets.items()]
+    path = folder / "prometheus.yml"
+    path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalPrometheus:
+    """``prometheus`` as a child process on ``127.0.0.1``; :meth:`query` reads its HTTP API."""
+
+    def __init__(self, folder: Path, config: Path, binary: str | None = None, log_file=None) -> None:
+        self.folder, self.config = Path(folder), Path(config)
+        self.binary = find_prometheus(binary)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [self.binary, f"--config.file={self.config}", f"--storage.tsdb.path={self.folder / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
+            stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise PrometheusError(f"prometheus exited with status {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        raise PrometheusError(f"prometheus not ready on {self.url} within {timeout:.0f}s")
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """Instant query; the ``result`` vector of the API's answer."""
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        if body.get("status") != "success":
+            raise PrometheusError(f"query {expr!r} failed: {body}")
+        return body["data"]["result"]
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)

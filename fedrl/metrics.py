@@ -1,0 +1,281 @@
+"""Prometheus metrics: the gRPC server interceptor every service shares, and each service's own set.
+
+Every metric object here owns its :class:`CollectorRegistry`, so several services in one
+process (tests, notebooks) never share or double-register series. A service exposes its
+registry over HTTP with :func:`serve_metrics` on the port Kubernetes names ``metrics``.
+
+Names follow the conventions stock dashboards expect: the gRPC ones are those of
+go-grpc-prometheus (``grpc_server_started_total``, ``grpc_server_handled_total{grpc_code}``,
+``grpc_server_handling_seconds``, ``grpc_server_msg_{received,sent}_total``, lower-case
+``grpc_type``); the project's own all start with ``fedrl_<service>_``. Every label is bounded:
+method names, status codes, refusal reasons, loss terms and agent ids (one per data holder).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+PREFIX = "fedrl"
+
+# Seconds; an RPC here ranges from a health check (sub-ms) to a long poll or a 30 MB stream.
+RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ROUND_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+# Why the aggregator refuses an update: the coordinator's refusal reasons and the codec's.
+# Listed up front so every series exists (at 0) from the start and rate() works at once.
+REJECT_REASONS = (
+    "unknown_agent", "wrong_run", "not_selected", "closed_round", "stale_round", "future_round",
+    "wrong_base", "duplicate", "tensor_mismatch", "bad_stream",
+    "bad_manifest", "bad_encoding", "bad_dtype", "bad_payload", "non_finite", "truncated",
+    "sha256_mismatch", "oversize", "other",
+)
+
+# The local-update metrics an agent exports as ``fedrl_agent_loss{term}``: learner key -> term.
+LOSS_TERMS = {"critic_td": "critic", "cql_penalty": "cql_penalty", "actor_loss": "actor",
+              "reg_data": "reg_data", "reg_global": "reg_global", "bc_loss": "bc"}
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
+    """Serve ``registry`` at ``http://host:port/metrics`` in a daemon thread; returns the bound port."""
+    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    return int(httpd.server_port)
+
+
+# --------------------------------------------------------------------------------------------
+# gRPC server interceptor
+# --------------------------------------------------------------------------------------------
+_HANDLER_FACTORIES = {
+    (False, False): ("unary", "unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("server_stream", "unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("client_stream", "stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("bidi_stream", "stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def _code_name(context: grpc.ServicerContext, default: grpc.StatusCode) -> str:
+    code = context.code()
+    if code is None:
+        return default.name
+    return code.name if isinstance(code, grpc.StatusCode) else str(code)
+
+
+class GrpcServerMetrics(grpc.ServerInterceptor):
+    """Counts and times every RPC a server handles, unary and streaming alike.
+
+    ``handled`` is recorded once per RPC with the status it ended with: the code a handler
+    set or aborted with, ``UNKNOWN`` for an exception, ``CANCELLED`` when the client went away
+    in the middle of a response stream, ``OK`` otherwise.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.started = Counter("grpc_server_started_total", "RPCs started on the server.",
+                               labels, registry=registry)
+        self.handled = Counter("grpc_server_handled_total", "RPCs completed on the server, "
+                               "regardless of success or failure.", [*labels, "grpc_code"], registry=registry)
+        self.received = Counter("grpc_server_msg_received_total", "Stream messages received on the server.",
+                                labels, registry=registry)
+        self.sent = Counter("grpc_server_msg_sent_total", "Stream messages sent by the server.",
+                            labels, registry=registry)
+        self.seconds = Histogram("grpc_server_handling_seconds", "Response latency of RPCs handled "
+                                 "by the server (until the last message is sent).", labels,
+                                 buckets=RPC_BUCKETS, registry=registry)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
+        typ, attr, factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
+        behavior = getattr(handler, attr)
+        lv = (typ, service, method)
+        started, handled, seconds = self.started.labels(*lv), self.handled, self.seconds.labels(*lv)
+        received, sent = self.received.labels(*lv), self.sent.labels(*lv)
+
+        def done(t0: float, code: str) -> None:
+            handled.labels(*lv, code).inc()
+            seconds.observe(time.perf_counter() - t0)
+
+        def count_in(it: Iterable) -> Iterator:
+            for m in it:
+                received.inc()
+                yield m
+
+        def stream_out(result: Iterable, context, t0: float) -> Iterator:
+            try:
+                for m in result:
+                    sent.inc()
+                    yield m
+            except GeneratorExit:
+                done(t0, _code_name(context, grpc.StatusCode.CANCELLED))
+                raise
+            except BaseException:
+                done(t0, _code_name(context, grpc.StatusCode.UNKNOWN))
+                raise
+            done(t0, _code_name(context, grpc.StatusCode.OK))
+
+        def wrapped(request, context):
+            t0 = time.perf_counter()
+            started.inc()
+            if handler.request_streaming:
+                request = count_in(request)
+            else:
+                received.inc()
+            try:
+                result = behavior(request, context)
+            except BaseException:
+                done(t0, _code_name(context, grpc.StatusCode.UNKNOWN))
+                raise
+            if handler.response_streaming:
+                return stream_out(result, context, t0)
+            sent.inc()
+            done(t0, _code_name(context, grpc.StatusCode.OK))
+            return result
+
+        return factory(wrapped, request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-service metrics
+# --------------------------------------------------------------------------------------------
+class AggregatorMetrics:
+    """The aggregator's rounds, agents, updates and bytes (``fedrl_aggregator_*``)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        p = f"{PREFIX}_aggregator"
+        self.grpc = GrpcServerMetrics(r)
+        self.rounds_completed = Counter(f"{p}_rounds_completed_total", "Rounds closed with a new global "
+                                        "version written to the state directory.", registry=r)
+        self.round_duration = Histogram(f"{p}_round_duration_seconds", "Wall time from a round's opening "
+                                        "to its close.", buckets=ROUND_BUCKETS, registry=r)
+        self.accepted = Counter(f"{p}_updates_accepted_total", "Agent updates verified and taken into "
+                                "a round.", registry=r)
+        self.rejected = Counter(f"{p}_updates_rejected_total", "Agent updates refused, by reason.",
+                                ["reason"], registry=r)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        self.bytes_received = Counter(f"{p}_weights_received_bytes_total", "Weight payload bytes received "
+                                      "in agent updates.", registry=r)
+        self.bytes_sent = Counter(f"{p}_weights_sent_bytes_total", "Weight payload bytes sent to agents "
+                                  "and evaluators.", registry=r)
+        self.agents_connected = Gauge(f"{p}_agents_connected", "Agents heard from within the liveness "
+                                      "window.", registry=r)
+        self.agents_expected = Gauge(f"{p}_agents_expected", "Agents the active run asks for "
+                                     "(0 without an active run).", registry=r)
+        self.global_version = Gauge(f"{p}_global_version", "Latest global version of the current run.",
+                                    registry=r)
+        self.round = Gauge(f"{p}_round", "The round open now (or last opened).", registry=r)
+        self.run_active = Gauge(f"{p}_run_active", "1 while a run waits for agents or runs rounds.",
+                                registry=r)
+        self.round_deadline = Gauge(f"{p}_round_deadline_timestamp_seconds", "Unix time at which the open "
+                                    "round may close with a quorum.", registry=r)
+        self.last_round_closed = Gauge(f"{p}_last_round_closed_timestamp_seconds", "Unix time the last "
+                                       "round closed.", registry=r)
+
+    def bind(self, snapshot: Callable[[], Mapping[str, float]]) -> None:
+        """Read the gauges that describe state from ``snapshot()`` at scrape time."""
+        for key, gauge in (("agents_connected", self.agents_connected), ("agents_expected", self.agents_expected),
+                           ("global_version", self.global_version), ("round", self.round),
+                           ("run_active", self.run_active), ("round_deadline", self.round_deadline)):
+            gauge.set_function(lambda key=key: float(snapshot().get(key, 0.0)))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason if reason in REJECT_REASONS else "other").inc()
+
+    def round_closed(self, seconds: float) -> None:
+        self.rounds_completed.inc()
+        self.round_duration.observe(seconds)
+        self.last_round_closed.set(time.time())
+
+
+class AgentMetrics:
+    """One agent's local training (``fedrl_agent_*``), labelled with its agent id."""
+
+    def __init__(self, agent_id: str, device: str = "", registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        p = f"{PREFIX}_agent"
+        self.agent_id = agent_id
+        self.grpc = GrpcServerMetrics(r)  # the health-only server, when the agent runs one
+        Gauge(f"{p}_info", "Constant 1; labels describe the agent.", ["agent", "device"],
+              registry=r).labels(agent_id, device).set(1)
+        self.local_steps = Counter(f"{p}_local_steps_total", "Local gradient steps taken.", ["agent"],
+                                   registry=r).labels(agent_id)
+        self.rounds = Counter(f"{p}_rounds_completed_total", "Rounds whose update the aggregator took.",
+                              ["agent"], registry=r).labels(agent_id)
+        self.update_seconds = Histogram(f"{p}_local_update_seconds", "Wall time of one round's local "
+                                        "training.", ["agent"], buckets=ROUND_BUCKETS,
+                                        registry=r).labels(agent_id)
+        self.loss = Gauge(f"{p}_loss", "Mean of a loss term over the last round's local steps.",
+                          ["agent", "term"], registry=r)
+        self.reconnects = Counter(f"{p}_reconnects_total", "Times the agent lost the aggregator and "
+                                  "retried.", ["agent"], registry=r).labels(agent_id)
+
+    def trained(self, steps: int, seconds: float, metrics: Mapping[str, float]) -> None:
+        self.local_steps.inc(steps)
+        self.update_seconds.observe(seconds)
+        for key, term in LOSS_TERMS.items():
+            if key in metrics:
+                self.loss.labels(self.agent_id, term).set(metrics[key])
+
+
+class EvaluatorMetrics:
+    """Rollouts of global versions (``fedrl_evaluator_*``)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        p = f"{PREFIX}_evaluator"
+        self.grpc = GrpcServerMetrics(r)
+        self.ret = Gauge(f"{p}_return", "Mean raw return of the latest evaluated global version.", registry=r)
+        self.ret_std = Gauge(f"{p}_return_std", "Standard deviation of that return over episodes.", registry=r)
+        self.score = Gauge(f"{p}_normalized_score", "D4RL-normalised score of the latest evaluated global "
+                           "version (0 random, 100 expert).", registry=r)
+        self.version = Gauge(f"{p}_evaluated_version", "Global version the return and score belong to.",
+                             registry=r)
+        self.episodes = Counter(f"{p}_episodes_total", "Evaluation episodes completed.", registry=r)
+        self.env_steps = Counter(f"{p}_env_steps_total", "Environment steps of evaluation rollouts.", registry=r)
+        self.steps_per_second = Gauge(f"{p}_rollout_steps_per_second", "Environment steps per second of "
+                                      "the last rollout.", registry=r)
+        self.evaluations = Counter(f"{p}_evaluations_total", "Rollouts completed, by origin.", ["origin"],
+                                   registry=r)
+        for origin in ("follower", "on_demand"):
+            self.evaluations.labels(origin)
+        self.failures = Counter(f"{p}_evaluation_failures_total", "Global versions that could not be "
+                                "evaluated (bad model or config).", registry=r)
+
+    def rollout(self, origin: str, episodes: int, env_steps: int, seconds: float) -> None:
+        self.evaluations.labels(origin).inc()
+        self.episodes.inc(episodes)
+        self.env_steps.inc(env_steps)
+        if seconds > 0:
+            self.steps_per_second.set(env_steps / seconds)
+
+    def latest(self, report: Mapping[str, float]) -> None:
+        self.ret.set(report["return_mean"])
+        self.ret_std.set(report["return_std"])
+        self.score.set(report["score_mean"])
+        self.version.set(report["version"])
+
+
+def add_metrics_args(p) -> None:
+    """``--metrics-port``/``--metrics-port-file``, the same on every service's command line."""
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; "
+                        "default: no metrics endpoint)")
+    p.add_argument("--metrics-port-file", default=None, help="write the bound metrics port here")
+
+
+def start_metrics_from_args(a, registry: CollectorRegistry) -> int | None:
+    """Start the endpoint the parsed ``a`` asks for (on ``a.host``); returns its port or None."""
+    if a.metrics_port is None:
+        return None
+    from fedrl.rpc import announce_port
+
+    port = serve_metrics(registry, a.host, a.metrics_port)
+    announce_port(a.metrics_port_file, port)
+    return port
