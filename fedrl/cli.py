@@ -251,6 +251,9 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
                    help="also start a real Prometheus on 127.0.0.1 scraping every process, with the "
                         "deployment's alert rules (needs the prometheus binary, e.g. apt-get install prometheus)")
     p.add_argument("--prometheus-bin", default=None, help="the prometheus binary (default: from PATH)")
+    p.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
+                   help="keep every process (and Prometheus) up this long after the run, to look at "
+                        "metrics and dashboards; Ctrl-C ends it early")
     p.set_defaults(func=_cmd_up)
 
 
@@ -280,7 +283,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
             print(f"fedrl up: error: {e}", file=sys.stderr)
             return 2
     return up(UpConfig(rc, datasets, a.trajectories, out, a.device, a.agent_threads,
-                       prometheus=a.prometheus, prometheus_bin=a.prometheus_bin),
+                       prometheus=a.prometheus, prometheus_bin=a.prometheus_bin, linger=a.linger),
               log=lambda m: print(m, flush=True))
 
 

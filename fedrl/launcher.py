@@ -13,6 +13,9 @@ starts the run through the Control API, prints round-by-round progress and write
     <out>/metrics_targets.json every process's Prometheus endpoint
     <out>/prometheus/          with --prometheus: the local Prometheus's config, rules and data
 
+With ``linger`` > 0 every process (and Prometheus) stays up that long after the run, so its
+metrics can be looked at; Ctrl-C ends the wait early without changing the exit status.
+
 Exit status: 0 when the run finished and every process behaved; 1 if the run failed or a
 process died; 130 on Ctrl-C (every child is stopped first).
 """
@@ -52,6 +55,7 @@ class UpConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     prometheus: bool = False
     prometheus_bin: str | None = None
+    linger: float = 0.0
 
 
 class ChildFailed(RuntimeError):
@@ -289,7 +293,16 @@ def up(cfg: UpConfig, log: Callable[[str], None] = print) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     launcher = Launcher(cfg, log)
     try:
-        return launcher.run()
+        rc = launcher.run()
+        if cfg.linger > 0:
+            extra = f"; Prometheus: {launcher.prometheus.url}" if launcher.prometheus else ""
+            log(f"run over: every process stays up {cfg.linger:.0f}s for inspection (Ctrl-C stops them now)"
+                f"; metrics endpoints in {launcher.out / 'metrics_targets.json'}{extra}")
+            try:
+                time.sleep(cfg.linger)
+            except KeyboardInterrupt:
+                pass
+        return rc
     except (ChildFailed, PrometheusError) as e:
         log(f"fedrl up: {e}")
         return 1

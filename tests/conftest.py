@@ -52,3 +52,18 @@ def tiny_raw(next_obs: bool = False) -> RawDataset:
         timeouts=np.array([0, 0, 0, 0, 1, 0, 0], bool),
         next_observations=(obs + 100) if next_obs else None,
     )
+
+
+def require_tool(name: str) -> str:
+    """The path of an external tool a test needs. Missing: skipped on a developer's machine,
+    a failure where ``FEDRL_REQUIRE_TOOLS=1`` (CI, whose ``.ci/run`` installs them)."""
+    import os
+    import shutil
+
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} is not installed (Debian: apt-get install prometheus; kubectl for kustomize)"
+        if os.environ.get("FEDRL_REQUIRE_TOOLS") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path

@@ -12,6 +12,7 @@ from aggregator_service.servicer import ControlServicer, FederationServicer
 from aggregator_service.store import Store
 from agent_service.client import Agent, AgentConfig
 from fedrl.federation.simulate import load_shards
+from fedrl.metrics import AggregatorMetrics
 from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
 from fedrl.rpc import create_channel, create_server
 
@@ -19,11 +20,12 @@ from fedrl.rpc import create_channel, create_server
 class Aggregator:
     def __init__(self, state_dir, task_wait: float = 2.0, port: int = 0) -> None:
         self.store = Store(state_dir)
-        self.coord = Coordinator(self.store, max_task_wait=task_wait, tick=0.02)
+        self.metrics = AggregatorMetrics()
+        self.coord = Coordinator(self.store, max_task_wait=task_wait, tick=0.02, metrics=self.metrics)
         self.server = create_server([
             (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(self.coord), "fedrl.v1.Federation"),
             (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(self.coord), "fedrl.v1.Control"),
-        ], "127.0.0.1", port)
+        ], "127.0.0.1", port, interceptors=[self.metrics.grpc])
         self.target = f"127.0.0.1:{self.server.port}"
         self.channel = create_channel(self.target)
         self.fed = federation_pb2_grpc.FederationStub(self.channel)

@@ -1,0 +1,93 @@
+"""Writes deploy/components/monitoring/dashboards/fedrl.json (the Grafana dashboard).
+
+Rerun after changing a panel: ``python deploy/tools/make_dashboard.py``. A test checks the
+committed JSON is what this script writes and that every metric it queries exists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "components" / "monitoring" / "dashboards" / "fedrl.json"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def panel(pid: int, title: str, targets: list[tuple[str, str]], x: int, y: int, w: int = 12, h: int = 8,
+          kind: str = "timeseries", unit: str = "short", description: str = "") -> dict:
+    return {
+        "id": pid, "type": kind, "title": title, "description": description, "datasource": DS,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}} if kind == "timeseries" else {},
+        "targets": [{"refId": chr(65 + i), "datasource": DS, "expr": expr, "legendFormat": legend}
+                    for i, (expr, legend) in enumerate(targets)],
+    }
+
+
+def dashboard() -> dict:
+    panels = [
+        panel(1, "Global version", [("max(fedrl_aggregator_global_version)", "version")], 0, 0, 4, 4, "stat"),
+        panel(2, "Rounds completed", [("sum(fedrl_aggregator_rounds_completed_total)", "rounds")], 4, 0, 4, 4, "stat"),
+        panel(3, "Agents connected / expected",
+              [("sum(fedrl_aggregator_agents_connected)", "connected"),
+               ("sum(fedrl_aggregator_agents_expected)", "expected")], 8, 0, 8, 4, "stat"),
+        panel(4, "Latest normalised score", [("max(fedrl_evaluator_normalized_score)", "score")], 16, 0, 8, 4, "stat"),
+        panel(5, "Evaluation score per global version",
+              [("max(fedrl_evaluator_normalized_score)", "normalised score"),
+               ("max(fedrl_evaluator_evaluated_version)", "version evaluated")], 0, 4, 12, 8,
+              description="D4RL-normalised score (0 random, 100 expert) of each global version as the "
+                          "evaluator finishes it; the second series is the version it belongs to."),
+        panel(6, "Evaluation return",
+              [("max(fedrl_evaluator_return)", "mean return"),
+               ("max(fedrl_evaluator_return_std)", "std over episodes")], 12, 4, 12, 8),
+        panel(7, "Round duration",
+              [("histogram_quantile(0.5, sum by (le) (rate(fedrl_aggregator_round_duration_seconds_bucket[$__rate_interval])))", "p50"),
+               ("rate(fedrl_aggregator_round_duration_seconds_sum[$__rate_interval]) / "
+                "rate(fedrl_aggregator_round_duration_seconds_count[$__rate_interval])", "mean")],
+              0, 12, 12, 8, unit="s"),
+        panel(8, "Agents connected", [("sum(fedrl_aggregator_agents_connected)", "connected"),
+                                      ("sum(fedrl_aggregator_agents_expected)", "expected")], 12, 12, 12, 8),
+        panel(9, "Update rejections by reason",
+              [("sum by (reason) (increase(fedrl_aggregator_updates_rejected_total[$__rate_interval])) > 0", "{{reason}}"),
+               ("sum(increase(fedrl_aggregator_updates_accepted_total[$__rate_interval]))", "accepted")],
+              0, 20, 12, 8),
+        panel(10, "Weights moved", [("sum(rate(fedrl_aggregator_weights_received_bytes_total[$__rate_interval]))", "in"),
+                                    ("sum(rate(fedrl_aggregator_weights_sent_bytes_total[$__rate_interval]))", "out")],
+              12, 20, 12, 8, unit="Bps"),
+        panel(11, "Critic loss per agent", [('fedrl_agent_loss{term="critic"}', "{{agent}}")], 0, 28, 8, 8),
+        panel(12, "CQL penalty per agent", [('fedrl_agent_loss{term="cql_penalty"}', "{{agent}}")], 8, 28, 8, 8),
+        panel(13, "Actor loss per agent", [('fedrl_agent_loss{term="actor"}', "{{agent}}")], 16, 28, 8, 8),
+        panel(14, "Regularisers per agent (data NLL, global-policy NLL)",
+              [('fedrl_agent_loss{term="reg_data"}', "{{agent}} data"),
+               ('fedrl_agent_loss{term="reg_global"}', "{{agent}} global")], 0, 36, 12, 8),
+        panel(15, "Local steps per second per agent",
+              [("rate(fedrl_agent_local_steps_total[$__rate_interval])", "{{agent}}")], 12, 36, 12, 8),
+        panel(16, "gRPC error rate by method",
+              [('sum by (grpc_service, grpc_method, grpc_code) '
+                '(rate(grpc_server_handled_total{grpc_code!="OK"}[$__rate_interval]))',
+                "{{grpc_method}} {{grpc_code}}")], 0, 44, 12, 8, unit="reqps"),
+        panel(17, "gRPC p95 latency (unary)",
+              [('histogram_quantile(0.95, sum by (le, grpc_method) '
+                '(rate(grpc_server_handling_seconds_bucket{grpc_type="unary"}[$__rate_interval])))', "{{grpc_method}}")],
+              12, 44, 12, 8, unit="s"),
+        panel(18, "Evaluator rollout speed", [("max(fedrl_evaluator_rollout_steps_per_second)", "env steps/s")],
+              0, 52, 12, 8),
+    ]
+    return {
+        "uid": "fedrl-federation", "title": "fedrl: federated DRPO", "tags": ["fedrl"],
+        "schemaVersion": 39, "version": 1, "editable": True, "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                 "label": "Data source", "current": {}}]},
+        "annotations": {"list": []}, "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    print(f"wrote {OUT}")

@@ -1,0 +1,140 @@
+"""deploy/: every overlay renders with kustomize, validates strictly against a recent Kubernetes,
+and keeps the promises the manifests make (non-root, read-only root, limits, gRPC probes,
+metrics ports, GPUs only where asked). Offline: no cluster is needed or used."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import require_tool
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ("local", "gpu")
+
+
+def _k8s_version() -> str:
+    import kubernetes_validate
+
+    return kubernetes_validate.latest_version()  # the newest release it has schemas for
+
+
+K8S_VERSION = _k8s_version()
+
+
+def render(overlay: str) -> list[dict]:
+    kubectl = require_tool("kubectl")
+    p = subprocess.run([kubectl, "kustomize", str(DEPLOY / "overlays" / overlay)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return [d for d in yaml.safe_load_all(p.stdout) if d]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request):
+    return request.param, render(request.param)
+
+
+def builtin(docs):
+    return [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+
+
+def workloads(docs):
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")}
+
+
+def test_every_builtin_kind_validates_strictly(rendered):
+    import kubernetes_validate
+
+    _, docs = rendered
+    assert {d["kind"] for d in docs} >= {"Deployment", "StatefulSet", "Service", "ConfigMap", "Job"}
+    for d in builtin(docs):
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+
+
+def test_the_validator_would_catch_a_mistake(rendered):
+    import kubernetes_validate
+
+    _, docs = rendered
+    dep = copy.deepcopy(workloads(docs)["fedrl-aggregator"])
+    dep["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpcc"] = {"port": 1}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+
+
+def test_pods_are_hardened_sized_and_probed(rendered):
+    overlay, docs = rendered
+    scripts = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+    for name, w in workloads(docs).items():
+        spec = w["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["automountServiceAccountToken"] is False, name
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert sc["capabilities"]["drop"] == ["ALL"], (name, c["name"])
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and \
+                {"cpu", "memory"} <= set(c["resources"]["limits"]), (name, c["name"])
+            assert c["image"].startswith("fedrl:0.1.0"), c["image"]
+        for c in spec["containers"]:
+            assert c["command"][0] in scripts, f"{name}: {c['command'][0]} is not a console script"
+        if w["kind"] != "Job":
+            c = spec["containers"][0]
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            assert "metrics" in ports, name
+            assert str(ports["metrics"]) == c["args"][c["args"].index("--metrics-port") + 1]
+            probe = c.get("livenessProbe") or c["startupProbe"]
+            assert probe["grpc"]["port"] in ports.values(), f"{name}: probe on a port it does not serve"
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert {p["name"] for p in services["fedrl-aggregator"]["spec"]["ports"]} == {"grpc", "metrics"}
+
+
+def test_agents_get_gpus_only_in_the_gpu_overlay(rendered):
+    overlay, docs = rendered
+    agent = workloads(docs)["fedrl-agent"]
+    c = agent["spec"]["template"]["spec"]["containers"][0]
+    gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+    device = c["args"][c["args"].index("--device") + 1]
+    if overlay == "gpu":
+        assert gpus == 1 and device == "cuda" and c["image"] == "fedrl:0.1.0-gpu"
+        assert agent["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    else:
+        assert gpus is None and device == "cpu"
+    cfg = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "fedrl-run-config")
+    run = json.loads(cfg["data"]["run.json"])
+    assert run["agents"] == agent["spec"]["replicas"], "the run waits for as many agents as the StatefulSet has"
+    from fedrl.federation.runconfig import parse_run_config
+    parse_run_config(run)  # the aggregator would accept it
+
+
+def test_monitoring_component_ships_rules_monitors_and_the_dashboard():
+    docs = render("gpu")
+    kinds = {d["kind"] for d in docs}
+    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= kinds
+    board = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "fedrl-grafana-dashboard")
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    committed = (DEPLOY / "components/monitoring/dashboards/fedrl.json").read_text()
+    assert board["data"]["fedrl.json"] == committed
+    assert {p["title"] for p in json.loads(committed)["panels"]} >= {
+        "Evaluation score per global version", "Round duration", "Agents connected",
+        "Update rejections by reason", "Critic loss per agent", "gRPC error rate by method"}
+    # every port a monitor scrapes exists under that name
+    pm = next(d for d in docs if d["kind"] == "PodMonitor")
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+
+
+def test_committed_dashboard_is_what_its_generator_writes():
+    p = subprocess.run([sys.executable, "-c", "import runpy,sys; sys.argv=['x']; "
+                        "m=runpy.run_path('deploy/tools/make_dashboard.py'); print(m['render'](), end='')"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == (DEPLOY / "components/monitoring/dashboards/fedrl.json").read_text(), \
+        "stale dashboard: run python deploy/tools/make_dashboard.py"

@@ -1,0 +1,139 @@
+"""The gRPC interceptor and the aggregator's own metrics, read back from their registry
+after real RPCs on loopback."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from fedrl.proto.v1 import control_pb2, federation_pb2
+from tests.service.test_federation import assert_refused, join, run_config, submit, wait_for
+
+
+def value(agg, name: str, **labels) -> float:
+    v = agg.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def handled(agg, method: str, typ: str, code: str, service: str) -> float:
+    return value(agg, "grpc_server_handled_total", grpc_type=typ, grpc_service=service,
+                 grpc_method=method, grpc_code=code)
+
+
+CONTROL, FED = "fedrl.v1.Control", "fedrl.v1.Federation"
+
+
+def test_interceptor_counts_unary_and_streaming_rpcs_with_their_codes(aggregator):
+    agg = aggregator
+    agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5)
+    agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5)
+    assert value(agg, "grpc_server_started_total", grpc_type="unary", grpc_service=CONTROL,
+                 grpc_method="GetStatus") == 2
+    assert handled(agg, "GetStatus", "unary", "OK", CONTROL) == 2
+    assert value(agg, "grpc_server_handling_seconds_count", grpc_type="unary", grpc_service=CONTROL,
+                 grpc_method="GetStatus") == 2
+
+    # unary refused: the code the servicer aborted with
+    assert_refused(lambda: agg.fed.NextTask(federation_pb2.TaskRequest(agent_id="nobody"), timeout=5),
+                   grpc.StatusCode.NOT_FOUND, "unknown agent")
+    assert handled(agg, "NextTask", "unary", "NOT_FOUND", FED) == 1
+
+    # server stream refused before its first message (no run to watch)
+    assert_refused(lambda: list(agg.control.WatchRounds(control_pb2.WatchRequest(), timeout=5)),
+                   grpc.StatusCode.FAILED_PRECONDITION, "no run")
+    assert handled(agg, "WatchRounds", "server_stream", "FAILED_PRECONDITION", CONTROL) == 1
+
+    # server stream that completes: messages sent are counted
+    join(agg, "a0", 0)
+    join(agg, "a1", 1)
+    st = agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=5)
+    parts = list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st.run_id, version=0), timeout=5))
+    assert handled(agg, "FetchGlobal", "server_stream", "OK", FED) == 1
+    assert value(agg, "grpc_server_msg_sent_total", grpc_type="server_stream", grpc_service=FED,
+                 grpc_method="FetchGlobal") == len(parts) >= 2
+
+    # client stream refused mid-way; every message it read is counted
+    assert_refused(lambda: agg.fed.SubmitUpdate(iter([federation_pb2.UpdatePart(chunk=b"x")]), timeout=5),
+                   grpc.StatusCode.INVALID_ARGUMENT, "must start with its header")
+    assert handled(agg, "SubmitUpdate", "client_stream", "INVALID_ARGUMENT", FED) == 1
+    assert value(agg, "grpc_server_msg_received_total", grpc_type="client_stream", grpc_service=FED,
+                 grpc_method="SubmitUpdate") == 1
+
+    # a watch the client cancels while the server is still streaming ends CANCELLED
+    stream = agg.control.WatchRounds(control_pb2.WatchRequest(after_version=-1))
+    next(stream)
+    stream.cancel()
+    wait_for(lambda: handled(agg, "WatchRounds", "server_stream", "CANCELLED", CONTROL) == 1, 10,
+             "the cancelled watch to be recorded")
+    assert value(agg, "grpc_server_started_total", grpc_type="server_stream", grpc_service=CONTROL,
+                 grpc_method="WatchRounds") == 2
+
+
+def test_aggregator_metrics_follow_rounds_updates_and_refusals(aggregator):
+    from fedrl.codec import assemble
+    from fedrl.serde import read_weight_parts
+
+    agg = aggregator
+    assert value(agg, "fedrl_aggregator_run_active") == 0
+    assert value(agg, "fedrl_aggregator_updates_rejected_total", reason="non_finite") == 0  # pre-made
+    join(agg, "a0", 0)
+    join(agg, "a1", 1)
+    assert value(agg, "fedrl_aggregator_agents_connected") == 2
+    st = agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=5)
+    assert value(agg, "fedrl_aggregator_run_active") == 1
+    assert value(agg, "fedrl_aggregator_agents_expected") == 2
+    assert value(agg, "fedrl_aggregator_round") == 1
+    assert value(agg, "fedrl_aggregator_round_deadline_timestamp_seconds") > 0
+    sent0 = value(agg, "fedrl_aggregator_weights_sent_bytes_total")
+    manifest, chunks = read_weight_parts(agg.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=st.run_id, version=0), timeout=5))
+    assert value(agg, "fedrl_aggregator_weights_sent_bytes_total") - sent0 == manifest.total_bytes
+    g = assemble(manifest, chunks)
+
+    bad = {k: v.clone() for k, v in g.items()}
+    next(iter(bad.values())).view(-1)[0] = float("nan")
+    assert_refused(lambda: submit(agg, "a0", bad, st.run_id), grpc.StatusCode.INVALID_ARGUMENT, "NaN")
+    assert_refused(lambda: submit(agg, "zz", g, st.run_id), grpc.StatusCode.NOT_FOUND, "unknown agent")
+    assert value(agg, "fedrl_aggregator_updates_rejected_total", reason="non_finite") == 1
+    assert value(agg, "fedrl_aggregator_updates_rejected_total", reason="unknown_agent") == 1
+    assert value(agg, "fedrl_aggregator_updates_accepted_total") == 0
+
+    for r in (1, 2):
+        submit(agg, "a0", g, st.run_id, round=r, base=r - 1)
+        submit(agg, "a1", g, st.run_id, round=r, base=r - 1)
+    assert value(agg, "fedrl_aggregator_updates_accepted_total") == 4
+    assert value(agg, "fedrl_aggregator_rounds_completed_total") == 2
+    assert value(agg, "fedrl_aggregator_round_duration_seconds_count") == 2
+    assert value(agg, "fedrl_aggregator_global_version") == 2
+    assert value(agg, "fedrl_aggregator_run_active") == 0
+    assert value(agg, "fedrl_aggregator_last_round_closed_timestamp_seconds") > 0
+    assert value(agg, "fedrl_aggregator_weights_received_bytes_total") >= 4 * manifest.total_bytes
+    assert_refused(lambda: submit(agg, "a0", g, st.run_id, round=2, base=1), grpc.StatusCode.FAILED_PRECONDITION,
+                   "no round is open")
+    assert value(agg, "fedrl_aggregator_updates_rejected_total", reason="closed_round") == 1
+
+
+def test_agent_metrics_record_local_training(aggregator, agent_threads, stand_dataset):
+    agg = aggregator
+    agents = agent_threads.start(agg.target, str(stand_dataset), 2, 2, 7)
+    agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2, local_steps=3)), timeout=5)
+    wait_for(lambda: all(a.rounds_done == 2 for a in agents), 120, "two rounds")
+    for a in agents:
+        reg, aid = a.metrics.registry, a.cfg.agent_id
+        assert reg.get_sample_value("fedrl_agent_local_steps_total", {"agent": aid}) == 6
+        assert reg.get_sample_value("fedrl_agent_rounds_completed_total", {"agent": aid}) == 2
+        assert reg.get_sample_value("fedrl_agent_local_update_seconds_count", {"agent": aid}) == 2
+        for term in ("critic", "cql_penalty", "actor", "reg_data", "reg_global"):
+            v = reg.get_sample_value("fedrl_agent_loss", {"agent": aid, "term": term})
+            assert v is not None and v == v, term  # present and not NaN
+        assert reg.get_sample_value("fedrl_agent_info", {"agent": aid, "device": "cpu"}) == 1
+
+
+@pytest.mark.parametrize("reason", ["whatever", "duplicate"])
+def test_unknown_rejection_reasons_fold_into_other(reason):
+    from fedrl.metrics import AggregatorMetrics
+
+    m = AggregatorMetrics()
+    m.reject(reason)
+    label = reason if reason == "duplicate" else "other"
+    assert m.registry.get_sample_value("fedrl_aggregator_updates_rejected_total", {"reason": label}) == 1
