@@ -62,7 +62,9 @@ _HANDLER_FACTORIES = {
 def _code_name(context: grpc.ServicerContext, default: grpc.StatusCode) -> str:
     code = context.code()
     if code is None:
-        return default.name
+        # A handler that returns after its client went away (it saw is_active() turn False)
+        # ended the RPC as CANCELLED, whatever it returned.
+        return default.name if context.is_active() else grpc.StatusCode.CANCELLED.name
     return code.name if isinstance(code, grpc.StatusCode) else str(code)
 
 
