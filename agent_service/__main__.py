@@ -12,6 +12,7 @@ import sys
 import torch
 
 from fedrl.metrics import add_metrics_args
+from fedrl.security import add_tls_arg
 
 
 def index_arg(value: str) -> int:
@@ -26,6 +27,20 @@ def index_arg(value: str) -> int:
     if m is None:
         raise argparse.ArgumentTypeError(f"'ordinal' needs a hostname ending in -N (a StatefulSet pod), got {host!r}")
     return int(m.group(1))
+
+
+def agent_token(agent_id: str) -> str | None:
+    """``$FEDRL_AGENT_TOKEN``, else this agent's entry in ``$FEDRL_AGENT_TOKENS`` (id=token,...)."""
+    from fedrl.security import parse_agent_tokens
+
+    if os.environ.get("FEDRL_AGENT_TOKEN"):
+        return os.environ["FEDRL_AGENT_TOKEN"]
+    if os.environ.get("FEDRL_AGENT_TOKENS"):
+        tokens = parse_agent_tokens(os.environ["FEDRL_AGENT_TOKENS"], "$FEDRL_AGENT_TOKENS")
+        if agent_id not in tokens:
+            raise ValueError(f"$FEDRL_AGENT_TOKENS has no token for agent {agent_id!r}")
+        return tokens[agent_id]
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-port", type=int, default=None,
                    help="serve gRPC health checking (only) on this port, for probes (0: a free port)")
     p.add_argument("--log-level", default="INFO")
+    add_tls_arg(p)
+    p.epilog = ("Its bearer token, when the aggregator requires tokens: $FEDRL_AGENT_TOKEN, or its own "
+                "entry of $FEDRL_AGENT_TOKENS (AGENT_ID=TOKEN,...).")
     add_metrics_args(p)
     return p
 
@@ -64,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedrl.data.registry import infer_env, load
     from fedrl.device import resolve_device
     from fedrl.federation.simulate import load_shards
+    from fedrl.security import tls_from_args
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -83,19 +102,26 @@ def main(argv: list[str] | None = None) -> int:
             if not 0 <= a.shard < len(shards):
                 raise ValueError(f"--shard {a.shard} is outside the {len(shards)} shards")
             shard, index = shards[a.shard], a.shard
-    except (DatasetError, ValueError) as e:
+        tls = tls_from_args(a.tls_dir)
+    except (DatasetError, ValueError) as e:  # SecurityConfigError is a ValueError
         print(f"fedrl-agent: error: {e}", file=sys.stderr)
         return 2
     from fedrl.metrics import AgentMetrics, start_metrics_from_args
-    from fedrl.rpc import create_server
+    from fedrl.rpc import create_health_server
 
     agent_id = a.agent_id or f"agent-{index}"
     metrics = AgentMetrics(agent_id, str(device))
-    agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device), shard, metrics)
+    try:
+        token = agent_token(agent_id)
+    except ValueError as e:
+        print(f"fedrl-agent: error: {e}", file=sys.stderr)
+        return 2
+    agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device, tls=tls, token=token),
+                  shard, metrics)
     log = logging.getLogger("fedrl.agent")
     health = None
     if a.health_port is not None:
-        health = create_server([], a.host, a.health_port, max_workers=4, interceptors=[metrics.grpc])
+        health = create_health_server(a.host, a.health_port, interceptors=[metrics.grpc])
         log.info("health on %s:%d", a.host, health.port)
     mport = start_metrics_from_args(a, metrics.registry)
     if mport is not None:

@@ -19,6 +19,7 @@ from fedrl.federation.runconfig import parse_run_config
 from fedrl.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
 from fedrl.rpc import create_channel
+from fedrl.security import TLSFiles
 from fedrl.serde import manifest_to_proto, read_weight_parts
 
 log = logging.getLogger("fedrl.agent")
@@ -37,6 +38,8 @@ class AgentConfig:
     backoff_initial: float = 0.2
     backoff_max: float = 10.0
     rpc_timeout: float = 120.0
+    tls: TLSFiles | None = None
+    token: str | None = None
 
 
 class Agent:
@@ -57,7 +60,7 @@ class Agent:
     def run(self) -> None:
         delay = self.cfg.backoff_initial
         while not self._stop.is_set():
-            channel = create_channel(self.cfg.target)
+            channel = create_channel(self.cfg.target, self.cfg.tls, self.cfg.token)
             try:
                 stub = federation_pb2_grpc.FederationStub(channel)
                 self._join(stub)

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from fedrl.metrics import add_metrics_args
+from fedrl.security import add_tls_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads; its tensor work is small, and more threads only contend "
                         "with agents sharing the machine")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="also serve plaintext gRPC health checking (only) here, for probes when the "
+                        "main port needs TLS or tokens (0: a free port)")
+    add_tls_arg(p)
+    p.add_argument("--agent-tokens-file", default=None,
+                   help="AGENT_ID=TOKEN per line (default $FEDRL_AGENT_TOKENS, comma-separated); with "
+                        "$FEDRL_ADMIN_TOKEN and $FEDRL_EVALUATOR_TOKEN. Any token set: every RPC but "
+                        "health checking needs a valid one")
     add_metrics_args(p)
     return p
 
@@ -39,23 +48,38 @@ def main(argv: list[str] | None = None) -> int:
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
     from fedrl.rpc import announce_port, create_server, wait_for_shutdown
 
+    from fedrl.rpc import create_health_server
+    from fedrl.security import AuthInterceptor, Authenticator, SecurityConfigError, tls_from_args
+
     try:
         store = Store(a.state_dir)
-    except OSError as e:
+        tls = tls_from_args(a.tls_dir)
+        auth = Authenticator.from_env(a.agent_tokens_file)
+    except (OSError, SecurityConfigError) as e:
         print(f"fedrl-aggregator: error: {e}", file=sys.stderr)
         return 2
+    log = logging.getLogger("fedrl.aggregator")
+    if auth.enabled and tls is None:
+        log.warning("tokens without TLS travel in clear text; use --tls-dir outside a trusted network")
     metrics = AggregatorMetrics()
     coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics)
     server = create_server([
-        (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord), "fedrl.v1.Federation"),
+        (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord, auth), "fedrl.v1.Federation"),
         (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(coord), "fedrl.v1.Control"),
-    ], a.host, a.port, a.max_workers, interceptors=[metrics.grpc])
-    logging.getLogger("fedrl.aggregator").info("serving on %s:%d, state in %s", a.host, server.port, a.state_dir)
+    ], a.host, a.port, a.max_workers, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls)
+    log.info("serving on %s:%d (%s%s), state in %s", a.host, server.port,
+             "mutual TLS" if tls and tls.ca else "TLS" if tls else "plaintext",
+             ", tokens required" if auth.enabled else "", a.state_dir)
+    health = create_health_server(a.host, a.health_port) if a.health_port is not None else None
+    if health is not None:
+        log.info("health checking on %s:%d", a.host, health.port)
     mport = start_metrics_from_args(a, metrics.registry)
     if mport is not None:
-        logging.getLogger("fedrl.aggregator").info("metrics on http://%s:%d/metrics", a.host, mport)
+        log.info("metrics on http://%s:%d/metrics", a.host, mport)
     announce_port(a.port_file, server.port)
     wait_for_shutdown()
+    if health is not None:
+        health.stop(0.5)
     server.stop(1.0)
     coord.close()
     return 0

@@ -12,6 +12,7 @@ from fedrl.codec import Assembler, CodecError
 from fedrl.data.normalize import ObsStats
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
 from fedrl.rpc import ServiceError, codec_status
+from fedrl.security import Authenticator
 from fedrl.serde import event_to_proto, evaluation_from_proto, manifest_from_proto, status_to_proto, weight_parts
 
 log = logging.getLogger("fedrl.aggregator")
@@ -27,10 +28,12 @@ def _abort(context: grpc.ServicerContext, e: Exception) -> None:
 
 
 class FederationServicer(federation_pb2_grpc.FederationServicer):
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, coord: Coordinator, auth: Authenticator | None = None) -> None:
         self.coord = coord
+        self.auth = auth or Authenticator()
 
     def Join(self, request, context):
+        self.auth.check_agent(context, request.agent_id)
         m = request.obs_moments
         stats = None
         if m.count > 0 or len(m.sum):
@@ -44,6 +47,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         return federation_pb2.JoinReply(agent_id=request.agent_id, run_id=run_id)
 
     def NextTask(self, request, context):
+        self.auth.check_agent(context, request.agent_id)
         try:
             t = self.coord.next_task(request.agent_id, request.wait_seconds)
         except ServiceError as e:
@@ -69,6 +73,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an update stream must start with its header",
                                    "bad_stream")
             h = first.header
+            self.auth.check_agent(context, h.agent_id)
             manifest = manifest_from_proto(h.weights)
             self.coord.check_header(h.agent_id, manifest)
             asm = Assembler(manifest)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 
 from fedrl.metrics import add_metrics_args
+from fedrl.security import add_tls_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-envs", type=int, default=10, help="vectorised environments per rollout")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="also serve plaintext gRPC health checking (only) here, for probes")
+    add_tls_arg(p)
     add_metrics_args(p)
     return p
 
@@ -35,17 +40,28 @@ def main(argv: list[str] | None = None) -> int:
     from evaluator_service.servicer import EvaluatorServicer
     from fedrl.metrics import EvaluatorMetrics, start_metrics_from_args
     from fedrl.proto.v1 import evaluator_pb2_grpc
-    from fedrl.rpc import announce_port, create_server, wait_for_shutdown
+    from fedrl.rpc import announce_port, create_health_server, create_server, wait_for_shutdown
+    from fedrl.security import AuthInterceptor, Authenticator, SecurityConfigError, tls_from_args
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    try:
+        tls = tls_from_args(a.tls_dir)
+        auth = Authenticator(os.environ.get("FEDRL_ADMIN_TOKEN"), os.environ.get("FEDRL_EVALUATOR_TOKEN"))
+    except (OSError, SecurityConfigError) as e:
+        print(f"fedrl-evaluator: error: {e}", file=sys.stderr)
+        return 2
     metrics = EvaluatorMetrics()
-    follower = Follower(a.aggregator, a.seed, a.num_envs, metrics=metrics) if a.aggregator else None
+    follower = (Follower(a.aggregator, a.seed, a.num_envs, metrics=metrics, tls=tls,
+                         token=os.environ.get("FEDRL_EVALUATOR_TOKEN") or None) if a.aggregator else None)
     server = create_server([(evaluator_pb2_grpc.add_EvaluatorServicer_to_server,
                              EvaluatorServicer(follower, a.num_envs, metrics), "fedrl.v1.Evaluator")],
-                           a.host, a.port, interceptors=[metrics.grpc])
+                           a.host, a.port, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls)
     log = logging.getLogger("fedrl.evaluator")
     log.info("serving on %s:%d", a.host, server.port)
+    health = create_health_server(a.host, a.health_port) if a.health_port is not None else None
+    if health is not None:
+        log.info("health checking on %s:%d", a.host, health.port)
     mport = start_metrics_from_args(a, metrics.registry)
     if mport is not None:
         log.info("metrics on http://%s:%d/metrics", a.host, mport)
@@ -55,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     wait_for_shutdown()
     if follower is not None:
         follower.stop()
+    if health is not None:
+        health.stop(0.5)
     server.stop(1.0)
     return 0
 

@@ -18,6 +18,7 @@ from fedrl.metrics import EvaluatorMetrics
 from fedrl.policy_io import policy_from_state
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
 from fedrl.rpc import create_channel
+from fedrl.security import TLSFiles
 from fedrl.serde import evaluation_to_proto, event_from_proto, read_weight_parts
 
 log = logging.getLogger("fedrl.evaluator")
@@ -28,8 +29,10 @@ class Follower:
 
     def __init__(self, target: str, seed: int = 0, num_envs: int = 10,
                  on_report: Callable[[dict], None] = lambda r: None,
-                 metrics: EvaluatorMetrics | None = None) -> None:
+                 metrics: EvaluatorMetrics | None = None, tls: TLSFiles | None = None,
+                 token: str | None = None) -> None:
         self.target, self.seed, self.num_envs, self.on_report = target, seed, num_envs, on_report
+        self.tls, self.token = tls, token
         self.metrics = metrics or EvaluatorMetrics()
         self._stop = threading.Event()
         self.reports: dict[tuple[str, int], dict] = {}
@@ -40,7 +43,7 @@ class Follower:
     def run(self) -> None:
         delay = 0.2
         while not self._stop.is_set():
-            channel = create_channel(self.target)
+            channel = create_channel(self.target, self.tls, self.token)
             try:
                 self._follow(channel)
                 delay = 0.2

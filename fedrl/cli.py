@@ -251,6 +251,9 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
                    help="also start a real Prometheus on 127.0.0.1 scraping every process, with the "
                         "deployment's alert rules (needs the prometheus binary, e.g. apt-get install prometheus)")
     p.add_argument("--prometheus-bin", default=None, help="the prometheus binary (default: from PATH)")
+    p.add_argument("--secure", action="store_true",
+                   help="mutual TLS (a throwaway CA in <out>/tls) and a bearer token per process, to try "
+                        "the federation's identity checks")
     p.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
                    help="keep every process (and Prometheus) up this long after the run, to look at "
                         "metrics and dashboards; Ctrl-C ends it early")
@@ -283,7 +286,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
             print(f"fedrl up: error: {e}", file=sys.stderr)
             return 2
     return up(UpConfig(rc, datasets, a.trajectories, out, a.device, a.agent_threads,
-                       prometheus=a.prometheus, prometheus_bin=a.prometheus_bin, linger=a.linger),
+                       prometheus=a.prometheus, prometheus_bin=a.prometheus_bin, linger=a.linger,
+                       secure=a.secure),
               log=lambda m: print(m, flush=True))
 
 
@@ -292,6 +296,9 @@ def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="127.0.0.1:50051", help="aggregator HOST:PORT")
     p.add_argument("--connect-timeout", type=float, default=10.0,
                    help="seconds to wait for the aggregator to answer (e.g. while its pod starts)")
+    from fedrl.security import add_tls_arg
+    add_tls_arg(p)
+    p.epilog = 'The admin token, when the aggregator requires tokens, is read from $FEDRL_ADMIN_TOKEN.'
     csub = p.add_subparsers(dest="ctl_cmd", required=True)
     st = csub.add_parser("start", help="start a run")
     st.add_argument("--config", default=None, help="run config JSON file")
@@ -310,10 +317,19 @@ def _ctl_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_ctl(a: argparse.Namespace) -> int:
     import grpc
 
+    import os
+
     from fedrl.client import ControlClient, dumps
+    from fedrl.security import SecurityConfigError, tls_from_args
 
     try:
-        with ControlClient(a.target, connect_timeout=a.connect_timeout) as c:
+        tls = tls_from_args(a.tls_dir)
+    except SecurityConfigError as e:
+        print(f"fedrl ctl: {e}", file=sys.stderr)
+        return 2
+    try:
+        with ControlClient(a.target, connect_timeout=a.connect_timeout, tls=tls,
+                           token=os.environ.get("FEDRL_ADMIN_TOKEN") or None) as c:
             if a.ctl_cmd == "start" and a.if_idle and c.status()["state"] in ("waiting_for_agents", "running"):
                 print(dumps(c.status()))
             elif a.ctl_cmd == "start":
@@ -343,6 +359,33 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
     return 0
 
 
+def _certs_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("certs", help="certificates for trying TLS / mutual TLS")
+    csub = p.add_subparsers(dest="certs_cmd", required=True)
+    d = csub.add_parser("dev-ca", help="a throwaway CA, a server certificate and client certificates "
+                                       "(development and tests only)")
+    d.add_argument("--out", required=True, help="directory to write (ca.crt, server/, <client>/)")
+    d.add_argument("--host", action="append", default=None,
+                   help="server name or IP to certify (repeatable; default localhost, 127.0.0.1 and "
+                        "the Kubernetes service names)")
+    d.add_argument("--client", action="append", default=None,
+                   help="client certificate to make (repeatable; default admin, evaluator, agent-0..2)")
+    d.add_argument("--days", type=int, default=30)
+    p.set_defaults(func=_cmd_certs)
+
+
+def _cmd_certs(a: argparse.Namespace) -> int:
+    from fedrl.devca import DEFAULT_HOSTS, make_dev_ca
+
+    kw = {"days": a.days, "hosts": tuple(a.host or DEFAULT_HOSTS)}
+    if a.client:
+        kw["clients"] = tuple(a.client)
+    out = make_dev_ca(a.out, **kw)
+    print(f"wrote a development CA to {out}: server/ for --tls-dir of the aggregator and evaluator, "
+          f"one directory per client for --tls-dir of agents, the evaluator and fedrl ctl")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl", description="Federated offline RL (DRPO)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -351,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     _data_parser(sub)
     _up_parser(sub)
     _ctl_parser(sub)
+    _certs_parser(sub)
     return p
 
 

@@ -20,13 +20,16 @@ from fedrl.codec import assemble
 from fedrl.federation.runconfig import RunConfig, parse_run_config
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
 from fedrl.rpc import create_channel, wait_ready
+from fedrl.security import TLSFiles
 from fedrl.serde import event_from_proto, read_weight_parts, status_from_proto
 
 
 class ControlClient:
-    def __init__(self, target: str, timeout: float = 30.0, connect_timeout: float | None = 10.0) -> None:
+    def __init__(self, target: str, timeout: float = 30.0, connect_timeout: float | None = 10.0,
+                 tls: TLSFiles | None = None, token: str | None = None) -> None:
+        """``tls``: trust (and client certificate) for a TLS aggregator; ``token``: the admin token."""
         self.target, self.timeout = target, timeout
-        self.channel = create_channel(target)
+        self.channel = create_channel(target, tls, token)
         if connect_timeout:
             try:
                 wait_ready(self.channel, connect_timeout)

@@ -56,6 +56,7 @@ class UpConfig:
     prometheus: bool = False
     prometheus_bin: str | None = None
     linger: float = 0.0
+    secure: bool = False
 
 
 class ChildFailed(RuntimeError):
@@ -70,6 +71,9 @@ class Launcher:
         self.logs: list = []
         self.metrics_ports: dict[str, int] = {}
         self.prometheus = None
+        self.child_env: dict[str, dict[str, str]] = {}
+        self.client_tls = None
+        self.admin_token: str | None = None
 
     # -- processes ---------------------------------------------------------------------------
     def _port_file(self, name: str) -> Path:
@@ -80,7 +84,7 @@ class Launcher:
     def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
         logf = open(self.out / "logs" / f"{name}.log", "w")
         self.logs.append(logf)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.extra_env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.extra_env, **self.child_env.get(name, {})}
         metrics = ["--metrics-port", "0", "--metrics-port-file", str(self._port_file(f"{name}.metrics"))]
         p = subprocess.Popen([self.cfg.python, "-m", module, *args, *metrics], stdout=logf,
                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -141,26 +145,27 @@ class Launcher:
             raise ValueError(f"the datasets give {n_agents} agents but the run config says {cfg.run.agents}")
         (self.out / "run_config.json").write_text(json.dumps(json.loads(cfg.run.to_json()), indent=2))
 
+        tls_args = self._secure(n_agents) if cfg.secure else {}
         agg_port = self._port_file("aggregator")
         self._spawn("aggregator", "aggregator_service", "--port", "0", "--port-file", str(agg_port),
-                    "--state-dir", str(self.out / "state"))
+                    "--state-dir", str(self.out / "state"), *tls_args.get("aggregator", ()))
         target = f"127.0.0.1:{self._wait_port('aggregator', agg_port)}"
         ev_port = self._port_file("evaluator")
         if cfg.run.eval_episodes:
             self._spawn("evaluator", "evaluator_service", "--aggregator", target, "--port", "0",
                         "--port-file", str(ev_port), "--seed", str(cfg.run.seed),
-                        "--num-envs", str(cfg.eval_num_envs), "--threads", "1")
+                        "--num-envs", str(cfg.eval_num_envs), "--threads", "1", *tls_args.get("evaluator", ()))
         for i in range(n_agents):
             args = ["--aggregator", target, "--shard", str(i), "--trajectories", str(cfg.trajectories),
                     "--seed", str(cfg.run.seed), "--device", cfg.device, "--threads", str(cfg.agent_threads)]
             for d in datasets:
                 args += ["--dataset", d]
-            self._spawn(f"agent-{i}", "agent_service", *args)
+            self._spawn(f"agent-{i}", "agent_service", *args, *tls_args.get(f"agent-{i}", ()))
         self.log(f"aggregator on {target}; {n_agents} agents and "
                  f"{'an evaluator' if cfg.run.eval_episodes else 'no evaluator'} starting (logs in {self.out / 'logs'})")
         self._metrics_endpoints()
 
-        with ControlClient(target) as client:
+        with ControlClient(target, tls=self.client_tls, token=self.admin_token) as client:
             st = client.start(cfg.run)
             self.log(f"run {st['run_id']}: {cfg.run.algo}, {cfg.run.rounds} rounds x {cfg.run.local_steps} local steps")
             rounds = self._follow(client, st["run_id"])
@@ -172,6 +177,27 @@ class Launcher:
         if not ok:
             self.log(f"run {final.get('run_id')} {final['state']}: {final.get('message', '')}")
         return 0 if ok else 1
+
+    def _secure(self, n_agents: int) -> dict[str, tuple[str, ...]]:
+        """A throwaway CA and fresh tokens: mutual TLS and bearer tokens between every process."""
+        import secrets
+
+        from fedrl.devca import make_dev_ca
+        from fedrl.security import TLSFiles
+
+        agents = [f"agent-{i}" for i in range(n_agents)]
+        tls = make_dev_ca(self.out / "tls", clients=("admin", "evaluator", *agents), days=2)
+        tok = {name: secrets.token_urlsafe(24) for name in ("admin", "evaluator", *agents)}
+        self.child_env["aggregator"] = {
+            "FEDRL_ADMIN_TOKEN": tok["admin"], "FEDRL_EVALUATOR_TOKEN": tok["evaluator"],
+            "FEDRL_AGENT_TOKENS": ",".join(f"{a}={tok[a]}" for a in agents)}
+        self.child_env["evaluator"] = {"FEDRL_ADMIN_TOKEN": tok["admin"], "FEDRL_EVALUATOR_TOKEN": tok["evaluator"]}
+        for a in agents:
+            self.child_env[a] = {"FEDRL_AGENT_TOKEN": tok[a]}
+        self.client_tls, self.admin_token = TLSFiles.from_dir(tls / "admin"), tok["admin"]
+        self.log(f"secure: mutual TLS (throwaway CA in {tls}) and a bearer token per process")
+        return {"aggregator": ("--tls-dir", str(tls / "server")), "evaluator": ("--tls-dir", str(tls / "evaluator")),
+                **{a: ("--tls-dir", str(tls / a)) for a in agents}}
 
     def _metrics_endpoints(self) -> None:
         """Wait for every process's metrics port; record them; start Prometheus if asked."""

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fedrl.codec import MAX_MESSAGE_BYTES
+from fedrl.security import TLSFiles, TokenClientInterceptor
 
 # Explicit limits on both sides: a chunk (1 MiB) plus headroom, never the 4 MiB default by accident.
 MESSAGE_OPTIONS = [
@@ -56,8 +57,10 @@ def create_server(
     port: int = 0,
     max_workers: int = 64,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tls: TLSFiles | None = None,
 ) -> Server:
-    """Start a server on ``host:port`` (0: a free port) serving ``(add_fn, servicer, full_name)``."""
+    """Start a server on ``host:port`` (0: a free port) serving ``(add_fn, servicer, full_name)``;
+    TLS (mutual when ``tls`` has a CA) when ``tls`` is given, plaintext otherwise."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          options=SERVER_OPTIONS, interceptors=list(interceptors))
     names = []
@@ -67,7 +70,10 @@ def create_server(
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
@@ -92,9 +98,22 @@ def wait_for_shutdown() -> None:
     done.wait()
 
 
-def create_channel(target: str) -> grpc.Channel:
-    """A channel with the project's message limits and keepalives."""
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+def create_health_server(host: str, port: int, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> Server:
+    """A plaintext server with gRPC health checking only: for probes when the main port wants
+    TLS or tokens. It opens nothing else."""
+    return create_server([], host, port, max_workers=4, interceptors=interceptors)
+
+
+def create_channel(target: str, tls: TLSFiles | None = None, token: str | None = None) -> grpc.Channel:
+    """A channel with the project's message limits and keepalives; TLS when ``tls`` is given
+    (presenting its client certificate if it has one), a bearer token on every call when ``token``."""
+    if tls is not None:
+        channel = grpc.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    if token:
+        channel = grpc.intercept_channel(channel, TokenClientInterceptor(token))
+    return channel
 
 
 def wait_ready(channel: grpc.Channel, timeout: float) -> None:

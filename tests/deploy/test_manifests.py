@@ -91,8 +91,10 @@ def test_pods_are_hardened_sized_and_probed(rendered):
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
             assert "metrics" in ports, name
             assert str(ports["metrics"]) == c["args"][c["args"].index("--metrics-port") + 1]
-            probe = c.get("livenessProbe") or c["startupProbe"]
-            assert probe["grpc"]["port"] in ports.values(), f"{name}: probe on a port it does not serve"
+            for probe in (c.get("livenessProbe"), c.get("readinessProbe"), c.get("startupProbe")):
+                if probe:  # on the plaintext health-only port, which answers without TLS or tokens
+                    assert probe["grpc"]["port"] == ports["health"], name
+            assert str(ports["health"]) == c["args"][c["args"].index("--health-port") + 1]
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     assert {p["name"] for p in services["fedrl-aggregator"]["spec"]["ports"]} == {"grpc", "metrics"}
 
@@ -113,6 +115,28 @@ def test_agents_get_gpus_only_in_the_gpu_overlay(rendered):
     assert run["agents"] == agent["spec"]["replicas"], "the run waits for as many agents as the StatefulSet has"
     from fedrl.federation.runconfig import parse_run_config
     parse_run_config(run)  # the aggregator would accept it
+
+
+def test_tls_and_tokens_are_optional_in_local_and_mandatory_in_gpu(rendered):
+    overlay, docs = rendered
+    for name, w in workloads(docs).items():
+        spec = w["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        env = {e["name"]: e for e in c.get("env", [])}
+        tls_volume = next(v for v in spec["volumes"] if v["name"] == "tls")
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts["tls"] == "/etc/fedrl/tls", name
+        secret_refs = [e["valueFrom"]["secretKeyRef"] for e in env.values() if "valueFrom" in e
+                       and "secretKeyRef" in e["valueFrom"]]
+        assert secret_refs and all(r["name"] == "fedrl-tokens" for r in secret_refs), name
+        if overlay == "gpu":
+            assert env["FEDRL_TLS_DIR"]["value"] == "/etc/fedrl/tls", name
+            assert tls_volume["secret"]["optional"] is False and all(r["optional"] is False for r in secret_refs)
+        else:
+            assert "FEDRL_TLS_DIR" not in env, name
+            assert tls_volume["secret"]["optional"] is True and all(r["optional"] is True for r in secret_refs)
+    agg_env = {e["name"] for e in workloads(docs)["fedrl-aggregator"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert {"FEDRL_ADMIN_TOKEN", "FEDRL_EVALUATOR_TOKEN", "FEDRL_AGENT_TOKENS"} <= agg_env
 
 
 def test_monitoring_component_ships_rules_monitors_and_the_dashboard():

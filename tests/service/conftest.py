@@ -18,16 +18,20 @@ from fedrl.rpc import create_channel, create_server
 
 
 class Aggregator:
-    def __init__(self, state_dir, task_wait: float = 2.0, port: int = 0) -> None:
+    def __init__(self, state_dir, task_wait: float = 2.0, port: int = 0, tls=None, auth=None) -> None:
+        from fedrl.security import AuthInterceptor, Authenticator
+
+        auth = auth or Authenticator()
         self.store = Store(state_dir)
         self.metrics = AggregatorMetrics()
         self.coord = Coordinator(self.store, max_task_wait=task_wait, tick=0.02, metrics=self.metrics)
         self.server = create_server([
-            (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(self.coord), "fedrl.v1.Federation"),
+            (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(self.coord, auth),
+             "fedrl.v1.Federation"),
             (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(self.coord), "fedrl.v1.Control"),
-        ], "127.0.0.1", port, interceptors=[self.metrics.grpc])
+        ], "127.0.0.1", port, interceptors=[self.metrics.grpc, AuthInterceptor(auth)], tls=tls)
         self.target = f"127.0.0.1:{self.server.port}"
-        self.channel = create_channel(self.target)
+        self.channel = create_channel(self.target, tls)
         self.fed = federation_pb2_grpc.FederationStub(self.channel)
         self.control = control_pb2_grpc.ControlStub(self.channel)
 
@@ -51,11 +55,14 @@ class AgentThreads:
         self.agents: list[Agent] = []
         self.threads: list[threading.Thread] = []
 
-    def start(self, target: str, dataset: str, n: int, trajectories: int, seed: int) -> list[Agent]:
+    def start(self, target: str, dataset: str, n: int, trajectories: int, seed: int,
+              tls_for=lambda agent_id: None, token_for=lambda agent_id: None) -> list[Agent]:
         shards, env = load_shards([dataset], n, trajectories, seed, None, lambda m: None)
         for s in shards:
-            a = Agent(AgentConfig(target, f"agent-{s.agent}", s.agent, env.gym_id, torch.device("cpu"),
-                                  task_wait=1.0, backoff_initial=0.05, backoff_max=0.5), s)
+            aid = f"agent-{s.agent}"
+            a = Agent(AgentConfig(target, aid, s.agent, env.gym_id, torch.device("cpu"),
+                                  task_wait=1.0, backoff_initial=0.05, backoff_max=0.5,
+                                  tls=tls_for(aid), token=token_for(aid)), s)
             t = threading.Thread(target=a.run, daemon=True)
             t.start()
             self.agents.append(a)

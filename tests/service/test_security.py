@@ -1,0 +1,146 @@
+"""Identity: mutual TLS and bearer tokens on a real aggregator on loopback. Who may call what,
+and the exact status a caller without the right credentials gets."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fedrl.client import ControlClient
+from fedrl.devca import make_dev_ca
+from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
+from fedrl.rpc import create_channel, create_health_server
+from fedrl.security import Authenticator, SecurityConfigError, TLSFiles, parse_agent_tokens
+from tests.service.conftest import Aggregator
+from tests.service.test_federation import assert_refused, run_config, wait_for
+
+TOKENS = {"agent-0": "agent-0-token-0123456789", "agent-1": "agent-1-token-0123456789"}
+ADMIN, EVALUATOR = "admin-token-0123456789abcdef", "evaluator-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory):
+    return make_dev_ca(tmp_path_factory.mktemp("ca"), clients=("admin", "evaluator", "agent-0", "agent-1"))
+
+
+@pytest.fixture
+def secure_aggregator(tmp_path, ca):
+    agg = Aggregator(tmp_path / "state", tls=TLSFiles.from_dir(ca / "server"),
+                     auth=Authenticator(ADMIN, EVALUATOR, TOKENS))
+    yield agg
+    agg.close()
+
+
+def stubs(agg, ca, client: str | None, token: str | None):
+    ch = create_channel(agg.target, TLSFiles.from_dir(ca / client) if client else None, token)
+    return ch, federation_pb2_grpc.FederationStub(ch), control_pb2_grpc.ControlStub(ch)
+
+
+def join_req(agent_id: str, index: int = 0):
+    return federation_pb2.JoinRequest(agent_id=agent_id, agent_index=index, num_samples=10, obs_dim=11, act_dim=3,
+                                      env_id="Hopper-v5", obs_moments=federation_pb2.ObsMoments(
+                                          count=10, sum=[1.0] * 11, sum_sq=[2.0] * 11))
+
+
+def test_a_federation_runs_over_mutual_tls_with_tokens(secure_aggregator, agent_threads, stand_dataset, ca):
+    agg = secure_aggregator
+    agents = agent_threads.start(agg.target, str(stand_dataset), 2, 2, 7,
+                                 tls_for=lambda aid: TLSFiles.from_dir(ca / aid), token_for=TOKENS.get)
+    with ControlClient(agg.target, tls=TLSFiles.from_dir(ca / "admin"), token=ADMIN) as c:
+        c.start(run_config(rounds=2))
+        wait_for(lambda: c.status()["state"] == "finished", 120, "the run to finish")
+        assert c.status()["global_version"] == 2
+    assert all(a.rounds_done == 2 for a in agents)
+
+
+def test_who_may_call_what(secure_aggregator, ca):
+    agg = secure_aggregator
+    status = control_pb2.StatusRequest()
+
+    # transport: plaintext to a TLS port, or TLS without a client certificate, never gets in
+    ch, _, control = stubs(agg, ca, None, ADMIN)
+    assert_refused(lambda: control.GetStatus(status, timeout=3), grpc.StatusCode.UNAVAILABLE, "")
+    ch.close()
+    ch = grpc.secure_channel(agg.target, grpc.ssl_channel_credentials((ca / "ca.crt").read_bytes()))
+    assert_refused(lambda: control_pb2_grpc.ControlStub(ch).GetStatus(status, timeout=3),
+                   grpc.StatusCode.UNAVAILABLE, "")
+    ch.close()
+
+    # credentials: none or unknown -> UNAUTHENTICATED
+    for token in (None, "not-a-known-token-at-all"):
+        ch, fed, control = stubs(agg, ca, "admin", token)
+        assert_refused(lambda: control.GetStatus(status, timeout=3), grpc.StatusCode.UNAUTHENTICATED, "bearer token")
+        assert_refused(lambda: fed.Join(join_req("agent-0"), timeout=3), grpc.StatusCode.UNAUTHENTICATED, "token")
+        ch.close()
+
+    # roles: an agent calling Control, the evaluator starting a run -> PERMISSION_DENIED
+    ch, fed, control = stubs(agg, ca, "agent-0", TOKENS["agent-0"])
+    assert_refused(lambda: control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=3),
+                   grpc.StatusCode.PERMISSION_DENIED, "agent-0 (agent) may not call /fedrl.v1.Control/StartRun")
+    assert_refused(lambda: control.GetStatus(status, timeout=3), grpc.StatusCode.PERMISSION_DENIED, "may not call")
+    # an agent acting as another: Join, NextTask and an update's header
+    assert_refused(lambda: fed.Join(join_req("agent-1", 1), timeout=3), grpc.StatusCode.PERMISSION_DENIED,
+                   "belongs to agent-0, which may not act as agent 'agent-1'")
+    assert_refused(lambda: fed.NextTask(federation_pb2.TaskRequest(agent_id="agent-1"), timeout=3),
+                   grpc.StatusCode.PERMISSION_DENIED, "may not act as agent 'agent-1'")
+    header = federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(agent_id="agent-1"))
+    assert_refused(lambda: fed.SubmitUpdate(iter([header]), timeout=3), grpc.StatusCode.PERMISSION_DENIED,
+                   "may not act as agent 'agent-1'")
+    fed.Join(join_req("agent-0"), timeout=3)  # as itself: fine
+    ch.close()
+    ch, fed, control = stubs(agg, ca, "evaluator", EVALUATOR)
+    assert_refused(lambda: control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=3),
+                   grpc.StatusCode.PERMISSION_DENIED, "evaluator (evaluator) may not call")
+    assert_refused(lambda: fed.Join(join_req("agent-0"), timeout=3), grpc.StatusCode.PERMISSION_DENIED, "may not")
+    assert control.GetStatus(status, timeout=3).state == "idle"
+    ch.close()
+    # the admin may not pose as an agent either
+    ch, fed, control = stubs(agg, ca, "admin", ADMIN)
+    assert_refused(lambda: fed.Join(join_req("agent-0"), timeout=3), grpc.StatusCode.PERMISSION_DENIED, "may not")
+    ch.close()
+    # the refusals never reached the coordinator: only agent-0's own join did
+    assert list(agg.coord.agents) == ["agent-0"]
+    assert agg.coord.run is None
+
+
+def test_health_needs_no_token_and_the_health_port_opens_nothing_else(secure_aggregator, ca):
+    agg = secure_aggregator
+    ch, _, _ = stubs(agg, ca, "agent-0", None)  # TLS client cert, no token
+    assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    ch.close()
+    hs = create_health_server("127.0.0.1", 0)
+    try:
+        plain = create_channel(f"127.0.0.1:{hs.port}")
+        assert health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=3).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        assert_refused(lambda: control_pb2_grpc.ControlStub(plain).GetStatus(control_pb2.StatusRequest(), timeout=3),
+                       grpc.StatusCode.UNIMPLEMENTED, "")
+        plain.close()
+    finally:
+        hs.stop(0.2)
+
+
+def test_security_configuration_errors_name_the_problem(tmp_path, ca):
+    assert parse_agent_tokens("a=1234567890abcdefgh, b=0987654321abcdefgh\n# comment") == \
+        {"a": "1234567890abcdefgh", "b": "0987654321abcdefgh"}
+    with pytest.raises(SecurityConfigError, match="expected AGENT_ID=TOKEN"):
+        parse_agent_tokens("agent-0")
+    with pytest.raises(SecurityConfigError, match="listed twice"):
+        parse_agent_tokens("a=1234567890abcdefgh,a=0987654321abcdefgh")
+    with pytest.raises(SecurityConfigError, match="shorter than 16"):
+        Authenticator(admin_token="short")
+    with pytest.raises(SecurityConfigError, match="share one token"):
+        Authenticator(ADMIN, ADMIN)
+    with pytest.raises(SecurityConfigError, match="does not exist"):
+        TLSFiles.from_dir(tmp_path / "nope")
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "tls.crt").write_bytes((ca / "server" / "tls.crt").read_bytes())
+    with pytest.raises(SecurityConfigError, match="go together"):
+        TLSFiles.from_dir(half)
+    a = Authenticator(ADMIN, EVALUATOR, TOKENS)
+    assert a.identify([("authorization", f"Bearer {TOKENS['agent-1']}")]) == ("agent", "agent-1")
+    assert a.identify([("authorization", f"Basic {ADMIN}")]) is None
+    assert not Authenticator().enabled
