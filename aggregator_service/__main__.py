@@ -17,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--state-dir", required=True, help="where every global version is kept")
+    p.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="do not pick up an unfinished run from --state-dir (default: resume it from its "
+                        "newest stored global version, as after a crash or a pod restart)")
     p.add_argument("--max-workers", type=int, default=128, help="RPC threads (long polls hold one each)")
     p.add_argument("--task-wait", type=float, default=30.0, help="longest NextTask long poll, seconds")
     p.add_argument("--threads", type=int, default=1,
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if auth.enabled and tls is None:
         log.warning("tokens without TLS travel in clear text; use --tls-dir outside a trusted network")
     metrics = AggregatorMetrics()
-    coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics)
+    coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics, resume=a.resume)
     server = create_server([
         (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord, auth), "fedrl.v1.Federation"),
         (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(coord), "fedrl.v1.Control"),

@@ -85,7 +85,8 @@ class Coordinator:
     """Thread-safe: every public method takes the one lock; waiters use its condition."""
 
     def __init__(self, store: Store, max_task_wait: float = 30.0, tick: float = 0.1,
-                 eval_grace: float = 120.0, metrics: AggregatorMetrics | None = None) -> None:
+                 eval_grace: float = 120.0, metrics: AggregatorMetrics | None = None,
+                 resume: bool = False) -> None:
         self.store, self.eval_grace = store, eval_grace
         self.metrics = metrics or AggregatorMetrics()
         self.metrics.bind(self.gauges)
@@ -94,6 +95,8 @@ class Coordinator:
         self.agents: dict[str, AgentRecord] = {}
         self.run: Run | None = None
         self._closed = False
+        if resume:
+            self._resume()
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick,), daemon=True,
                                         name="aggregator-ticker")
         self._ticker.start()
@@ -330,6 +333,60 @@ class Coordinator:
             if ended and not new:
                 return
 
+    # -- restart ---------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """Pick up the state directory's latest run if it never ended (the aggregator was killed).
+
+        Its newest stored global version becomes the current one, bit for bit; the next round
+        opens from it. Agents and evaluators reconnect by themselves; the selected agents are
+        recognised when they rejoin. A run that was still waiting for agents waits again.
+        """
+        run_id = self.store.latest_run()
+        if run_id is None:
+            return
+        saved = self.store.read_run(run_id)
+        if any(e["kind"] in ("RUN_FINISHED", "RUN_FAILED", "RUN_STOPPED") for e in saved["events"]):
+            return
+        cfg = parse_run_config(saved["config_json"])
+        run = Run(run_id, cfg, saved["config_json"], time.time(), events=saved["events"])
+        for e in run.events:
+            if e["kind"] == "EVALUATED":
+                run.evaluations[e["version"]] = e["evaluation"]
+        self.run = run
+        part = saved["participants"]
+        if part is None:
+            self._event(run, "RUN_RESUMED", message=f"restarted; waiting for {cfg.agents} agents again")
+            log.info("resumed run %s: waiting for agents", run_id)
+            return
+        versions = self.store.versions(run_id)
+        state = None
+        while versions:
+            v = versions.pop()
+            try:
+                state = self.store.load_version(run_id, v)
+                break
+            except Exception as e:  # unreadable: fall back to the one before (logged loudly)
+                log.error("run %s: version %d in the state directory is unreadable (%s); trying %d",
+                          run_id, v, e, v - 1)
+        if state is None:
+            self._fail(run, "restarted, but no stored global version could be read")
+            return
+        run.selected, run.env_id = list(part["selected"]), part["env_id"]
+        run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
+        run.version, run.global_state = v, state
+        run.encoded = {v: encode(state, run_id, v, v)}
+        run.round = v
+        run.state = "running"
+        msg = f"restarted; resuming from stored version {v}"
+        if v >= cfg.rounds:
+            run.state, run.ended = "finished", time.time()
+            self._event(run, "RUN_RESUMED", message=msg)
+            self._event(run, "RUN_FINISHED")
+        else:
+            self._event(run, "RUN_RESUMED", message=msg)
+            self._open_round(run, v + 1)
+        log.info("resumed run %s at version %d (%s)", run_id, v, run.state)
+
     # -- internals (lock held) ---------------------------------------------------------------
     def _watch_over(self, run: Run) -> bool:
         """A run's event stream ends once it is over and every version has been evaluated
@@ -380,6 +437,12 @@ class Coordinator:
         for a in chosen:
             own = a.stats.mean_std() if cfg.obs_norm == "local" else (g_mean, g_std)
             run.norms[a.agent_id] = (own[0].tolist(), own[1].tolist())
+        try:
+            self.store.save_participants(run.run_id, {"selected": run.selected, "norms": run.norms,
+                                                      "env_id": run.env_id})
+        except OSError as e:
+            self._fail(run, f"cannot write the participants to the state directory: {e}")
+            return
         run.global_state = state
         run.encoded = {0: encode(state, run.run_id, 0, 0)}
         run.state = "running"

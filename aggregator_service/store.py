@@ -5,6 +5,8 @@ Layout::
     <state-dir>/runs/<run_id>/config.json          the validated run config
     <state-dir>/runs/<run_id>/v000003.safetensors  global version 3 (policy.*, maybe critic.*)
     <state-dir>/runs/<run_id>/events.jsonl         round events, appended after each version
+    <state-dir>/runs/<run_id>/participants.json    the agents a running run selected, their
+                                                   normalisers and env (what a restart needs)
 
 Every file is written to a temporary name, fsynced, then renamed: a reader never sees half a file.
 """
@@ -68,6 +70,29 @@ class Store:
 
     def versions(self, run_id: str) -> list[int]:
         return sorted(int(p.stem[1:]) for p in self.run_dir(run_id).glob("v*.safetensors"))
+
+    def save_participants(self, run_id: str, data: Mapping[str, Any]) -> None:
+        self._write_bytes(self.run_dir(run_id) / "participants.json", json.dumps(data).encode())
+
+    def latest_run(self) -> str | None:
+        """The most recent run id (ids start with their creation time), or None."""
+        runs = sorted(p.name for p in (self.root / "runs").iterdir() if (p / "config.json").exists())
+        return runs[-1] if runs else None
+
+    def read_run(self, run_id: str) -> dict[str, Any]:
+        """What was persisted of a run: config JSON, participants (or None), events."""
+        d = self.run_dir(run_id)
+        participants = None
+        if (d / "participants.json").exists():
+            participants = json.loads((d / "participants.json").read_text())
+        events = []
+        if (d / "events.jsonl").exists():
+            for line in (d / "events.jsonl").read_text().splitlines():
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by a crash mid-append: the last one
+                    break
+        return {"config_json": (d / "config.json").read_text(), "participants": participants, "events": events}
 
     def append_event(self, run_id: str, event: Mapping[str, Any]) -> None:
         with open(self.run_dir(run_id) / "events.jsonl", "a") as f:

@@ -84,6 +84,7 @@ class RoundEvent(_message.Message):
         RUN_FINISHED: _ClassVar[RoundEvent.Kind]
         RUN_STOPPED: _ClassVar[RoundEvent.Kind]
         RUN_FAILED: _ClassVar[RoundEvent.Kind]
+        RUN_RESUMED: _ClassVar[RoundEvent.Kind]
     KIND_UNSPECIFIED: RoundEvent.Kind
     RUN_STARTED: RoundEvent.Kind
     ROUND_OPENED: RoundEvent.Kind
@@ -92,6 +93,7 @@ class RoundEvent(_message.Message):
     RUN_FINISHED: RoundEvent.Kind
     RUN_STOPPED: RoundEvent.Kind
     RUN_FAILED: RoundEvent.Kind
+    RUN_RESUMED: RoundEvent.Kind
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
