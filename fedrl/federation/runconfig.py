@@ -66,6 +66,14 @@ class RunConfig:
         return json.dumps(d, sort_keys=True)
 
 
+# Upper bounds a service enforces, so one run config cannot make the aggregator or an agent
+# allocate without limit (a 10^9-wide layer, 10^12 agents) or wait for ever.
+LIMITS = {"agents": 10_000, "min_agents": 10_000, "rounds": 1_000_000, "local_steps": 10_000_000,
+          "eval_episodes": 1_000, "seed": 2**63 - 1, "round_timeout": 7 * 86400.0,
+          "join_timeout": 7 * 86400.0}
+SUB_LIMITS = {"batch_size": 65_536, "cql_n_actions": 1_024, "global_samples": 1_024}
+MAX_WIDTH, MAX_DEPTH = 4096, 8
+
 _INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes")
 _FLOATS = ("round_timeout", "join_timeout", "trim_fraction")
 _CHOICES = {"algo": SERVICE_ALGOS, "obs_norm": NORM_CHOICES, "weighting": WEIGHTINGS,
@@ -82,6 +90,11 @@ def _sub_config(cls, value: Any, name: str):
     kw = {}
     defaults = cls()
     for k, v in value.items():
+        if k == "hidden" and isinstance(v, list) and (len(v) > MAX_DEPTH or any(
+                isinstance(x, int) and not isinstance(x, bool) and x > MAX_WIDTH for x in v)):
+            raise ConfigError(f"{name}.hidden: at most {MAX_DEPTH} layers of at most {MAX_WIDTH} units, got {v!r}")
+        if k in SUB_LIMITS and isinstance(v, int | float) and not isinstance(v, bool) and v > SUB_LIMITS[k]:
+            raise ConfigError(f"{name}.{k}: at most {SUB_LIMITS[k]}, got {v!r}")
         d = getattr(defaults, k)
         if isinstance(d, bool):
             if not isinstance(v, bool):
@@ -141,6 +154,9 @@ def parse_run_config(text: str | bytes | dict) -> RunConfig:
             v = _sub_config(BCConfig, v, "bc")
         kw[k] = v
     cfg = RunConfig(**kw)
+    for k, top in LIMITS.items():
+        if getattr(cfg, k) > top:
+            raise ConfigError(f"{k}: at most {top}, got {getattr(cfg, k)}")
     for k in ("agents", "rounds"):
         if getattr(cfg, k) < 1:
             raise ConfigError(f"{k}: must be >= 1, got {getattr(cfg, k)}")

@@ -1,0 +1,76 @@
+"""Faults on a real aggregator in this process: a dropped upload, a state directory that
+cannot be written."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import grpc
+import torch
+
+from fedrl.codec import encode
+from fedrl.proto.v1 import federation_pb2
+from fedrl.serde import manifest_to_proto
+from tests.service.test_federation import assert_untouched, open_round, status, submit, wait_for  # noqa: F401 (fixture)
+
+
+def test_a_dropped_upload_is_never_aggregated_and_can_be_retried(open_round):
+    agg, run_id, g, digest = open_round
+    enc = encode(g, run_id, 1, 0, 100, chunk_bytes=1000)
+    chunks = list(enc.chunks())
+    assert len(chunks) > 3
+    sent_half = threading.Event()
+    never = threading.Event()
+
+    def parts():
+        yield federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(
+            agent_id="a0", weights=manifest_to_proto(enc.manifest)))
+        for c in chunks[: len(chunks) // 2]:
+            yield federation_pb2.UpdatePart(chunk=c)
+        sent_half.set()
+        never.wait(30)  # the connection "drops" here: the client cancels the call
+
+    call = agg.fed.SubmitUpdate.future(parts(), timeout=30)
+    assert sent_half.wait(10)
+    wait_for(lambda: agg.metrics.registry.get_sample_value("fedrl_aggregator_weights_received_bytes_total")
+             >= 1000 * (len(chunks) // 2), 10, "the first half to arrive")
+    call.cancel()
+    never.set()
+    assert call.cancelled() or call.exception() is not None
+    wait_for(lambda: agg.metrics.registry.get_sample_value(
+        "grpc_server_handled_total", {"grpc_type": "client_stream", "grpc_service": "fedrl.v1.Federation",
+                                      "grpc_method": "SubmitUpdate", "grpc_code": "CANCELLED"}), 10,
+             "the server to see the upload end")
+    assert agg.coord.run.submissions == {}
+    assert_untouched(agg, run_id, g, digest)
+    # the same agent retries the whole upload: taken (not "already submitted")
+    assert submit(agg, "a0", g, run_id).accepted
+    assert list(agg.coord.run.submissions) == ["a0"]
+
+
+def test_an_unwritable_state_directory_keeps_the_round_open_until_it_heals(open_round):
+    """The run directory is replaced by a plain file (every write fails with ENOTDIR, a real OS
+    error, as with a full or read-only disk): both updates arrive, but no version 1 is announced
+    or served; once the directory is back the round closes by itself."""
+    agg, run_id, g, digest = open_round
+    run_dir = agg.store.run_dir(run_id)
+    aside = run_dir.with_name(run_id + ".aside")
+    run_dir.rename(aside)
+    run_dir.write_text("not a directory")
+    try:
+        assert submit(agg, "a0", g, run_id).accepted
+        assert submit(agg, "a1", {k: v + 1 for k, v in g.items()}, run_id).accepted
+        st = wait_for(lambda: (s := status(agg))["message"] and s, 10, "the failure to be reported")
+        assert "cannot persist version 1" in st["message"] and "round 1 stays open" in st["message"]
+        assert st["global_version"] == 0 and st["round"] == 1 and st["state"] == "running"
+        assert not any(e["kind"] == "ROUND_CLOSED" for e in agg.coord.run.events)
+        assert set(agg.coord.run.encoded) == {0}  # nothing but version 0 can be fetched
+    finally:
+        run_dir.unlink()
+        aside.rename(run_dir)
+    st = wait_for(lambda: (s := status(agg))["global_version"] == 1 and s, 10, "the round to close after healing")
+    assert st["message"] == "" and st["round"] == 2
+    v1 = agg.store.load_version(run_id, 1)
+    assert all(torch.allclose(v1[k], g[k] + 0.5, atol=1e-5) for k in g)  # the mean of g and g + 1
+    assert hashlib.sha256(agg.store.version_path(run_id, 0).read_bytes()).hexdigest() == digest

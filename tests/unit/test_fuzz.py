@@ -1,0 +1,160 @@
+"""Property-based fuzzing (hypothesis) of what strangers send: the weight manifest/chunk decoder
+and the run config parser. Random, mutated and truncated inputs give a clean, specific error
+(CodecError / ConfigError) or a valid result; never another exception, never a hang."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import timedelta
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fedrl.codec import Assembler, CodecError, Manifest, TensorSpec, assemble, decode, encode
+from fedrl.federation.runconfig import ConfigError, RunConfig, parse_run_config
+from fedrl.proto.v1 import federation_pb2
+from fedrl.serde import manifest_from_proto
+
+FUZZ = settings(max_examples=300, deadline=timedelta(seconds=2), suppress_health_check=[HealthCheck.too_slow])
+STATE = {"policy.w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "policy.b": torch.ones(4),
+         "policy.n": torch.tensor([1, 2], dtype=torch.int64)}
+ENC = encode(STATE, "run", 1, 0, 10, chunk_bytes=64)
+PAYLOAD = ENC.payload
+
+
+def redeclare(m: Manifest, payload: bytes) -> Manifest:
+    """The manifest an attacker would send with ``payload``: size and sha256 that match it."""
+    return Manifest(m.run_id, m.round, m.base_version, m.tensors, m.num_samples, len(payload),
+                    hashlib.sha256(payload).hexdigest(), m.encoding)
+
+
+def decode_clean(m: Manifest, payload: bytes):
+    try:
+        out = decode(m, payload)
+    except CodecError as e:
+        assert e.reason in {"truncated", "sha256_mismatch", "bad_payload", "tensor_mismatch", "non_finite"}
+        return None
+    spec = m.spec()
+    assert set(out) == set(spec)
+    for k, v in out.items():
+        assert tuple(v.shape) == spec[k].shape
+        if v.is_floating_point():
+            assert torch.isfinite(v).all()
+    return out
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.integers(0, len(PAYLOAD) - 1), st.integers(0, 255)), min_size=1, max_size=8))
+def test_mutated_payloads_with_matching_sha_are_refused_or_exact(flips):
+    buf = bytearray(PAYLOAD)
+    for pos, byte in flips:
+        buf[pos] = byte
+    decode_clean(redeclare(ENC.manifest, bytes(buf)), bytes(buf))
+
+
+@FUZZ
+@given(st.integers(0, len(PAYLOAD) - 1), st.booleans())
+def test_truncated_payloads(cut, redeclared):
+    part = PAYLOAD[:cut]
+    m = redeclare(ENC.manifest, part) if redeclared and cut else ENC.manifest
+    if not redeclared or not cut:
+        with pytest.raises(CodecError):
+            assemble(m, [part])
+    else:
+        assert decode_clean(m, part) is None  # a cut safetensors file never decodes
+
+
+@FUZZ
+@given(st.binary(min_size=1, max_size=2048))
+def test_random_bytes_as_payload(payload):
+    assert decode_clean(redeclare(ENC.manifest, payload), payload) is None
+
+
+names = st.text(min_size=0, max_size=12)
+specs = st.lists(st.builds(TensorSpec, names, st.sampled_from(["F32", "F16", "I64", "X9", "", "BOOL"]),
+                           st.lists(st.integers(-3, 10**12), max_size=4).map(tuple)), max_size=4).map(tuple)
+manifests = st.builds(Manifest, names, st.integers(-5, 2**63 - 1), st.integers(-5, 2**63 - 1), specs,
+                      st.integers(-5, 2**63 - 1), st.integers(-5, 2**40),
+                      st.one_of(st.text(max_size=70), st.just(ENC.manifest.sha256)),
+                      st.sampled_from(["safetensors", "pickle", ""]))
+
+
+@FUZZ
+@given(manifests, st.lists(st.binary(max_size=300), max_size=5))
+def test_random_manifests_and_chunks(m, chunks):
+    try:
+        a = Assembler(m)
+        for c in chunks:
+            a.add(c)
+        out = a.finish()
+    except CodecError:
+        return
+    assert set(out) == {t.name for t in m.tensors}
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_random_bytes_as_an_update_message(data):
+    """What a broken or hostile client could put on the wire, through the same path as the servicer."""
+    try:
+        part = federation_pb2.UpdatePart.FromString(data)
+    except Exception as e:  # protobuf's own DecodeError: grpc refuses such a message itself
+        assert type(e).__name__ == "DecodeError"
+        return
+    if part.WhichOneof("part") == "header":
+        try:
+            Assembler(manifest_from_proto(part.header.weights)).finish()
+        except CodecError:
+            pass
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                           max_leaves=12)
+FIELDS = [f for f in RunConfig.__dataclass_fields__]
+SUB_FIELDS = ["hidden", "batch_size", "lambda1", "lambda2", "gamma", "tau", "q_scale", "cql_n_actions", "lr", "loss"]
+
+
+def parse_clean(value):
+    try:
+        cfg = parse_run_config(value)
+    except ConfigError as e:
+        assert str(e)  # a message naming the problem
+        return None
+    assert isinstance(cfg, RunConfig)
+    assert parse_run_config(cfg.to_json()) == cfg  # what was accepted round-trips
+    return cfg
+
+
+@FUZZ
+@given(st.one_of(st.text(max_size=200), st.binary(max_size=200)))
+def test_config_parser_on_random_text(text):
+    parse_clean(text)
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(FIELDS + ["bogus"]), json_values, max_size=6),
+       st.dictionaries(st.sampled_from(SUB_FIELDS), json_values, max_size=3))
+def test_config_parser_on_random_fields(top, sub):
+    if "drpo" in top or sub:
+        top = {**top, "drpo": sub if sub else top.get("drpo")}
+    parse_clean(top)
+    parse_clean(json.dumps(top, default=str))
+
+
+@FUZZ
+@given(st.integers(0, 400))
+def test_config_parser_on_truncated_json(cut):
+    text = RunConfig().to_json()
+    parse_clean(text[:cut])
+
+
+def test_absurd_sizes_are_refused_before_anything_is_allocated():
+    with pytest.raises(ConfigError, match="hidden: at most 8 layers of at most 4096"):
+        parse_run_config({"drpo": {"hidden": [10**9, 10**9]}})
+    with pytest.raises(ConfigError, match="agents: at most 10000"):
+        parse_run_config({"agents": 10**12})
+    with pytest.raises(ConfigError, match="batch_size: at most"):
+        parse_run_config({"bc": {"batch_size": 10**9}})
