@@ -8,7 +8,8 @@ Layout::
     <state-dir>/runs/<run_id>/participants.json    the agents a running run selected, their
                                                    normalisers and env (what a restart needs)
 
-Every file is written to a temporary name, fsynced, then renamed: a reader never sees half a file.
+Every version (and the config and participants) is written to a temporary name, fsynced, then
+renamed: a reader never sees half a file. The event log is appended without fsync.
 """
 
 from __future__ import annotations
@@ -95,10 +96,10 @@ class Store:
         return {"config_json": (d / "config.json").read_text(), "participants": participants, "events": events}
 
     def append_event(self, run_id: str, event: Mapping[str, Any]) -> None:
+        # Written through to the OS (a killed process loses nothing) but not fsynced: the log is
+        # a journal for watchers and restarts, and a restart needs only the fsynced versions.
         with open(self.run_dir(run_id) / "events.jsonl", "a") as f:
             f.write(json.dumps(event) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def _write_bytes(self, path: Path, data: bytes) -> None:
         tmp = path.with_name(path.name + ".tmp")

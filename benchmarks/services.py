@@ -66,19 +66,31 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path) -> dict
                 assert time.monotonic() < end, "agents did not join"
                 time.sleep(0.1)
             c.start({**config, "agents": agents, "rounds": rounds, "local_steps": 0, "eval_episodes": 0})
-            closed = [e for e in c.watch() if e["kind"] in ("ROUND_OPENED", "ROUND_CLOSED")]
+            closed, cpu_at = [], None
+            for e in c.watch():
+                if e["kind"] in ("ROUND_OPENED", "ROUND_CLOSED"):
+                    closed.append(e)
+                if e["kind"] == "ROUND_CLOSED" and e["round"] == WARMUP_ROUNDS:
+                    cpu_at = [_cpu_seconds(p.pid) for p in procs]
+            cpu_end = [_cpu_seconds(p.pid) for p in procs]
             st = c.status()
         assert st["state"] == "finished", st
         opened = {e["round"]: e["time_unix"] for e in closed if e["kind"] == "ROUND_OPENED"}
         per_round = [e["time_unix"] - opened[e["round"]] for e in closed if e["kind"] == "ROUND_CLOSED"]
-        cpu = [_cpu_seconds(p.pid) for p in procs]
+        steady = rounds - WARMUP_ROUNDS
+        per = [(b - a) / steady * 1e3 for a, b in zip(cpu_at, cpu_end)] if cpu_at and steady > 0 else []
         return {"per_round_seconds": per_round,
-                "cpu_seconds": {"aggregator": cpu[0], "agents_total": sum(cpu[1:])}}
+                "cpu_seconds": {"aggregator": cpu_end[0], "agents_total": sum(cpu_end[1:])},
+                "cpu_ms_per_round_steady": {"aggregator": round(per[0], 2), "agents_total": round(sum(per[1:]), 2),
+                                            "agent_mean": round(float(np.mean(per[1:])), 2)} if per else {}}
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(20)
+
+
+WARMUP_ROUNDS = 3  # the first rounds include connection set-up
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -93,12 +105,14 @@ def _cpu_seconds(pid: int) -> float:
 def bench_overhead(agents: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         r = federation_rounds(agents, rounds, {"algo": "drpo"}, Path(d))
-    s = np.array(r["per_round_seconds"][3:])  # the first rounds include connection set-up
+    s = np.array(r["per_round_seconds"][WARMUP_ROUNDS:])
     out = {"agents": agents, "rounds_measured": len(s), "policy": "Hopper-v5, 2x256 (~280 KB)",
            "round_ms_median": float(np.median(s) * 1e3), "round_ms_mean": float(s.mean() * 1e3),
            "round_ms_p90": float(np.percentile(s, 90) * 1e3), "target_ms": 20.0,
-           "cpu_seconds_whole_run": r["cpu_seconds"], "rounds": rounds,
-           "note": "cpu_seconds include process start-up (imports, data loading) and joining"}
+           "cpu_seconds_whole_run": r["cpu_seconds"], "cpu_ms_per_round_steady": r["cpu_ms_per_round_steady"],
+           "rounds": rounds, "cores": os.cpu_count(),
+           "note": "cpu_seconds_whole_run include process start-up (imports, data loading) and joining; "
+                   "cpu_ms_per_round_steady is measured after the first rounds"}
     print(json.dumps(out))
     return out
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load, save as st_save
+from safetensors.torch import save as st_save
 
 CHUNK_BYTES = 1 << 20
 ENCODING = "safetensors"
@@ -129,16 +129,93 @@ def check_manifest(m: Manifest) -> None:
         raise CodecError("bad_manifest", f"num_samples must be >= 0, got {m.num_samples}")
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite, without materialising a mask.
+
+    A float64 sum of a (b)float16/32 tensor cannot overflow (3.4e38 x 2^31 elements < 1.8e308),
+    so it is NaN/Inf exactly when some element is (Inf - Inf is NaN). About 4x cheaper than
+    ``isfinite(t).all()`` on a 30 MB update. float64 tensors take the mask path.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    if t.dtype == torch.float64:
+        return bool(torch.isfinite(t).all())
+    return bool(torch.isfinite(torch.sum(t, dtype=torch.float64)))
+
+
+_BY_NAME = {v: k for k, v in _DTYPES.items()}
+MAX_HEADER_BYTES = 100 << 20
+
+
+def _bad(msg: str) -> CodecError:
+    return CodecError("bad_payload", f"payload is not a valid safetensors file: {msg}")
+
+
+def parse_safetensors(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file held in memory, as views of ``buf`` (no copy).
+
+    Checks what the format promises: an 8-byte little-endian header length, a JSON header of
+    ``{name: {dtype, shape, data_offsets}}`` (plus optional ``__metadata__`` strings), known
+    dtypes, byte ranges that match their shapes and tile the data area exactly, in order, with
+    no gap or overlap. Anything else is a ``bad_payload`` CodecError. Little-endian hosts only
+    (x86, arm64), as the format's byte order.
+    """
+    if not isinstance(buf, bytearray):
+        buf = bytearray(buf)  # tensors must own writable memory (one copy; the receiver passes a bytearray)
+    if len(buf) < 8:
+        raise _bad("shorter than its 8-byte header length")
+    n = int.from_bytes(bytes(buf[:8]), "little")
+    if n > min(len(buf) - 8, MAX_HEADER_BYTES):
+        raise _bad(f"header length {n} exceeds the payload")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad(f"header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _bad("header is not a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _bad("__metadata__ must map strings to strings")
+    start, end_of_data = 8 + n, len(buf) - 8 - n
+    entries = []
+    for name, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise _bad(f"entry {name!r} needs exactly dtype, shape, data_offsets")
+        dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in _BY_NAME:
+            raise _bad(f"entry {name!r} has unknown dtype {dtype!r}")
+        if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
+                or not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)):
+            raise _bad(f"entry {name!r} has a malformed shape or data_offsets")
+        td = _BY_NAME[dtype]
+        numel = math.prod(shape)
+        if offs[1] - offs[0] != numel * td.itemsize or not 0 <= offs[0] <= offs[1] <= end_of_data:
+            raise _bad(f"entry {name!r}: byte range {offs} does not hold {dtype}{shape}")
+        entries.append((offs[0], offs[1], name, td, shape, numel))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    pos = 0
+    for b, e, name, *_ in entries:
+        if b != pos:
+            raise _bad(f"entry {name!r} starts at byte {b}, expected {pos} (gap or overlap)")
+        pos = e
+    if pos != end_of_data:
+        raise _bad(f"tensors end at byte {pos} of a {end_of_data}-byte data area")
+    out: dict[str, torch.Tensor] = {}
+    for b, _, name, td, shape, numel in entries:
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=td)
+        else:
+            out[name] = torch.frombuffer(buf, dtype=td, count=numel, offset=start + b).view(shape)
+    return out
+
+
 def decode(m: Manifest, payload: bytes | bytearray) -> dict[str, torch.Tensor]:
     """Verify ``payload`` against ``m`` and return its tensors."""
     if len(payload) != m.total_bytes:
         raise CodecError("truncated", f"received {len(payload)} of {m.total_bytes} declared bytes")
     if hashlib.sha256(payload).hexdigest() != m.sha256:
         raise CodecError("sha256_mismatch", "payload sha256 does not match the manifest")
-    try:
-        state = st_load(bytes(payload))
-    except (SafetensorError, ValueError, RuntimeError, json.JSONDecodeError) as e:
-        raise CodecError("bad_payload", f"payload is not a valid safetensors file: {e}") from None
+    state = parse_safetensors(payload)
     spec = m.spec()
     if set(state) != set(spec):
         diff = sorted(set(state) ^ set(spec))
@@ -148,7 +225,7 @@ def decode(m: Manifest, payload: bytes | bytearray) -> dict[str, torch.Tensor]:
         if dtype_name(v.dtype) != s.dtype or tuple(v.shape) != s.shape:
             raise CodecError("tensor_mismatch", f"tensor {k!r} is {dtype_name(v.dtype)}{list(v.shape)}, "
                                                 f"manifest says {s.dtype}{list(s.shape)}")
-        if v.is_floating_point() and not torch.isfinite(v).all():
+        if not all_finite(v):
             raise CodecError("non_finite", f"tensor {k!r} contains NaN or Inf")
     return state
 

@@ -158,3 +158,34 @@ def test_absurd_sizes_are_refused_before_anything_is_allocated():
         parse_run_config({"agents": 10**12})
     with pytest.raises(ConfigError, match="batch_size: at most"):
         parse_run_config({"bc": {"batch_size": 10**9}})
+
+
+@FUZZ
+@given(st.dictionaries(st.text(min_size=1, max_size=6),
+                       st.tuples(st.sampled_from([torch.float32, torch.float16, torch.int64, torch.uint8, torch.bool,
+                                                  torch.bfloat16, torch.float64]),
+                                 st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=5))
+def test_own_safetensors_parser_agrees_with_the_reference_library(spec):
+    """The zero-copy parser the receivers use reads exactly what the safetensors library writes."""
+    from safetensors.torch import load as reference_load
+
+    from fedrl.codec import parse_safetensors
+
+    state = {k: (torch.rand(shape) * 10).to(dt) for k, (dt, shape) in spec.items()}
+    blob = encode(state, "r", 0, 0).payload
+    ours, ref = parse_safetensors(bytearray(blob)), reference_load(blob)
+    assert ours.keys() == ref.keys()
+    for k in ref:
+        assert ours[k].dtype == ref[k].dtype and ours[k].shape == ref[k].shape and torch.equal(ours[k], ref[k])
+
+
+def test_all_finite_is_exact():
+    from fedrl.codec import all_finite
+
+    v = torch.randn(100, 100)
+    assert all_finite(v) and all_finite(torch.full((1000, 1000), 3.4e38)) and all_finite(torch.arange(3))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            w = v.to(dt).clone()
+            w[3, 4] = bad
+            assert not all_finite(w), (bad, dt)

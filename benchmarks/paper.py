@@ -1,0 +1,351 @@
+"""Reproduce the paper's experiments: one command per experiment, resumable, results as JSON.
+
+    python -m benchmarks.paper run    --preset reduced [--experiment table] [--seeds 0,1,2]
+    python -m benchmarks.paper status --preset reduced
+    python -m benchmarks.paper render --preset reduced      (tables + plots, updates BENCHMARKS.md)
+
+Every run is the in-process federation (``fedrl.federation.simulate``: the same round logic as
+the services) with one torch thread, so a rerun on the same machine reproduces its numbers. A
+finished run writes ``benchmarks/results/paper-<preset>/<experiment>/<run>.json``; ``run``
+skips runs whose file exists, so an interrupted job resumes where it stopped (a run cut in the
+middle starts over). ``render`` reads only those files.
+
+Experiments (``ALGORITHM.md``; the paper's Table 1, Figures 2-4):
+  table         Fed-BC, Fed-CQL, CQL (agents alone), DRPO on Hopper medium, medium-replay, expert
+  agents        DRPO vs Fed-CQL with 1..20 agents (Hopper medium)
+  trajectories  DRPO vs Fed-CQL with 1..20 trajectories per agent
+  local_steps   DRPO with 10..1000 local steps per round
+  lambdas       DRPO's lambda1 x lambda2 grid, heterogeneous agents (4 expert + 1 medium)
+
+Presets: ``paper`` (the paper's scale: 10 agents x 5 trajectories, 1000 local steps, 20 rounds;
+for GPUs), ``reduced`` (5 agents, 100 local steps, 20 rounds, the paper's networks: a few hours
+per experiment on a 2-core CPU), ``smoke`` (toy sizes, a minute: what the tests rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+ALGO_ORDER = ("fed-bc", "fed-cql", "cql", "drpo")
+ALGO_LABEL = {"fed-bc": "Fed-BC", "fed-cql": "Fed-CQL", "cql": "CQL (alone)", "drpo": "DRPO"}
+EXPERIMENTS = ("table", "agents", "trajectories", "local_steps", "lambdas")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    agents: int
+    trajectories: int
+    local_steps: int
+    rounds: int
+    eval_episodes: int
+    eval_every: int
+    seeds: tuple[int, ...]
+    datasets: tuple[str, ...] = ("hopper-medium-v2", "hopper-medium-replay-v2", "hopper-expert-v2")
+    study_dataset: str = "hopper-medium-v2"
+    drpo: dict[str, Any] = field(default_factory=dict)
+    bc: dict[str, Any] = field(default_factory=dict)
+    agents_grid: tuple[int, ...] = (1, 2, 5, 10, 20)
+    trajectories_grid: tuple[int, ...] = (1, 2, 5, 10, 20)
+    local_steps_grid: tuple[int, ...] = (10, 50, 100, 200, 1000)
+    lambda_grid: tuple[float, ...] = (0.0, 0.1, 0.5, 1.0)
+
+
+PRESETS = {
+    "paper": Preset("paper", 10, 5, 1000, 20, 10, 1, (0, 1, 2, 3, 4)),
+    "reduced": Preset("reduced", 5, 5, 100, 20, 5, 2, (0, 1, 2),
+                      local_steps_grid=(10, 50, 100, 200)),
+    "smoke": Preset("smoke", 2, 2, 5, 2, 2, 1, (0,), datasets=("hopper-medium-v2",),
+                    drpo={"hidden": [32, 32], "batch_size": 32, "cql_n_actions": 2},
+                    bc={"hidden": [32, 32], "batch_size": 32},
+                    agents_grid=(1, 2), trajectories_grid=(1, 2), local_steps_grid=(2, 5), lambda_grid=(0.0, 1.0)),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    experiment: str
+    key: str  # file name under the experiment folder
+    algo: str
+    datasets: tuple[str, ...]
+    seed: int
+    agents: int
+    trajectories: int
+    local_steps: int
+    variant: dict[str, Any] = field(default_factory=dict)  # what the study varies
+    drpo: dict[str, Any] = field(default_factory=dict)
+
+
+def short(dataset: str) -> str:
+    return dataset.removeprefix("hopper-").removesuffix("-v2")
+
+
+def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
+    runs: list[RunSpec] = []
+    base = dict(agents=p.agents, trajectories=p.trajectories, local_steps=p.local_steps)
+    for s in seeds:
+        if experiment == "table":
+            for d in p.datasets:
+                for a in ALGO_ORDER:
+                    runs.append(RunSpec("table", f"{a}-{short(d)}-s{s}", a, (d,), s, **base,
+                                        variant={"dataset": short(d)}))
+        elif experiment in ("agents", "trajectories"):
+            grid = p.agents_grid if experiment == "agents" else p.trajectories_grid
+            for n in grid:
+                for a in ("drpo", "fed-cql"):
+                    kw = {**base, experiment: n}
+                    runs.append(RunSpec(experiment, f"{a}-{experiment}{n}-s{s}", a, (p.study_dataset,), s, **kw,
+                                        variant={experiment: n}))
+        elif experiment == "local_steps":
+            for n in p.local_steps_grid:
+                runs.append(RunSpec(experiment, f"drpo-steps{n}-s{s}", "drpo", (p.study_dataset,), s,
+                                    **{**base, "local_steps": n}, variant={"local_steps": n}))
+        elif experiment == "lambdas":
+            n_exp = max(1, p.agents - 1)
+            mix = (f"hopper-expert-v2:{n_exp}", f"{p.study_dataset}:{p.agents - n_exp}")
+            for l1 in p.lambda_grid:
+                for l2 in p.lambda_grid:
+                    runs.append(RunSpec(experiment, f"drpo-l1_{l1}-l2_{l2}-s{s}", "drpo", mix, s, **base,
+                                        variant={"lambda1": l1, "lambda2": l2},
+                                        drpo={"lambda1": l1, "lambda2": l2}))
+        else:
+            raise ValueError(f"unknown experiment {experiment!r}; choose from {', '.join(EXPERIMENTS)}")
+    return runs
+
+
+def result_path(p: Preset, r: RunSpec) -> Path:
+    return RESULTS / f"paper-{p.name}" / r.experiment / f"{r.key}.json"
+
+
+def sim_config(p: Preset, r: RunSpec):
+    from fedrl.algos import BCConfig, DRPOConfig
+    from fedrl.federation.simulate import SimConfig
+
+    def cfg(cls, d):
+        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        return cls(**d)
+
+    return SimConfig(algo=r.algo, datasets=r.datasets, agents=r.agents, trajectories=r.trajectories,
+                     rounds=p.rounds, local_steps=r.local_steps, eval_episodes=p.eval_episodes,
+                     eval_every=p.eval_every, seed=r.seed, device="cpu",
+                     drpo=cfg(DRPOConfig, {**p.drpo, **r.drpo}), bc=cfg(BCConfig, p.bc))
+
+
+def execute(p: Preset, r: RunSpec, log=print) -> dict[str, Any]:
+    """Run one experiment cell; write and return its result."""
+    import torch
+
+    from fedrl.federation.simulate import run as simulate
+
+    torch.set_num_threads(1)  # reproducible numbers, and one core left for the rest
+    cfg = sim_config(p, r)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        summary = simulate(cfg, d, log=lambda m: None)
+        rounds = [json.loads(x) for x in (Path(d) / "rounds.jsonl").read_text().splitlines()]
+    losses = {}
+    for rec in rounds:  # mean over agents of each round's mean losses
+        for k in rec["agents"][0]:
+            if k not in ("agent", "num_samples", "seconds"):
+                losses.setdefault(k, []).append(float(np.mean([a[k] for a in rec["agents"]])))
+    out = {"preset": p.name, "experiment": r.experiment, "key": r.key, "algo": r.algo, "datasets": list(r.datasets),
+           "seed": r.seed, "agents": r.agents, "trajectories": r.trajectories, "local_steps": r.local_steps,
+           "rounds": p.rounds, "variant": r.variant, "config": cfg.as_dict(),
+           "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
+           "wall_seconds": round(time.perf_counter() - t0, 1)}
+    path = result_path(p, r)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(path)
+    return out
+
+
+def cmd_run(a) -> int:
+    p = PRESETS[a.preset]
+    seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else p.seeds
+    exps = EXPERIMENTS if a.experiment == "all" else (a.experiment,)
+    todo = [r for e in exps for r in plan(p, e, seeds)]
+    done = [r for r in todo if result_path(p, r).exists()]
+    print(f"{len(todo)} runs, {len(done)} already done", flush=True)
+    for i, r in enumerate(x for x in todo if not result_path(p, x).exists()):
+        t0 = time.perf_counter()
+        res = execute(p, r)
+        f = res["final"] or {}
+        print(f"[{len(done) + i + 1}/{len(todo)}] {r.experiment}/{r.key}: return {f.get('return_mean', float('nan')):.1f}"
+              f" score {f.get('score_mean', float('nan')):.1f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return 0
+
+
+def load_results(p: Preset, experiment: str) -> list[dict[str, Any]]:
+    d = RESULTS / f"paper-{p.name}" / experiment
+    return [json.loads(f.read_text()) for f in sorted(d.glob("*.json"))] if d.exists() else []
+
+
+def cmd_status(a) -> int:
+    p = PRESETS[a.preset]
+    for e in EXPERIMENTS:
+        todo = plan(p, e, p.seeds)
+        n = sum(result_path(p, r).exists() for r in todo)
+        print(f"{e:13s} {n:4d} / {len(todo)} runs done")
+    return 0
+
+
+# -- rendering -------------------------------------------------------------------------------
+def _ms(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    return f"{np.mean(xs):.1f} ± {np.std(xs):.1f}" if len(xs) > 1 else f"{xs[0]:.1f}"
+
+
+def table_md(results: list[dict[str, Any]], datasets: tuple[str, ...]) -> str:
+    rows = ["| dataset | " + " | ".join(ALGO_LABEL[a] for a in ALGO_ORDER) + " |",
+            "| --- | " + " | ".join("---" for _ in ALGO_ORDER) + " |"]
+    for d in datasets:
+        cells = []
+        for a in ALGO_ORDER:
+            rs = [r for r in results if r["algo"] == a and r["variant"]["dataset"] == short(d) and r["final"]]
+            if not rs:
+                cells.append("not run yet")
+                continue
+            sc = [r["final"]["score_mean"] for r in rs]
+            ret = [r["final"]["return_mean"] for r in rs]
+            cells.append(f"{_ms(sc)} ({_ms(ret)}) n={len(rs)}")
+        rows.append(f"| {short(d)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def study_md(results: list[dict[str, Any]], key: str) -> str:
+    if not results:
+        return "not run yet"
+    algos = sorted({r["algo"] for r in results}, key=ALGO_ORDER.index)
+    values = sorted({r["variant"][key] for r in results})
+    rows = [f"| {key} | " + " | ".join(ALGO_LABEL[a] for a in algos) + " |",
+            "| --- | " + " | ".join("---" for _ in algos) + " |"]
+    for v in values:
+        cells = [_ms([r["final"]["score_mean"] for r in results if r["algo"] == a and r["variant"][key] == v
+                      and r["final"]]) for a in algos]
+        rows.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def lambdas_md(results: list[dict[str, Any]]) -> str:
+    if not results:
+        return "not run yet"
+    l1s = sorted({r["variant"]["lambda1"] for r in results})
+    l2s = sorted({r["variant"]["lambda2"] for r in results})
+    rows = ["| lambda1 \\ lambda2 | " + " | ".join(str(x) for x in l2s) + " |",
+            "| --- | " + " | ".join("---" for _ in l2s) + " |"]
+    for l1 in l1s:
+        cells = [_ms([r["final"]["score_mean"] for r in results if r["variant"]["lambda1"] == l1
+                      and r["variant"]["lambda2"] == l2 and r["final"]]) for l2 in l2s]
+        rows.append(f"| {l1} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = [d for d in datasets if any(r["variant"]["dataset"] == short(d) for r in results)]
+    if not present:
+        return False
+    fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.6), squeeze=False)
+    for ax, d in zip(axes[0], present):
+        for a in ALGO_ORDER:
+            rs = [r for r in results if r["algo"] == a and r["variant"]["dataset"] == short(d) and r["curve"]]
+            if not rs:
+                continue
+            rounds = [c["round"] for c in rs[0]["curve"]]
+            ys = np.array([[c["score_mean"] for c in r["curve"]] for r in rs if len(r["curve"]) == len(rounds)])
+            m = ys.mean(0)
+            ax.plot(rounds, m, label=f"{ALGO_LABEL[a]} (n={len(ys)})")
+            if len(ys) > 1:
+                ax.fill_between(rounds, m - ys.std(0), m + ys.std(0), alpha=0.2)
+        ax.set_title(short(d))
+        ax.set_xlabel("round")
+        ax.set_ylabel("normalised score")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def render_blocks(p: Preset) -> dict[str, str]:
+    """Markdown blocks, keyed by marker name, generated from the result files only."""
+    table = load_results(p, "table")
+    blocks = {
+        f"paper-{p.name}-table": table_md(table, p.datasets),
+        f"paper-{p.name}-agents": study_md(load_results(p, "agents"), "agents"),
+        f"paper-{p.name}-trajectories": study_md(load_results(p, "trajectories"), "trajectories"),
+        f"paper-{p.name}-local_steps": study_md(load_results(p, "local_steps"), "local_steps"),
+        f"paper-{p.name}-lambdas": lambdas_md(load_results(p, "lambdas")),
+    }
+    return blocks
+
+
+def replace_blocks(text: str, blocks: dict[str, str]) -> str:
+    for name, body in blocks.items():
+        pat = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n).*?(\n<!-- end:{re.escape(name)} -->)", re.S)
+        if not pat.search(text):
+            raise ValueError(f"BENCHMARKS.md has no block {name!r}")
+        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+    return text
+
+
+def cmd_render(a) -> int:
+    p = PRESETS[a.preset]
+    out = RESULTS / f"paper-{p.name}"
+    blocks = render_blocks(p)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tables.md").write_text("\n\n".join(f"### {k}\n\n{v}" for k, v in blocks.items()) + "\n")
+    if curves_png(load_results(p, "table"), p.datasets, out / "learning_curves.png"):
+        print(f"wrote {out / 'learning_curves.png'}")
+    if a.update_md:
+        BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), blocks))
+        print(f"updated {BENCHMARKS_MD}")
+    print(f"wrote {out / 'tables.md'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.paper", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--preset", choices=PRESETS, default="reduced")
+    r.add_argument("--experiment", choices=(*EXPERIMENTS, "all"), default="table")
+    r.add_argument("--seeds", default=None, help="comma-separated (default: the preset's)")
+    r.set_defaults(func=cmd_run)
+    s = sub.add_parser("status")
+    s.add_argument("--preset", choices=PRESETS, default="reduced")
+    s.set_defaults(func=cmd_status)
+    d = sub.add_parser("render")
+    d.add_argument("--preset", choices=PRESETS, default="reduced")
+    d.add_argument("--no-update-md", dest="update_md", action="store_false",
+                   help="do not rewrite the generated blocks of BENCHMARKS.md")
+    d.set_defaults(func=cmd_render)
+    a = ap.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
