@@ -17,15 +17,14 @@ Experiments (``ALGORITHM.md``; the paper's Table 1, Figures 2-4):
   local_steps   DRPO with 10..1000 local steps per round
   lambdas       DRPO's lambda1 x lambda2 grid, heterogeneous agents (4 expert + 1 medium)
 
-Presets: ``paper`` (the paper's scale: 10 agents x 5 trajectories, 1000 local steps, 20 rounds;
-for GPUs), ``reduced`` (5 agents, 100 local steps, 20 rounds, the paper's networks: a few hours
-per experiment on a 2-core CPU), ``smoke`` (toy sizes, a minute: what the tests rerun).
+Presets: ``paper`` (the paper's scale: 10 agents x 5 trajectories, 1000 local steps, 20 rounds,
+5 seeds; for GPUs), ``reduced`` (5 agents x 5 trajectories, 50 local steps, 20 rounds, 3 seeds,
+the paper's networks and hyperparameters: about 4 hours for the table on one core of this CPU), ``smoke`` (toy sizes, a minute: what the tests rerun).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
@@ -66,8 +65,8 @@ class Preset:
 
 PRESETS = {
     "paper": Preset("paper", 10, 5, 1000, 20, 10, 1, (0, 1, 2, 3, 4)),
-    "reduced": Preset("reduced", 5, 5, 100, 20, 5, 2, (0, 1, 2),
-                      local_steps_grid=(10, 50, 100, 200)),
+    "reduced": Preset("reduced", 5, 5, 50, 20, 5, 2, (0, 1, 2),
+                      local_steps_grid=(10, 25, 50, 100)),
     "smoke": Preset("smoke", 2, 2, 5, 2, 2, 1, (0,), datasets=("hopper-medium-v2",),
                     drpo={"hidden": [32, 32], "batch_size": 32, "cql_n_actions": 2},
                     bc={"hidden": [32, 32], "batch_size": 32},
@@ -126,8 +125,8 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
     return runs
 
 
-def result_path(p: Preset, r: RunSpec) -> Path:
-    return RESULTS / f"paper-{p.name}" / r.experiment / f"{r.key}.json"
+def result_path(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path:
+    return Path(root) / f"paper-{p.name}" / r.experiment / f"{r.key}.json"
 
 
 def sim_config(p: Preset, r: RunSpec):
@@ -144,7 +143,7 @@ def sim_config(p: Preset, r: RunSpec):
                      drpo=cfg(DRPOConfig, {**p.drpo, **r.drpo}), bc=cfg(BCConfig, p.bc))
 
 
-def execute(p: Preset, r: RunSpec, log=print) -> dict[str, Any]:
+def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
     """Run one experiment cell; write and return its result."""
     import torch
 
@@ -166,7 +165,7 @@ def execute(p: Preset, r: RunSpec, log=print) -> dict[str, Any]:
            "rounds": p.rounds, "variant": r.variant, "config": cfg.as_dict(),
            "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
            "wall_seconds": round(time.perf_counter() - t0, 1)}
-    path = result_path(p, r)
+    path = result_path(p, r, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1))
@@ -178,20 +177,21 @@ def cmd_run(a) -> int:
     p = PRESETS[a.preset]
     seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else p.seeds
     exps = EXPERIMENTS if a.experiment == "all" else (a.experiment,)
+    root = Path(a.results)
     todo = [r for e in exps for r in plan(p, e, seeds)]
-    done = [r for r in todo if result_path(p, r).exists()]
+    done = [r for r in todo if result_path(p, r, root).exists()]
     print(f"{len(todo)} runs, {len(done)} already done", flush=True)
-    for i, r in enumerate(x for x in todo if not result_path(p, x).exists()):
+    for i, r in enumerate(x for x in todo if not result_path(p, x, root).exists()):
         t0 = time.perf_counter()
-        res = execute(p, r)
+        res = execute(p, r, root)
         f = res["final"] or {}
         print(f"[{len(done) + i + 1}/{len(todo)}] {r.experiment}/{r.key}: return {f.get('return_mean', float('nan')):.1f}"
               f" score {f.get('score_mean', float('nan')):.1f} ({time.perf_counter() - t0:.0f}s)", flush=True)
     return 0
 
 
-def load_results(p: Preset, experiment: str) -> list[dict[str, Any]]:
-    d = RESULTS / f"paper-{p.name}" / experiment
+def load_results(p: Preset, experiment: str, root: Path = RESULTS) -> list[dict[str, Any]]:
+    d = Path(root) / f"paper-{p.name}" / experiment
     return [json.loads(f.read_text()) for f in sorted(d.glob("*.json"))] if d.exists() else []
 
 
@@ -289,37 +289,71 @@ def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: P
     return True
 
 
-def render_blocks(p: Preset) -> dict[str, str]:
+def system_md(root: Path = RESULTS) -> str:
+    """The system-speed table, from benchmarks/results/{throughput,services}-cpu.json."""
+    rows = ["| measure | result | beside | target |", "| --- | --- | --- | --- |"]
+    tp, sv = Path(root) / "throughput-cpu.json", Path(root) / "services-cpu.json"
+    if tp.exists():
+        t = json.loads(tp.read_text())
+        for r in t["rows"]:
+            rows.append(f"| {r['update'].upper()} local update, paper sizes, {t['threads']} threads | "
+                        f"{r['steps_per_s']:.1f} steps/s | {100 * r['fraction_of_peak_ceiling']:.0f}% of the "
+                        f"FLOP ceiling at peak GEMM ({t['matmul_gflops']:.0f} GFLOP/s), "
+                        f"{100 * r['fraction_of_shapes_ceiling']:.0f}% at its own GEMM shapes | "
+                        f"{'>= 80% (DRPO)' if r['update'] == 'drpo' else ''} |")
+    if sv.exists():
+        s = json.loads(sv.read_text())
+        o, tr, ev = s["overhead"], s["transfer"], s["evaluator"]
+        cpu = o.get("cpu_ms_per_round_steady") or {}
+        rows.append(f"| round overhead, {o['agents']} agent processes, zero local steps | "
+                    f"{o['round_ms_median']:.0f} ms median (p90 {o['round_ms_p90']:.0f}) | CPU per round: "
+                    f"aggregator {cpu.get('aggregator', float('nan')):.0f} ms, agents {cpu.get('agents_total', float('nan')):.0f} ms"
+                    f" on {o.get('cores', '?')} cores | < {o['target_ms']:.0f} ms |")
+        rows.append(f"| transfer, {tr['federation']['model_mb']:.0f} MB model, {tr['agents']} agents | "
+                    f"{tr['federation']['mb_per_s']:.0f} MB/s | raw gRPC {tr['raw_grpc']['mb_per_s']:.0f} MB/s: "
+                    f"{100 * tr['ratio_to_raw']:.0f}% | >= {100 * tr['target_ratio']:.0f}% |")
+        rows.append(f"| evaluator, {ev['env']}, {ev['num_envs']} envs | {ev['policy_steps_per_s']:.0f} steps/s | "
+                    f"random actions {ev['raw_steps_per_s']:.0f} steps/s: {100 * ev['ratio_to_raw']:.0f}% | "
+                    f">= {100 * ev['target_ratio']:.0f}% |")
+        for name, mb in (s.get("peak_rss_mb") or {}).items():
+            rows.append(f"| peak memory (RSS), {name} | {mb:.0f} MB | | |")
+    return "\n".join(rows)
+
+
+def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
     """Markdown blocks, keyed by marker name, generated from the result files only."""
-    table = load_results(p, "table")
+    table = load_results(p, "table", root)
     blocks = {
         f"paper-{p.name}-table": table_md(table, p.datasets),
-        f"paper-{p.name}-agents": study_md(load_results(p, "agents"), "agents"),
-        f"paper-{p.name}-trajectories": study_md(load_results(p, "trajectories"), "trajectories"),
-        f"paper-{p.name}-local_steps": study_md(load_results(p, "local_steps"), "local_steps"),
-        f"paper-{p.name}-lambdas": lambdas_md(load_results(p, "lambdas")),
+        f"paper-{p.name}-agents": study_md(load_results(p, "agents", root), "agents"),
+        f"paper-{p.name}-trajectories": study_md(load_results(p, "trajectories", root), "trajectories"),
+        f"paper-{p.name}-local_steps": study_md(load_results(p, "local_steps", root), "local_steps"),
+        f"paper-{p.name}-lambdas": lambdas_md(load_results(p, "lambdas", root)),
     }
+    if p.name == "reduced":
+        blocks["system"] = system_md(root)
     return blocks
 
 
 def replace_blocks(text: str, blocks: dict[str, str]) -> str:
     for name, body in blocks.items():
-        pat = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n).*?(\n<!-- end:{re.escape(name)} -->)", re.S)
+        pat = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- end:{re.escape(name)} -->)", re.S)
         if not pat.search(text):
             raise ValueError(f"BENCHMARKS.md has no block {name!r}")
-        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
     return text
 
 
 def cmd_render(a) -> int:
     p = PRESETS[a.preset]
-    out = RESULTS / f"paper-{p.name}"
-    blocks = render_blocks(p)
+    root = Path(a.results)
+    out = root / f"paper-{p.name}"
+    blocks = render_blocks(p, root)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tables.md").write_text("\n\n".join(f"### {k}\n\n{v}" for k, v in blocks.items()) + "\n")
-    if curves_png(load_results(p, "table"), p.datasets, out / "learning_curves.png"):
+    if curves_png(load_results(p, "table", root), p.datasets, out / "learning_curves.png"):
         print(f"wrote {out / 'learning_curves.png'}")
-    if a.update_md:
+    if a.update_md and p.name == "reduced":
         BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), blocks))
         print(f"updated {BENCHMARKS_MD}")
     print(f"wrote {out / 'tables.md'}")
@@ -334,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--preset", choices=PRESETS, default="reduced")
     r.add_argument("--experiment", choices=(*EXPERIMENTS, "all"), default="table")
     r.add_argument("--seeds", default=None, help="comma-separated (default: the preset's)")
+    r.add_argument("--results", default=str(RESULTS), help="results root (default benchmarks/results)")
     r.set_defaults(func=cmd_run)
     s = sub.add_parser("status")
     s.add_argument("--preset", choices=PRESETS, default="reduced")
@@ -341,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("render")
     d.add_argument("--preset", choices=PRESETS, default="reduced")
     d.add_argument("--no-update-md", dest="update_md", action="store_false",
-                   help="do not rewrite the generated blocks of BENCHMARKS.md")
+                   help="do not rewrite the generated blocks of BENCHMARKS.md (reduced preset only)")
+    d.add_argument("--results", default=str(RESULTS), help="results root (default benchmarks/results)")
     d.set_defaults(func=cmd_render)
     a = ap.parse_args(argv)
     return a.func(a)

@@ -73,6 +73,7 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path) -> dict
                 if e["kind"] == "ROUND_CLOSED" and e["round"] == WARMUP_ROUNDS:
                     cpu_at = [_cpu_seconds(p.pid) for p in procs]
             cpu_end = [_cpu_seconds(p.pid) for p in procs]
+            peak = [_peak_rss_mb(p.pid) for p in procs]
             st = c.status()
         assert st["state"] == "finished", st
         opened = {e["round"]: e["time_unix"] for e in closed if e["kind"] == "ROUND_OPENED"}
@@ -80,6 +81,7 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path) -> dict
         steady = rounds - WARMUP_ROUNDS
         per = [(b - a) / steady * 1e3 for a, b in zip(cpu_at, cpu_end)] if cpu_at and steady > 0 else []
         return {"per_round_seconds": per_round,
+                "peak_rss_mb": {"aggregator": peak[0], "agent_max": max(peak[1:])},
                 "cpu_seconds": {"aggregator": cpu_end[0], "agents_total": sum(cpu_end[1:])},
                 "cpu_ms_per_round_steady": {"aggregator": round(per[0], 2), "agents_total": round(sum(per[1:]), 2),
                                             "agent_mean": round(float(np.mean(per[1:])), 2)} if per else {}}
@@ -91,6 +93,17 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path) -> dict
 
 
 WARMUP_ROUNDS = 3  # the first rounds include connection set-up
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """Peak resident memory of a live process (VmHWM), MB."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -110,6 +123,7 @@ def bench_overhead(agents: int, rounds: int) -> dict:
            "round_ms_median": float(np.median(s) * 1e3), "round_ms_mean": float(s.mean() * 1e3),
            "round_ms_p90": float(np.percentile(s, 90) * 1e3), "target_ms": 20.0,
            "cpu_seconds_whole_run": r["cpu_seconds"], "cpu_ms_per_round_steady": r["cpu_ms_per_round_steady"],
+           "peak_rss_mb": r["peak_rss_mb"],
            "rounds": rounds, "cores": os.cpu_count(),
            "note": "cpu_seconds_whole_run include process start-up (imports, data loading) and joining; "
                    "cpu_ms_per_round_steady is measured after the first rounds"}
@@ -197,7 +211,7 @@ def bench_transfer(agents: int, mb: int, rounds: int) -> dict:
     s = np.array(r["per_round_seconds"][1:])
     moved = 2 * agents * bytes_model
     fed = {"model_mb": bytes_model / 1e6, "hidden": [h, h], "round_seconds_median": float(np.median(s)),
-           "mb_per_s": float(moved / np.median(s) / 1e6)}
+           "mb_per_s": float(moved / np.median(s) / 1e6), "peak_rss_mb": r["peak_rss_mb"]}
     raw = raw_grpc(agents, round(bytes_model / (1 << 20)), rounds)
     out = {"agents": agents, "federation": fed, "raw_grpc": raw,
            "ratio_to_raw": fed["mb_per_s"] / raw["mb_per_s"], "target_ratio": 0.70}
@@ -254,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         res["transfer"] = bench_transfer(a.agents, a.mb, 3)
     if a.what in ("evaluator", "all"):
         res["evaluator"] = bench_evaluator(a.env, a.episodes)
+    if a.what == "all":
+        o, t = res["overhead"]["peak_rss_mb"], res["transfer"]["federation"]["peak_rss_mb"]
+        res["peak_rss_mb"] = {f"aggregator, Hopper policy, {a.agents} agents": o["aggregator"],
+                              f"agent process, Hopper policy (max of {a.agents})": o["agent_max"],
+                              f"aggregator, {a.mb} MB model, {a.agents} agents": t["aggregator"],
+                              f"agent process, {a.mb} MB model (max of {a.agents})": t["agent_max"]}
     out = Path(a.out) if a.out else (RESULTS / "services-cpu.json" if a.what == "all" else None)
     if out:
         out.write_text(json.dumps(res, indent=2) + "\n")

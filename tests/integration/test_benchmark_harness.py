@@ -1,0 +1,55 @@
+"""benchmarks/paper.py: rerunning the smoke preset reproduces the committed results, and
+BENCHMARKS.md's tables are exactly what the committed results render to."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from benchmarks import paper
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = ROOT / "benchmarks" / "results"
+NUMBERS = ("curve", "final", "losses_per_round", "config", "variant", "datasets", "algo", "seed")
+
+
+def test_smoke_rerun_matches_the_committed_results(tmp_path):
+    p = paper.PRESETS["smoke"]
+    runs = paper.plan(p, "table", p.seeds)
+    assert len(runs) == 4
+    for r in runs:
+        committed = paper.result_path(p, r, COMMITTED)
+        assert committed.exists(), f"{committed} is not committed: run the smoke preset"
+        fresh = paper.execute(p, r, tmp_path)
+        old = json.loads(committed.read_text())
+        for k in NUMBERS:
+            assert fresh[k] == old[k], f"{r.key}: {k} differs from the committed result"
+    # ...and a second invocation resumes: nothing left to run
+    a = type("A", (), {"preset": "smoke", "seeds": None, "experiment": "table", "results": str(tmp_path)})
+    before = {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*.json")}
+    assert paper.cmd_run(a) == 0
+    assert {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*.json")} == before
+
+
+def test_benchmarks_md_tables_are_generated_from_the_committed_files():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    blocks = paper.render_blocks(paper.PRESETS["reduced"], COMMITTED)
+    for name, body in blocks.items():
+        m = re.search(rf"<!-- generated:{re.escape(name)} -->\n(.*?)\n<!-- end:{re.escape(name)} -->", text, re.S)
+        assert m, f"BENCHMARKS.md lacks the {name} block"
+        assert m.group(1) == body, f"BENCHMARKS.md block {name} is stale: python -m benchmarks.paper render"
+
+
+def test_render_writes_tables_and_curves(tmp_path):
+    p = paper.PRESETS["smoke"]
+    for r in paper.plan(p, "table", p.seeds):
+        src = paper.result_path(p, r, COMMITTED)
+        dst = paper.result_path(p, r, tmp_path)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(src.read_text())
+    a = type("A", (), {"preset": "smoke", "results": str(tmp_path), "update_md": False})
+    assert paper.cmd_render(a) == 0
+    tables = (tmp_path / "paper-smoke" / "tables.md").read_text()
+    assert "| medium |" in tables and "n=1" in tables
+    assert (tmp_path / "paper-smoke" / "learning_curves.png").stat().st_size > 1000
