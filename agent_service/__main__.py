@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, ValueError) as e:  # SecurityConfigError is a ValueError
         print(f"fedrl-agent: error: {e}", file=sys.stderr)
         return 2
-    from fedrl.metrics import AgentMetrics, start_metrics_from_args
-    from fedrl.rpc import create_health_server
+    from fedrl.metrics import AgentMetrics, start_side_endpoints
 
     agent_id = a.agent_id or f"agent-{index}"
     metrics = AgentMetrics(agent_id, str(device))
@@ -119,13 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device, tls=tls, token=token),
                   shard, metrics)
     log = logging.getLogger("fedrl.agent")
-    health = None
-    if a.health_port is not None:
-        health = create_health_server(a.host, a.health_port, interceptors=[metrics.grpc])
-        log.info("health on %s:%d", a.host, health.port)
-    mport = start_metrics_from_args(a, metrics.registry)
-    if mport is not None:
-        log.info("metrics on http://%s:%d/metrics", a.host, mport)
+    health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc])
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     try:
         agent.run()

@@ -47,11 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     from aggregator_service.coordinator import Coordinator
     from aggregator_service.servicer import ControlServicer, FederationServicer
     from aggregator_service.store import Store
-    from fedrl.metrics import AggregatorMetrics, start_metrics_from_args
+    from fedrl.metrics import AggregatorMetrics, start_side_endpoints
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
     from fedrl.rpc import announce_port, create_server, wait_for_shutdown
 
-    from fedrl.rpc import create_health_server
     from fedrl.security import AuthInterceptor, Authenticator, SecurityConfigError, tls_from_args
 
     try:
@@ -73,12 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving on %s:%d (%s%s), state in %s", a.host, server.port,
              "mutual TLS" if tls and tls.ca else "TLS" if tls else "plaintext",
              ", tokens required" if auth.enabled else "", a.state_dir)
-    health = create_health_server(a.host, a.health_port) if a.health_port is not None else None
-    if health is not None:
-        log.info("health checking on %s:%d", a.host, health.port)
-    mport = start_metrics_from_args(a, metrics.registry)
-    if mport is not None:
-        log.info("metrics on http://%s:%d/metrics", a.host, mport)
+    health = start_side_endpoints(a, metrics.registry, log)
     announce_port(a.port_file, server.port)
     wait_for_shutdown()
     if health is not None:

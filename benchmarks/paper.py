@@ -16,6 +16,8 @@ Experiments (``ALGORITHM.md``; the paper's Table 1, Figures 2-4):
   trajectories  DRPO vs Fed-CQL with 1..20 trajectories per agent
   local_steps   DRPO with 10..1000 local steps per round
   lambdas       DRPO's lambda1 x lambda2 grid, heterogeneous agents (4 expert + 1 medium)
+  q_scale       DRPO with the Q term normalised (q_scale=normalized) on the table's datasets; the
+                table's DRPO column is the raw Q term (the paper's equation, the default)
 
 Presets: ``paper`` (the paper's scale: 10 agents x 5 trajectories, 1000 local steps, 20 rounds,
 5 seeds; for GPUs), ``reduced`` (5 agents x 5 trajectories, 50 local steps, 20 rounds, 3 seeds,
@@ -40,7 +42,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 ALGO_ORDER = ("fed-bc", "fed-cql", "cql", "drpo")
 ALGO_LABEL = {"fed-bc": "Fed-BC", "fed-cql": "Fed-CQL", "cql": "CQL (alone)", "drpo": "DRPO"}
-EXPERIMENTS = ("table", "agents", "trajectories", "local_steps", "lambdas")
+EXPERIMENTS = ("table", "agents", "trajectories", "local_steps", "lambdas", "q_scale")
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,11 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
                     runs.append(RunSpec(experiment, f"drpo-l1_{l1}-l2_{l2}-s{s}", "drpo", mix, s, **base,
                                         variant={"lambda1": l1, "lambda2": l2},
                                         drpo={"lambda1": l1, "lambda2": l2}))
+        elif experiment == "q_scale":
+            for d in p.datasets:
+                runs.append(RunSpec(experiment, f"drpo-normalized-{short(d)}-s{s}", "drpo", (d,), s, **base,
+                                    variant={"dataset": short(d), "q_scale": "normalized"},
+                                    drpo={"q_scale": "normalized"}))
         else:
             raise ValueError(f"unknown experiment {experiment!r}; choose from {', '.join(EXPERIMENTS)}")
     return runs
@@ -256,6 +263,17 @@ def lambdas_md(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def q_scale_md(table: list[dict[str, Any]], normalized: list[dict[str, Any]], datasets: tuple[str, ...]) -> str:
+    rows = ["| dataset | DRPO, raw Q term (default) | DRPO, normalised Q term |", "| --- | --- | --- |"]
+    for d in datasets:
+        raw = [r["final"]["score_mean"] for r in table if r["algo"] == "drpo" and r["variant"]["dataset"] == short(d)
+               and r["final"]]
+        nor = [r["final"]["score_mean"] for r in normalized if r["variant"]["dataset"] == short(d) and r["final"]]
+        rows.append(f"| {short(d)} | {_ms(raw) if raw else 'not run yet'} (n={len(raw)}) | "
+                    f"{_ms(nor) if nor else 'not run yet'} (n={len(nor)}) |")
+    return "\n".join(rows)
+
+
 def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: Path) -> bool:
     import matplotlib
 
@@ -329,6 +347,7 @@ def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
         f"paper-{p.name}-trajectories": study_md(load_results(p, "trajectories", root), "trajectories"),
         f"paper-{p.name}-local_steps": study_md(load_results(p, "local_steps", root), "local_steps"),
         f"paper-{p.name}-lambdas": lambdas_md(load_results(p, "lambdas", root)),
+        f"paper-{p.name}-q_scale": q_scale_md(table, load_results(p, "q_scale", root), p.datasets),
     }
     if p.name == "reduced":
         blocks["system"] = system_md(root)

@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from evaluator_service.follower import Follower
     from evaluator_service.servicer import EvaluatorServicer
-    from fedrl.metrics import EvaluatorMetrics, start_metrics_from_args
+    from fedrl.metrics import EvaluatorMetrics, start_side_endpoints
     from fedrl.proto.v1 import evaluator_pb2_grpc
-    from fedrl.rpc import announce_port, create_health_server, create_server, wait_for_shutdown
+    from fedrl.rpc import announce_port, create_server, wait_for_shutdown
     from fedrl.security import AuthInterceptor, Authenticator, SecurityConfigError, tls_from_args
 
     if a.threads:
@@ -59,12 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                            a.host, a.port, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls)
     log = logging.getLogger("fedrl.evaluator")
     log.info("serving on %s:%d", a.host, server.port)
-    health = create_health_server(a.host, a.health_port) if a.health_port is not None else None
-    if health is not None:
-        log.info("health checking on %s:%d", a.host, health.port)
-    mport = start_metrics_from_args(a, metrics.registry)
-    if mport is not None:
-        log.info("metrics on http://%s:%d/metrics", a.host, mport)
+    health = start_side_endpoints(a, metrics.registry, log)
     announce_port(a.port_file, server.port)
     if follower is not None:
         threading.Thread(target=follower.run, daemon=True, name="follower").start()

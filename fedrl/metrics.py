@@ -284,3 +284,18 @@ def start_metrics_from_args(a, registry: CollectorRegistry) -> int | None:
     port = serve_metrics(registry, a.host, a.metrics_port)
     announce_port(a.metrics_port_file, port)
     return port
+
+
+def start_side_endpoints(a, registry: CollectorRegistry, log, interceptors=()):
+    """The health-only gRPC port (``--health-port``) and the metrics port (``--metrics-port``)
+    a service's parsed args ask for, each logged; returns the health server (or None) to stop."""
+    from fedrl.rpc import create_health_server
+
+    health = None
+    if getattr(a, "health_port", None) is not None:
+        health = create_health_server(a.host, a.health_port, interceptors=interceptors)
+        log.info("health checking on %s:%d", a.host, health.port)
+    mport = start_metrics_from_args(a, registry)
+    if mport is not None:
+        log.info("metrics on http://%s:%d/metrics", a.host, mport)
+    return health

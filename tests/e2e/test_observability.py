@@ -4,21 +4,16 @@ dashboard and the alert rules query, and a real Prometheus scrapes the run."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from fedrl.local_prometheus import RULES_FILE, rule_groups
 from tests.conftest import require_tool
-from tests.e2e.test_up import TINY
+from tests.e2e.lingering import lingering_up
+from tests.service.test_federation import wait_for
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/components/monitoring/dashboards/fedrl.json"
 PROMQL_WORDS = {"sum", "by", "max", "rate", "increase", "histogram_quantile", "max_over_time", "time", "and",
@@ -46,16 +41,6 @@ def get(url: str) -> str:
         return r.read().decode()
 
 
-def wait_for(pred, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_metric_name_extraction():
     assert metric_names('sum by (reason) (increase(fedrl_x_total{a="b"}[5m])) > 0') == {"fedrl_x_total"}
     assert metric_names("sum by (grpc_code) (rate(grpc_server_handled_total[1m]))") == {"grpc_server_handled_total"}
@@ -67,16 +52,7 @@ def test_every_endpoint_scrapes_clean_and_prometheus_reads_the_run(stand_dataset
     promtool = require_tool("promtool")
     require_tool("prometheus")
     assert RULES_FILE.exists()
-    cfg = tmp_path / "run.json"
-    cfg.write_text(json.dumps({**TINY, "round_timeout": 120}))
-    out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedrl.cli", "up", "--config", str(cfg), "--dataset", str(stand_dataset),
-         "--agents", "2", "--trajectories", "2", "--rounds", "2", "--local-steps", "3", "--eval-episodes", "1",
-         "--device", "cpu", "--out", str(out), "--prometheus", "--linger", "120"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        wait_for(lambda: (out / "summary.json").exists(), 240, "the run to finish")
+    with lingering_up(stand_dataset, tmp_path, "--prometheus") as (proc, out, printed):
         summary = json.loads((out / "summary.json").read_text())
         assert summary["state"] == "finished"
         targets = json.loads((out / "metrics_targets.json").read_text())
@@ -93,7 +69,7 @@ def test_every_endpoint_scrapes_clean_and_prometheus_reads_the_run(stand_dataset
         missing = {m for m in queried_metrics() if m not in found and m not in expanded}
         assert not missing, f"queried by the dashboard or the rules but never exported: {sorted(missing)}"
 
-        prom_url = re.search(r"prometheus on (http://127\.0\.0\.1:\d+)", stdout_until(proc, "run over"))
+        prom_url = re.search(r"prometheus on (http://127\.0\.0\.1:\d+)", printed)
         assert prom_url, "fedrl up did not print the Prometheus address"
 
         def rounds_completed():
@@ -106,22 +82,3 @@ def test_every_endpoint_scrapes_clean_and_prometheus_reads_the_run(stand_dataset
         assert labels["job"] == "fedrl-aggregator"
         rules = json.loads(get(f"{prom_url.group(1)}/api/v1/rules"))["data"]["groups"]
         assert {r["name"] for g in rules for r in g["rules"]} >= {"FedrlRoundStalled", "FedrlUpdatesRejected"}
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail("fedrl up did not stop on Ctrl-C")
-    assert rc == 0, "Ctrl-C during --linger keeps the run's exit status"
-
-
-def stdout_until(proc, marker: str) -> str:
-    """What ``proc`` printed up to and including the line containing ``marker``."""
-    lines: list[str] = []
-    while not any(marker in line for line in lines):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-    return "".join(lines)
