@@ -13,9 +13,9 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from safetensors.torch import save as st_save
 
 CHUNK_BYTES = 1 << 20
 ENCODING = "safetensors"
@@ -78,12 +78,35 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise CodecError("bad_dtype", f"dtype {dtype} cannot be sent") from None
 
 
+def write_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """A safetensors file of contiguous CPU ``tensors``, written with one copy of their bytes.
+
+    Tensors are laid out widest dtype first, then by name, so every offset is aligned to its
+    element size; the JSON header is padded with spaces to a multiple of 8 bytes (as the format
+    allows). The safetensors library reads it (tested); it is several times faster than the
+    library's writer on the small tensors a round sends.
+    """
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {}
+    pos, parts = 0, []
+    for k in order:
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        if n:
+            parts.append(t.reshape(-1).view(torch.uint8).numpy())
+        pos += n
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    return b"".join([len(h).to_bytes(8, "little"), h, *parts])
+
+
 def encode(state: Mapping[str, torch.Tensor], run_id: str = "", round: int = 0,
            base_version: int = 0, num_samples: int = 0,
            chunk_bytes: int = CHUNK_BYTES) -> Encoded:
     """Serialise ``state`` (CPU tensors) as safetensors and describe it in a manifest."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    payload = st_save(tensors)
+    payload = write_safetensors(tensors)
     specs = tuple(TensorSpec(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in sorted(tensors.items()))
     m = Manifest(run_id, int(round), int(base_version), specs, int(num_samples), len(payload),
                  hashlib.sha256(payload).hexdigest())

@@ -189,3 +189,20 @@ def test_all_finite_is_exact():
             w = v.to(dt).clone()
             w[3, 4] = bad
             assert not all_finite(w), (bad, dt)
+
+
+@FUZZ
+@given(st.dictionaries(st.text(min_size=1, max_size=6),
+                       st.tuples(st.sampled_from([torch.float32, torch.float16, torch.int64, torch.uint8, torch.bool,
+                                                  torch.bfloat16, torch.float64, torch.int8]),
+                                 st.lists(st.integers(0, 4), max_size=3)), min_size=1, max_size=6))
+def test_own_safetensors_writer_is_read_by_the_reference_library(spec):
+    from safetensors.torch import load as reference_load
+
+    from fedrl.codec import write_safetensors
+
+    state = {k: (torch.rand(shape) * 10).to(dt) for k, (dt, shape) in spec.items()}
+    back = reference_load(write_safetensors(state))
+    assert back.keys() == state.keys()
+    for k in state:
+        assert back[k].dtype == state[k].dtype and back[k].shape == state[k].shape and torch.equal(back[k], state[k])
