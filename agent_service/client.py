@@ -38,6 +38,7 @@ class AgentConfig:
     backoff_initial: float = 0.2
     backoff_max: float = 10.0
     rpc_timeout: float = 120.0
+    connect_timeout: float = 5.0  # a Join waits this long for the aggregator, then retries (stop() is seen)
     tls: TLSFiles | None = None
     token: str | None = None
 
@@ -86,7 +87,7 @@ class Agent:
             obs_moments=federation_pb2.ObsMoments(count=self.stats.count, sum=self.stats.total.tolist(),
                                                   sum_sq=self.stats.total_sq.tolist()),
             device=str(self.cfg.device))
-        reply = stub.Join(req, timeout=self.cfg.rpc_timeout, wait_for_ready=True)
+        reply = stub.Join(req, timeout=self.cfg.connect_timeout, wait_for_ready=True)
         log.info("joined as %s (run %s)", self.cfg.agent_id, reply.run_id or "none yet")
 
     def _loop(self, stub) -> None:

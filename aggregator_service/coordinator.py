@@ -513,6 +513,12 @@ class Coordinator:
                     self._fail(run, f"only {len(self.agents)} of {run.cfg.agents} agents joined within "
                                     f"{run.cfg.join_timeout:.0f}s")
                     self.cond.notify_all()
+                elif run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
+                    msg = (f"round {run.round} is past its deadline with {len(run.submissions)} of the "
+                           f"{run.cfg.quorum} updates it needs; waiting for agents")
+                    if run.message != msg:
+                        log.warning(msg)
+                        run.message = msg
                 elif run.state == "running" and (now >= run.deadline or run.message) and run.submissions:
                     if len(run.submissions) >= run.cfg.quorum:
                         self._close_round(run)

@@ -41,6 +41,20 @@ from fedrl.local_prometheus import PrometheusError
 
 STARTUP_TIMEOUT = 120.0
 
+try:  # Linux: children get SIGTERM when fedrl up dies, even by SIGKILL (no orphaned services)
+    import ctypes
+
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: only a C call, nothing that takes a lock."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
 
 @dataclass
 class UpConfig:
@@ -87,7 +101,8 @@ class Launcher:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.extra_env, **self.child_env.get(name, {})}
         metrics = ["--metrics-port", "0", "--metrics-port-file", str(self._port_file(f"{name}.metrics"))]
         p = subprocess.Popen([self.cfg.python, "-m", module, *args, *metrics], stdout=logf,
-                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                             preexec_fn=_die_with_parent)
         self.children[name] = p
         return p
 

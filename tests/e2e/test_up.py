@@ -52,7 +52,7 @@ def test_up_refuses_a_missing_dataset_before_starting_anything(tmp_path):
     assert not (tmp_path / "r" / "state").exists()
 
 
-def test_up_stops_every_child_on_ctrl_c(stand_dataset, tmp_path):
+def _start_long_run(stand_dataset, tmp_path):
     cfg = tmp_path / "run.json"
     cfg.write_text(json.dumps(TINY))
     out = tmp_path / "run"
@@ -62,12 +62,17 @@ def test_up_stops_every_child_on_ctrl_c(stand_dataset, tmp_path):
                              str(stand_dataset), "--agents", "2", "--trajectories", "2", "--rounds", "100000",
                              "--local-steps", "20", "--eval-episodes", "0", "--device", "cpu", "--out", str(out)],
                             stdout=console, stderr=subprocess.STDOUT, text=True)
+    end = time.monotonic() + 120
+    while not any((out / "state" / "runs").glob("*/v000002.safetensors")):
+        assert proc.poll() is None, (tmp_path / "console.txt").read_text()
+        assert time.monotonic() < end, "the run did not reach round 2"
+        time.sleep(0.1)
+    return proc, console
+
+
+def test_up_stops_every_child_on_ctrl_c(stand_dataset, tmp_path):
+    proc, console = _start_long_run(stand_dataset, tmp_path)
     try:
-        end = time.monotonic() + 120
-        while not any((out / "state" / "runs").glob("*/v000002.safetensors")):
-            assert proc.poll() is None, (tmp_path / "console.txt").read_text()
-            assert time.monotonic() < end, "the run did not reach round 2"
-            time.sleep(0.1)
         children = _children(proc.pid)
         assert len(children) >= 3
         proc.send_signal(signal.SIGINT)
@@ -80,6 +85,26 @@ def test_up_stops_every_child_on_ctrl_c(stand_dataset, tmp_path):
     assert "interrupted; stopping every process" in (tmp_path / "console.txt").read_text()
     time.sleep(0.5)
     assert [c for c in children if _alive(c)] == []
+
+
+def test_no_orphans_when_up_itself_is_killed(stand_dataset, tmp_path):
+    """SIGKILL gives fedrl up no chance to clean up: its children notice and stop by themselves."""
+    proc, console = _start_long_run(stand_dataset, tmp_path)
+    try:
+        children = _children(proc.pid)
+        assert len(children) >= 3
+        proc.kill()
+        proc.wait(10)
+        end = time.monotonic() + 30
+        while [c for c in children if _alive(c)] and time.monotonic() < end:
+            time.sleep(0.2)
+        left = [c for c in children if _alive(c)]
+    finally:
+        for c in _children(proc.pid) + children:
+            if _alive(c):
+                os.kill(c, signal.SIGKILL)
+        console.close()
+    assert left == [], f"orphaned services still running: {left}"
 
 
 def _children(pid: int) -> list[int]:

@@ -275,6 +275,22 @@ def test_round_closes_at_deadline_with_quorum(aggregator):
     np.testing.assert_allclose(v1["policy.obs_mean"].numpy(), 2 * g["policy.obs_mean"].numpy())
 
 
+def test_a_round_short_of_its_quorum_says_so_and_closes_when_it_is_met(aggregator):
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(round_timeout=0.3)), timeout=5))  # quorum: both agents
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+    submit(aggregator, "a0", g, st["run_id"])
+    s = wait_for(lambda: (x := status(aggregator))["message"] and x, timeout=10, what="the stall to be reported")
+    assert "round 1 is past its deadline with 1 of the 2 updates it needs" in s["message"]
+    assert s["global_version"] == 0 and s["round"] == 1
+    submit(aggregator, "a1", g, st["run_id"])
+    s = wait_for(lambda: (x := status(aggregator))["global_version"] == 1 and x, timeout=10, what="round 1 to close")
+    assert s["message"] == ""
+
+
 @pytest.mark.parametrize("aggregation", ["fedavg", "median", "trimmed-mean"])
 def test_one_byzantine_agent_corrupts_fedavg_but_not_robust_aggregation(aggregator, aggregation):
     for i in range(3):
