@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import torch
 
-from fedrl.codec import assemble, encode
+from fedrl.codec import CodecError, assemble, encode
 from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.round import LocalTrainer, algo_config
@@ -20,7 +20,7 @@ from fedrl.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
 from fedrl.rpc import create_channel
 from fedrl.security import TLSFiles
-from fedrl.serde import manifest_to_proto, read_weight_parts
+from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_parts
 
 log = logging.getLogger("fedrl.agent")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -114,9 +114,14 @@ class Agent:
 
     def _train(self, stub, task) -> None:
         trainer = self._trainer_for(task)
-        parts = stub.FetchGlobal(federation_pb2.FetchRequest(run_id=task.run_id, version=task.base_version),
-                                 timeout=self.cfg.rpc_timeout)
-        manifest, chunks = read_weight_parts(parts)
+        if task.HasField("base_manifest"):  # small model: the base version came with the task
+            manifest, chunks = manifest_from_proto(task.base_manifest), [task.base_payload]
+            if (manifest.run_id, manifest.base_version) != (task.run_id, task.base_version):
+                raise CodecError("bad_manifest", "the task's inline weights are not its base version")
+        else:
+            parts = stub.FetchGlobal(federation_pb2.FetchRequest(run_id=task.run_id, version=task.base_version),
+                                     timeout=self.cfg.rpc_timeout)
+            manifest, chunks = read_weight_parts(parts)
         state = assemble(manifest, chunks)
         res = trainer.train_round(state, task.local_steps)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)

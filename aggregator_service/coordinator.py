@@ -33,6 +33,7 @@ from fedrl.rpc import ServiceError
 
 log = logging.getLogger("fedrl.aggregator")
 ACTIVE = ("waiting_for_agents", "running")
+INLINE_MAX_BYTES = 4 << 20  # a TRAIN task carries its base version when it is at most this big
 
 
 @dataclass
@@ -152,10 +153,14 @@ class Coordinator:
                 if run is not None and agent_id in run.selected:
                     if (run.state == "running" and agent_id not in run.submissions):
                         mean, std = run.norms[agent_id]
-                        return {"kind": "TRAIN", "run_id": run.run_id, "round": run.round,
+                        task = {"kind": "TRAIN", "run_id": run.run_id, "round": run.round,
                                 "base_version": run.version, "local_steps": run.cfg.local_steps,
                                 "run_config_json": run.config_json, "obs_mean": mean, "obs_std": std,
                                 "deadline_unix": run.deadline}
+                        enc = run.encoded[run.version]
+                        if enc.manifest.total_bytes <= INLINE_MAX_BYTES:
+                            task["base"] = enc  # sent inline: one RPC less per agent per round
+                        return task
                     if run.state not in ACTIVE and a.stop_sent_for != run.run_id:
                         a.stop_sent_for = run.run_id
                         return {"kind": "STOP", "run_id": run.run_id}

@@ -13,7 +13,8 @@ from fedrl.data.normalize import ObsStats
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
 from fedrl.rpc import ServiceError, codec_status
 from fedrl.security import Authenticator
-from fedrl.serde import event_to_proto, evaluation_from_proto, manifest_from_proto, status_to_proto, weight_parts
+from fedrl.serde import (event_to_proto, evaluation_from_proto, manifest_from_proto, manifest_to_proto,
+                         status_to_proto, weight_parts)
 
 log = logging.getLogger("fedrl.aggregator")
 
@@ -53,6 +54,10 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         except ServiceError as e:
             _abort(context, e)
         kind = federation_pb2.Task.Kind.Value(t.pop("kind"))
+        base = t.pop("base", None)
+        if base is not None:
+            t["base_manifest"], t["base_payload"] = manifest_to_proto(base.manifest), base.payload
+            self.coord.metrics.bytes_sent.inc(len(base.payload))
         return federation_pb2.Task(kind=kind, **t)
 
     def FetchGlobal(self, request, context):

@@ -56,7 +56,7 @@ class TaskRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("kind", "run_id", "round", "base_version", "local_steps", "run_config_json", "obs_mean", "obs_std", "deadline_unix")
+    __slots__ = ("kind", "run_id", "round", "base_version", "local_steps", "run_config_json", "obs_mean", "obs_std", "deadline_unix", "base_manifest", "base_payload")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Task.Kind]
@@ -76,6 +76,8 @@ class Task(_message.Message):
     OBS_MEAN_FIELD_NUMBER: _ClassVar[int]
     OBS_STD_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    BASE_MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    BASE_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     kind: Task.Kind
     run_id: str
     round: int
@@ -85,7 +87,9 @@ class Task(_message.Message):
     obs_mean: _containers.RepeatedScalarFieldContainer[float]
     obs_std: _containers.RepeatedScalarFieldContainer[float]
     deadline_unix: float
-    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., local_steps: _Optional[int] = ..., run_config_json: _Optional[str] = ..., obs_mean: _Optional[_Iterable[float]] = ..., obs_std: _Optional[_Iterable[float]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+    base_manifest: _weights_pb2.WeightsManifest
+    base_payload: bytes
+    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., local_steps: _Optional[int] = ..., run_config_json: _Optional[str] = ..., obs_mean: _Optional[_Iterable[float]] = ..., obs_std: _Optional[_Iterable[float]] = ..., deadline_unix: _Optional[float] = ..., base_manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., base_payload: _Optional[bytes] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("run_id", "version")
