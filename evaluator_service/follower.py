@@ -22,6 +22,7 @@ from fedrl.security import TLSFiles
 from fedrl.serde import evaluation_to_proto, event_from_proto, read_weight_parts
 
 log = logging.getLogger("fedrl.evaluator")
+MAX_IDLE_SECONDS = 5.0  # longest wait between looks for a new run
 
 
 class Follower:
@@ -41,16 +42,20 @@ class Follower:
         self._stop.set()
 
     def run(self) -> None:
-        delay = 0.2
+        delay, idle = 0.2, 1.0
         while not self._stop.is_set():
             channel = create_channel(self.target, self.tls, self.token)
             try:
+                before = len(self.reports)
                 self._follow(channel)
                 delay = 0.2
-                self._stop.wait(1.0)  # run over: look for the next one
+                # The run is over: look for the next one, less often while nothing happens.
+                idle = 1.0 if len(self.reports) > before else min(idle * 2, MAX_IDLE_SECONDS)
+                self._stop.wait(idle)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no run yet
-                    self._stop.wait(1.0)
+                    idle = min(idle * 2, MAX_IDLE_SECONDS)
+                    self._stop.wait(idle)
                     continue
                 log.warning("aggregator unavailable (%s); retrying in %.1fs", e.code().name, delay)
                 self._stop.wait(delay * (0.5 + random.random()))

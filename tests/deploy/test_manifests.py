@@ -162,3 +162,22 @@ def test_committed_dashboard_is_what_its_generator_writes():
     assert p.returncode == 0, p.stderr
     assert p.stdout == (DEPLOY / "components/monitoring/dashboards/fedrl.json").read_text(), \
         "stale dashboard: run python deploy/tools/make_dashboard.py"
+
+
+def test_dashboard_is_well_formed_for_grafana():
+    board = json.loads((DEPLOY / "components/monitoring/dashboards/fedrl.json").read_text())
+    assert board["uid"] and board["title"] and board["schemaVersion"] >= 30
+    assert [v["name"] for v in board["templating"]["list"]] == ["datasource"]
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for p in board["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        assert p["targets"] and all(t["expr"] and t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+    # no two panels overlap on the grid
+    cells = set()
+    for p in board["panels"]:
+        g = p["gridPos"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & mine, f"{p['title']} overlaps another panel"
+        cells |= mine
