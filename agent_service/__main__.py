@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device, tls=tls, token=token),
                   shard, metrics)
     log = logging.getLogger("fedrl.agent")
-    health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc])
+    health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc], tls=tls)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     try:
         agent.run()

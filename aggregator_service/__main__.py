@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving on %s:%d (%s%s), state in %s", a.host, server.port,
              "mutual TLS" if tls and tls.ca else "TLS" if tls else "plaintext",
              ", tokens required" if auth.enabled else "", a.state_dir)
-    health = start_side_endpoints(a, metrics.registry, log)
+    health = start_side_endpoints(a, metrics.registry, log, tls=tls)
     announce_port(a.port_file, server.port)
     wait_for_shutdown()
     if health is not None:

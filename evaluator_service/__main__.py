@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                            a.host, a.port, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls)
     log = logging.getLogger("fedrl.evaluator")
     log.info("serving on %s:%d", a.host, server.port)
-    health = start_side_endpoints(a, metrics.registry, log)
+    health = start_side_endpoints(a, metrics.registry, log, tls=tls)
     announce_port(a.port_file, server.port)
     if follower is not None:
         threading.Thread(target=follower.run, daemon=True, name="follower").start()

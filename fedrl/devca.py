@@ -85,13 +85,11 @@ def make_dev_ca(out: str | os.PathLike, hosts: Sequence[str] = DEFAULT_HOSTS,
 
     if "server" in clients:
         raise ValueError("a client may not be called 'server'")
+    # Every certificate may serve and authenticate (server and client usage, the listed host
+    # names): each process here is both, e.g. an agent's metrics endpoint is scraped over TLS.
     both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    # The evaluator serves (on-demand evaluation) and is a client of the aggregator: one
-    # certificate for both roles, as a single Secret mounted in its pod would be.
-    for name, sans, usage in [("server", hosts, both),
-                              *[(c, hosts if c == "evaluator" else (), both if c == "evaluator"
-                                 else [ExtendedKeyUsageOID.CLIENT_AUTH]) for c in clients]]:
-        cert, key = leaf(name if name != "server" else hosts[0], sans, usage)
+    for name in ("server", *clients):
+        cert, key = leaf(name if name != "server" else hosts[0], hosts, both)
         _write(out / name / "tls.crt", cert)
         _write(out / name / "tls.key", key, secret=True)
         _write(out / name / "ca.crt", ca_pem)

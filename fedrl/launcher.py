@@ -218,8 +218,9 @@ class Launcher:
         """Wait for every process's metrics port; record them; start Prometheus if asked."""
         for name in self.children:
             self.metrics_ports[name] = self._wait_port(name, self.out / "ports" / f"{name}.metrics")
+        scheme = "https" if self.cfg.secure else "http"
         (self.out / "metrics_targets.json").write_text(json.dumps(
-            {n: f"http://127.0.0.1:{p}/metrics" for n, p in self.metrics_ports.items()}, indent=2))
+            {n: f"{scheme}://127.0.0.1:{p}/metrics" for n, p in self.metrics_ports.items()}, indent=2))
         if not self.cfg.prometheus:
             return
         from fedrl.local_prometheus import LocalPrometheus, write_config
@@ -229,7 +230,7 @@ class Launcher:
             job = "fedrl-agent" if name.startswith("agent-") else f"fedrl-{name}"
             jobs.setdefault(job, []).append((f"127.0.0.1:{port}", name))
         folder = self.out / "prometheus"
-        config = write_config(folder, jobs)
+        config = write_config(folder, jobs, tls_dir=self.out / "tls" / "admin" if self.cfg.secure else None)
         logf = open(self.out / "logs" / "prometheus.log", "w")
         self.logs.append(logf)
         self.prometheus = LocalPrometheus(folder, config, self.cfg.prometheus_bin, logf)

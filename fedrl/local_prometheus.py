@@ -48,12 +48,14 @@ def rule_groups(rules_file: Path = RULES_FILE) -> list[dict[str, Any]]:
 
 
 def write_config(folder: Path, targets: Mapping[str, Sequence[tuple[str, str]]],
-                 scrape_interval: str = "2s", rules_file: Path | None = RULES_FILE) -> Path:
+                 scrape_interval: str = "2s", rules_file: Path | None = RULES_FILE,
+                 tls_dir: Path | None = None) -> Path:
     """Write ``prometheus.yml`` (and ``rules.yml``) into ``folder``.
 
     ``targets`` maps a job name to ``(host:port, instance label)`` pairs; every target also
     gets the ``service`` label the Kubernetes ServiceMonitors attach, so rules and dashboard
-    queries read the same either way.
+    queries read the same either way. With ``tls_dir`` (ca.crt, tls.crt, tls.key) it scrapes
+    over HTTPS, presenting that client certificate (the services' metrics under mutual TLS).
     """
     folder.mkdir(parents=True, exist_ok=True)
     cfg: dict[str, Any] = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval}}
@@ -64,6 +66,12 @@ def write_config(folder: Path, targets: Mapping[str, Sequence[tuple[str, str]]],
         {"job_name": job, "static_configs": [
             {"targets": [t], "labels": {"instance": inst, "service": job}} for t, inst in pairs]}
         for job, pairs in targets.items()]
+    if tls_dir is not None:
+        d = Path(tls_dir).resolve()
+        for sc in cfg["scrape_configs"]:
+            sc["scheme"] = "https"
+            sc["tls_config"] = {"ca_file": str(d / "ca.crt"), "cert_file": str(d / "tls.crt"),
+                                "key_file": str(d / "tls.key")}
     path = folder / "prometheus.yml"
     path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
     return path

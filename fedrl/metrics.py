@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
@@ -42,9 +43,20 @@ LOSS_TERMS = {"critic_td": "critic", "cql_penalty": "cql_penalty", "actor_loss":
               "reg_data": "reg_data", "reg_global": "reg_global", "bc_loss": "bc"}
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
-    """Serve ``registry`` at ``http://host:port/metrics`` in a daemon thread; returns the bound port."""
-    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, tls=None) -> int:
+    """Serve ``registry`` at ``http(s)://host:port/metrics`` in a daemon thread; returns the port.
+
+    With ``tls`` (a :class:`fedrl.security.TLSFiles` read from a directory) the endpoint is
+    HTTPS with the service's certificate, and requires a client certificate from the same CA
+    when the directory has ``ca.crt``, like the gRPC port.
+    """
+    kw = {}
+    if tls is not None and tls.cert is not None:  # a trust-only directory cannot serve TLS
+        d = Path(tls.source)
+        kw = {"certfile": str(d / "tls.crt"), "keyfile": str(d / "tls.key")}
+        if tls.ca is not None:
+            kw.update(client_cafile=str(d / "ca.crt"), client_auth_required=True)
+    httpd, _thread = start_http_server(port, addr=host, registry=registry, **kw)
     return int(httpd.server_port)
 
 
@@ -275,18 +287,18 @@ def add_metrics_args(p) -> None:
     p.add_argument("--metrics-port-file", default=None, help="write the bound metrics port here")
 
 
-def start_metrics_from_args(a, registry: CollectorRegistry) -> int | None:
+def start_metrics_from_args(a, registry: CollectorRegistry, tls=None) -> int | None:
     """Start the endpoint the parsed ``a`` asks for (on ``a.host``); returns its port or None."""
     if a.metrics_port is None:
         return None
     from fedrl.rpc import announce_port
 
-    port = serve_metrics(registry, a.host, a.metrics_port)
+    port = serve_metrics(registry, a.host, a.metrics_port, tls)
     announce_port(a.metrics_port_file, port)
     return port
 
 
-def start_side_endpoints(a, registry: CollectorRegistry, log, interceptors=()):
+def start_side_endpoints(a, registry: CollectorRegistry, log, interceptors=(), tls=None):
     """The health-only gRPC port (``--health-port``) and the metrics port (``--metrics-port``)
     a service's parsed args ask for, each logged; returns the health server (or None) to stop."""
     from fedrl.rpc import create_health_server
@@ -295,7 +307,7 @@ def start_side_endpoints(a, registry: CollectorRegistry, log, interceptors=()):
     if getattr(a, "health_port", None) is not None:
         health = create_health_server(a.host, a.health_port, interceptors=interceptors)
         log.info("health checking on %s:%d", a.host, health.port)
-    mport = start_metrics_from_args(a, registry)
+    mport = start_metrics_from_args(a, registry, tls)
     if mport is not None:
-        log.info("metrics on http://%s:%d/metrics", a.host, mport)
+        log.info("metrics on %s://%s:%d/metrics", "https" if tls and tls.cert else "http", a.host, mport)
     return health

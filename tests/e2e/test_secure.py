@@ -6,14 +6,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 
+import pytest
+
+from tests.conftest import require_tool
 from tests.e2e.lingering import lingering_up
+from tests.service.test_federation import wait_for
 
 
 def test_up_secure_runs_and_refuses_callers_without_credentials(stand_dataset, tmp_path):
-    with lingering_up(stand_dataset, tmp_path, "--secure") as (proc, out, printed):
+    require_tool("prometheus")
+    with lingering_up(stand_dataset, tmp_path, "--secure", "--prometheus") as (proc, out, printed):
         assert "round   2/2" in printed, printed
         assert json.loads((out / "summary.json").read_text())["state"] == "finished"
         log = (out / "logs" / "aggregator.log").read_text()
@@ -32,3 +41,21 @@ def test_up_secure_runs_and_refuses_callers_without_credentials(stand_dataset, t
         # an agent's certificate and a made-up token: still no
         p = ctl("--tls-dir", str(out / "tls" / "agent-0"), FEDRL_ADMIN_TOKEN="x" * 32)
         assert p.returncode == 1 and "UNAUTHENTICATED" in p.stderr
+
+        # metrics: HTTPS that wants a client certificate; the local Prometheus has one
+        targets = json.loads((out / "metrics_targets.json").read_text())
+        assert all(u.startswith("https://") for u in targets.values())
+        ctx = ssl.create_default_context(cafile=str(out / "tls" / "ca.crt"))
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(targets["aggregator"], context=ctx, timeout=5).read()
+        ctx.load_cert_chain(str(out / "tls" / "admin" / "tls.crt"), str(out / "tls" / "admin" / "tls.key"))
+        assert "fedrl_aggregator_rounds_completed_total 2.0" in \
+            urllib.request.urlopen(targets["aggregator"], context=ctx, timeout=5).read().decode()
+        prom = re.search(r"prometheus on (http://127\.0\.0\.1:\d+)", printed).group(1)
+
+        def scraped():
+            q = urllib.parse.urlencode({"query": "fedrl_aggregator_rounds_completed_total"})
+            res = json.loads(urllib.request.urlopen(f"{prom}/api/v1/query?{q}", timeout=5).read())["data"]["result"]
+            return res and res[0]["value"][1] == "2"
+
+        wait_for(scraped, 60, "Prometheus to scrape the aggregator over mutual TLS")
