@@ -78,3 +78,59 @@ def test_an_unwritable_state_directory_keeps_the_round_open_until_it_heals(open_
     v1 = agg.store.load_version(run_id, 1)
     assert all(torch.allclose(v1[k], g[k] + 0.5, atol=1e-5) for k in g)  # the mean of g and g + 1
     assert hashlib.sha256(agg.store.version_path(run_id, 0).read_bytes()).hexdigest() == digest
+
+
+def _agent(agent_id, index):
+    import numpy as np
+
+    from aggregator_service.coordinator import AgentRecord
+    from fedrl.data.normalize import ObsStats
+
+    return AgentRecord(agent_id, index, 100, 11, 3, "Hopper-v5", ObsStats(100, np.ones(11), 2 * np.ones(11)))
+
+
+def test_restart_before_the_run_began_waits_for_its_agents_again(tmp_path):
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+    from tests.service.test_federation import run_config
+
+    first = Coordinator(Store(tmp_path / "state"), tick=0.02)
+    run_id = first.start_run(run_config())["run_id"]
+    first.join(_agent("a0", 0))
+    first.close()  # "killed" while waiting for the second agent
+    second = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
+    try:
+        st = second.status()
+        assert st["run_id"] == run_id and st["state"] == "waiting_for_agents"
+        assert [e["kind"] for e in second.run.events][-1] == "RUN_RESUMED"
+        second.join(_agent("a0", 0))
+        second.join(_agent("a1", 1))
+        assert second.status()["state"] == "running" and second.status()["round"] == 1
+    finally:
+        second.close()
+
+
+def test_restart_skips_an_unreadable_newest_version(tmp_path):
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+    from tests.service.test_federation import run_config
+
+    store = Store(tmp_path / "state")
+    first = Coordinator(store, tick=0.02)
+    run_id = first.start_run(run_config(rounds=3))["run_id"]
+    first.join(_agent("a0", 0))
+    first.join(_agent("a1", 1))
+    g = first.run.global_state
+    m = encode(g, run_id, 1, 0, 100).manifest
+    for a in ("a0", "a1"):
+        first.submit(a, m, g, {}, 0.0)
+    assert store.versions(run_id) == [0, 1]
+    first.close()
+    store.version_path(run_id, 1).write_bytes(b"not a safetensors file")  # a damaged disk
+    second = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
+    try:
+        st = second.status()
+        assert st["state"] == "running" and st["global_version"] == 0 and st["round"] == 1
+        assert all(torch.equal(second.run.global_state[k], g[k]) for k in g)
+    finally:
+        second.close()
