@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedrl.federation.simulate import load_shards
     from fedrl.security import tls_from_args
 
+    log = logging.getLogger("fedrl.agent")
     if a.threads:
         torch.set_num_threads(a.threads)
     try:
@@ -91,14 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.shard is None:
             if len(a.dataset) != 1:
                 raise ValueError("without --shard give exactly one --dataset (the agent's own file)")
-            raw = load(a.dataset[0], progress=logging.getLogger("fedrl.agent").info)
+            raw = load(a.dataset[0], progress=log.info)
             env = infer_env(raw, a.dataset[0], a.env)
             tr = to_transitions(raw)
             index = a.index or 0
             shard = Shard(index, raw.source, (), tr)
         else:
-            shards, env = load_shards(a.dataset, a.shards or a.shard + 1, a.trajectories, a.seed, a.env,
-                                      logging.getLogger("fedrl.agent").info)
+            shards, env = load_shards(a.dataset, a.shards or a.shard + 1, a.trajectories, a.seed, a.env, log.info)
             if not 0 <= a.shard < len(shards):
                 raise ValueError(f"--shard {a.shard} is outside the {len(shards)} shards")
             shard, index = shards[a.shard], a.shard
@@ -117,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device, tls=tls, token=token),
                   shard, metrics)
-    log = logging.getLogger("fedrl.agent")
     health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc], tls=tls)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     try:

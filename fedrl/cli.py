@@ -330,8 +330,9 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
     try:
         with ControlClient(a.target, connect_timeout=a.connect_timeout, tls=tls,
                            token=os.environ.get("FEDRL_ADMIN_TOKEN") or None) as c:
-            if a.ctl_cmd == "start" and a.if_idle and c.status()["state"] in ("waiting_for_agents", "running"):
-                print(dumps(c.status()))
+            current = c.status() if a.ctl_cmd == "start" and a.if_idle else None
+            if current is not None and current["state"] in ("waiting_for_agents", "running"):
+                print(dumps(current))
             elif a.ctl_cmd == "start":
                 data = json.loads(Path(a.config).read_text()) if a.config else {}
                 for kv in a.set:
