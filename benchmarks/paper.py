@@ -18,6 +18,9 @@ Experiments (``ALGORITHM.md``; the paper's Table 1, Figures 2-4):
   lambdas       DRPO's lambda1 x lambda2 grid, heterogeneous agents (4 expert + 1 medium)
   q_scale       DRPO with the Q term normalised (q_scale=normalized) on the table's datasets; the
                 table's DRPO column is the raw Q term (the paper's equation, the default)
+  q_scale_long  raw vs normalised Q term (and Fed-CQL, no regularisers) with long local training
+                (few agents, the paper's 1000 local steps): the regime where Q reaches the hundreds
+                and the choice matters (issue: the Q-scale default defended by measurement)
 
 Presets: ``paper`` (the paper's scale: 10 agents x 5 trajectories, 1000 local steps, 20 rounds,
 5 seeds; for GPUs), ``reduced`` (5 agents x 5 trajectories, 50 local steps, 20 rounds, 3 seeds,
@@ -42,7 +45,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 ALGO_ORDER = ("fed-bc", "fed-cql", "cql", "drpo")
 ALGO_LABEL = {"fed-bc": "Fed-BC", "fed-cql": "Fed-CQL", "cql": "CQL (alone)", "drpo": "DRPO"}
-EXPERIMENTS = ("table", "agents", "trajectories", "local_steps", "lambdas", "q_scale")
+EXPERIMENTS = ("table", "agents", "trajectories", "local_steps", "lambdas", "q_scale", "q_scale_long")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class Preset:
     trajectories_grid: tuple[int, ...] = (1, 2, 5, 10, 20)
     local_steps_grid: tuple[int, ...] = (10, 50, 100, 200, 1000)
     lambda_grid: tuple[float, ...] = (0.0, 0.1, 0.5, 1.0)
+    # q_scale_long: (agents, local steps, rounds, evaluate every) of the long-training runs
+    long: tuple[int, int, int, int] = (2, 1000, 10, 2)
 
 
 PRESETS = {
@@ -72,7 +77,8 @@ PRESETS = {
     "smoke": Preset("smoke", 2, 2, 5, 2, 2, 1, (0,), datasets=("hopper-medium-v2",),
                     drpo={"hidden": [32, 32], "batch_size": 32, "cql_n_actions": 2},
                     bc={"hidden": [32, 32], "batch_size": 32},
-                    agents_grid=(1, 2), trajectories_grid=(1, 2), local_steps_grid=(2, 5), lambda_grid=(0.0, 1.0)),
+                    agents_grid=(1, 2), trajectories_grid=(1, 2), local_steps_grid=(2, 5), lambda_grid=(0.0, 1.0),
+                    long=(2, 10, 2, 1)),
 }
 
 
@@ -88,6 +94,8 @@ class RunSpec:
     local_steps: int
     variant: dict[str, Any] = field(default_factory=dict)  # what the study varies
     drpo: dict[str, Any] = field(default_factory=dict)
+    rounds: int | None = None  # None: the preset's
+    eval_every: int | None = None
 
 
 def short(dataset: str) -> str:
@@ -127,6 +135,15 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
                 runs.append(RunSpec(experiment, f"drpo-normalized-{short(d)}-s{s}", "drpo", (d,), s, **base,
                                     variant={"dataset": short(d), "q_scale": "normalized"},
                                     drpo={"q_scale": "normalized"}))
+        elif experiment == "q_scale_long":
+            n_agents, steps, rounds, every = p.long
+            kw = dict(agents=n_agents, trajectories=p.trajectories, local_steps=steps, rounds=rounds,
+                      eval_every=every)
+            for a, q in (("drpo", "raw"), ("drpo", "normalized"), ("fed-cql", None)):
+                name = f"{a}-{q}" if q else a
+                runs.append(RunSpec(experiment, f"{name}-s{s}", a, (p.study_dataset,), s, **kw,
+                                    variant={"q_scale": q or "none (no regularisers)"},
+                                    drpo={"q_scale": q} if q else {}))
         else:
             raise ValueError(f"unknown experiment {experiment!r}; choose from {', '.join(EXPERIMENTS)}")
     return runs
@@ -145,8 +162,8 @@ def sim_config(p: Preset, r: RunSpec):
         return cls(**d)
 
     return SimConfig(algo=r.algo, datasets=r.datasets, agents=r.agents, trajectories=r.trajectories,
-                     rounds=p.rounds, local_steps=r.local_steps, eval_episodes=p.eval_episodes,
-                     eval_every=p.eval_every, seed=r.seed, device="cpu",
+                     rounds=r.rounds or p.rounds, local_steps=r.local_steps, eval_episodes=p.eval_episodes,
+                     eval_every=r.eval_every or p.eval_every, seed=r.seed, device="cpu",
                      drpo=cfg(DRPOConfig, {**p.drpo, **r.drpo}), bc=cfg(BCConfig, p.bc))
 
 
@@ -169,7 +186,7 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
                 losses.setdefault(k, []).append(float(np.mean([a[k] for a in rec["agents"]])))
     out = {"preset": p.name, "experiment": r.experiment, "key": r.key, "algo": r.algo, "datasets": list(r.datasets),
            "seed": r.seed, "agents": r.agents, "trajectories": r.trajectories, "local_steps": r.local_steps,
-           "rounds": p.rounds, "variant": r.variant, "config": cfg.as_dict(),
+           "rounds": cfg.rounds, "variant": r.variant, "config": cfg.as_dict(),
            "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
            "wall_seconds": round(time.perf_counter() - t0, 1)}
     path = result_path(p, r, root)
@@ -274,6 +291,32 @@ def q_scale_md(table: list[dict[str, Any]], normalized: list[dict[str, Any]], da
     return "\n".join(rows)
 
 
+def q_scale_long_md(results: list[dict[str, Any]]) -> str:
+    """Final score, best score and, at the last round, mean Q on the data and the policy's NLL of
+    the data actions (what lambda1 pulls down), per Q-term variant, mean ± std over seeds."""
+    if not results:
+        return "not run yet"
+    order = ("raw", "normalized", "none (no regularisers)")
+    label = {"raw": "DRPO, raw Q term (default)", "normalized": "DRPO, normalised Q term",
+             "none (no regularisers)": "Fed-CQL (no regularisers)"}
+    r0 = results[0]
+    rows = [f"{r0['agents']} agents x {r0['trajectories']} trajectories of {short(r0['datasets'][0])}, "
+            f"{r0['rounds']} rounds x {r0['local_steps']} local steps (normalised score; return in brackets)", "",
+            "| variant | final score | best score | mean Q on data (last round) | NLL of data actions (last round) |",
+            "| --- | --- | --- | --- | --- |"]
+    for v in order:
+        rs = [r for r in results if r["variant"]["q_scale"] == v and r["final"]]
+        if not rs:
+            rows.append(f"| {label[v]} | not run yet | | | |")
+            continue
+        last = lambda k: [r["losses_per_round"][k][-1] for r in rs if k in r["losses_per_round"]]  # noqa: E731
+        best = [max(c["score_mean"] for c in r["curve"]) for r in rs]
+        rows.append(f"| {label[v]} | {_ms([r['final']['score_mean'] for r in rs])} "
+                    f"({_ms([r['final']['return_mean'] for r in rs])}) n={len(rs)} | {_ms(best)} | "
+                    f"{_ms(last('q_data'))} | {_ms(last('reg_data')) if rs[0]['algo'] == 'drpo' else 'not computed'} |")
+    return "\n".join(rows)
+
+
 def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: Path) -> bool:
     import matplotlib
 
@@ -348,6 +391,7 @@ def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
         f"paper-{p.name}-local_steps": study_md(load_results(p, "local_steps", root), "local_steps"),
         f"paper-{p.name}-lambdas": lambdas_md(load_results(p, "lambdas", root)),
         f"paper-{p.name}-q_scale": q_scale_md(table, load_results(p, "q_scale", root), p.datasets),
+        f"paper-{p.name}-q_scale_long": q_scale_long_md(load_results(p, "q_scale_long", root)),
     }
     if p.name == "reduced":
         blocks["system"] = system_md(root)
