@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import torch
 
-from fedrl.codec import CodecError, assemble, encode
+from fedrl.codec import INLINE_MAX_BYTES, CodecError, assemble, encode
 from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.round import LocalTrainer, algo_config
@@ -41,6 +41,7 @@ class AgentConfig:
     connect_timeout: float = 5.0  # a Join waits this long for the aggregator, then retries (stop() is seen)
     tls: TLSFiles | None = None
     token: str | None = None
+    inline_max_bytes: int = INLINE_MAX_BYTES  # updates up to this size go as one message; larger ones stream
 
 
 class Agent:
@@ -126,16 +127,20 @@ class Agent:
         res = trainer.train_round(state, task.local_steps)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples)
+        header = federation_pb2.UpdateHeader(agent_id=self.cfg.agent_id, weights=manifest_to_proto(enc.manifest),
+                                             metrics=res.metrics, train_seconds=res.seconds)
 
         def parts_out():
-            yield federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(
-                agent_id=self.cfg.agent_id, weights=manifest_to_proto(enc.manifest),
-                metrics=res.metrics, train_seconds=res.seconds))
+            yield federation_pb2.UpdatePart(header=header)
             for c in enc.chunks():
                 yield federation_pb2.UpdatePart(chunk=c)
 
         try:
-            stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
+            if enc.manifest.total_bytes <= self.cfg.inline_max_bytes:  # small model: one unary call
+                stub.SubmitUpdateInline(federation_pb2.InlineUpdate(header=header, payload=enc.payload),
+                                        timeout=self.cfg.rpc_timeout)
+            else:
+                stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
             self.rounds_done += 1
             self.metrics.rounds.inc()
             log.info("round %d: submitted after %d steps in %.1fs", task.round, task.local_steps, res.seconds)

@@ -23,7 +23,7 @@ import torch
 
 from aggregator_service.store import Store
 from fedrl.algos.config import config_to_dict
-from fedrl.codec import Encoded, Manifest, check_matches, encode
+from fedrl.codec import INLINE_MAX_BYTES, Encoded, Manifest, check_matches, encode
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.round import algo_config, initial_global_state
@@ -33,7 +33,6 @@ from fedrl.rpc import ServiceError
 
 log = logging.getLogger("fedrl.aggregator")
 ACTIVE = ("waiting_for_agents", "running")
-INLINE_MAX_BYTES = 4 << 20  # a TRAIN task carries its base version when it is at most this big
 
 
 @dataclass
@@ -238,7 +237,7 @@ class Coordinator:
             r = run.round
             if len(run.submissions) == len(run.selected):
                 self._close_round(run)
-            self.cond.notify_all()
+                self.cond.notify_all()  # only a closed round changes what waiters look for
             return r
 
     # -- runs ------------------------------------------------------------------------------

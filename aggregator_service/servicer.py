@@ -71,23 +71,41 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             yield part
 
     def SubmitUpdate(self, request_iterator, context):
-        metrics = self.coord.metrics
-        try:
+        def parts():
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("part") != "header":
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an update stream must start with its header",
                                    "bad_stream")
-            h = first.header
+
+            def chunks():
+                for part in request_iterator:
+                    if part.WhichOneof("part") != "chunk":
+                        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one update stream",
+                                           "bad_stream")
+                    yield part.chunk
+            return first.header, chunks()
+        return self._submit(context, parts)
+
+    def SubmitUpdateInline(self, request, context):
+        def parts():
+            if not request.HasField("header"):
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an inline update needs its header",
+                                   "bad_stream")
+            return request.header, (request.payload,)
+        return self._submit(context, parts)
+
+    def _submit(self, context, parts):
+        """Both submission paths: header checks before any byte is kept, then the same verification."""
+        metrics = self.coord.metrics
+        try:
+            h, chunks = parts()
             self.auth.check_agent(context, h.agent_id)
             manifest = manifest_from_proto(h.weights)
             self.coord.check_header(h.agent_id, manifest)
             asm = Assembler(manifest)
-            for part in request_iterator:
-                if part.WhichOneof("part") != "chunk":
-                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one update stream",
-                                       "bad_stream")
-                metrics.bytes_received.inc(len(part.chunk))
-                asm.add(part.chunk)
+            for c in chunks:
+                metrics.bytes_received.inc(len(c))
+                asm.add(c)
             state = asm.finish()
             r = self.coord.submit(h.agent_id, manifest, state, dict(h.metrics), h.train_seconds)
         except (ServiceError, CodecError) as e:

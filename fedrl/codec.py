@@ -21,6 +21,9 @@ CHUNK_BYTES = 1 << 20
 ENCODING = "safetensors"
 # Message size limit set on every channel and server: a chunk plus headroom for the manifest.
 MAX_MESSAGE_BYTES = 8 << 20
+# Weights up to this size travel inside one message (a TRAIN task's base version, an inline update):
+# half the message limit leaves room for the manifest and the rest of the message.
+INLINE_MAX_BYTES = 4 << 20
 MAX_PAYLOAD_BYTES = 2 << 30  # refuse manifests declaring more than 2 GiB
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -44,13 +44,34 @@ def prefixed_state(prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_prefixed(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> bool:
-    """Load the ``prefix.*`` entries of ``state`` into ``module`` (strict); False if none exist."""
+    """Load the ``prefix.*`` entries of ``state`` into ``module`` (strict); False if none exist.
+
+    Strict as ``load_state_dict``: exactly the module's names, each with its shape. The copy is
+    one fused call (this runs every round, for every agent)."""
     head = prefix + "."
     sub = {k[len(head):]: v for k, v in state.items() if k.startswith(head)}
     if not sub:
         return False
-    module.load_state_dict(sub, strict=True)
+    copy_state_(module, sub)
     return True
+
+
+@torch.no_grad()
+def copy_state_(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """``module``'s parameters and buffers <- ``state`` (same names and shapes, checked)."""
+    own = module.state_dict(keep_vars=True)
+    if own.keys() != state.keys():
+        missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+        raise RuntimeError(f"state does not match {type(module).__name__}: missing {missing}, "
+                           f"unexpected {unexpected}")
+    dst, src = [], []
+    for k, t in own.items():
+        v = state[k]
+        if v.shape != t.shape:
+            raise RuntimeError(f"{k}: shape {list(v.shape)} does not match the module's {list(t.shape)}")
+        dst.append(t)
+        src.append(v)
+    torch._foreach_copy_(dst, src)
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ class BCLearner:
         if not load_prefixed(self.policy, state, POLICY):
             raise KeyError("global state has no 'policy.*' tensors")
         if self.cfg.reset_actor_optimizer:
-            self.opt = adam(self.policy.parameters(), self.cfg.lr)
+            self.opt.state.clear()  # a fresh Adam: moments and step counts start over
 
     def shared_state(self, federate_critic: bool = False) -> dict[str, torch.Tensor]:
         """The policy parameters (BC has no critic)."""

@@ -22,6 +22,7 @@ from fedrl.algos.base import (
     POLICY,
     Batch,
     adam,
+    copy_state_,
     load_prefixed,
     prefixed_state,
     soft_update_,
@@ -114,11 +115,11 @@ class DRPOLearner:
         state = {k: v.to(self.device) for k, v in global_state.items()}
         if not load_prefixed(self.policy, state, POLICY):
             raise KeyError("global state has no 'policy.*' tensors")
-        self.global_policy.load_state_dict(self.policy.state_dict())
+        copy_state_(self.global_policy, self.policy.state_dict())
         load_prefixed(self.critic, state, CRITIC)
         load_prefixed(self.critic_target, state, CRITIC_TARGET)
         if self.cfg.reset_actor_optimizer:
-            self.actor_opt = adam(self.policy.parameters(), self.cfg.actor_lr)
+            self.actor_opt.state.clear()  # a fresh Adam: moments and step counts start over
 
     def shared_state(self, federate_critic: bool = False) -> dict[str, torch.Tensor]:
         """Policy parameters (and critics when ``federate_critic``) as prefixed CPU tensors."""

@@ -56,13 +56,13 @@ class AgentThreads:
         self.threads: list[threading.Thread] = []
 
     def start(self, target: str, dataset: str, n: int, trajectories: int, seed: int,
-              tls_for=lambda agent_id: None, token_for=lambda agent_id: None) -> list[Agent]:
+              tls_for=lambda agent_id: None, token_for=lambda agent_id: None, **agent_kw) -> list[Agent]:
         shards, env = load_shards([dataset], n, trajectories, seed, None, lambda m: None)
         for s in shards:
             aid = f"agent-{s.agent}"
             a = Agent(AgentConfig(target, aid, s.agent, env.gym_id, torch.device("cpu"),
                                   task_wait=1.0, backoff_initial=0.05, backoff_max=0.5,
-                                  tls=tls_for(aid), token=token_for(aid)), s)
+                                  tls=tls_for(aid), token=token_for(aid), **agent_kw), s)
             t = threading.Thread(target=a.run, daemon=True)
             t.start()
             self.agents.append(a)

@@ -56,14 +56,16 @@ def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_
                                                algo, obs_norm, one_thread):
     """Same config and seeds: the service run's stored global versions are bit-identical to
     the in-process simulator's global model after every round. (PyTorch's CPU kernels split
-    work by thread count, so both sides use one thread per learner, as ``fedrl up`` does.)"""
+    work by thread count, so both sides use one thread per learner, as ``fedrl up`` does.)
+    The fed-bc case sends its updates as streams, the others inline: both paths give the same bits."""
     sim_states: dict[int, dict[str, torch.Tensor]] = {}
     simulate(SimConfig(algo=algo, datasets=(str(stand_dataset),), agents=2, trajectories=2, rounds=2,
                        local_steps=3, eval_episodes=0, seed=7, device="cpu", obs_norm=obs_norm,
                        drpo=SMALL, bc=SMALL_BC),
              tmp_path / "sim", log=lambda m: None, on_round=lambda r, s: sim_states.__setitem__(r, s))
 
-    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7)
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7,
+                        **({"inline_max_bytes": 0} if algo == "fed-bc" else {}))
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
     st = status_from_proto(aggregator.control.StartRun(
         control_pb2.StartRunRequest(config_json=run_config(algo=algo, obs_norm=obs_norm)), timeout=10))
@@ -76,6 +78,11 @@ def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_
         for k in stored:
             assert torch.equal(stored[k], sim_states[v][k]), f"version {v}: {k} differs"
     assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
+    used = {m: aggregator.metrics.registry.get_sample_value("grpc_server_handled_total", {
+        "grpc_type": t, "grpc_service": "fedrl.v1.Federation", "grpc_method": m, "grpc_code": "OK"}) or 0
+        for m, t in (("SubmitUpdate", "client_stream"), ("SubmitUpdateInline", "unary"))}
+    assert used == ({"SubmitUpdate": 4, "SubmitUpdateInline": 0} if algo == "fed-bc"
+                    else {"SubmitUpdate": 0, "SubmitUpdateInline": 4}), used
 
 
 def test_watch_streams_round_events_and_replays(aggregator, agent_threads, stand_dataset):
@@ -115,12 +122,18 @@ def open_round(aggregator):
     return aggregator, st["run_id"], g, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def submit(agg, agent_id, state, run_id, round=1, base=0, tamper=None, extra_chunks=(), chunk_bytes=1 << 20):
+def submit(agg, agent_id, state, run_id, round=1, base=0, tamper=None, extra_chunks=(), chunk_bytes=1 << 20,
+           inline=False):
+    """An update as a stream (SubmitUpdate) or, with ``inline``, as one message (SubmitUpdateInline)."""
     enc = encode(state, run_id, round, base, 100, chunk_bytes=chunk_bytes)
     m = manifest_to_proto(enc.manifest)
     chunks = list(enc.chunks())
     if tamper:
         m, chunks = tamper(m, chunks)
+    if inline:
+        return agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(
+            header=federation_pb2.UpdateHeader(agent_id=agent_id, weights=m),
+            payload=b"".join([*chunks, *extra_chunks])), timeout=10)
 
     def parts():
         yield federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(agent_id=agent_id, weights=m))
@@ -145,57 +158,64 @@ def assert_untouched(agg, run_id, g, digest) -> None:
     assert all(torch.equal(agg.coord.run.global_state[k], g[k]) for k in g)
 
 
-def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round):
+@pytest.mark.parametrize("inline", [False, True], ids=["stream", "inline"])
+def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, inline):
     agg, run_id, g, digest = open_round
+
+    def submit_(*a, **kw):
+        return submit(*a, inline=inline, **kw)
     k0 = "policy.head.weight"
 
     def with_(k, v):
         return {**g, k: v}
 
     cases = [
-        ("wrong name", lambda: submit(agg, "a0", {**{k: v for k, v in g.items() if k != k0}, "policy.extra": g[k0]}, run_id),
+        ("wrong name", lambda: submit_(agg, "a0", {**{k: v for k, v in g.items() if k != k0}, "policy.extra": g[k0]}, run_id),
          grpc.StatusCode.INVALID_ARGUMENT, "tensor names differ"),
-        ("wrong shape", lambda: submit(agg, "a0", with_(k0, torch.zeros(7, 32)), run_id),
+        ("wrong shape", lambda: submit_(agg, "a0", with_(k0, torch.zeros(7, 32)), run_id),
          grpc.StatusCode.INVALID_ARGUMENT, "'policy.head.weight' is F32[7, 32]"),
-        ("wrong dtype", lambda: submit(agg, "a0", with_(k0, g[k0].double()), run_id),
+        ("wrong dtype", lambda: submit_(agg, "a0", with_(k0, g[k0].double()), run_id),
          grpc.StatusCode.INVALID_ARGUMENT, "F64"),
-        ("NaN", lambda: submit(agg, "a0", with_(k0, torch.full_like(g[k0], float("nan"))), run_id),
+        ("NaN", lambda: submit_(agg, "a0", with_(k0, torch.full_like(g[k0], float("nan"))), run_id),
          grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
-        ("Inf", lambda: submit(agg, "a0", with_(k0, torch.full_like(g[k0], float("inf"))), run_id),
+        ("Inf", lambda: submit_(agg, "a0", with_(k0, torch.full_like(g[k0], float("inf"))), run_id),
          grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
-        ("sha256", lambda: submit(agg, "a0", g, run_id, tamper=lambda m, c: (m, [bytes([c[0][0] ^ 1]) + c[0][1:], *c[1:]])),
+        ("sha256", lambda: submit_(agg, "a0", g, run_id, tamper=lambda m, c: (m, [bytes([c[0][0] ^ 1]) + c[0][1:], *c[1:]])),
          grpc.StatusCode.DATA_LOSS, "sha256"),
-        ("extra chunk", lambda: submit(agg, "a0", g, run_id, extra_chunks=[b"x"]),
+        ("extra chunk", lambda: submit_(agg, "a0", g, run_id, extra_chunks=[b"x"]),
          grpc.StatusCode.OUT_OF_RANGE, "exceed the declared"),
-        ("truncated", lambda: submit(agg, "a0", g, run_id, chunk_bytes=1000, tamper=lambda m, c: (m, c[:-1])),
+        ("truncated", lambda: submit_(agg, "a0", g, run_id, chunk_bytes=1000, tamper=lambda m, c: (m, c[:-1])),
          grpc.StatusCode.DATA_LOSS, "received"),
-        ("unknown agent", lambda: submit(agg, "mallory", g, run_id),
+        ("unknown agent", lambda: submit_(agg, "mallory", g, run_id),
          grpc.StatusCode.NOT_FOUND, "unknown agent 'mallory'"),
-        ("future round", lambda: submit(agg, "a0", g, run_id, round=2),
+        ("future round", lambda: submit_(agg, "a0", g, run_id, round=2),
          grpc.StatusCode.FAILED_PRECONDITION, "round 2 is in the future"),
-        ("closed round", lambda: submit(agg, "a0", g, run_id, round=0),
+        ("closed round", lambda: submit_(agg, "a0", g, run_id, round=0),
          grpc.StatusCode.FAILED_PRECONDITION, "round 0 is closed"),
-        ("wrong run", lambda: submit(agg, "a0", g, "other-run"),
+        ("wrong run", lambda: submit_(agg, "a0", g, "other-run"),
          grpc.StatusCode.FAILED_PRECONDITION, "update for run 'other-run'"),
-        ("pickle encoding", lambda: submit(agg, "a0", g, run_id, tamper=lambda m, c: (_set(m, encoding="pickle"), c)),
+        ("pickle encoding", lambda: submit_(agg, "a0", g, run_id, tamper=lambda m, c: (_set(m, encoding="pickle"), c)),
          grpc.StatusCode.INVALID_ARGUMENT, "encoding 'pickle' is not accepted"),
     ]
+    if inline:
+        cases.append(("no header", lambda: agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(payload=b"x"), timeout=10),
+                      grpc.StatusCode.INVALID_ARGUMENT, "needs its header"))
     for name, call, code, text in cases:
         assert_refused(call, code, text)
         assert_untouched(agg, run_id, g, digest)
 
     # A valid update is taken once; the second for the same round is refused.
-    assert submit(agg, "a0", g, run_id).accepted
-    assert_refused(lambda: submit(agg, "a0", g, run_id), grpc.StatusCode.ALREADY_EXISTS, "already submitted")
+    assert submit_(agg, "a0", g, run_id).accepted
+    assert_refused(lambda: submit_(agg, "a0", g, run_id), grpc.StatusCode.ALREADY_EXISTS, "already submitted")
     assert agg.store.versions(run_id) == [0]
     # The other agent completes the round: version 1 exists and equals the average.
-    assert submit(agg, "a1", g, run_id).round == 1
+    assert submit_(agg, "a1", g, run_id).round == 1
     st = wait_for(lambda: (s := status(agg))["global_version"] == 1 and s, what="round 1 to close")
     assert st["round"] == 2
     v1 = agg.store.load_version(run_id, 1)
     assert all(torch.equal(v1[k], g[k]) for k in g)
     # Now round 1 is closed for everyone.
-    assert_refused(lambda: submit(agg, "a0", g, run_id, round=1, base=1), grpc.StatusCode.FAILED_PRECONDITION,
+    assert_refused(lambda: submit_(agg, "a0", g, run_id, round=1, base=1), grpc.StatusCode.FAILED_PRECONDITION,
                    "round 1 is closed")
 
 

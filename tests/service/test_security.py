@@ -144,3 +144,15 @@ def test_security_configuration_errors_name_the_problem(tmp_path, ca):
     assert a.identify([("authorization", f"Bearer {TOKENS['agent-1']}")]) == ("agent", "agent-1")
     assert a.identify([("authorization", f"Basic {ADMIN}")]) is None
     assert not Authenticator().enabled
+
+
+def test_every_rpc_of_the_contract_has_a_role_entry():
+    """Deny-by-default must not silently lock out a method added to protos/: each one is listed."""
+    from fedrl.proto.v1 import evaluator_pb2
+    from fedrl.security import POLICY
+
+    for module in (federation_pb2, control_pb2, evaluator_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                path = f"/{service.full_name}/{method.name}"
+                assert path in POLICY or f"/{service.full_name}/*" in POLICY, f"{path} has no role entry"

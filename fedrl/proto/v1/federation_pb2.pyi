@@ -126,6 +126,14 @@ class UpdatePart(_message.Message):
     chunk: bytes
     def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
+class InlineUpdate(_message.Message):
+    __slots__ = ("header", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    payload: bytes
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
 class SubmitReply(_message.Message):
     __slots__ = ("accepted", "round", "received_bytes")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]

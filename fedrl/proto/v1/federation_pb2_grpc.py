@@ -56,6 +56,11 @@ class FederationStub:
                 request_serializer=fedrl_dot_v1_dot_federation__pb2.UpdatePart.SerializeToString,
                 response_deserializer=fedrl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.SubmitUpdateInline = channel.unary_unary(
+                '/fedrl.v1.Federation/SubmitUpdateInline',
+                request_serializer=fedrl_dot_v1_dot_federation__pb2.InlineUpdate.SerializeToString,
+                response_deserializer=fedrl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
+                _registered_method=True)
 
 
 class FederationServicer:
@@ -89,6 +94,14 @@ class FederationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitUpdateInline(self, request, context):
+        """A small update (payload <= 4 MiB) in one message: the same checks as SubmitUpdate, one call
+        without a stream (a client stream costs a thread per call in Python's gRPC).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_FederationServicer_to_server(servicer, server):
             'SubmitUpdate': grpc.stream_unary_rpc_method_handler(
                     servicer.SubmitUpdate,
                     request_deserializer=fedrl_dot_v1_dot_federation__pb2.UpdatePart.FromString,
+                    response_serializer=fedrl_dot_v1_dot_federation__pb2.SubmitReply.SerializeToString,
+            ),
+            'SubmitUpdateInline': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitUpdateInline,
+                    request_deserializer=fedrl_dot_v1_dot_federation__pb2.InlineUpdate.FromString,
                     response_serializer=fedrl_dot_v1_dot_federation__pb2.SubmitReply.SerializeToString,
             ),
     }
@@ -220,6 +238,33 @@ class Federation:
             target,
             '/fedrl.v1.Federation/SubmitUpdate',
             fedrl_dot_v1_dot_federation__pb2.UpdatePart.SerializeToString,
+            fedrl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitUpdateInline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrl.v1.Federation/SubmitUpdateInline',
+            fedrl_dot_v1_dot_federation__pb2.InlineUpdate.SerializeToString,
             fedrl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
