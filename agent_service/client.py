@@ -55,6 +55,7 @@ class Agent:
         self.trainer: LocalTrainer | None = None
         self.trainer_run = ""
         self.rounds_done = 0
+        self._bad_streak = 0  # global models refused in a row
 
     def stop(self) -> None:
         self._stop.set()
@@ -68,6 +69,15 @@ class Agent:
                 self._join(stub)
                 delay = self.cfg.backoff_initial
                 self._loop(stub)
+            except CodecError as e:
+                # The global model failed verification on the way here (damaged in transit, a bad
+                # store): nothing was trained or sent. Ask again after a pause, on a new channel.
+                # The pause grows while no round succeeds (a successful submission resets it).
+                wait = min(self.cfg.backoff_initial * 2 ** self._bad_streak, self.cfg.backoff_max)
+                self._bad_streak += 1
+                log.error("global model refused (%s: %s); asking again in %.1fs", e.reason, e, wait)
+                self.metrics.bad_downloads.inc()
+                self._stop.wait(wait * (0.5 + random.random()))
             except grpc.RpcError as e:
                 code = e.code()
                 if code not in RETRYABLE and code != grpc.StatusCode.NOT_FOUND:
@@ -142,6 +152,7 @@ class Agent:
             else:
                 stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
             self.rounds_done += 1
+            self._bad_streak = 0
             self.metrics.rounds.inc()
             log.info("round %d: submitted after %d steps in %.1fs", task.round, task.local_steps, res.seconds)
         except grpc.RpcError as e:

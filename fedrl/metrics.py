@@ -232,6 +232,9 @@ class AgentMetrics:
                           ["agent", "term"], registry=r)
         self.reconnects = Counter(f"{p}_reconnects_total", "Times the agent lost the aggregator and "
                                   "retried.", ["agent"], registry=r).labels(agent_id)
+        self.bad_downloads = Counter(f"{p}_downloads_rejected_total", "Global models received that failed "
+                                     "verification (sha256, size, names, NaN) and were asked for again.",
+                                     ["agent"], registry=r).labels(agent_id)
 
     def trained(self, steps: int, seconds: float, metrics: Mapping[str, float]) -> None:
         self.local_steps.inc(steps)

@@ -10,7 +10,7 @@ import torch
 
 from evaluator_service.follower import Follower
 from evaluator_service.servicer import EvaluatorServicer
-from fedrl.codec import encode
+from fedrl.codec import Encoded, encode
 from fedrl.nets import TanhGaussianPolicy
 from fedrl.algos.base import POLICY, prefixed_state
 from fedrl.proto.v1 import control_pb2, evaluator_pb2, evaluator_pb2_grpc
@@ -123,3 +123,32 @@ def _try_start(state_dir, port):
         return Aggregator(state_dir, port=port)
     except (OSError, RuntimeError):
         return None
+
+
+def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, agent_threads, stand_dataset):
+    """A base version that fails verification at the agent (one flipped byte in transit) is
+    refused, counted, and fetched again; the agent keeps running and the run completes."""
+    real_next_task = aggregator.coord.next_task
+    damaged: list[str] = []
+
+    def next_task_damaging_the_first_two(agent_id, wait_seconds):
+        t = real_next_task(agent_id, wait_seconds)
+        base = t.get("base")
+        if base is not None and len(damaged) < 2:
+            damaged.append(agent_id)
+            bad = bytearray(base.payload)
+            bad[-1] ^= 1
+            t["base"] = Encoded(base.manifest, bytes(bad), base.chunk_bytes)
+        return t
+
+    aggregator.coord.next_task = next_task_damaging_the_first_two  # the servicer looks it up per call
+    agents = agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=0)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2, rounds=2)), timeout=10)
+    done = wait_for(lambda: (s := status(aggregator))["state"] == "finished" and s, what="run to finish")
+    assert len(damaged) == 2 and done["global_version"] == 2
+    refused = {a.cfg.agent_id: a.metrics.registry.get_sample_value(
+        "fedrl_agent_downloads_rejected_total", {"agent": a.cfg.agent_id}) for a in agents}
+    assert sum(refused.values()) == 2, refused
+    assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
+    assert all(t.is_alive() for t in agent_threads.threads)
