@@ -244,9 +244,41 @@ def bench_evaluator(env: str, episodes: int) -> dict:
     envs.close()
     out = {"env": info.gym_id, "num_envs": 10, "env_steps": res.env_steps,
            "policy_steps_per_s": policy_sps, "raw_steps_per_s": raw_sps,
-           "ratio_to_raw": policy_sps / raw_sps, "target_ratio": 0.80}
+           "ratio_to_raw": policy_sps / raw_sps, "target_ratio": 0.80,
+           "service_peak_rss_mb": evaluator_service_peak_rss(env, pol)}
     print(json.dumps(out))
     return out
+
+
+def evaluator_service_peak_rss(env: str, policy, episodes: int = 20) -> float:
+    """Peak RSS (MB) of the real evaluator service process after an on-demand evaluation."""
+    from fedrl.algos.base import POLICY, prefixed_state
+    from fedrl.codec import encode
+    from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc
+    from fedrl.rpc import create_channel
+    from fedrl.serde import weight_parts
+
+    with tempfile.TemporaryDirectory() as d:
+        port_file = Path(d) / "eval.port"
+        proc = subprocess.Popen([sys.executable, "-m", "evaluator_service", "--port", "0", "--port-file",
+                                 str(port_file), "--threads", "1", "--num-envs", "10", "--log-level", "WARNING"])
+        try:
+            end = time.monotonic() + 60
+            while not port_file.exists():
+                assert time.monotonic() < end and proc.poll() is None, "evaluator did not start"
+                time.sleep(0.05)
+
+            def parts():
+                yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id=env, episodes=episodes))
+                for p in weight_parts(encode(prefixed_state(POLICY, policy))):
+                    yield evaluator_pb2.EvaluatePart(weights=p)
+
+            with create_channel(f"127.0.0.1:{port_file.read_text()}") as ch:
+                evaluator_pb2_grpc.EvaluatorStub(ch).Evaluate(parts(), timeout=300)
+            return _peak_rss_mb(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(20)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         res["peak_rss_mb"] = {f"aggregator, Hopper policy, {a.agents} agents": o["aggregator"],
                               f"agent process, Hopper policy (max of {a.agents})": o["agent_max"],
                               f"aggregator, {a.mb} MB model, {a.agents} agents": t["aggregator"],
-                              f"agent process, {a.mb} MB model (max of {a.agents})": t["agent_max"]}
+                              f"agent process, {a.mb} MB model (max of {a.agents})": t["agent_max"],
+                              f"evaluator process, Hopper policy, {res['evaluator']['num_envs']} envs":
+                                  res["evaluator"]["service_peak_rss_mb"]}
     out = Path(a.out) if a.out else (RESULTS / "services-cpu.json" if a.what == "all" else None)
     if out:
         out.write_text(json.dumps(res, indent=2) + "\n")
