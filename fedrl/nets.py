@@ -130,6 +130,47 @@ class VectorizedLinear(nn.Module):
         return torch.baddbmm(self.bias, x, self.weight)
 
 
+class _EnsembleReluMLP(torch.autograd.Function):
+    """An ensemble ReLU MLP ``x (E, N, in) -> (E, N, out)`` as one autograd node.
+
+    The same GEMMs, in the same order, as the layer-by-layer modules (results are bit-identical,
+    tested), but the backward pass owns its gradient buffers: the ReLU backward runs in place on
+    them instead of allocating a new (E, N, H) tensor per layer, and no per-layer autograd nodes
+    are built. ``params`` are ``w0, b0, w1, b1, ...`` (``w: (E, in, out)``, ``b: (E, 1, out)``),
+    ReLU after every layer but the last.
+    """
+
+    @staticmethod
+    def forward(ctx, x, *params):
+        ws, bs = params[0::2], params[1::2]
+        acts, h = [x], x
+        for w, b in zip(ws[:-1], bs[:-1]):
+            h = torch.baddbmm(b, h, w).relu_()
+            acts.append(h)
+        ctx.save_for_backward(*acts, *ws)
+        return torch.baddbmm(bs[-1], h, ws[-1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        saved = ctx.saved_tensors
+        n = len(saved) // 2  # n layers: n inputs (x and n-1 activations), n weights
+        acts, ws = saved[:n], saved[n:]
+        grads: list[torch.Tensor | None] = [None] * (2 * n)
+        gx = None
+        for i in reversed(range(n)):
+            if ctx.needs_input_grad[1 + 2 * i]:
+                grads[2 * i] = torch.bmm(acts[i].transpose(1, 2), g)
+            if ctx.needs_input_grad[2 + 2 * i]:
+                grads[2 * i + 1] = g.sum(1, keepdim=True)
+            if i > 0:
+                g = torch.bmm(g, ws[i].transpose(1, 2))  # a fresh buffer: safe to mask in place
+                torch.ops.aten.threshold_backward.grad_input(g, acts[i], 0.0, grad_input=g)
+            elif ctx.needs_input_grad[0]:
+                gx = torch.bmm(g, ws[0].transpose(1, 2))
+        return (gx, *grads)
+
+
 class EnsembleCritic(nn.Module):
     """``E`` Q-networks (twin: E=2) evaluated as one batched ensemble.
 
@@ -153,6 +194,9 @@ class EnsembleCritic(nn.Module):
             obs = obs.expand(*batch_shape, obs.shape[-1])
         x = torch.cat([obs, act], dim=-1).reshape(1, -1, obs.shape[-1] + act.shape[-1])
         x = x.expand(self.ensemble, -1, -1)
+        if torch.is_grad_enabled():
+            params = [t for layer in (*self.hidden, self.out) for t in (layer.weight, layer.bias)]
+            return _EnsembleReluMLP.apply(x, *params).reshape(self.ensemble, *batch_shape)
         for layer in self.hidden:
             x = layer(x).relu_()  # in place: one less (E, N, H) buffer per layer
         return self.out(x).reshape(self.ensemble, *batch_shape)

@@ -80,6 +80,31 @@ def test_ensemble_critic_equals_two_separate_networks():
     assert torch.allclose(c(obs.unsqueeze(1), acts)[:, :, 1], c(obs, acts[:, 1]), atol=1e-6)
 
 
+@pytest.mark.parametrize("critic_grad,action_grad", [(True, False), (False, True), (True, True)])
+def test_ensemble_critic_fused_backward_is_bit_identical_to_layer_by_layer_autograd(critic_grad, action_grad):
+    """The critic's one-node forward/backward gives exactly the gradients autograd gives for the
+    same layers built op by op (critic update: weights only; actor pass: actions only)."""
+    torch.manual_seed(0)
+    c = EnsembleCritic(5, 3, (32, 16), ensemble=2).requires_grad_(critic_grad)
+    obs = torch.randn(64, 1, 5)
+    act = torch.rand(64, 7, 3).mul_(2).sub_(1).requires_grad_(action_grad)
+    upstream = torch.randn(2, 64, 7)
+
+    def reference():
+        x = torch.cat([obs.expand(64, 7, 5), act], -1).reshape(1, -1, 8).expand(2, -1, -1)
+        for layer in c.hidden:
+            x = torch.baddbmm(layer.bias, x, layer.weight).relu_()
+        return torch.baddbmm(c.out.bias, x, c.out.weight).reshape(2, 64, 7)
+
+    leaves = [t for t in (*c.parameters(), act) if t.requires_grad]
+    want = torch.autograd.grad((reference() * upstream).sum(), leaves)
+    out = c(obs, act)
+    got = torch.autograd.grad((out * upstream).sum(), leaves)
+    assert torch.equal(out, reference())
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
 def test_same_seed_same_weights_different_seed_different():
     def run(seed):
         L = learner(seed=seed)
