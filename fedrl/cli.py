@@ -51,6 +51,8 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--lambda1", type=float, default=hp.lambda1)
     g.add_argument("--lambda2", type=float, default=hp.lambda2)
     g.add_argument("--cql-weight", type=float, default=hp.cql_weight, help="beta")
+    g.add_argument("--td-weight", type=float, default=hp.td_weight,
+                   help="weight of each critic's 1/2 MSE TD term (1: the paper's equation; 2: CORL's full MSE)")
     g.add_argument("--q-scale", choices=("raw", "normalized"), default=hp.q_scale)
     g.add_argument("--actor-lr", type=float, default=hp.actor_lr)
     g.add_argument("--critic-lr", type=float, default=hp.critic_lr)
@@ -78,6 +80,7 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
         obs_norm=a.obs_norm, weighting=a.weighting, federate=a.federate,
         aggregation=a.aggregation, trim_fraction=a.trim_fraction,
         drpo=DRPOConfig(hidden=hidden, lambda1=a.lambda1, lambda2=a.lambda2, cql_weight=a.cql_weight,
+                        td_weight=a.td_weight,
                         q_scale=a.q_scale, actor_lr=a.actor_lr, critic_lr=a.critic_lr,
                         batch_size=a.batch_size, gamma=a.gamma),
         bc=dataclasses.replace(BCConfig(), hidden=hidden, loss=a.bc_loss, lr=a.bc_lr,

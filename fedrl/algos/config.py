@@ -36,6 +36,10 @@ class DRPOConfig:
     """Weight of D(pi, pi_bar) = E_{s~D, a~pi_bar}[-log pi(a|s)], staying near the global policy (paper: 0.2)."""
     cql_weight: float = 10.0
     """beta, the CQL(H) penalty weight on each critic (paper: 10)."""
+    td_weight: float = 1.0
+    """Multiplies each critic's TD term 1/2 E[(Q - y)^2] (eq. cql as written: 1). CORL, whose code the
+    authors modified, uses the full MSE: 2 here, i.e. half the effective beta. See
+    docs/ALGORITHM_CHOICES.md for what the two do to Q over long training."""
     cql_n_actions: int = 10
     """Sampled actions of each kind (uniform, pi(s), pi(s')) in the CQL(H) log-sum-exp (CORL: 10)."""
     tau: float = 5e-3
@@ -68,7 +72,7 @@ class DRPOConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "actor_lr", "critic_lr", "alpha_lr", "batch_size", "cql_n_actions",
-                        "global_samples", "q_norm")
+                        "global_samples", "q_norm", "td_weight")
         _check_nonnegative(self, "lambda1", "lambda2", "cql_weight", "alpha_init")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")

@@ -187,7 +187,7 @@ class DRPOLearner:
         c_td = td_loss(q_data, y)
         c_cql = cql_penalty(q_data, q_rand, q_cur, cur_log_pi, q_next, next_log_pi[:, 1:],
                             self.act_dim)
-        losses.append(c_td + cfg.cql_weight * c_cql)
+        losses.append(cfg.td_weight * c_td + cfg.cql_weight * c_cql)
 
         # The three losses touch disjoint parameters, so one backward serves all of them.
         opts = [self.actor_opt, self.critic_opt]

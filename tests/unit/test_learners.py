@@ -1,6 +1,7 @@
 """DRPO/CQL/BC update steps: what they touch, what they must not, determinism, learning."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -190,3 +191,18 @@ def test_device_resolution():
             resolve_device("cuda")
     with pytest.raises((ValueError, RuntimeError)):
         resolve_device("tpu")
+
+
+def test_td_weight_changes_the_critic_step_and_must_be_positive():
+    """td_weight scales the TD term against beta's penalty: 2 (CORL's full MSE) moves the critics
+    differently from 1 (the paper's 1/2 MSE) from the same start and the same batch."""
+    a, b = learner(), learner(dataclasses.replace(TINY, td_weight=2.0))
+    for L in (a, b):
+        L.begin_round(a.shared_state())
+    torch.manual_seed(1)
+    x = batch()
+    a.update(x)
+    b.update(x)
+    assert not all(torch.equal(p, q) for p, q in zip(a.critic.parameters(), b.critic.parameters()))
+    with pytest.raises(ValueError, match="td_weight"):
+        dataclasses.replace(TINY, td_weight=0.0)
