@@ -194,9 +194,5 @@ class EnsembleCritic(nn.Module):
             obs = obs.expand(*batch_shape, obs.shape[-1])
         x = torch.cat([obs, act], dim=-1).reshape(1, -1, obs.shape[-1] + act.shape[-1])
         x = x.expand(self.ensemble, -1, -1)
-        if torch.is_grad_enabled():
-            params = [t for layer in (*self.hidden, self.out) for t in (layer.weight, layer.bias)]
-            return _EnsembleReluMLP.apply(x, *params).reshape(self.ensemble, *batch_shape)
-        for layer in self.hidden:
-            x = layer(x).relu_()  # in place: one less (E, N, H) buffer per layer
-        return self.out(x).reshape(self.ensemble, *batch_shape)
+        params = [t for layer in (*self.hidden, self.out) for t in (layer.weight, layer.bias)]
+        return _EnsembleReluMLP.apply(x, *params).reshape(self.ensemble, *batch_shape)
