@@ -8,7 +8,9 @@ Every run is the in-process federation (``fedrl.federation.simulate``: the same 
 the services) with one torch thread, so a rerun on the same machine reproduces its numbers. A
 finished run writes ``benchmarks/results/paper-<preset>/<experiment>/<run>.json``; ``run``
 skips runs whose file exists, so an interrupted job resumes where it stopped (a run cut in the
-middle starts over). ``render`` reads only those files.
+middle starts over). A run whose configuration equals a finished run of another experiment (the
+studies' point at the table's setting) is copied from it, marked ``reused_from``. ``--jobs N``
+runs N cells at once, one process each. ``render`` reads only those files.
 
 Experiments (``ALGORITHM.md``; the paper's Table 1, Figures 2-4):
   table         Fed-BC, Fed-CQL, CQL (agents alone), DRPO on Hopper medium, medium-replay, expert
@@ -197,20 +199,75 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
     return out
 
 
+def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path | None:
+    """A finished run of any experiment of this preset with exactly r's configuration.
+
+    Runs are deterministic (one thread, seeded), so e.g. the agents study's 5-agent point is the
+    table's run on the same dataset: it is copied, not trained again."""
+    want = json.loads(json.dumps(sim_config(p, r).as_dict()))
+    for f in sorted((Path(root) / f"paper-{p.name}").glob("*/*.json")):
+        res = json.loads(f.read_text())
+        if res.get("config") == want and not res.get("reused_from"):
+            return f
+    return None
+
+
+def reuse(p: Preset, r: RunSpec, src: Path, root: Path = RESULTS) -> dict[str, Any]:
+    res = json.loads(src.read_text())
+    res.update(experiment=r.experiment, key=r.key, variant=r.variant,
+               reused_from=f"{src.parent.name}/{src.stem}")
+    path = result_path(p, r, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(path)
+    return res
+
+
+def _run_one(preset: str, r: RunSpec, root: str) -> tuple[RunSpec, dict[str, Any], float]:
+    t0 = time.perf_counter()
+    return r, execute(PRESETS[preset], r, Path(root)), time.perf_counter() - t0
+
+
 def cmd_run(a) -> int:
     p = PRESETS[a.preset]
     seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else p.seeds
     exps = EXPERIMENTS if a.experiment == "all" else (a.experiment,)
     root = Path(a.results)
+    jobs = getattr(a, "jobs", 1)
+    if jobs < 1:
+        raise SystemExit("--jobs must be at least 1")
     todo = [r for e in exps for r in plan(p, e, seeds)]
-    done = [r for r in todo if result_path(p, r, root).exists()]
-    print(f"{len(todo)} runs, {len(done)} already done", flush=True)
-    for i, r in enumerate(x for x in todo if not result_path(p, x, root).exists()):
-        t0 = time.perf_counter()
-        res = execute(p, r, root)
+    n_done = sum(result_path(p, r, root).exists() for r in todo)
+    print(f"{len(todo)} runs, {n_done} already done", flush=True)
+
+    def report(r: RunSpec, res: dict[str, Any], secs: float, note: str = "") -> None:
+        nonlocal n_done
+        n_done += 1
         f = res["final"] or {}
-        print(f"[{len(done) + i + 1}/{len(todo)}] {r.experiment}/{r.key}: return {f.get('return_mean', float('nan')):.1f}"
-              f" score {f.get('score_mean', float('nan')):.1f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        print(f"[{n_done}/{len(todo)}] {r.experiment}/{r.key}: return {f.get('return_mean', float('nan')):.1f}"
+              f" score {f.get('score_mean', float('nan')):.1f} ({secs:.0f}s{note})", flush=True)
+
+    pending = []
+    for r in todo:
+        if result_path(p, r, root).exists():
+            continue
+        src = find_identical(p, r, root)
+        if src is not None:
+            report(r, reuse(p, r, src, root), 0, f", same configuration as {src.parent.name}/{src.stem}")
+        else:
+            pending.append(r)
+    if jobs == 1:
+        for r in pending:
+            report(*_run_one(p.name, r, str(root)))
+        return 0
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+        futs = [ex.submit(_run_one, p.name, r, str(root)) for r in pending]
+        for fut in as_completed(futs):
+            report(*fut.result())
     return 0
 
 
@@ -433,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--experiment", choices=(*EXPERIMENTS, "all"), default="table")
     r.add_argument("--seeds", default=None, help="comma-separated (default: the preset's)")
     r.add_argument("--results", default=str(RESULTS), help="results root (default benchmarks/results)")
+    r.add_argument("--jobs", type=int, default=1,
+                   help="runs in parallel, one process and one torch thread each (default 1)")
     r.set_defaults(func=cmd_run)
     s = sub.add_parser("status")
     s.add_argument("--preset", choices=PRESETS, default="reduced")

@@ -68,3 +68,27 @@ def test_q_scale_long_runs_with_its_own_rounds_and_renders_each_variant(tmp_path
     block = paper.q_scale_long_md(paper.load_results(p, "q_scale_long", tmp_path))
     lines = [ln for ln in block.splitlines() if ln.startswith("| DRPO") or ln.startswith("| Fed-CQL")]
     assert len(lines) == 3 and not any("not run yet" in ln for ln in lines), block
+
+
+def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parallel(tmp_path, capsys):
+    p = paper.PRESETS["smoke"]
+    for r in paper.plan(p, "table", p.seeds):
+        dst = paper.result_path(p, r, tmp_path)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(paper.result_path(p, r, COMMITTED).read_text())
+    a = type("A", (), {"preset": "smoke", "seeds": None, "experiment": "agents", "results": str(tmp_path),
+                       "jobs": 2})
+    assert paper.cmd_run(a) == 0
+    out = capsys.readouterr().out
+    assert p.agents in p.agents_grid  # the study's point at the table's setting
+    for algo in ("drpo", "fed-cql"):
+        same = json.loads((tmp_path / "paper-smoke" / "agents" / f"{algo}-agents{p.agents}-s0.json").read_text())
+        table = json.loads((tmp_path / "paper-smoke" / "table" / f"{algo}-medium-s0.json").read_text())
+        assert same["reused_from"] == f"table/{algo}-medium-s0"
+        assert same["final"] == table["final"] and same["variant"] == {"agents": p.agents}
+        assert f"agents/{algo}-agents{p.agents}-s0" in out and "same configuration as table" in out
+        other = [n for n in p.agents_grid if n != p.agents]
+        for n in other:  # trained, in the worker processes
+            res = json.loads((tmp_path / "paper-smoke" / "agents" / f"{algo}-agents{n}-s0.json").read_text())
+            assert "reused_from" not in res and res["agents"] == n and res["final"]
+            assert res["config"]["agents"] == n
