@@ -204,10 +204,20 @@ def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path | None:
 
     Runs are deterministic (one thread, seeded), so e.g. the agents study's 5-agent point is the
     table's run on the same dataset: it is copied, not trained again."""
-    want = json.loads(json.dumps(sim_config(p, r).as_dict()))
+    from fedrl.algos import BCConfig, DRPOConfig
+    from fedrl.federation.simulate import SimConfig
+
+    cfg = sim_config(p, r)
+    want = json.loads(json.dumps(cfg.as_dict()))
+    # options added after a run was recorded are absent from its file; they ran at their default
+    defaults = json.loads(json.dumps(SimConfig(drpo=DRPOConfig(), bc=BCConfig()).as_dict()))
     for f in sorted((Path(root) / f"paper-{p.name}").glob("*/*.json")):
         res = json.loads(f.read_text())
-        if res.get("config") == want and not res.get("reused_from"):
+        have = res.get("config")
+        if res.get("reused_from") or not isinstance(have, dict):
+            continue
+        have = {**defaults, **have, **{k: {**defaults[k], **have.get(k, {})} for k in ("drpo", "bc")}}
+        if have == want:
             return f
     return None
 

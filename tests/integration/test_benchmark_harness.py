@@ -75,7 +75,9 @@ def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parall
     for r in paper.plan(p, "table", p.seeds):
         dst = paper.result_path(p, r, tmp_path)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_text(paper.result_path(p, r, COMMITTED).read_text())
+        res = json.loads(paper.result_path(p, r, COMMITTED).read_text())
+        res["config"]["drpo"].pop("td_weight", None)  # a file written before that option existed
+        dst.write_text(json.dumps(res))
     a = type("A", (), {"preset": "smoke", "seeds": None, "experiment": "agents", "results": str(tmp_path),
                        "jobs": 2})
     assert paper.cmd_run(a) == 0
