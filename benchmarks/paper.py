@@ -17,7 +17,8 @@ Experiments (``ALGORITHM.md``; the paper's Table 1, Figures 2-4):
   agents        DRPO vs Fed-CQL with 1..20 agents (Hopper medium)
   trajectories  DRPO vs Fed-CQL with 1..20 trajectories per agent
   local_steps   DRPO with 10..1000 local steps per round
-  lambdas       DRPO's lambda1 x lambda2 grid, heterogeneous agents (4 expert + 1 medium)
+  lambdas       DRPO's lambda1 sweep (lambda2 = 1) and lambda2 sweep (lambda1 = 0.1), 0..20, with
+                heterogeneous agents (4 expert + 1 medium), as the paper's section 5.3
   q_scale       DRPO with the Q term normalised (q_scale=normalized) on the table's datasets; the
                 table's DRPO column is the raw Q term (the paper's equation, the default)
   q_scale_long  raw vs normalised Q term (and Fed-CQL, no regularisers) with long local training
@@ -67,7 +68,10 @@ class Preset:
     agents_grid: tuple[int, ...] = (1, 2, 5, 10, 20)
     trajectories_grid: tuple[int, ...] = (1, 2, 5, 10, 20)
     local_steps_grid: tuple[int, ...] = (10, 50, 100, 200, 1000)
-    lambda_grid: tuple[float, ...] = (0.0, 0.1, 0.5, 1.0)
+    # lambdas: the paper's two sweeps (section 5.3): lambda1 over these values with lambda2 fixed,
+    # then lambda2 over them with lambda1 fixed (defaults: 0..20 around lambda2=1, lambda1=0.1)
+    lambda_values: tuple[float, ...] = (0.0, 0.1, 1.0, 5.0, 20.0)
+    lambda_fixed: tuple[float, float] = (0.1, 1.0)  # (lambda1 in the lambda2 sweep, lambda2 in the lambda1 sweep)
     # q_scale_long: (agents, local steps, rounds, evaluate every) of the long-training runs
     long: tuple[int, int, int, int] = (2, 1000, 10, 2)
 
@@ -79,7 +83,7 @@ PRESETS = {
     "smoke": Preset("smoke", 2, 2, 5, 2, 2, 1, (0,), datasets=("hopper-medium-v2",),
                     drpo={"hidden": [32, 32], "batch_size": 32, "cql_n_actions": 2},
                     bc={"hidden": [32, 32], "batch_size": 32},
-                    agents_grid=(1, 2), trajectories_grid=(1, 2), local_steps_grid=(2, 5), lambda_grid=(0.0, 1.0),
+                    agents_grid=(1, 2), trajectories_grid=(1, 2), local_steps_grid=(2, 5), lambda_values=(0.0, 1.0),
                     long=(2, 10, 2, 1)),
 }
 
@@ -127,8 +131,9 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
         elif experiment == "lambdas":
             n_exp = max(1, p.agents - 1)
             mix = (f"hopper-expert-v2:{n_exp}", f"{p.study_dataset}:{p.agents - n_exp}")
-            for l1 in p.lambda_grid:
-                for l2 in p.lambda_grid:
+            fix1, fix2 = p.lambda_fixed
+            pairs = [(v, fix2) for v in p.lambda_values] + [(fix1, v) for v in p.lambda_values]
+            for l1, l2 in dict.fromkeys(pairs):
                     runs.append(RunSpec(experiment, f"drpo-l1_{l1}-l2_{l2}-s{s}", "drpo", mix, s, **base,
                                         variant={"lambda1": l1, "lambda2": l2},
                                         drpo={"lambda1": l1, "lambda2": l2}))
@@ -333,18 +338,20 @@ def study_md(results: list[dict[str, Any]], key: str) -> str:
     return "\n".join(rows)
 
 
-def lambdas_md(results: list[dict[str, Any]]) -> str:
+def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1, 1.0)) -> str:
+    """The two sweeps of the paper's Figure 4(c): lambda1 with lambda2 fixed, lambda2 with lambda1 fixed."""
     if not results:
         return "not run yet"
-    l1s = sorted({r["variant"]["lambda1"] for r in results})
-    l2s = sorted({r["variant"]["lambda2"] for r in results})
-    rows = ["| lambda1 \\ lambda2 | " + " | ".join(str(x) for x in l2s) + " |",
-            "| --- | " + " | ".join("---" for _ in l2s) + " |"]
-    for l1 in l1s:
-        cells = [_ms([r["final"]["score_mean"] for r in results if r["variant"]["lambda1"] == l1
-                      and r["variant"]["lambda2"] == l2 and r["final"]]) for l2 in l2s]
-        rows.append(f"| {l1} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    fix1, fix2 = fixed
+    out = []
+    for vary, hold, hold_value in (("lambda1", "lambda2", fix2), ("lambda2", "lambda1", fix1)):
+        rs = [r for r in results if r["variant"][hold] == hold_value and r["final"]]
+        values = sorted({r["variant"][vary] for r in rs})
+        out += [f"| {vary} ({hold} = {hold_value:g}) | " + " | ".join(f"{v:g}" for v in values) + " |",
+                "| --- | " + " | ".join("---" for _ in values) + " |",
+                "| DRPO score | " + " | ".join(_ms([r["final"]["score_mean"] for r in rs if r["variant"][vary] == v])
+                                           for v in values) + " |", ""]
+    return "\n".join(out[:-1])
 
 
 def q_scale_md(table: list[dict[str, Any]], normalized: list[dict[str, Any]], datasets: tuple[str, ...]) -> str:
@@ -457,7 +464,7 @@ def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
         f"paper-{p.name}-agents": study_md(load_results(p, "agents", root), "agents"),
         f"paper-{p.name}-trajectories": study_md(load_results(p, "trajectories", root), "trajectories"),
         f"paper-{p.name}-local_steps": study_md(load_results(p, "local_steps", root), "local_steps"),
-        f"paper-{p.name}-lambdas": lambdas_md(load_results(p, "lambdas", root)),
+        f"paper-{p.name}-lambdas": lambdas_md(load_results(p, "lambdas", root), p.lambda_fixed),
         f"paper-{p.name}-q_scale": q_scale_md(table, load_results(p, "q_scale", root), p.datasets),
         f"paper-{p.name}-q_scale_long": q_scale_long_md(load_results(p, "q_scale_long", root)),
     }
