@@ -424,6 +424,59 @@ def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: P
     return True
 
 
+def studies_png(p: Preset, root: Path, path: Path) -> bool:
+    """Final score against each study's variable (the paper's Figures 3-4): one panel per study run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []  # (title, x label, log x, {label: [(x, scores)]})
+    for e in ("agents", "trajectories", "local_steps"):
+        rs = [r for r in load_results(p, e, root) if r["final"]]
+        if rs:
+            series = {}
+            for a in ALGO_ORDER:
+                xs = sorted({r["variant"][e] for r in rs if r["algo"] == a})
+                if xs:
+                    series[ALGO_LABEL[a]] = [(x, [r["final"]["score_mean"] for r in rs
+                                                  if r["algo"] == a and r["variant"][e] == x]) for x in xs]
+            panels.append((e.replace("_", " "), e.replace("_", " "), series))
+    lam = [r for r in load_results(p, "lambdas", root) if r["final"]]
+    if lam:
+        series = {}
+        fix1, fix2 = p.lambda_fixed
+        for vary, hold, v0 in (("lambda1", "lambda2", fix2), ("lambda2", "lambda1", fix1)):
+            rs = [r for r in lam if r["variant"][hold] == v0]
+            xs = sorted({r["variant"][vary] for r in rs})
+            series[f"{vary} ({hold} = {v0:g})"] = [(x, [r["final"]["score_mean"] for r in rs
+                                                       if r["variant"][vary] == x]) for x in xs]
+        panels.append(("lambdas, 4 expert + 1 medium agents", "lambda (0 drawn at the left edge)", series))
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (title, xlabel, series) in zip(axes[0], panels):
+        for label, pts in series.items():
+            xs = np.array([x for x, _ in pts], float)
+            if title.startswith("lambdas"):  # symlog-like: put 0 one step left of the smallest positive
+                pos = xs[xs > 0]
+                xs = np.where(xs > 0, xs, (pos.min() / 10) if len(pos) else 1.0)
+            m = np.array([np.mean(y) for _, y in pts])
+            sd = np.array([np.std(y) for _, y in pts])
+            ax.errorbar(xs, m, yerr=sd, marker="o", capsize=3, label=f"{label} (n={max(len(y) for _, y in pts)})")
+        ax.set_xscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("normalised score")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
 def system_md(root: Path = RESULTS) -> str:
     """The system-speed table, from benchmarks/results/{throughput,services}-cpu.json."""
     rows = ["| measure | result | beside | target |", "| --- | --- | --- | --- |"]
@@ -491,6 +544,8 @@ def cmd_render(a) -> int:
     (out / "tables.md").write_text("\n\n".join(f"### {k}\n\n{v}" for k, v in blocks.items()) + "\n")
     if curves_png(load_results(p, "table", root), p.datasets, out / "learning_curves.png"):
         print(f"wrote {out / 'learning_curves.png'}")
+    if studies_png(p, root, out / "studies.png"):
+        print(f"wrote {out / 'studies.png'}")
     if a.update_md and p.name == "reduced":
         BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), blocks))
         print(f"updated {BENCHMARKS_MD}")

@@ -53,6 +53,7 @@ def test_render_writes_tables_and_curves(tmp_path):
     tables = (tmp_path / "paper-smoke" / "tables.md").read_text()
     assert "| medium |" in tables and "n=1" in tables
     assert (tmp_path / "paper-smoke" / "learning_curves.png").stat().st_size > 1000
+    assert not (tmp_path / "paper-smoke" / "studies.png").exists()  # no study has results
 
 
 def test_q_scale_long_runs_with_its_own_rounds_and_renders_each_variant(tmp_path):
@@ -94,6 +95,8 @@ def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parall
             res = json.loads((tmp_path / "paper-smoke" / "agents" / f"{algo}-agents{n}-s0.json").read_text())
             assert "reused_from" not in res and res["agents"] == n and res["final"]
             assert res["config"]["agents"] == n
+    png = tmp_path / "studies.png"
+    assert paper.studies_png(p, tmp_path, png) and png.stat().st_size > 1000
 
 
 def test_lambdas_are_the_papers_two_sweeps_crossing_once():
