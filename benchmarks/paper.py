@@ -21,7 +21,7 @@ Experiments (``ALGORITHM.md``; the paper's Table 1, Figures 2-4):
                 heterogeneous agents (4 expert + 1 medium), as the paper's section 5.3
   q_scale       DRPO with the Q term normalised (q_scale=normalized) on the table's datasets; the
                 table's DRPO column is the raw Q term (the paper's equation, the default)
-  q_scale_long  raw vs normalised Q term (and Fed-CQL, no regularisers) with long local training
+  q_scale_long  raw vs normalised Q term (and Fed-CQL, no regularisers; Fed-BC) with long local training
                 (few agents, the paper's 1000 local steps): the regime where Q reaches the hundreds
                 and the choice matters (issue: the Q-scale default defended by measurement)
 
@@ -146,10 +146,11 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
             n_agents, steps, rounds, every = p.long
             kw = dict(agents=n_agents, trajectories=p.trajectories, local_steps=steps, rounds=rounds,
                       eval_every=every)
-            for a, q in (("drpo", "raw"), ("drpo", "normalized"), ("fed-cql", None)):
+            for a, q in (("drpo", "raw"), ("drpo", "normalized"), ("fed-cql", None), ("fed-bc", None)):
                 name = f"{a}-{q}" if q else a
+                none = "none (no regularisers)" if a == "fed-cql" else "none (behaviour cloning)"
                 runs.append(RunSpec(experiment, f"{name}-s{s}", a, (p.study_dataset,), s, **kw,
-                                    variant={"q_scale": q or "none (no regularisers)"},
+                                    variant={"q_scale": q or none},
                                     drpo={"q_scale": q} if q else {}))
         else:
             raise ValueError(f"unknown experiment {experiment!r}; choose from {', '.join(EXPERIMENTS)}")
@@ -370,9 +371,10 @@ def q_scale_long_md(results: list[dict[str, Any]]) -> str:
     the data actions (what lambda1 pulls down), per Q-term variant, mean ± std over seeds."""
     if not results:
         return "not run yet"
-    order = ("raw", "normalized", "none (no regularisers)")
+    order = ("raw", "normalized", "none (no regularisers)", "none (behaviour cloning)")
     label = {"raw": "DRPO, raw Q term (default)", "normalized": "DRPO, normalised Q term",
-             "none (no regularisers)": "Fed-CQL (no regularisers)"}
+             "none (no regularisers)": "Fed-CQL (no regularisers)",
+             "none (behaviour cloning)": "Fed-BC (the same budget, for reference)"}
     r0 = results[0]
     rows = [f"{r0['agents']} agents x {r0['trajectories']} trajectories of {short(r0['datasets'][0])}, "
             f"{r0['rounds']} rounds x {r0['local_steps']} local steps (normalised score; return in brackets)", "",
@@ -387,7 +389,8 @@ def q_scale_long_md(results: list[dict[str, Any]]) -> str:
         best = [max(c["score_mean"] for c in r["curve"]) for r in rs]
         rows.append(f"| {label[v]} | {_ms([r['final']['score_mean'] for r in rs])} "
                     f"({_ms([r['final']['return_mean'] for r in rs])}) n={len(rs)} | {_ms(best)} | "
-                    f"{_ms(last('q_data'))} | {_ms(last('reg_data')) if rs[0]['algo'] == 'drpo' else 'not computed'} |")
+                    f"{_ms(last('q_data')) if rs[0]['algo'] != 'fed-bc' else 'no critic'} | "
+                    f"{_ms(last('reg_data')) if rs[0]['algo'] == 'drpo' else 'not computed'} |")
     return "\n".join(rows)
 
 

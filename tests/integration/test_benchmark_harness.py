@@ -60,15 +60,15 @@ def test_q_scale_long_runs_with_its_own_rounds_and_renders_each_variant(tmp_path
     p = paper.PRESETS["smoke"]
     runs = paper.plan(p, "q_scale_long", p.seeds)
     agents, steps, rounds, every = p.long
-    assert [r.key for r in runs] == ["drpo-raw-s0", "drpo-normalized-s0", "fed-cql-s0"]
+    assert [r.key for r in runs] == ["drpo-raw-s0", "drpo-normalized-s0", "fed-cql-s0", "fed-bc-s0"]
     for r in runs:
         res = paper.execute(p, r, tmp_path)
         assert (res["agents"], res["local_steps"], res["rounds"]) == (agents, steps, rounds)
         assert [c["round"] for c in res["curve"]] == list(range(every, rounds + 1, every))
         assert res["config"]["drpo"]["q_scale"] == (r.drpo.get("q_scale") or "raw")
     block = paper.q_scale_long_md(paper.load_results(p, "q_scale_long", tmp_path))
-    lines = [ln for ln in block.splitlines() if ln.startswith("| DRPO") or ln.startswith("| Fed-CQL")]
-    assert len(lines) == 3 and not any("not run yet" in ln for ln in lines), block
+    lines = [ln for ln in block.splitlines() if ln.startswith(("| DRPO", "| Fed-CQL", "| Fed-BC"))]
+    assert len(lines) == 4 and not any("not run yet" in ln for ln in lines), block
 
 
 def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parallel(tmp_path, capsys):
