@@ -9,6 +9,7 @@ deadline if at least ``min_agents`` have. The new global version is written to t
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -23,7 +24,7 @@ import torch
 
 from aggregator_service.store import Store
 from fedrl.algos.config import config_to_dict
-from fedrl.codec import INLINE_MAX_BYTES, Encoded, Manifest, check_matches, encode
+from fedrl.codec import INLINE_MAX_BYTES, CodecError, Encoded, Manifest, check_matches, encode, encoded_from_payload
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.round import algo_config, initial_global_state
@@ -182,11 +183,15 @@ class Coordinator:
             if v > run.version:
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} does not exist yet "
                                    f"(latest is {run.version})", "unknown_version")
-        try:
-            state = self.store.load_version(run_id or run.run_id, v)
+        try:  # an older version: its stored bytes, sent as written
+            payload = self.store.version_path(run.run_id, v).read_bytes()
         except FileNotFoundError:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} is not stored", "unknown_version") from None
-        return encode(state, run.run_id, v, v)
+        try:
+            return encoded_from_payload(payload, run.run_id, v, v)
+        except CodecError as e:
+            raise ServiceError(grpc.StatusCode.DATA_LOSS, f"stored version {v} is unreadable: {e}",
+                               "corrupt_version") from None
 
     def check_header(self, agent_id: str, m: Manifest) -> None:
         """Refuse an update before its chunks are read (unknown agent, wrong run/round, duplicate)."""
@@ -378,7 +383,7 @@ class Coordinator:
         run.selected, run.env_id = list(part["selected"]), part["env_id"]
         run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
         run.version, run.global_state = v, state
-        run.encoded = {v: encode(state, run_id, v, v)}
+        run.encoded = {v: self._encode(run, v, state)}
         run.round = v
         run.state = "running"
         msg = f"restarted; resuming from stored version {v}"
@@ -432,8 +437,9 @@ class Coordinator:
         state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
                                      cfg.federate == "policy+critic")
         run.env_id = cfg.env or (envs.pop() if envs else "")
+        enc = self._encode(run, 0, state)
         try:
-            self.store.save_version(run.run_id, 0, state, self._version_meta(run, 0))
+            self.store.save_version(run.run_id, 0, enc.payload)
         except OSError as e:
             self._fail(run, f"cannot write version 0 to the state directory: {e}")
             return
@@ -448,14 +454,16 @@ class Coordinator:
             self._fail(run, f"cannot write the participants to the state directory: {e}")
             return
         run.global_state = state
-        run.encoded = {0: encode(state, run.run_id, 0, 0)}
+        run.encoded = {0: enc}
         run.state = "running"
         self._open_round(run, 1)
 
-    def _version_meta(self, run: Run, version: int) -> dict[str, Any]:
+    def _encode(self, run: Run, version: int, state: dict[str, torch.Tensor]) -> Encoded:
+        """A global version as sent and as stored: the same bytes, its provenance in the header."""
         hp = algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)
-        return {"run_id": run.run_id, "version": version, "algo": run.cfg.algo,
-                "env_id": run.env_id, "hparams": config_to_dict(hp)}
+        meta = {"run_id": run.run_id, "version": str(version), "algo": run.cfg.algo,
+                "env_id": run.env_id, "hparams": json.dumps(config_to_dict(hp))}
+        return encode(state, run.run_id, version, version, metadata=meta)
 
     def _open_round(self, run: Run, r: int) -> None:
         run.round, run.submissions = r, {}
@@ -473,8 +481,9 @@ class Coordinator:
             self._fail(run, f"aggregation failed in round {run.round}: {e}")
             return
         v = run.version + 1
+        enc = self._encode(run, v, new)
         try:
-            self.store.save_version(run.run_id, v, new, self._version_meta(run, v))
+            self.store.save_version(run.run_id, v, enc.payload)
         except OSError as e:
             msg = f"cannot persist version {v}; round {run.round} stays open: {e}"
             if run.message != msg:
@@ -484,7 +493,7 @@ class Coordinator:
         run.message = ""
         run.version, run.global_state = v, new
         run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
-        run.encoded[v] = encode(new, run.run_id, v, v)
+        run.encoded[v] = enc
         metrics: dict[str, float] = {}
         for s in subs:
             for k, x in s.metrics.items():

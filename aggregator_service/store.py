@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 
 def _fsync_dir(d: Path) -> None:
@@ -50,20 +50,11 @@ class Store:
         d.mkdir(parents=True, exist_ok=False)
         self._write_bytes(d / "config.json", config_json.encode())
 
-    def save_version(self, run_id: str, version: int, state: Mapping[str, torch.Tensor],
-                     metadata: Mapping[str, Any]) -> Path:
+    def save_version(self, run_id: str, version: int, payload: bytes) -> Path:
+        """Write a version's safetensors bytes (what the aggregator also sends: one serialisation)."""
         path = self.version_path(run_id, version)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
-                      metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        self._write_bytes(path, payload)
+        _fsync_dir(path.parent)
         return path
 
     def load_version(self, run_id: str, version: int) -> dict[str, torch.Tensor]:
@@ -103,8 +94,12 @@ class Store:
 
     def _write_bytes(self, path: Path, data: bytes) -> None:
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise

@@ -81,8 +81,10 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise CodecError("bad_dtype", f"dtype {dtype} cannot be sent") from None
 
 
-def write_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+def write_safetensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """A safetensors file of contiguous CPU ``tensors``, written with one copy of their bytes.
+
+    ``metadata`` (string to string) goes in the header's ``__metadata__``, as the format allows.
 
     Tensors are laid out widest dtype first, then by name, so every offset is aligned to its
     element size; the JSON header is padded with spaces to a multiple of 8 bytes (as the format
@@ -91,6 +93,10 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
     """
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict[str, Any] = {}
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("safetensors metadata must map strings to strings")
+        header["__metadata__"] = dict(metadata)
     pos, parts = 0, []
     for k in order:
         t = tensors[k]
@@ -106,14 +112,28 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
 
 def encode(state: Mapping[str, torch.Tensor], run_id: str = "", round: int = 0,
            base_version: int = 0, num_samples: int = 0,
-           chunk_bytes: int = CHUNK_BYTES) -> Encoded:
-    """Serialise ``state`` (CPU tensors) as safetensors and describe it in a manifest."""
+           chunk_bytes: int = CHUNK_BYTES, metadata: Mapping[str, str] | None = None) -> Encoded:
+    """Serialise ``state`` (CPU tensors) as safetensors and describe it in a manifest.
+
+    ``metadata`` is written into the file's header (covered by the sha256; decoders ignore it):
+    the aggregator stores the very bytes it sends, with the version's provenance inside."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    payload = write_safetensors(tensors)
+    payload = write_safetensors(tensors, metadata)
     specs = tuple(TensorSpec(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in sorted(tensors.items()))
     m = Manifest(run_id, int(round), int(base_version), specs, int(num_samples), len(payload),
                  hashlib.sha256(payload).hexdigest())
     return Encoded(m, payload, chunk_bytes)
+
+
+def encoded_from_payload(payload: bytes, run_id: str = "", round: int = 0, base_version: int = 0,
+                         num_samples: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Encoded:
+    """An already written safetensors file (e.g. a stored global version) ready to send as is:
+    its tensors are checked and listed in the manifest, nothing is re-serialised."""
+    tensors = parse_safetensors(payload)
+    specs = tuple(TensorSpec(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in sorted(tensors.items()))
+    m = Manifest(run_id, int(round), int(base_version), specs, int(num_samples), len(payload),
+                 hashlib.sha256(payload).hexdigest())
+    return Encoded(m, bytes(payload), chunk_bytes)
 
 
 class Assembler:

@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from fedrl.algos import BCConfig, DRPOConfig
 from fedrl.codec import encode
@@ -77,6 +78,21 @@ def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_
         assert stored.keys() == sim_states[v].keys()
         for k in stored:
             assert torch.equal(stored[k], sim_states[v][k]), f"version {v}: {k} differs"
+    for v in (0, 1, 2):  # the stored file is the very payload served, with its provenance inside
+        path = aggregator.store.version_path(done["run_id"], v)
+        manifest, chunks = read_weight_parts(aggregator.fed.FetchGlobal(
+            federation_pb2.FetchRequest(run_id=done["run_id"], version=v), timeout=10))
+        assert b"".join(chunks) == path.read_bytes()
+        assert manifest.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        assert (meta["run_id"], meta["version"], meta["algo"]) == (done["run_id"], str(v), algo)
+        assert json.loads(meta["hparams"])["batch_size"] == SMALL.batch_size == SMALL_BC.batch_size
+    old = aggregator.store.version_path(done["run_id"], 0)  # damaged on disk: a clear refusal
+    old.write_bytes(b"\x08" + old.read_bytes()[1:])
+    assert_refused(lambda: list(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=done["run_id"], version=0), timeout=10)),
+        grpc.StatusCode.DATA_LOSS, "stored version 0 is unreadable")
     assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
     used = {m: aggregator.metrics.registry.get_sample_value("grpc_server_handled_total", {
         "grpc_type": t, "grpc_service": "fedrl.v1.Federation", "grpc_method": m, "grpc_code": "OK"}) or 0
