@@ -175,6 +175,16 @@ def sim_config(p: Preset, r: RunSpec):
                      drpo=cfg(DRPOConfig, {**p.drpo, **r.drpo}), bc=cfg(BCConfig, p.bc))
 
 
+def _write_result(p: Preset, r: RunSpec, res: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Write a run's result atomically (a run cut in the middle leaves no file)."""
+    path = result_path(p, r, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(path)
+    return res
+
+
 def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
     """Run one experiment cell; write and return its result."""
     import torch
@@ -197,12 +207,7 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
            "rounds": cfg.rounds, "variant": r.variant, "config": cfg.as_dict(),
            "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
            "wall_seconds": round(time.perf_counter() - t0, 1)}
-    path = result_path(p, r, root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(path)
-    return out
+    return _write_result(p, r, out, root)
 
 
 def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path | None:
@@ -232,12 +237,7 @@ def reuse(p: Preset, r: RunSpec, src: Path, root: Path = RESULTS) -> dict[str, A
     res = json.loads(src.read_text())
     res.update(experiment=r.experiment, key=r.key, variant=r.variant,
                reused_from=f"{src.parent.name}/{src.stem}")
-    path = result_path(p, r, root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(path)
-    return res
+    return _write_result(p, r, res, root)
 
 
 def _run_one(preset: str, r: RunSpec, root: str) -> tuple[RunSpec, dict[str, Any], float]:
