@@ -134,9 +134,11 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
             fix1, fix2 = p.lambda_fixed
             pairs = [(v, fix2) for v in p.lambda_values] + [(fix1, v) for v in p.lambda_values]
             for l1, l2 in dict.fromkeys(pairs):
-                    runs.append(RunSpec(experiment, f"drpo-l1_{l1}-l2_{l2}-s{s}", "drpo", mix, s, **base,
-                                        variant={"lambda1": l1, "lambda2": l2},
-                                        drpo={"lambda1": l1, "lambda2": l2}))
+                runs.append(RunSpec(experiment, f"drpo-l1_{l1}-l2_{l2}-s{s}", "drpo", mix, s, **base,
+                                    variant={"lambda1": l1, "lambda2": l2},
+                                    drpo={"lambda1": l1, "lambda2": l2}))
+            runs.append(RunSpec(experiment, f"fed-bc-s{s}", "fed-bc", mix, s, **base,
+                                variant={"reference": "fed-bc"}))  # what cloning the same agents gives
         elif experiment == "q_scale":
             for d in p.datasets:
                 runs.append(RunSpec(experiment, f"drpo-normalized-{short(d)}-s{s}", "drpo", (d,), s, **base,
@@ -341,6 +343,8 @@ def study_md(results: list[dict[str, Any]], key: str) -> str:
 
 def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1, 1.0)) -> str:
     """The two sweeps of the paper's Figure 4(c): lambda1 with lambda2 fixed, lambda2 with lambda1 fixed."""
+    refs = [r for r in results if r["algo"] != "drpo" and r["final"]]
+    results = [r for r in results if r["algo"] == "drpo"]
     if not results:
         return "not run yet"
     fix1, fix2 = fixed
@@ -352,6 +356,10 @@ def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1,
                 "| --- | " + " | ".join("---" for _ in values) + " |",
                 "| DRPO score | " + " | ".join(_ms([r["final"]["score_mean"] for r in rs if r["variant"][vary] == v])
                                            for v in values) + " |", ""]
+    for a in sorted({r["algo"] for r in refs}):
+        out.append(f"{ALGO_LABEL[a]} on the same agents, for reference: "
+                   f"{_ms([r['final']['score_mean'] for r in refs if r['algo'] == a])}")
+        out.append("")
     return "\n".join(out[:-1])
 
 
@@ -445,7 +453,7 @@ def studies_png(p: Preset, root: Path, path: Path) -> bool:
                     series[ALGO_LABEL[a]] = [(x, [r["final"]["score_mean"] for r in rs
                                                   if r["algo"] == a and r["variant"][e] == x]) for x in xs]
             panels.append((e.replace("_", " "), e.replace("_", " "), series))
-    lam = [r for r in load_results(p, "lambdas", root) if r["final"]]
+    lam = [r for r in load_results(p, "lambdas", root) if r["final"] and r["algo"] == "drpo"]
     if lam:
         series = {}
         fix1, fix2 = p.lambda_fixed

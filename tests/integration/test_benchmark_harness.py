@@ -102,13 +102,17 @@ def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parall
 def test_lambdas_are_the_papers_two_sweeps_crossing_once():
     p = paper.PRESETS["reduced"]
     runs = paper.plan(p, "lambdas", (0,))
+    assert [r.algo for r in runs].count("fed-bc") == 1  # the reference: cloning the same agents
+    runs = [r for r in runs if r.algo == "drpo"]
     pairs = [(r.drpo["lambda1"], r.drpo["lambda2"]) for r in runs]
     assert len(pairs) == len(set(pairs)) == 2 * len(p.lambda_values) - 1
     assert (0.1, 5.0) in pairs and (20.0, 1.0) in pairs and (0.1, 20.0) in pairs  # the paper's best and ends
     assert all(r.datasets == ("hopper-expert-v2:4", "hopper-medium-v2:1") for r in runs)
-    res = [{"variant": {"lambda1": a, "lambda2": b}, "final": {"score_mean": 10 * a + b}} for a, b in pairs]
+    res = [{"algo": "drpo", "variant": {"lambda1": a, "lambda2": b}, "final": {"score_mean": 10 * a + b}}
+           for a, b in pairs] + [{"algo": "fed-bc", "variant": {"reference": "fed-bc"}, "final": {"score_mean": 7.5}}]
     lines = paper.lambdas_md(res, p.lambda_fixed).splitlines()
     assert lines[0] == "| lambda1 (lambda2 = 1) | 0 | 0.1 | 1 | 5 | 20 |"
     assert lines[2] == "| DRPO score | 1.0 | 2.0 | 11.0 | 51.0 | 201.0 |"
     assert lines[4] == "| lambda2 (lambda1 = 0.1) | 0 | 0.1 | 1 | 5 | 20 |"
     assert lines[6] == "| DRPO score | 1.0 | 1.1 | 2.0 | 6.0 | 21.0 |"
+    assert lines[8] == "Fed-BC on the same agents, for reference: 7.5"
