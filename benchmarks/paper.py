@@ -327,6 +327,25 @@ def table_md(results: list[dict[str, Any]], datasets: tuple[str, ...]) -> str:
     return "\n".join(rows)
 
 
+def best_md(results: list[dict[str, Any]], datasets: tuple[str, ...]) -> str:
+    """Per cell: the best evaluated score of each run's curve (its round) and how far the final
+    score is below it, per seed: whether a method got there and then lost it."""
+    rows = ["| dataset | " + " | ".join(ALGO_LABEL[a] for a in ALGO_ORDER) + " |",
+            "| --- | " + " | ".join("---" for _ in ALGO_ORDER) + " |"]
+    for d in datasets:
+        cells = []
+        for a in ALGO_ORDER:
+            rs = sorted((r for r in results if r["algo"] == a and r["variant"]["dataset"] == short(d) and r["curve"]),
+                        key=lambda r: r["seed"])
+            parts = []
+            for r in rs:
+                best = max(r["curve"], key=lambda c: c["score_mean"])
+                parts.append(f"{best['score_mean']:.1f} (r{best['round']}) -> {r['curve'][-1]['score_mean']:.1f}")
+            cells.append("<br>".join(parts) if parts else "not run yet")
+        rows.append(f"| {short(d)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def study_md(results: list[dict[str, Any]], key: str) -> str:
     if not results:
         return "not run yet"
@@ -525,6 +544,7 @@ def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
     table = load_results(p, "table", root)
     blocks = {
         f"paper-{p.name}-table": table_md(table, p.datasets),
+        f"paper-{p.name}-best": best_md(table, p.datasets),
         f"paper-{p.name}-agents": study_md(load_results(p, "agents", root), "agents"),
         f"paper-{p.name}-trajectories": study_md(load_results(p, "trajectories", root), "trajectories"),
         f"paper-{p.name}-local_steps": study_md(load_results(p, "local_steps", root), "local_steps"),
