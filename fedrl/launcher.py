@@ -223,7 +223,7 @@ class Launcher:
             {n: f"{scheme}://127.0.0.1:{p}/metrics" for n, p in self.metrics_ports.items()}, indent=2))
         if not self.cfg.prometheus:
             return
-        from fedrl.local_prometheus import LocalPrometheus, write_config
+        from fedrl.local_prometheus import RULES_FILE, LocalPrometheus, write_config
 
         jobs: dict[str, list[tuple[str, str]]] = {}
         for name, port in self.metrics_ports.items():
@@ -231,6 +231,9 @@ class Launcher:
             jobs.setdefault(job, []).append((f"127.0.0.1:{port}", name))
         folder = self.out / "prometheus"
         config = write_config(folder, jobs, tls_dir=self.out / "tls" / "admin" if self.cfg.secure else None)
+        if not (folder / "rules.yml").exists():
+            self.log(f"warning: alert rules not loaded: {RULES_FILE} is not here (it ships in the "
+                     "source checkout's deploy/, not in an installed wheel); metrics are scraped without them")
         logf = open(self.out / "logs" / "prometheus.log", "w")
         self.logs.append(logf)
         self.prometheus = LocalPrometheus(folder, config, self.cfg.prometheus_bin, logf)

@@ -48,3 +48,18 @@ def test_a_broken_rule_makes_the_unit_tests_fail(tmp_path):
     rules.write_text(yaml.safe_dump({"groups": groups}))
     p = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "FedrlAgentMissing" in p.stdout + p.stderr
+
+
+def test_local_prometheus_config_loads_the_deployments_rules_and_says_when_it_cannot(tmp_path):
+    import json
+
+    from fedrl.local_prometheus import RULES_FILE, rule_groups, write_config
+
+    cfg = json.loads(write_config(tmp_path / "a", {"fedrl-aggregator": [("127.0.0.1:9", "aggregator")]}).read_text())
+    assert cfg["rule_files"] == [str((tmp_path / "a" / "rules.yml").resolve())]
+    assert json.loads((tmp_path / "a" / "rules.yml").read_text())["groups"] == rule_groups(RULES_FILE)
+    cfg = json.loads(write_config(tmp_path / "b", {"fedrl-aggregator": [("127.0.0.1:9", "aggregator")]},
+                                  rules_file=tmp_path / "missing.yaml").read_text())
+    assert "rule_files" not in cfg and not (tmp_path / "b" / "rules.yml").exists()
+    assert cfg["scrape_configs"][0]["static_configs"][0]["labels"] == {"instance": "aggregator",
+                                                                       "service": "fedrl-aggregator"}
