@@ -189,6 +189,31 @@ def test_all_finite_is_exact():
             w = v.to(dt).clone()
             w[3, 4] = bad
             assert not all_finite(w), (bad, dt)
+    # past the first block of 2^20 elements, and a non-finite value in the last, partial block
+    big = torch.full((3 * (1 << 20) + 5,), 3.4e38)
+    assert all_finite(big)
+    for i in (0, (1 << 20) + 7, big.numel() - 1):
+        w = big.clone()
+        w[i] = float("nan")
+        assert not all_finite(w), i
+
+
+def test_assembler_takes_exactly_the_declared_bytes():
+    enc = encode({"w": torch.randn(300, 70)}, "run", 1, 0, chunk_bytes=4096)
+    a = Assembler(enc.manifest)
+    for c in enc.chunks():
+        a.add(c)
+    assert torch.equal(a.finish()["w"], decode(enc.manifest, enc.payload)["w"])
+    short = Assembler(enc.manifest)
+    short.add(enc.payload[:-3])
+    with pytest.raises(CodecError, match=f"received {len(enc.payload) - 3} of {len(enc.payload)}") as e:
+        short.finish()
+    assert e.value.reason == "truncated"
+    over = Assembler(enc.manifest)
+    over.add(enc.payload)
+    with pytest.raises(CodecError, match="exceed the declared") as e:
+        over.add(b"x")
+    assert e.value.reason == "oversize"
 
 
 @FUZZ
