@@ -17,11 +17,9 @@ import json
 import torch
 
 from fedrl.algos import DRPOConfig, cql_config
-from fedrl.data.d4rl import to_transitions
-from fedrl.data.normalize import agent_normalizers
-from fedrl.data.partition import ShardSource, partition
-from fedrl.data.registry import load
 from fedrl.federation.round import LocalTrainer, initial_global_state
+
+from benchmarks.single_agent import one_shard
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    raw = load(a.dataset)
-    shard = partition([ShardSource(raw.source, to_transitions(raw), 1)], a.trajectories, a.seed)[0]
-    mean, std = agent_normalizers("pooled", [shard.transitions.obs])[0]
+    raw, data, mean, std = one_shard(a.dataset, a.trajectories, a.seed)
     variants = {
         "cql (lambdas 0)": cql_config(),
         "drpo raw": DRPOConfig(q_scale="raw"),
@@ -43,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, cfg in variants.items():
         g0 = initial_global_state(cfg, raw.obs_dim, raw.act_dim, a.seed, mean, std, False)
-        tr = LocalTrainer(0, cfg, shard.transitions, mean, std, a.seed, torch.device("cpu"))
+        tr = LocalTrainer(0, cfg, data, mean, std, a.seed, torch.device("cpu"))
         res = tr.train_round(g0, a.steps)
         buf = tr.buffer
         with torch.no_grad():
@@ -54,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                      "config": dataclasses.asdict(cfg)})
         print(f"{name:18s} NLL(data actions) {nll:8.3f}   mean Q(s,a_D) {q:8.2f}   "
               f"q term {res.metrics['actor_q_term']:8.3f}   [{res.seconds:.0f}s]")
-    print(f"dataset {raw.source}, {len(shard.transitions)} transitions, {a.steps} steps, paper sizes")
+    print(f"dataset {raw.source}, {len(data)} transitions, {a.steps} steps, paper sizes")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"dataset": raw.source, "transitions": len(shard.transitions), "steps": a.steps,
+            json.dump({"dataset": raw.source, "transitions": len(data), "steps": a.steps,
                        "rows": rows}, f, indent=2, default=lambda o: list(o) if isinstance(o, tuple) else str(o))
     return 0
 

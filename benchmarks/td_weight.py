@@ -18,23 +18,18 @@ import json
 import torch
 
 from fedrl.algos import DRPOConfig
-from fedrl.data.d4rl import to_transitions
-from fedrl.data.normalize import agent_normalizers
-from fedrl.data.partition import ShardSource, partition
-from fedrl.data.registry import load
 from fedrl.federation.round import LocalTrainer, initial_global_state
+
+from benchmarks.single_agent import one_shard
 
 KEYS = ("q_data", "critic_td", "cql_penalty", "alpha", "reg_data")
 
 
 def run(weight: float, steps: int, dataset: str, seed: int, every: int = 500) -> list[dict]:
-    raw = load(dataset)
-    shard = partition([ShardSource(raw.source, to_transitions(raw), 1)], 5, seed)[0]
-    mean, std = agent_normalizers("pooled", [shard.transitions.obs])[0]
+    raw, data, mean, std = one_shard(dataset, 5, seed)
     cfg = dataclasses.replace(DRPOConfig(), td_weight=weight)
-    obs_dim, act_dim = shard.transitions.obs.shape[1], shard.transitions.actions.shape[1]
-    trainer = LocalTrainer(0, cfg, shard.transitions, mean, std, seed, torch.device("cpu"))
-    state = initial_global_state(cfg, obs_dim, act_dim, seed, mean, std, False)
+    trainer = LocalTrainer(0, cfg, data, mean, std, seed, torch.device("cpu"))
+    state = initial_global_state(cfg, raw.obs_dim, raw.act_dim, seed, mean, std, False)
     rows = []
     for r in range(steps // every):
         res = trainer.train_round(state, every)
