@@ -24,7 +24,8 @@ import torch
 
 from aggregator_service.store import Store
 from fedrl.algos.config import config_to_dict
-from fedrl.codec import INLINE_MAX_BYTES, CodecError, Encoded, Manifest, check_matches, encode, encoded_from_payload
+from fedrl.codec import (INLINE_MAX_BYTES, CodecError, Encoded, Manifest, check_manifest_matches, check_matches, encode,
+                         encoded_from_payload)
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.round import algo_config, initial_global_state
@@ -194,9 +195,15 @@ class Coordinator:
                                "corrupt_version") from None
 
     def check_header(self, agent_id: str, m: Manifest) -> None:
-        """Refuse an update before its chunks are read (unknown agent, wrong run/round, duplicate)."""
+        """Refuse an update before its chunks are read (unknown agent, wrong run/round, duplicate,
+        tensors or a declared size the global model cannot have)."""
         with self.cond:
-            self._check_submission(agent_id, m)
+            run = self._check_submission(agent_id, m)
+            try:
+                check_manifest_matches(m, run.global_state)
+            except CodecError as e:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                raise ServiceError(code, str(e), e.reason) from None
 
     def _check_submission(self, agent_id: str, m: Manifest) -> Run:
         self._agent(agent_id)

@@ -307,6 +307,32 @@ def check_matches(state: Mapping[str, torch.Tensor], reference: Mapping[str, tor
                                                 f"the global model has {dtype_name(r.dtype)}{list(r.shape)}")
 
 
+MAX_HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header + metadata an update may add to its tensors' bytes
+
+
+def check_manifest_matches(m: Manifest, reference: Mapping[str, torch.Tensor]) -> None:
+    """Before any chunk is accepted: ``m`` declares exactly the tensors of ``reference`` (names,
+    dtypes, shapes) and a size that those tensors plus a header can have. A receiver sizes its
+    buffer from the manifest, so a declared size the model cannot have is refused here."""
+    spec = m.spec()
+    if spec.keys() != reference.keys():
+        missing = sorted(set(reference) - set(spec))
+        extra = sorted(set(spec) - set(reference))
+        raise CodecError("tensor_mismatch", f"manifest tensor names differ from the global model: "
+                                            f"missing {missing[:5]}, unexpected {extra[:5]}")
+    data = 0
+    for k, r in reference.items():
+        t = spec[k]
+        if t.dtype != dtype_name(r.dtype) or tuple(t.shape) != tuple(r.shape):
+            raise CodecError("tensor_mismatch", f"manifest says tensor {k!r} is {t.dtype}{list(t.shape)}, "
+                                                f"the global model has {dtype_name(r.dtype)}{list(r.shape)}")
+        data += r.numel() * r.element_size()
+    if not data + 8 < m.total_bytes <= data + 8 + MAX_HEADER_ALLOWANCE:
+        raise CodecError("bad_manifest", f"declared size {m.total_bytes} bytes does not fit these tensors "
+                                         f"({data} bytes of data plus a header of at most "
+                                         f"{MAX_HEADER_ALLOWANCE} bytes)")
+
+
 def assemble(manifest: Manifest, chunks: Iterable[bytes]) -> dict[str, torch.Tensor]:
     """Decode a whole stream of chunks for ``manifest``."""
     a = Assembler(manifest)

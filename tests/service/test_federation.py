@@ -212,6 +212,13 @@ def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, in
          grpc.StatusCode.FAILED_PRECONDITION, "update for run 'other-run'"),
         ("pickle encoding", lambda: submit_(agg, "a0", g, run_id, tamper=lambda m, c: (_set(m, encoding="pickle"), c)),
          grpc.StatusCode.INVALID_ARGUMENT, "encoding 'pickle' is not accepted"),
+        # the receiver sizes its buffer from the manifest: a size the model cannot have is refused
+        # before any chunk (2 GiB here would otherwise be allocated for a 50 KB model)
+        ("declared size", lambda: submit_(agg, "a0", g, run_id, tamper=lambda m, c: (_set(m, total_bytes=2 << 30), c)),
+         grpc.StatusCode.INVALID_ARGUMENT, "declared size 2147483648 bytes does not fit"),
+        ("manifest lies about a shape", lambda: submit_(agg, "a0", g, run_id, tamper=lambda m, c: (
+            _prepend_dim(m, k0), c)),
+         grpc.StatusCode.INVALID_ARGUMENT, "manifest says tensor 'policy.head.weight' is F32[1,"),
     ]
     if inline:
         cases.append(("no header", lambda: agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(payload=b"x"), timeout=10),
@@ -233,6 +240,15 @@ def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, in
     # Now round 1 is closed for everyone.
     assert_refused(lambda: submit_(agg, "a0", g, run_id, round=1, base=1), grpc.StatusCode.FAILED_PRECONDITION,
                    "round 1 is closed")
+
+
+def _prepend_dim(m, name):
+    """The manifest (proto) with a leading 1 added to tensor ``name``'s shape."""
+    t = next(t for t in m.tensors if t.name == name)
+    shape = [1, *t.shape]
+    del t.shape[:]
+    t.shape.extend(shape)
+    return m
 
 
 def _set(m, **kw):
