@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import torch
 
-from fedrl.codec import INLINE_MAX_BYTES, CodecError, assemble, encode
+from fedrl.codec import INLINE_MAX_BYTES, CodecError, assemble, check_manifest_matches, encode
 from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.round import LocalTrainer, algo_config
@@ -121,6 +121,8 @@ class Agent:
                 np.asarray(task.obs_std, np.float32), rc.seed, self.cfg.device,
                 federate_critic=rc.federate == "policy+critic", local_normalizer=rc.obs_norm == "local")
             self.trainer_run = task.run_id
+            # names, dtypes and shapes a base version must have (views of the live tensors)
+            self.base_reference = self.trainer.learner.shared_state(self.trainer.federate_critic)
         return self.trainer
 
     def _train(self, stub, task) -> None:
@@ -133,6 +135,7 @@ class Agent:
             parts = stub.FetchGlobal(federation_pb2.FetchRequest(run_id=task.run_id, version=task.base_version),
                                      timeout=self.cfg.rpc_timeout)
             manifest, chunks = read_weight_parts(parts)
+        check_manifest_matches(manifest, self.base_reference)  # before a buffer is sized from it
         state = assemble(manifest, chunks)
         res = trainer.train_round(state, task.local_steps)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)

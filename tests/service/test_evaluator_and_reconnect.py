@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import grpc
@@ -125,9 +126,12 @@ def _try_start(state_dir, port):
         return None
 
 
-def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, agent_threads, stand_dataset):
-    """A base version that fails verification at the agent (one flipped byte in transit) is
-    refused, counted, and fetched again; the agent keeps running and the run completes."""
+@pytest.mark.parametrize("damage", ["flipped byte", "declared size"])
+def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, agent_threads, stand_dataset,
+                                                                    damage, caplog):
+    """A base version that fails verification at the agent (one flipped byte in transit, or a
+    manifest declaring a size the model cannot have, refused before a buffer is sized from it)
+    is refused, counted, and fetched again; the agent keeps running and the run completes."""
     real_next_task = aggregator.coord.next_task
     damaged: list[str] = []
 
@@ -136,9 +140,13 @@ def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, a
         base = t.get("base")
         if base is not None and len(damaged) < 2:
             damaged.append(agent_id)
-            bad = bytearray(base.payload)
-            bad[-1] ^= 1
-            t["base"] = Encoded(base.manifest, bytes(bad), base.chunk_bytes)
+            if damage == "flipped byte":
+                bad = bytearray(base.payload)
+                bad[-1] ^= 1
+                t["base"] = Encoded(base.manifest, bytes(bad), base.chunk_bytes)
+            else:
+                t["base"] = Encoded(dataclasses.replace(base.manifest, total_bytes=2 << 30), base.payload,
+                                    base.chunk_bytes)
         return t
 
     aggregator.coord.next_task = next_task_damaging_the_first_two  # the servicer looks it up per call
@@ -150,5 +158,7 @@ def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, a
     refused = {a.cfg.agent_id: a.metrics.registry.get_sample_value(
         "fedrl_agent_downloads_rejected_total", {"agent": a.cfg.agent_id}) for a in agents}
     assert sum(refused.values()) == 2, refused
+    reason = "sha256_mismatch" if damage == "flipped byte" else "bad_manifest"
+    assert sum(f"global model refused ({reason}:" in r.getMessage() for r in caplog.records) == 2
     assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
     assert all(t.is_alive() for t in agent_threads.threads)
