@@ -196,14 +196,10 @@ class Coordinator:
 
     def check_header(self, agent_id: str, m: Manifest) -> None:
         """Refuse an update before its chunks are read (unknown agent, wrong run/round, duplicate,
-        tensors or a declared size the global model cannot have)."""
+        tensors or a declared size the global model cannot have: a CodecError, which the servicer
+        maps to its status like any other verification failure)."""
         with self.cond:
-            run = self._check_submission(agent_id, m)
-            try:
-                check_manifest_matches(m, run.global_state)
-            except CodecError as e:
-                code = grpc.StatusCode.INVALID_ARGUMENT
-                raise ServiceError(code, str(e), e.reason) from None
+            check_manifest_matches(m, self._check_submission(agent_id, m).global_state)
 
     def _check_submission(self, agent_id: str, m: Manifest) -> Run:
         self._agent(agent_id)

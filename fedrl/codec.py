@@ -293,18 +293,24 @@ def decode(m: Manifest, payload: bytes | bytearray) -> dict[str, torch.Tensor]:
     return state
 
 
+def _check_specs(have: Mapping[str, tuple[str, tuple[int, ...]]], reference: Mapping[str, torch.Tensor],
+                 subject: str, says: str) -> None:
+    """``have`` (name -> dtype name, shape) lists exactly the tensors of ``reference``."""
+    if have.keys() != reference.keys():
+        missing = sorted(set(reference) - set(have))
+        extra = sorted(set(have) - set(reference))
+        raise CodecError("tensor_mismatch", f"{subject}tensor names differ from the global model: "
+                                            f"missing {missing[:5]}, unexpected {extra[:5]}")
+    for k, r in reference.items():
+        dtype, shape = have[k]
+        if dtype != dtype_name(r.dtype) or tuple(shape) != tuple(r.shape):
+            raise CodecError("tensor_mismatch", f"{says}tensor {k!r} is {dtype}{list(shape)}, "
+                                                f"the global model has {dtype_name(r.dtype)}{list(r.shape)}")
+
+
 def check_matches(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> None:
     """``state`` has exactly the tensor names, dtypes and shapes of ``reference`` (the global)."""
-    if state.keys() != reference.keys():
-        missing = sorted(set(reference) - set(state))
-        extra = sorted(set(state) - set(reference))
-        raise CodecError("tensor_mismatch", f"tensor names differ from the global model: "
-                                            f"missing {missing[:5]}, unexpected {extra[:5]}")
-    for k, v in state.items():
-        r = reference[k]
-        if v.dtype != r.dtype or v.shape != r.shape:
-            raise CodecError("tensor_mismatch", f"tensor {k!r} is {dtype_name(v.dtype)}{list(v.shape)}, "
-                                                f"the global model has {dtype_name(r.dtype)}{list(r.shape)}")
+    _check_specs({k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in state.items()}, reference, "", "")
 
 
 MAX_HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header + metadata an update may add to its tensors' bytes
@@ -314,19 +320,8 @@ def check_manifest_matches(m: Manifest, reference: Mapping[str, torch.Tensor]) -
     """Before any chunk is accepted: ``m`` declares exactly the tensors of ``reference`` (names,
     dtypes, shapes) and a size that those tensors plus a header can have. A receiver sizes its
     buffer from the manifest, so a declared size the model cannot have is refused here."""
-    spec = m.spec()
-    if spec.keys() != reference.keys():
-        missing = sorted(set(reference) - set(spec))
-        extra = sorted(set(spec) - set(reference))
-        raise CodecError("tensor_mismatch", f"manifest tensor names differ from the global model: "
-                                            f"missing {missing[:5]}, unexpected {extra[:5]}")
-    data = 0
-    for k, r in reference.items():
-        t = spec[k]
-        if t.dtype != dtype_name(r.dtype) or tuple(t.shape) != tuple(r.shape):
-            raise CodecError("tensor_mismatch", f"manifest says tensor {k!r} is {t.dtype}{list(t.shape)}, "
-                                                f"the global model has {dtype_name(r.dtype)}{list(r.shape)}")
-        data += r.numel() * r.element_size()
+    _check_specs({t.name: (t.dtype, t.shape) for t in m.tensors}, reference, "manifest ", "manifest says ")
+    data = sum(r.numel() * r.element_size() for r in reference.values())
     if not data + 8 < m.total_bytes <= data + 8 + MAX_HEADER_ALLOWANCE:
         raise CodecError("bad_manifest", f"declared size {m.total_bytes} bytes does not fit these tensors "
                                          f"({data} bytes of data plus a header of at most "
