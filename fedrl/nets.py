@@ -127,7 +127,19 @@ class VectorizedLinear(nn.Module):
         nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.baddbmm(self.bias, x, self.weight)
+        return ensemble_linear(self.bias, x, self.weight)
+
+
+def ensemble_linear(b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``b + x @ w`` for ``x (E, N, in)``, ``w (E, in, out)``, ``b (E, 1, out)``.
+
+    A single output (a Q head) is computed as ``(w^T x^T)^T``: CPU BLAS runs a one-column
+    batched GEMM several times slower than the one-row product (2.2 ms vs 0.55 ms for the CQL
+    critic's 2 x 7936 x 256 head here). The result is a transposed view of the same values.
+    """
+    if w.shape[-1] == 1:
+        return torch.baddbmm(b, w.transpose(1, 2), x.transpose(1, 2)).transpose(1, 2)
+    return torch.baddbmm(b, x, w)
 
 
 class _EnsembleReluMLP(torch.autograd.Function):
@@ -145,10 +157,10 @@ class _EnsembleReluMLP(torch.autograd.Function):
         ws, bs = params[0::2], params[1::2]
         acts, h = [x], x
         for w, b in zip(ws[:-1], bs[:-1]):
-            h = torch.baddbmm(b, h, w).relu_()
+            h = ensemble_linear(b, h, w).relu_()
             acts.append(h)
         ctx.save_for_backward(*acts, *ws)
-        return torch.baddbmm(bs[-1], h, ws[-1])
+        return ensemble_linear(bs[-1], h, ws[-1])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -159,15 +171,19 @@ class _EnsembleReluMLP(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * (2 * n)
         gx = None
         for i in reversed(range(n)):
+            single = ws[i].shape[-1] == 1  # a one-column layer: products, not one-column GEMMs
             if ctx.needs_input_grad[1 + 2 * i]:
-                grads[2 * i] = torch.bmm(acts[i].transpose(1, 2), g)
+                grads[2 * i] = (torch.bmm(g.transpose(1, 2), acts[i]).transpose(1, 2) if single
+                                else torch.bmm(acts[i].transpose(1, 2), g))
             if ctx.needs_input_grad[2 + 2 * i]:
                 grads[2 * i + 1] = g.sum(1, keepdim=True)
-            if i > 0:
-                g = torch.bmm(g, ws[i].transpose(1, 2))  # a fresh buffer: safe to mask in place
-                torch.ops.aten.threshold_backward.grad_input(g, acts[i], 0.0, grad_input=g)
-            elif ctx.needs_input_grad[0]:
-                gx = torch.bmm(g, ws[0].transpose(1, 2))
+            if i > 0 or ctx.needs_input_grad[0]:
+                # g @ w^T; a fresh buffer either way, so the ReLU mask can be applied in place
+                g = g * ws[i].transpose(1, 2) if single else torch.bmm(g, ws[i].transpose(1, 2))
+                if i > 0:
+                    torch.ops.aten.threshold_backward.grad_input(g, acts[i], 0.0, grad_input=g)
+                else:
+                    gx = g
         return (gx, *grads)
 
 

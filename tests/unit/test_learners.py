@@ -8,7 +8,7 @@ import torch
 
 from fedrl.algos import Batch, BCConfig, BCLearner, DRPOConfig, DRPOLearner, cql_config
 from fedrl.device import make_generator, resolve_device
-from fedrl.nets import EnsembleCritic
+from fedrl.nets import EnsembleCritic, ensemble_linear
 
 CPU = torch.device("cpu")
 TINY = DRPOConfig(hidden=(32, 32), batch_size=16, cql_n_actions=3)
@@ -81,6 +81,16 @@ def test_ensemble_critic_equals_two_separate_networks():
     assert torch.allclose(c(obs.unsqueeze(1), acts)[:, :, 1], c(obs, acts[:, 1]), atol=1e-6)
 
 
+@pytest.mark.parametrize("out", [1, 4])
+def test_ensemble_linear_is_the_batched_affine_map(out):
+    """The one-output form (computed transposed, for speed) is the same map as baddbmm."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 300, 64), torch.randn(2, 64, out), torch.randn(2, 1, out)
+    got = ensemble_linear(b, x, w)
+    assert got.shape == (2, 300, out)
+    assert torch.allclose(got, torch.baddbmm(b, x, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("critic_grad,action_grad", [(True, False), (False, True), (True, True)])
 def test_ensemble_critic_fused_backward_is_bit_identical_to_layer_by_layer_autograd(critic_grad, action_grad):
     """The critic's one-node forward/backward gives exactly the gradients autograd gives for the
@@ -91,11 +101,11 @@ def test_ensemble_critic_fused_backward_is_bit_identical_to_layer_by_layer_autog
     act = torch.rand(64, 7, 3).mul_(2).sub_(1).requires_grad_(action_grad)
     upstream = torch.randn(2, 64, 7)
 
-    def reference():
+    def reference():  # the layers' own forward, op by op, under autograd
         x = torch.cat([obs.expand(64, 7, 5), act], -1).reshape(1, -1, 8).expand(2, -1, -1)
         for layer in c.hidden:
-            x = torch.baddbmm(layer.bias, x, layer.weight).relu_()
-        return torch.baddbmm(c.out.bias, x, c.out.weight).reshape(2, 64, 7)
+            x = layer(x).relu_()
+        return c.out(x).reshape(2, 64, 7)
 
     leaves = [t for t in (*c.parameters(), act) if t.requires_grad]
     want = torch.autograd.grad((reference() * upstream).sum(), leaves)
