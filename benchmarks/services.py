@@ -115,13 +115,25 @@ def _cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
+HOPPER_POLICY_BYTES = 282_352  # the safetensors payload of the Hopper 2x256 policy a round moves
+
+
 def bench_overhead(agents: int, rounds: int) -> dict:
+    floor = [bare_rounds(agents, max(rounds, 60), HOPPER_POLICY_BYTES)]
     with tempfile.TemporaryDirectory() as d:
         r = federation_rounds(agents, rounds, {"algo": "drpo"}, Path(d))
+    floor.append(bare_rounds(agents, max(rounds, 60), HOPPER_POLICY_BYTES))
     s = np.array(r["per_round_seconds"][WARMUP_ROUNDS:])
+    floor_ms = float(np.median([f["round_ms_median"] for f in floor]))
     out = {"agents": agents, "rounds_measured": len(s), "policy": "Hopper-v5, 2x256 (~280 KB)",
            "round_ms_median": float(np.median(s) * 1e3), "round_ms_mean": float(s.mean() * 1e3),
            "round_ms_p90": float(np.percentile(s, 90) * 1e3), "target_ms": 20.0,
+           "bare_grpc_floor": {"round_ms_median": floor_ms, "runs": floor,
+                               "what": "the same 2 RPCs per agent per round with the same payload sizes "
+                                       "(long-poll task returning the policy bytes, unary submit of them), "
+                                       "the same number of client processes, no work: what Python gRPC "
+                                       "alone costs here; measured before and after the federation run"},
+           "ratio_to_floor": float(np.median(s) * 1e3) / floor_ms,
            "cpu_seconds_whole_run": r["cpu_seconds"], "cpu_ms_per_round_steady": r["cpu_ms_per_round_steady"],
            "peak_rss_mb": r["peak_rss_mb"],
            "rounds": rounds, "cores": os.cpu_count(),
@@ -129,6 +141,101 @@ def bench_overhead(agents: int, rounds: int) -> dict:
                    "cpu_ms_per_round_steady is measured after the first rounds"}
     print(json.dumps(out))
     return out
+
+
+# -- bare gRPC rounds: the round's message pattern with nothing else (identity serialisers) --------
+
+def _bare_server(port_q, result_q, agents: int, rounds: int, payload_bytes: int) -> None:
+    import resource
+    import threading
+
+    import grpc
+
+    from fedrl.rpc import SERVER_OPTIONS
+    payload = b"\x01" * payload_bytes
+    cond = threading.Condition()
+    st = {"round": 1, "subs": 0, "closed": [], "cpu": {}}
+
+    def cpu() -> float:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
+    def task(request, context):  # long poll: the next round's number and the global payload
+        last = int(request)
+        with cond:
+            while st["round"] == last:
+                cond.wait(10)
+            r = st["round"]
+        return b"stop" if r > rounds else b"%08d" % r + payload
+
+    def submit(request, context):
+        with cond:
+            st["subs"] += 1
+            if st["subs"] == agents:
+                st["closed"].append(time.perf_counter())
+                if len(st["closed"]) in (WARMUP_ROUNDS, rounds):
+                    st["cpu"][len(st["closed"])] = cpu()
+                st["subs"], st["round"] = 0, st["round"] + 1
+                cond.notify_all()
+        return b"ok"
+
+    handler = grpc.method_handlers_generic_handler("bare.Round", {
+        "Task": grpc.unary_unary_rpc_method_handler(task),
+        "Submit": grpc.unary_unary_rpc_method_handler(submit)})
+    server = grpc.server(futures.ThreadPoolExecutor(64), options=SERVER_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    port_q.put(port)
+    with cond:
+        while st["round"] <= rounds:
+            cond.wait(1)
+    t = np.diff(st["closed"])[WARMUP_ROUNDS - 1:] * 1e3
+    result_q.put({"round_ms_median": float(np.median(t)), "rounds_measured": len(t),
+                  "server_cpu_ms_per_round": (st["cpu"][rounds] - st["cpu"][WARMUP_ROUNDS])
+                  / (rounds - WARMUP_ROUNDS) * 1e3})
+    time.sleep(0.5)  # let the clients read their STOP
+    server.stop(0)
+
+
+def _bare_client(port: int, rounds: int, cpu_q) -> None:
+    import resource
+
+    import grpc
+
+    from fedrl.rpc import CHANNEL_OPTIONS
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    task, submit = ch.unary_unary("/bare.Round/Task"), ch.unary_unary("/bare.Round/Submit")
+    r, cpu_at = 0, None
+    while True:
+        b = task(b"%d" % r, timeout=60)
+        if b == b"stop":
+            break
+        r = int(b[:8])
+        if r == WARMUP_ROUNDS + 1:
+            cpu_at = resource.getrusage(resource.RUSAGE_SELF)
+        submit(b[8:], timeout=60)  # the update: as many bytes as the global policy
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_q.put((end.ru_utime + end.ru_stime - cpu_at.ru_utime - cpu_at.ru_stime) / (rounds - WARMUP_ROUNDS) * 1e3)
+    ch.close()
+
+
+def bare_rounds(agents: int, rounds: int, payload_bytes: int) -> dict:
+    """Rounds of the federation's message pattern with no work in them: the floor Python gRPC sets."""
+    ctx = mp.get_context("spawn")
+    port_q, result_q, cpu_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    srv = ctx.Process(target=_bare_server, args=(port_q, result_q, agents, rounds, payload_bytes))
+    srv.start()
+    port = port_q.get(timeout=60)
+    clients = [ctx.Process(target=_bare_client, args=(port, rounds, cpu_q)) for _ in range(agents)]
+    for c in clients:
+        c.start()
+    res = result_q.get(timeout=600)
+    res["clients_cpu_ms_per_round"] = sum(cpu_q.get(timeout=60) for _ in clients)
+    for c in clients:
+        c.join(30)
+    srv.join(30)
+    return res
 
 
 # -- raw gRPC byte streaming (no protobuf messages: identity serialisers) -------------------------

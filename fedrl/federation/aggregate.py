@@ -18,8 +18,9 @@ class AggregationError(ValueError):
     """Updates that cannot be combined (mismatched tensors, bad weights, non-finite values)."""
 
 
-def check_compatible(states: Sequence[Mapping[str, torch.Tensor]]) -> None:
-    """All states have the same tensor names, shapes and dtypes as the first, all finite."""
+def check_compatible(states: Sequence[Mapping[str, torch.Tensor]], finite: bool = True) -> None:
+    """All states have the same tensor names, shapes and dtypes as the first (and, with
+    ``finite``, hold no NaN or Inf)."""
     if not states:
         raise AggregationError("no updates to aggregate")
     ref = states[0]
@@ -32,7 +33,7 @@ def check_compatible(states: Sequence[Mapping[str, torch.Tensor]]) -> None:
             if v.shape != r.shape or v.dtype != r.dtype:
                 raise AggregationError(f"update {i}: '{k}' is {v.dtype}{list(v.shape)}, "
                                        f"expected {r.dtype}{list(r.shape)}")
-            if not all_finite(v):
+            if finite and not all_finite(v):
                 raise AggregationError(f"update {i}: '{k}' contains NaN or Inf")
 
 
@@ -54,7 +55,7 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
     Accumulates in float64 in the given order, so the result is deterministic and independent
     of the transport; returns tensors of the input dtype.
     """
-    check_compatible(states)
+    check_compatible(states, finite=False)  # finiteness is checked once, on the sum (below)
     w = [1.0] * len(states) if weights is None else [float(x) for x in weights]
     if len(w) != len(states):
         raise AggregationError(f"{len(w)} weights for {len(states)} updates")
@@ -71,6 +72,12 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
         a = wi / total
         for k in keys:
             acc[k].add_(s[k], alpha=a)
+    # A NaN or Inf in any update (even one weighted 0: 0 * Inf is NaN) makes its coordinate of
+    # the float64 sum non-finite, and a weighted mean of finite float32 values stays finite in
+    # float32: so the sum is checked instead of every update (10x fewer checks for 10 agents);
+    # only when it fails are the updates searched, to name the one at fault.
+    if not all(all_finite(acc[k]) for k in keys):
+        check_compatible(states)
     return {k: acc[k].to(states[0][k].dtype) for k in keys}
 
 

@@ -32,7 +32,10 @@ def test_fedavg_keeps_dtype_and_is_exact_for_identical_inputs():
     ([s(1.0), {"v": torch.tensor([1.0])}], None, "different tensor names"),
     ([s(1.0), s(1.0, 2.0)], None, r"'w' is torch.float32\[2\], expected torch.float32\[1\]"),
     ([s(1.0), s(1.0, dtype=torch.float64)], None, "float64"),
-    ([s(1.0), s(float("nan"))], None, "NaN or Inf"),
+    ([s(1.0), s(float("nan"))], None, "update 1: 'w' contains NaN or Inf"),
+    ([s(1.0, float("inf")), s(2.0, 3.0)], None, "update 0: 'w' contains NaN or Inf"),
+    ([s(float("inf")), s(float("-inf"))], None, "update 0: 'w' contains NaN or Inf"),   # Inf - Inf
+    ([s(1.0), s(float("nan"))], [1.0, 0.0], "update 1: 'w' contains NaN or Inf"),     # even weighted 0
     ([s(1.0), s(2.0)], [1.0], "1 weights for 2 updates"),
     ([s(1.0), s(2.0)], [0.0, 0.0], "positive sum"),
     ([s(1.0), s(2.0)], [-1.0, 2.0], "non-negative"),
@@ -40,6 +43,12 @@ def test_fedavg_keeps_dtype_and_is_exact_for_identical_inputs():
 def test_fedavg_rejects(states, weights, message):
     with pytest.raises(AggregationError, match=message):
         fedavg(states, weights)
+
+
+def test_fedavg_near_the_float32_limit_is_finite_and_accepted():
+    # the finiteness check runs on the float64 sum: large finite updates must still pass
+    out = fedavg([s(3e38, 3e38), s(3e38, -3e38)])["w"]
+    assert torch.equal(out, torch.tensor([3e38, 0.0]))
 
 
 def test_agent_weights():
