@@ -528,6 +528,13 @@ def system_md(root: Path = RESULTS) -> str:
                     f"{o['round_ms_median']:.0f} ms median (p90 {o['round_ms_p90']:.0f}) | CPU per round: "
                     f"aggregator {cpu.get('aggregator', float('nan')):.0f} ms, agents {cpu.get('agents_total', float('nan')):.0f} ms"
                     f" on {o.get('cores', '?')} cores | < {o['target_ms']:.0f} ms |")
+        floor = o.get("bare_grpc_floor")
+        if floor:
+            srv = np.median([r["server_cpu_ms_per_round"] for r in floor["runs"]])
+            cli = np.median([r["clients_cpu_ms_per_round"] for r in floor["runs"]])
+            rows.append(f"| the same round in bare gRPC (same messages and processes, no work) | "
+                        f"{floor['round_ms_median']:.0f} ms median | CPU per round: server {srv:.0f} ms, "
+                        f"clients {cli:.0f} ms; the federation's round is {o['ratio_to_floor']:.1f}x this floor | |")
         rows.append(f"| transfer, {tr['federation']['model_mb']:.0f} MB model, {tr['agents']} agents | "
                     f"{tr['federation']['mb_per_s']:.0f} MB/s | raw gRPC {tr['raw_grpc']['mb_per_s']:.0f} MB/s: "
                     f"{100 * tr['ratio_to_raw']:.0f}% | >= {100 * tr['target_ratio']:.0f}% |")
