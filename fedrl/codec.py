@@ -25,6 +25,7 @@ MAX_MESSAGE_BYTES = 8 << 20
 # half the message limit leaves room for the manifest and the rest of the message.
 INLINE_MAX_BYTES = 4 << 20
 MAX_PAYLOAD_BYTES = 2 << 30  # refuse manifests declaring more than 2 GiB
+MAX_HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header + metadata a payload may add to its tensors' bytes
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",
@@ -180,6 +181,14 @@ def check_manifest(m: Manifest) -> None:
             raise CodecError("bad_manifest", f"tensor {t.name!r}: negative dimension in {list(t.shape)}")
     if m.num_samples < 0:
         raise CodecError("bad_manifest", f"num_samples must be >= 0, got {m.num_samples}")
+    # A receiver sizes its buffer from total_bytes: it must be what the listed tensors take plus
+    # a header, whoever receives (the aggregator, an agent, the evaluator, which has no model
+    # of its own to compare with). The tensors themselves are bounded by MAX_PAYLOAD_BYTES.
+    data = sum(math.prod(t.shape) * _BY_NAME[t.dtype].itemsize for t in m.tensors)
+    if not data + 8 < m.total_bytes <= data + 8 + MAX_HEADER_ALLOWANCE:
+        raise CodecError("bad_manifest", f"declared size {m.total_bytes} bytes does not fit the listed tensors "
+                                         f"({data} bytes of data plus a header of at most "
+                                         f"{MAX_HEADER_ALLOWANCE} bytes)")
 
 
 _FINITE_BLOCK = 1 << 20  # elements summed per step: bounds all_finite's float64 temporary to 8 MB
@@ -313,19 +322,14 @@ def check_matches(state: Mapping[str, torch.Tensor], reference: Mapping[str, tor
     _check_specs({k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in state.items()}, reference, "", "")
 
 
-MAX_HEADER_ALLOWANCE = 1 << 20  # safetensors JSON header + metadata an update may add to its tensors' bytes
 
 
 def check_manifest_matches(m: Manifest, reference: Mapping[str, torch.Tensor]) -> None:
-    """Before any chunk is accepted: ``m`` declares exactly the tensors of ``reference`` (names,
-    dtypes, shapes) and a size that those tensors plus a header can have. A receiver sizes its
-    buffer from the manifest, so a declared size the model cannot have is refused here."""
+    """Before any chunk is accepted: ``m`` is consistent (:func:`check_manifest`, including a
+    declared size its tensors can have) and declares exactly the tensors of ``reference``
+    (names, dtypes, shapes)."""
+    check_manifest(m)
     _check_specs({t.name: (t.dtype, t.shape) for t in m.tensors}, reference, "manifest ", "manifest says ")
-    data = sum(r.numel() * r.element_size() for r in reference.values())
-    if not data + 8 < m.total_bytes <= data + 8 + MAX_HEADER_ALLOWANCE:
-        raise CodecError("bad_manifest", f"declared size {m.total_bytes} bytes does not fit these tensors "
-                                         f"({data} bytes of data plus a header of at most "
-                                         f"{MAX_HEADER_ALLOWANCE} bytes)")
 
 
 def assemble(manifest: Manifest, chunks: Iterable[bytes]) -> dict[str, torch.Tensor]:

@@ -124,17 +124,24 @@ def test_local_normalisation_global_normaliser_is_the_agents_average(tmp_path, r
     assert np.allclose(got, np.mean(means, axis=0), atol=1e-4)
 
 
-def test_fed_bc_learns_towards_the_behaviour_return(tmp_path, stand_dataset):
+@pytest.mark.parametrize("seed,threads", [(0, 1), (1, 2)])
+def test_fed_bc_learns_towards_the_behaviour_return(tmp_path, dart_stand_dataset, seed, threads):
     """Learning check: BC of a PD 'stand' controller (return ~1000) lifts the global policy far
-    above the untrained policy (~20). Fails if the BC update or FedAvg is broken."""
+    above the untrained policy (~20-50). Fails if the BC update or FedAvg is broken. Two seeds
+    and both thread counts: the outcome must not hang on one lucky floating-point path."""
     bc = BCConfig(hidden=(64, 64), batch_size=64, lr=3e-3)
-    cfg = tiny(stand_dataset, algo="fed-bc", agents=2, trajectories=4, rounds=3, local_steps=300,
-               eval_episodes=2, bc=bc)
-    before = run(tiny(stand_dataset, algo="fed-bc", rounds=1, local_steps=0, bc=bc),
-                 tmp_path / "b0", log=lambda m: None)["final"]["return_mean"]
-    after = run(cfg, tmp_path / "b1", log=lambda m: None)["best"]["return_mean"]
+    cfg = tiny(dart_stand_dataset, algo="fed-bc", agents=2, trajectories=4, rounds=3, local_steps=300,
+               eval_episodes=2, bc=bc, seed=seed)
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = run(tiny(dart_stand_dataset, algo="fed-bc", rounds=1, local_steps=0, bc=bc, seed=seed),
+                     tmp_path / "b0", log=lambda m: None)["final"]["return_mean"]
+        after = run(cfg, tmp_path / "b1", log=lambda m: None)["best"]["return_mean"]
+    finally:
+        torch.set_num_threads(n)
     assert before < 100, before
-    assert after > before + 150, (before, after)
+    assert after > before + 500, (before, after)
 
 
 def test_dataset_of_the_wrong_width_for_the_env_names_the_file(tmp_path, random_dataset):

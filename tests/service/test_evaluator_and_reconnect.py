@@ -67,6 +67,13 @@ def test_on_demand_evaluation_and_its_refusals(evaluator):
     refused(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1), bad,
             grpc.StatusCode.INVALID_ARGUMENT, "NaN")
 
+    def oversized(parts):  # a manifest declaring 1 GiB for a small policy: refused before any buffer
+        parts[0].manifest.total_bytes = 1 << 30
+        return parts
+    refused(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1), state,
+            grpc.StatusCode.INVALID_ARGUMENT, "declared size 1073741824 bytes does not fit the listed tensors",
+            oversized)
+
 
 def test_follower_evaluates_every_version_and_catches_up(aggregator, agent_threads, stand_dataset):
     agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -196,6 +197,15 @@ def test_all_finite_is_exact():
         w = big.clone()
         w[i] = float("nan")
         assert not all_finite(w), i
+
+
+@pytest.mark.parametrize("total", [0, 5, 8 + 4 * 21000, (1 << 30), 8 + 4 * 21000 + (1 << 20) + 1])
+def test_a_declared_size_its_own_tensors_cannot_have_is_refused(total):
+    """Any receiver (no model to compare with needed) sizes its buffer from the manifest."""
+    m = replace(encode({"w": torch.randn(300, 70)}, "run", 1, 0).manifest, total_bytes=total)
+    with pytest.raises(CodecError) as e:
+        Assembler(m)
+    assert e.value.reason == "bad_manifest" and str(total) in str(e.value)
 
 
 def test_assembler_takes_exactly_the_declared_bytes():
