@@ -1,6 +1,6 @@
 """System speed of the services on loopback, each beside its raw baseline measured in the same run.
 
-    python -m benchmarks.services overhead  [--agents 10] [--rounds 30]
+    python -m benchmarks.services overhead  [--agents 10] [--rounds 100]
     python -m benchmarks.services transfer  [--agents 10] [--mb 30] [--rounds 3]
     python -m benchmarks.services evaluator [--env Hopper-v5] [--episodes 400]
     python -m benchmarks.services all       (writes benchmarks/results/services-cpu.json)
@@ -143,99 +143,11 @@ def bench_overhead(agents: int, rounds: int) -> dict:
     return out
 
 
-# -- bare gRPC rounds: the round's message pattern with nothing else (identity serialisers) --------
-
-def _bare_server(port_q, result_q, agents: int, rounds: int, payload_bytes: int) -> None:
-    import resource
-    import threading
-
-    import grpc
-
-    from fedrl.rpc import SERVER_OPTIONS
-    payload = b"\x01" * payload_bytes
-    cond = threading.Condition()
-    st = {"round": 1, "subs": 0, "closed": [], "cpu": {}}
-
-    def cpu() -> float:
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        return ru.ru_utime + ru.ru_stime
-
-    def task(request, context):  # long poll: the next round's number and the global payload
-        last = int(request)
-        with cond:
-            while st["round"] == last:
-                cond.wait(10)
-            r = st["round"]
-        return b"stop" if r > rounds else b"%08d" % r + payload
-
-    def submit(request, context):
-        with cond:
-            st["subs"] += 1
-            if st["subs"] == agents:
-                st["closed"].append(time.perf_counter())
-                if len(st["closed"]) in (WARMUP_ROUNDS, rounds):
-                    st["cpu"][len(st["closed"])] = cpu()
-                st["subs"], st["round"] = 0, st["round"] + 1
-                cond.notify_all()
-        return b"ok"
-
-    handler = grpc.method_handlers_generic_handler("bare.Round", {
-        "Task": grpc.unary_unary_rpc_method_handler(task),
-        "Submit": grpc.unary_unary_rpc_method_handler(submit)})
-    server = grpc.server(futures.ThreadPoolExecutor(64), options=SERVER_OPTIONS)
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    port_q.put(port)
-    with cond:
-        while st["round"] <= rounds:
-            cond.wait(1)
-    t = np.diff(st["closed"])[WARMUP_ROUNDS - 1:] * 1e3
-    result_q.put({"round_ms_median": float(np.median(t)), "rounds_measured": len(t),
-                  "server_cpu_ms_per_round": (st["cpu"][rounds] - st["cpu"][WARMUP_ROUNDS])
-                  / (rounds - WARMUP_ROUNDS) * 1e3})
-    time.sleep(0.5)  # let the clients read their STOP
-    server.stop(0)
-
-
-def _bare_client(port: int, rounds: int, cpu_q) -> None:
-    import resource
-
-    import grpc
-
-    from fedrl.rpc import CHANNEL_OPTIONS
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-    task, submit = ch.unary_unary("/bare.Round/Task"), ch.unary_unary("/bare.Round/Submit")
-    r, cpu_at = 0, None
-    while True:
-        b = task(b"%d" % r, timeout=60)
-        if b == b"stop":
-            break
-        r = int(b[:8])
-        if r == WARMUP_ROUNDS + 1:
-            cpu_at = resource.getrusage(resource.RUSAGE_SELF)
-        submit(b[8:], timeout=60)  # the update: as many bytes as the global policy
-    end = resource.getrusage(resource.RUSAGE_SELF)
-    cpu_q.put((end.ru_utime + end.ru_stime - cpu_at.ru_utime - cpu_at.ru_stime) / (rounds - WARMUP_ROUNDS) * 1e3)
-    ch.close()
-
-
 def bare_rounds(agents: int, rounds: int, payload_bytes: int) -> dict:
     """Rounds of the federation's message pattern with no work in them: the floor Python gRPC sets."""
-    ctx = mp.get_context("spawn")
-    port_q, result_q, cpu_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    srv = ctx.Process(target=_bare_server, args=(port_q, result_q, agents, rounds, payload_bytes))
-    srv.start()
-    port = port_q.get(timeout=60)
-    clients = [ctx.Process(target=_bare_client, args=(port, rounds, cpu_q)) for _ in range(agents)]
-    for c in clients:
-        c.start()
-    res = result_q.get(timeout=600)
-    res["clients_cpu_ms_per_round"] = sum(cpu_q.get(timeout=60) for _ in clients)
-    for c in clients:
-        c.join(30)
-    srv.join(30)
-    return res
+    from benchmarks.grpc_patterns import rounds as pattern_rounds
+
+    return pattern_rounds("two-calls", agents, rounds, payload_bytes)
 
 
 # -- raw gRPC byte streaming (no protobuf messages: identity serialisers) -------------------------
@@ -392,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.services")
     p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all"))
     p.add_argument("--agents", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=100, help="overhead rounds (the first 3 are not measured)")
     p.add_argument("--mb", type=int, default=30)
     p.add_argument("--env", default="Hopper-v5")
     p.add_argument("--episodes", type=int, default=400)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import threading
 
-import grpc
 import torch
 
 from fedrl.codec import encode
