@@ -147,8 +147,9 @@ def _client(port: int, pattern: str, rounds: int, cpu_q) -> None:
     ch.close()
 
 
-def rounds(pattern: str, agents: int, n_rounds: int, payload_bytes: int) -> dict:
-    """Run ``n_rounds`` of ``pattern`` with ``agents`` client processes; per-round wall and CPU."""
+def rounds(pattern: str, agents: int, n_rounds: int, payload_bytes: int, timeout: float = 600.0) -> dict:
+    """Run ``n_rounds`` of ``pattern`` with ``agents`` client processes; per-round wall and CPU.
+    Raises ``queue.Empty`` if the run does not finish within ``timeout`` seconds."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {', '.join(PATTERNS)}")
     if n_rounds <= WARMUP_ROUNDS + 1:
@@ -161,11 +162,14 @@ def rounds(pattern: str, agents: int, n_rounds: int, payload_bytes: int) -> dict
     clients = [ctx.Process(target=_client, args=(port, pattern, n_rounds, cpu_q)) for _ in range(agents)]
     for c in clients:
         c.start()
-    res = result_q.get(timeout=600)
-    res["clients_cpu_ms_per_round"] = sum(cpu_q.get(timeout=60) for _ in clients)
-    for c in clients:
-        c.join(30)
-    srv.join(30)
+    try:
+        res = result_q.get(timeout=timeout)
+        res["clients_cpu_ms_per_round"] = sum(cpu_q.get(timeout=60) for _ in clients)
+    finally:
+        for proc in (*clients, srv):
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
     return {"pattern": pattern, **res}
 
 
