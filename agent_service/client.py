@@ -102,14 +102,17 @@ class Agent:
         log.info("joined as %s (run %s)", self.cfg.agent_id, reply.run_id or "none yet")
 
     def _loop(self, stub) -> None:
+        task = None  # the next task, when the last submission's reply brought it
         while not self._stop.is_set():
-            task = stub.NextTask(federation_pb2.TaskRequest(agent_id=self.cfg.agent_id,
-                                                            wait_seconds=self.cfg.task_wait),
-                                 timeout=self.cfg.task_wait + 30)
-            if task.kind == federation_pb2.Task.TRAIN:
-                self._train(stub, task)
-            elif task.kind == federation_pb2.Task.STOP:
-                log.info("run %s is over", task.run_id)
+            if task is None:
+                task = stub.NextTask(federation_pb2.TaskRequest(agent_id=self.cfg.agent_id,
+                                                                wait_seconds=self.cfg.task_wait),
+                                     timeout=self.cfg.task_wait + 30)
+            current, task = task, None
+            if current.kind == federation_pb2.Task.TRAIN:
+                task = self._train(stub, current)
+            elif current.kind == federation_pb2.Task.STOP:
+                log.info("run %s is over", current.run_id)
                 self.trainer, self.trainer_run = None, ""
 
     def _trainer_for(self, task) -> LocalTrainer:
@@ -125,7 +128,8 @@ class Agent:
             self.base_reference = self.trainer.learner.shared_state(self.trainer.federate_critic)
         return self.trainer
 
-    def _train(self, stub, task) -> None:
+    def _train(self, stub, task):
+        """Train on ``task`` and submit; returns the next task when the reply carried it."""
         trainer = self._trainer_for(task)
         if task.HasField("base_manifest"):  # small model: the base version came with the task
             manifest, chunks = manifest_from_proto(task.base_manifest), [task.base_payload]
@@ -149,11 +153,14 @@ class Agent:
                 yield federation_pb2.UpdatePart(chunk=c)
 
         try:
-            if enc.manifest.total_bytes <= self.cfg.inline_max_bytes:  # small model: one unary call
-                stub.SubmitUpdateInline(federation_pb2.InlineUpdate(header=header, payload=enc.payload),
-                                        timeout=self.cfg.rpc_timeout)
+            if enc.manifest.total_bytes <= self.cfg.inline_max_bytes:  # small model: one unary call,
+                # whose reply also brings the next task (no NextTask call between rounds)
+                reply = stub.SubmitUpdateInline(
+                    federation_pb2.InlineUpdate(header=header, payload=enc.payload,
+                                                next_task_wait_seconds=self.cfg.task_wait),
+                    timeout=self.cfg.rpc_timeout + self.cfg.task_wait)
             else:
-                stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
+                reply = stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
             self.rounds_done += 1
             self._bad_streak = 0
             self.metrics.rounds.inc()
@@ -161,6 +168,7 @@ class Agent:
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                 log.warning("round %d: update not taken (%s)", task.round, e.details())
-                return
+                return None
             raise
+        return reply.next_task if reply.HasField("next_task") else None
 

@@ -49,8 +49,11 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
 
     def NextTask(self, request, context):
         self.auth.check_agent(context, request.agent_id)
+        return self._task(context, request.agent_id, request.wait_seconds)
+
+    def _task(self, context, agent_id: str, wait: float) -> federation_pb2.Task:
         try:
-            t = self.coord.next_task(request.agent_id, request.wait_seconds)
+            t = self.coord.next_task(agent_id, wait)
         except ServiceError as e:
             _abort(context, e)
         kind = federation_pb2.Task.Kind.Value(t.pop("kind"))
@@ -92,7 +95,10 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an inline update needs its header",
                                    "bad_stream")
             return request.header, (request.payload,)
-        return self._submit(context, parts)
+        reply = self._submit(context, parts)
+        if request.next_task_wait_seconds > 0:  # accepted: answer with the next task (one call a round)
+            reply.next_task.CopyFrom(self._task(context, request.header.agent_id, request.next_task_wait_seconds))
+        return reply
 
     def _submit(self, context, parts):
         """Both submission paths: header checks before any byte is kept, then the same verification."""

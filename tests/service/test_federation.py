@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 
 import grpc
@@ -361,3 +362,40 @@ def test_one_byzantine_agent_corrupts_fedavg_but_not_robust_aggregation(aggregat
         assert (v1[w] - g[w]).abs().max() > 1e3
     else:
         assert torch.equal(v1[w], g[w])
+
+
+def test_an_inline_update_can_bring_back_the_next_task(open_round):
+    """One call per agent per round: an update that asks for it is answered, once its round has
+    closed, with the agent's next task (the new version inline), as NextTask would answer."""
+    agg, run_id, g, _ = open_round
+
+    def inline(agent_id, wait):
+        enc = encode(g, run_id, 1, 0, 100)
+        return agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(
+            header=federation_pb2.UpdateHeader(agent_id=agent_id, weights=manifest_to_proto(enc.manifest)),
+            payload=enc.payload, next_task_wait_seconds=wait), timeout=30)
+
+    replies = {}
+    first = threading.Thread(target=lambda: replies.setdefault("a0", inline("a0", 20)))
+    first.start()
+    wait_for(lambda: "a0" in agg.coord.run.submissions, what="a0's update")
+    assert first.is_alive()  # held: its round is still open
+    replies["a1"] = inline("a1", 20)  # closes round 1
+    first.join(10)
+    assert not first.is_alive()
+    for a in ("a0", "a1"):
+        r = replies[a]
+        assert r.accepted and r.round == 1 and r.HasField("next_task")
+        t = r.next_task
+        assert (t.kind, t.round, t.base_version) == (federation_pb2.Task.TRAIN, 2, 1)
+        assert t.base_payload == agg.store.version_path(run_id, 1).read_bytes()
+    # without the field: the plain reply, no task
+    enc = encode(g, run_id, 2, 1, 100)
+    plain = agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(
+        header=federation_pb2.UpdateHeader(agent_id="a0", weights=manifest_to_proto(enc.manifest)),
+        payload=enc.payload), timeout=10)
+    assert plain.accepted and plain.round == 2 and not plain.HasField("next_task")
+    # a refused update is refused at once, whatever wait it asked for
+    t0 = time.monotonic()
+    assert_refused(lambda: inline("a0", 20), grpc.StatusCode.FAILED_PRECONDITION, "round 1 is closed")
+    assert time.monotonic() - t0 < 5

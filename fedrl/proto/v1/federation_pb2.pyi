@@ -127,19 +127,23 @@ class UpdatePart(_message.Message):
     def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class InlineUpdate(_message.Message):
-    __slots__ = ("header", "payload")
+    __slots__ = ("header", "payload", "next_task_wait_seconds")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TASK_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     header: UpdateHeader
     payload: bytes
-    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    next_task_wait_seconds: float
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., payload: _Optional[bytes] = ..., next_task_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
-    __slots__ = ("accepted", "round", "received_bytes")
+    __slots__ = ("accepted", "round", "received_bytes", "next_task")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TASK_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     round: int
     received_bytes: int
-    def __init__(self, accepted: _Optional[bool] = ..., round: _Optional[int] = ..., received_bytes: _Optional[int] = ...) -> None: ...
+    next_task: Task
+    def __init__(self, accepted: _Optional[bool] = ..., round: _Optional[int] = ..., received_bytes: _Optional[int] = ..., next_task: _Optional[_Union[Task, _Mapping]] = ...) -> None: ...
