@@ -322,13 +322,10 @@ def check_matches(state: Mapping[str, torch.Tensor], reference: Mapping[str, tor
     _check_specs({k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in state.items()}, reference, "", "")
 
 
-
-
 def check_manifest_matches(m: Manifest, reference: Mapping[str, torch.Tensor]) -> None:
-    """Before any chunk is accepted: ``m`` is consistent (:func:`check_manifest`, including a
-    declared size its tensors can have) and declares exactly the tensors of ``reference``
-    (names, dtypes, shapes)."""
-    check_manifest(m)
+    """Before any chunk is accepted: ``m`` declares exactly the tensors of ``reference`` (names,
+    dtypes, shapes). Its own consistency, including a declared size those tensors can have, is
+    :func:`check_manifest`, which :class:`Assembler` runs before it allocates anything."""
     _check_specs({t.name: (t.dtype, t.shape) for t in m.tensors}, reference, "manifest ", "manifest says ")
 
 
