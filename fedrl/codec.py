@@ -11,9 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -197,15 +197,23 @@ _FINITE_BLOCK = 1 << 20  # elements summed per step: bounds all_finite's float64
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every element is finite, without materialising a mask.
 
-    A float64 sum of a (b)float16/32 block cannot overflow (3.4e38 x 2^31 elements < 1.8e308),
-    so it is NaN/Inf exactly when some element of the block is (Inf - Inf is NaN). About 4x
-    cheaper than ``isfinite(t).all()`` on a 30 MB update. The sum converts its input to float64
-    first, so it runs over blocks of 2^20 elements: a whole 30 MB tensor would need a 60 MB
-    temporary per concurrent upload. float64 tensors take the mask path.
+    Fast path (float32/float64): the dot product of the values with themselves. It is a sum of
+    squares, so nothing cancels: any NaN or Inf makes it NaN or Inf, and if it is finite every
+    element is. One BLAS pass, no temporary, several times cheaper than the alternatives. It can
+    also overflow on finite values (any |x| above ~1.8e19 in float32), so a non-finite result is
+    only a suspicion, settled by the exact check below.
+
+    Exact check: a float64 sum of a (b)float16/32 block cannot overflow (3.4e38 x 2^31 elements <
+    1.8e308), so it is NaN/Inf exactly when some element of the block is (Inf - Inf is NaN). The
+    sum converts its input to float64 first, so it runs over blocks of 2^20 elements: a whole
+    30 MB tensor would need a 60 MB temporary per concurrent upload. float64 tensors take the
+    mask path.
     """
     if not t.is_floating_point() or t.numel() == 0:
         return True
     flat = t.reshape(-1)
+    if t.dtype in (torch.float32, torch.float64) and bool(torch.isfinite(torch.dot(flat, flat))):
+        return True
     for i in range(0, flat.numel(), _FINITE_BLOCK):
         block = flat[i:i + _FINITE_BLOCK]
         ok = torch.isfinite(block).all() if t.dtype == torch.float64 else torch.isfinite(
@@ -223,6 +231,15 @@ def _bad(msg: str) -> CodecError:
     return CodecError("bad_payload", f"payload is not a valid safetensors file: {msg}")
 
 
+class _Entry(NamedTuple):
+    begin: int  # byte offsets in the data area
+    end: int
+    name: str
+    dtype: torch.dtype
+    shape: list[int]
+    numel: int
+
+
 def parse_safetensors(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file held in memory, as views of ``buf`` (no copy).
 
@@ -234,6 +251,12 @@ def parse_safetensors(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
     """
     if not isinstance(buf, bytearray):
         buf = bytearray(buf)  # tensors must own writable memory (one copy; the receiver passes a bytearray)
+    start, entries = _layout(buf)
+    return _views(buf, start, entries)
+
+
+def _layout(buf: bytearray) -> tuple[int, list[_Entry]]:
+    """The data area's start and the tensors' entries, sorted by offset (see parse_safetensors)."""
     if len(buf) < 8:
         raise _bad("shorter than its 8-byte header length")
     n = int.from_bytes(bytes(buf[:8]), "little")
@@ -263,22 +286,49 @@ def parse_safetensors(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
         numel = math.prod(shape)
         if offs[1] - offs[0] != numel * td.itemsize or not 0 <= offs[0] <= offs[1] <= end_of_data:
             raise _bad(f"entry {name!r}: byte range {offs} does not hold {dtype}{shape}")
-        entries.append((offs[0], offs[1], name, td, shape, numel))
-    entries.sort(key=lambda e: (e[0], e[1]))
+        entries.append(_Entry(offs[0], offs[1], name, td, shape, numel))
+    entries.sort(key=lambda e: (e.begin, e.end))
     pos = 0
-    for b, e, name, *_ in entries:
-        if b != pos:
-            raise _bad(f"entry {name!r} starts at byte {b}, expected {pos} (gap or overlap)")
-        pos = e
+    for e in entries:
+        if e.begin != pos:
+            raise _bad(f"entry {e.name!r} starts at byte {e.begin}, expected {pos} (gap or overlap)")
+        pos = e.end
     if pos != end_of_data:
         raise _bad(f"tensors end at byte {pos} of a {end_of_data}-byte data area")
+    return start, entries
+
+
+def _views(buf: bytearray, start: int, entries: Sequence[_Entry]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for b, _, name, td, shape, numel in entries:
-        if numel == 0:
-            out[name] = torch.empty(shape, dtype=td)
+    for e in entries:
+        if e.numel == 0:
+            out[e.name] = torch.empty(e.shape, dtype=e.dtype)
         else:
-            out[name] = torch.frombuffer(buf, dtype=td, count=numel, offset=start + b).view(shape)
+            out[e.name] = torch.frombuffer(buf, dtype=e.dtype, count=e.numel, offset=start + e.begin).view(e.shape)
     return out
+
+
+def _first_non_finite(buf: bytearray, start: int, entries: Sequence[_Entry]) -> str | None:
+    """The name of the first tensor holding NaN or Inf, or None.
+
+    The entries tile the data area, so neighbours of one float dtype are checked as one span:
+    one pass over a policy's bytes instead of one per tensor. Only a failing span is searched
+    tensor by tensor, to name the culprit."""
+    i = 0
+    while i < len(entries):
+        j = i + 1
+        while j < len(entries) and entries[j].dtype == entries[i].dtype:
+            j += 1
+        span = entries[i:j]
+        count = sum(e.numel for e in span)
+        if span[0].dtype.is_floating_point and count and not all_finite(
+                torch.frombuffer(buf, dtype=span[0].dtype, count=count, offset=start + span[0].begin)):
+            for e in span:
+                if e.numel and not all_finite(torch.frombuffer(buf, dtype=e.dtype, count=e.numel,
+                                                               offset=start + e.begin)):
+                    return e.name
+        i = j
+    return None
 
 
 def decode(m: Manifest, payload: bytes | bytearray) -> dict[str, torch.Tensor]:
@@ -287,19 +337,22 @@ def decode(m: Manifest, payload: bytes | bytearray) -> dict[str, torch.Tensor]:
         raise CodecError("truncated", f"received {len(payload)} of {m.total_bytes} declared bytes")
     if hashlib.sha256(payload).hexdigest() != m.sha256:
         raise CodecError("sha256_mismatch", "payload sha256 does not match the manifest")
-    state = parse_safetensors(payload)
+    buf = payload if isinstance(payload, bytearray) else bytearray(payload)
+    start, entries = _layout(buf)
     spec = m.spec()
-    if set(state) != set(spec):
-        diff = sorted(set(state) ^ set(spec))
+    names = {e.name for e in entries}
+    if names != set(spec):
+        diff = sorted(names ^ set(spec))
         raise CodecError("tensor_mismatch", f"payload tensors differ from the manifest: {', '.join(diff[:5])}")
-    for k, v in state.items():
-        s = spec[k]
-        if dtype_name(v.dtype) != s.dtype or tuple(v.shape) != s.shape:
-            raise CodecError("tensor_mismatch", f"tensor {k!r} is {dtype_name(v.dtype)}{list(v.shape)}, "
+    for e in entries:
+        s = spec[e.name]
+        if dtype_name(e.dtype) != s.dtype or tuple(e.shape) != s.shape:
+            raise CodecError("tensor_mismatch", f"tensor {e.name!r} is {dtype_name(e.dtype)}{list(e.shape)}, "
                                                 f"manifest says {s.dtype}{list(s.shape)}")
-        if not all_finite(v):
-            raise CodecError("non_finite", f"tensor {k!r} contains NaN or Inf")
-    return state
+    bad = _first_non_finite(buf, start, entries)
+    if bad is not None:
+        raise CodecError("non_finite", f"tensor {bad!r} contains NaN or Inf")
+    return _views(buf, start, entries)
 
 
 def _check_specs(have: Mapping[str, tuple[str, tuple[int, ...]]], reference: Mapping[str, torch.Tensor],

@@ -199,6 +199,34 @@ def test_all_finite_is_exact():
         assert not all_finite(w), i
 
 
+MIXED = {"a": torch.randn(7, 5), "b": torch.randn(3), "c": torch.randn(40, 2), "d": torch.arange(6),
+         "e": torch.randn(4, dtype=torch.float64), "f": torch.randn(2, 2, dtype=torch.float64),
+         "g": torch.randn(9).to(torch.float16), "z": torch.zeros(0)}
+
+
+@FUZZ
+@given(st.sampled_from([k for k, v in MIXED.items() if v.is_floating_point() and v.numel()]),
+       st.integers(0, 1000), st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+def test_decode_names_the_tensor_holding_a_non_finite_value(name, pos, bad):
+    """Finiteness is checked over runs of same-dtype tensors at once; a failure still names
+    exactly the tensor with the bad value, whichever it is and wherever in it."""
+    state = {k: v.clone() for k, v in MIXED.items()}
+    state[name].view(-1)[pos % state[name].numel()] = bad
+    enc = encode(state, "run", 1, 0)
+    with pytest.raises(CodecError, match=f"tensor '{name}' contains NaN or Inf") as e:
+        decode(enc.manifest, enc.payload)
+    assert e.value.reason == "non_finite"
+
+
+def test_decode_returns_exactly_what_was_encoded():
+    enc = encode(MIXED, "run", 1, 0)
+    out = decode(enc.manifest, enc.payload)
+    assert out.keys() == MIXED.keys()
+    assert all(out[k].dtype == v.dtype and torch.equal(out[k], v) for k, v in MIXED.items())
+    huge = {"w": torch.full((5, 5), 3e38), "b": torch.full((3,), -2e30)}  # finite, but their squares are not
+    assert torch.equal(decode((h := encode(huge, "run", 1, 0)).manifest, h.payload)["w"], huge["w"])
+
+
 @pytest.mark.parametrize("total", [0, 5, 8 + 4 * 21000, (1 << 30), 8 + 4 * 21000 + (1 << 20) + 1])
 def test_a_declared_size_its_own_tensors_cannot_have_is_refused(total):
     """Any receiver (no model to compare with needed) sizes its buffer from the manifest."""
