@@ -22,7 +22,6 @@ from fedrl.algos.base import (
     POLICY,
     Batch,
     adam,
-    copy_state_,
     load_prefixed,
     prefixed_state,
     soft_update_,
@@ -115,7 +114,7 @@ class DRPOLearner:
         state = {k: v.to(self.device) for k, v in global_state.items()}
         if not load_prefixed(self.policy, state, POLICY):
             raise KeyError("global state has no 'policy.*' tensors")
-        copy_state_(self.global_policy, self.policy.state_dict())
+        load_prefixed(self.global_policy, state, POLICY)  # the same values: pi was just loaded from them
         load_prefixed(self.critic, state, CRITIC)
         load_prefixed(self.critic_target, state, CRITIC_TARGET)
         if self.cfg.reset_actor_optimizer:
