@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 from dataclasses import dataclass
 
 import grpc
@@ -18,7 +17,7 @@ from fedrl.federation.round import LocalTrainer, algo_config
 from fedrl.federation.runconfig import parse_run_config
 from fedrl.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
-from fedrl.rpc import create_channel
+from fedrl.rpc import StopFlag, create_channel
 from fedrl.security import TLSFiles
 from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_parts
 
@@ -51,7 +50,7 @@ class Agent:
         self.cfg, self.shard = cfg, shard
         self.metrics = metrics or AgentMetrics(cfg.agent_id, str(cfg.device))
         self.stats = ObsStats.of(shard.transitions.obs)
-        self._stop = threading.Event()
+        self._stop = StopFlag()  # stop() may be called from a signal handler
         self.trainer: LocalTrainer | None = None
         self.trainer_run = ""
         self.rounds_done = 0

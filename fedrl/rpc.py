@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -90,12 +90,43 @@ def announce_port(port_file: str | None, port: int) -> None:
         tmp.replace(port_file)
 
 
+class StopFlag:
+    """A stop request that a signal handler may set.
+
+    Setting it takes no lock. A handler that sets a ``threading.Event`` takes the Event's lock,
+    and a second signal arriving while it holds that lock re-enters the handler in the same
+    thread, which then waits forever for itself (seen: a service that never stopped after a
+    burst of SIGTERMs). :meth:`wait` sleeps in short slices instead of on a lock."""
+
+    POLL_SECONDS = 0.1
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True  # one store: atomic, and visible to every thread
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, returning early (within POLL_SECONDS) once set; the flag."""
+        end = time.monotonic() + seconds
+        while not self._set:
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(self.POLL_SECONDS, left))
+        return True
+
+
 def wait_for_shutdown() -> None:
     """Block until SIGTERM or SIGINT (main thread only)."""
-    done = threading.Event()
+    done = StopFlag()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    done.wait()
+    while not done.wait(3600):
+        pass
 
 
 def create_health_server(host: str, port: int, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> Server:
