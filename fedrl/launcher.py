@@ -236,7 +236,7 @@ class Launcher:
                      "source checkout's deploy/, not in an installed wheel); metrics are scraped without them")
         logf = open(self.out / "logs" / "prometheus.log", "w")
         self.logs.append(logf)
-        self.prometheus = LocalPrometheus(folder, config, self.cfg.prometheus_bin, logf)
+        self.prometheus = LocalPrometheus(folder, config, self.cfg.prometheus_bin, logf, preexec_fn=_die_with_parent)
         self.prometheus.wait_ready()
         self.log(f"prometheus on {self.prometheus.url} (try the query fedrl_aggregator_rounds_completed_total)")
 
@@ -334,8 +334,7 @@ def up(cfg: UpConfig, log: Callable[[str], None] = print) -> int:
     # Ctrl-C and SIGTERM both stop every child. Installed explicitly: a process started from a
     # non-interactive shell's background job inherits SIGINT ignored, and Python then never
     # raises KeyboardInterrupt.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     launcher = Launcher(cfg, log)
     try:
         rc = launcher.run()
@@ -359,4 +358,12 @@ def up(cfg: UpConfig, log: Callable[[str], None] = print) -> int:
         log("fedrl up: interrupted; stopping every process")
         return 130
     finally:
-        launcher.stop_children()
+        # A second Ctrl-C (or SIGTERM) must not cut the clean-up short: it is bounded (a grace
+        # period, then SIGKILL), and children it never reached would only learn of it on exit.
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            launcher.stop_children()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)

@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalPrometheus:
     """``prometheus`` as a child process on ``127.0.0.1``; :meth:`query` reads its HTTP API."""
 
-    def __init__(self, folder: Path, config: Path, binary: str | None = None, log_file=None) -> None:
+    def __init__(self, folder: Path, config: Path, binary: str | None = None, log_file=None,
+                 preexec_fn: Callable[[], None] | None = None) -> None:
+        """``preexec_fn`` runs in the child before exec (the launcher ties its life to its own)."""
         self.folder, self.config = Path(folder), Path(config)
         self.binary = find_prometheus(binary)
         self.port = free_port()
@@ -94,7 +96,8 @@ class LocalPrometheus:
         self.proc = subprocess.Popen(
             [self.binary, f"--config.file={self.config}", f"--storage.tsdb.path={self.folder / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
-            stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=preexec_fn)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         end = time.monotonic() + timeout

@@ -82,3 +82,43 @@ def test_every_endpoint_scrapes_clean_and_prometheus_reads_the_run(stand_dataset
         assert labels["job"] == "fedrl-aggregator"
         rules = json.loads(get(f"{prom_url.group(1)}/api/v1/rules"))["data"]["groups"]
         assert {r["name"] for g in rules for r in g["rules"]} >= {"FedrlRoundStalled", "FedrlUpdatesRejected"}
+
+
+def test_prometheus_stops_when_up_is_killed(stand_dataset, tmp_path):
+    """SIGKILL gives ``fedrl up`` no chance to stop its Prometheus: like the services, it must
+    get SIGTERM from the kernel and stop by itself, not stay behind holding its port."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from tests.e2e.lingering import stdout_until
+    from tests.e2e.test_up import TINY, _alive, _children
+
+    require_tool("prometheus")
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({**TINY, "round_timeout": 120}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedrl.cli", "up", "--config", str(cfg), "--dataset", str(stand_dataset),
+         "--agents", "2", "--trajectories", "2", "--rounds", "2", "--local-steps", "3", "--eval-episodes", "0",
+         "--device", "cpu", "--out", str(tmp_path / "run"), "--linger", "120", "--prometheus"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    prom: list[int] = []
+    try:
+        printed = stdout_until(proc, "prometheus on")
+        assert "prometheus on" in printed, printed
+        prom = [c for c in _children(proc.pid) if open(f"/proc/{c}/comm").read().strip() == "prometheus"]
+        assert len(prom) == 1, printed
+        proc.kill()
+        proc.wait(10)
+        end = time.monotonic() + 30
+        while _alive(prom[0]) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not _alive(prom[0]), "prometheus outlived the fedrl up that started it"
+    finally:
+        for c in prom + _children(proc.pid):
+            if _alive(c):
+                os.kill(c, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

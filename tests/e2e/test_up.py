@@ -87,6 +87,29 @@ def test_up_stops_every_child_on_ctrl_c(stand_dataset, tmp_path):
     assert [c for c in children if _alive(c)] == []
 
 
+def test_ctrl_c_pressed_again_does_not_cut_the_clean_up_short(stand_dataset, tmp_path):
+    """Users press Ctrl-C twice: the second one must not abort stopping the children."""
+    proc, console = _start_long_run(stand_dataset, tmp_path)
+    try:
+        children = _children(proc.pid)
+        assert len(children) >= 3
+        proc.send_signal(signal.SIGINT)
+        for _ in range(5):  # again and again while it stops its children
+            time.sleep(0.1)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        console.close()
+    text = (tmp_path / "console.txt").read_text()
+    assert rc == 130 and "Traceback" not in text, text[-2000:]
+    assert "interrupted; stopping every process" in text
+    time.sleep(0.5)
+    assert [c for c in children if _alive(c)] == []
+
+
 def test_no_orphans_when_up_itself_is_killed(stand_dataset, tmp_path):
     """SIGKILL gives fedrl up no chance to clean up: its children notice and stop by themselves."""
     proc, console = _start_long_run(stand_dataset, tmp_path)
