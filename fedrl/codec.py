@@ -13,6 +13,7 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any, NamedTuple
 
 import torch
@@ -314,20 +315,15 @@ def _first_non_finite(buf: bytearray, start: int, entries: Sequence[_Entry]) -> 
     The entries tile the data area, so neighbours of one float dtype are checked as one span:
     one pass over a policy's bytes instead of one per tensor. Only a failing span is searched
     tensor by tensor, to name the culprit."""
-    i = 0
-    while i < len(entries):
-        j = i + 1
-        while j < len(entries) and entries[j].dtype == entries[i].dtype:
-            j += 1
-        span = entries[i:j]
-        count = sum(e.numel for e in span)
-        if span[0].dtype.is_floating_point and count and not all_finite(
-                torch.frombuffer(buf, dtype=span[0].dtype, count=count, offset=start + span[0].begin)):
-            for e in span:
-                if e.numel and not all_finite(torch.frombuffer(buf, dtype=e.dtype, count=e.numel,
-                                                               offset=start + e.begin)):
-                    return e.name
-        i = j
+    def finite(first: _Entry, last: _Entry) -> bool:  # entries first..last, as one flat tensor
+        count = (last.end - first.begin) // first.dtype.itemsize
+        return count == 0 or all_finite(torch.frombuffer(buf, dtype=first.dtype, count=count,
+                                                         offset=start + first.begin))
+
+    for dtype, group in groupby(entries, key=lambda e: e.dtype):
+        span = list(group)
+        if dtype.is_floating_point and not finite(span[0], span[-1]):
+            return next(e.name for e in span if not finite(e, e))
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -109,8 +110,9 @@ class StopFlag:
     def is_set(self) -> bool:
         return self._set
 
-    def wait(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``, returning early (within POLL_SECONDS) once set; the flag."""
+    def wait(self, seconds: float = math.inf) -> bool:
+        """Sleep up to ``seconds`` (default: until set), returning within POLL_SECONDS of being
+        set; the flag."""
         end = time.monotonic() + seconds
         while not self._set:
             left = end - time.monotonic()
@@ -125,8 +127,7 @@ def wait_for_shutdown() -> None:
     done = StopFlag()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    while not done.wait(3600):
-        pass
+    done.wait()
 
 
 def create_health_server(host: str, port: int, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> Server:

@@ -25,10 +25,8 @@ def stdout_until(proc, marker: str) -> str:
     return "".join(lines)
 
 
-@contextlib.contextmanager
-def lingering_up(dataset, tmp_path, *flags: str):
-    """A tiny 2-agent, 2-round ``fedrl up`` that stays up after its run; yields (proc, out, printed).
-    Ctrl-C at the end must stop it with the run's exit status 0."""
+def start_lingering_up(dataset, tmp_path, *flags: str):
+    """A tiny 2-agent, 2-round ``fedrl up`` that stays up after its run; (proc, out folder)."""
     cfg = tmp_path / "run.json"
     cfg.write_text(json.dumps({**TINY, "round_timeout": 120}))
     out = tmp_path / "run"
@@ -37,6 +35,14 @@ def lingering_up(dataset, tmp_path, *flags: str):
          "--agents", "2", "--trajectories", "2", "--rounds", "2", "--local-steps", "3", "--eval-episodes", "1",
          "--device", "cpu", "--out", str(out), "--linger", "120", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return proc, out
+
+
+@contextlib.contextmanager
+def lingering_up(dataset, tmp_path, *flags: str):
+    """:func:`start_lingering_up`; yields (proc, out, printed). Ctrl-C at the end must stop it
+    with the run's exit status 0."""
+    proc, out = start_lingering_up(dataset, tmp_path, *flags)
     try:
         yield proc, out, stdout_until(proc, "run over")
     finally:

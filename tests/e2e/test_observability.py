@@ -4,15 +4,19 @@ dashboard and the alert rules query, and a real Prometheus scrapes the run."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from fedrl.local_prometheus import RULES_FILE, rule_groups
 from tests.conftest import require_tool
-from tests.e2e.lingering import lingering_up
+from tests.e2e.lingering import lingering_up, start_lingering_up, stdout_until
+from tests.e2e.test_up import _alive, _children
 from tests.service.test_federation import wait_for
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/components/monitoring/dashboards/fedrl.json"
@@ -87,22 +91,8 @@ def test_every_endpoint_scrapes_clean_and_prometheus_reads_the_run(stand_dataset
 def test_prometheus_stops_when_up_is_killed(stand_dataset, tmp_path):
     """SIGKILL gives ``fedrl up`` no chance to stop its Prometheus: like the services, it must
     get SIGTERM from the kernel and stop by itself, not stay behind holding its port."""
-    import os
-    import signal
-    import sys
-    import time
-
-    from tests.e2e.lingering import stdout_until
-    from tests.e2e.test_up import TINY, _alive, _children
-
     require_tool("prometheus")
-    cfg = tmp_path / "run.json"
-    cfg.write_text(json.dumps({**TINY, "round_timeout": 120}))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedrl.cli", "up", "--config", str(cfg), "--dataset", str(stand_dataset),
-         "--agents", "2", "--trajectories", "2", "--rounds", "2", "--local-steps", "3", "--eval-episodes", "0",
-         "--device", "cpu", "--out", str(tmp_path / "run"), "--linger", "120", "--prometheus"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc, _ = start_lingering_up(stand_dataset, tmp_path, "--prometheus")
     prom: list[int] = []
     try:
         printed = stdout_until(proc, "prometheus on")
