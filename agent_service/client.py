@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -51,6 +52,7 @@ class Agent:
         self.metrics = metrics or AgentMetrics(cfg.agent_id, str(cfg.device))
         self.stats = ObsStats.of(shard.transitions.obs)
         self._stop = StopFlag()  # stop() may be called from a signal handler
+        self._channel: grpc.Channel | None = None  # the one in use (closed by stop)
         self.trainer: LocalTrainer | None = None
         self.trainer_run = ""
         self.rounds_done = 0
@@ -60,34 +62,59 @@ class Agent:
         self._stop.set()
 
     def run(self) -> None:
+        """Until :meth:`stop`: join, then wait, fetch, train and submit; rejoin after failures."""
+        threading.Thread(target=self._close_channel_on_stop, name="agent-stop", daemon=True).start()
         delay = self.cfg.backoff_initial
         while not self._stop.is_set():
-            channel = create_channel(self.cfg.target, self.cfg.tls, self.cfg.token)
+            channel = self._channel = create_channel(self.cfg.target, self.cfg.tls, self.cfg.token)
             try:
-                stub = federation_pb2_grpc.FederationStub(channel)
-                self._join(stub)
-                delay = self.cfg.backoff_initial
-                self._loop(stub)
-            except CodecError as e:
-                # The global model failed verification on the way here (damaged in transit, a bad
-                # store): nothing was trained or sent. Ask again after a pause, on a new channel.
-                # The pause grows while no round succeeds (a successful submission resets it).
-                wait = min(self.cfg.backoff_initial * 2 ** self._bad_streak, self.cfg.backoff_max)
-                self._bad_streak += 1
-                log.error("global model refused (%s: %s); asking again in %.1fs", e.reason, e, wait)
-                self.metrics.bad_downloads.inc()
-                self._stop.wait(wait * (0.5 + random.random()))
-            except grpc.RpcError as e:
-                code = e.code()
-                if code not in RETRYABLE and code != grpc.StatusCode.NOT_FOUND:
-                    log.error("giving up: %s %s", code.name, e.details())
+                if not self._stop.is_set():  # stop() may have come while the channel was made
+                    delay = self._session(channel, delay)
+            except Exception as e:
+                if not self._stop.is_set():
                     raise
-                log.warning("aggregator unavailable (%s: %s); retrying in %.1fs", code.name, e.details(), delay)
-                self.metrics.reconnects.inc()
-                self._stop.wait(delay * (0.5 + random.random()))
-                delay = min(delay * 2, self.cfg.backoff_max)
+                # a call cancelled by _close_channel_on_stop, a local round cut short
+                log.info("stopped: %s", e.details() if isinstance(e, grpc.RpcError) else e)
             finally:
                 channel.close()
+
+    def _close_channel_on_stop(self) -> None:
+        """Once stopped, close the channel in use: that cancels a call in flight (a long-poll for
+        a task, a transfer) at once. :meth:`stop` itself runs in a signal handler, which must
+        not take the locks closing a channel takes."""
+        self._stop.wait()
+        channel = self._channel
+        if channel is not None:
+            channel.close()
+
+    def _session(self, channel: grpc.Channel, delay: float) -> float:
+        """Join and work on one channel until it fails; returns the next reconnection delay."""
+        try:
+            stub = federation_pb2_grpc.FederationStub(channel)
+            self._join(stub)
+            delay = self.cfg.backoff_initial
+            self._loop(stub)
+        except CodecError as e:
+            # The global model failed verification on the way here (damaged in transit, a bad
+            # store): nothing was trained or sent. Ask again after a pause, on a new channel.
+            # The pause grows while no round succeeds (a successful submission resets it).
+            wait = min(self.cfg.backoff_initial * 2 ** self._bad_streak, self.cfg.backoff_max)
+            self._bad_streak += 1
+            log.error("global model refused (%s: %s); asking again in %.1fs", e.reason, e, wait)
+            self.metrics.bad_downloads.inc()
+            self._stop.wait(wait * (0.5 + random.random()))
+        except grpc.RpcError as e:
+            code = e.code()
+            if self._stop.is_set():
+                raise
+            if code not in RETRYABLE and code != grpc.StatusCode.NOT_FOUND:
+                log.error("giving up: %s %s", code.name, e.details())
+                raise
+            log.warning("aggregator unavailable (%s: %s); retrying in %.1fs", code.name, e.details(), delay)
+            self.metrics.reconnects.inc()
+            self._stop.wait(delay * (0.5 + random.random()))
+            delay = min(delay * 2, self.cfg.backoff_max)
+        return delay
 
     def _join(self, stub) -> None:
         tr = self.shard.transitions
@@ -140,7 +167,7 @@ class Agent:
             manifest, chunks = read_weight_parts(parts)
         check_manifest_matches(manifest, self.base_reference)  # before a buffer is sized from it
         state = assemble(manifest, chunks)
-        res = trainer.train_round(state, task.local_steps)
+        res = trainer.train_round(state, task.local_steps, stop=self._stop.is_set)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples)
         header = federation_pb2.UpdateHeader(agent_id=self.cfg.agent_id, weights=manifest_to_proto(enc.manifest),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +24,10 @@ _INIT_LOCK = threading.Lock()
 
 # Seed streams derived from the run seed; keeping them apart keeps runs reproducible.
 SEED_GLOBAL_INIT, SEED_AGENT_INIT, SEED_AGENT_RNG, SEED_EVAL, SEED_SHARDS = range(5)
+
+
+class RoundInterrupted(Exception):
+    """A local round stopped before its last step because its caller asked it to."""
 
 
 @dataclass(frozen=True)
@@ -87,15 +91,22 @@ class LocalTrainer:
                                      derive_seed(seed, SEED_AGENT_INIT, agent),
                                      derive_seed(seed, SEED_AGENT_RNG, agent))
 
-    def train_round(self, global_state: Mapping[str, torch.Tensor], steps: int) -> LocalResult:
-        """Adopt ``global_state``, run ``steps`` local updates, return the shared parameters."""
+    def train_round(self, global_state: Mapping[str, torch.Tensor], steps: int,
+                    stop: Callable[[], bool] | None = None) -> LocalResult:
+        """Adopt ``global_state``, run ``steps`` local updates, return the shared parameters.
+
+        ``stop`` is asked before every step; when it answers True the round is abandoned
+        (:class:`RoundInterrupted`): a service asked to shut down does not finish minutes of
+        local training first."""
         t0 = time.perf_counter()
         self.learner.begin_round(global_state)
         if self.local_normalizer:
             self.learner.policy.set_normalizer(torch.from_numpy(self.obs_mean),
                                                torch.from_numpy(self.obs_std))
         logs: dict[str, list[torch.Tensor]] = {}
-        for _ in range(steps):
+        for i in range(steps):
+            if stop is not None and stop():
+                raise RoundInterrupted(f"local round abandoned after {i} of {steps} steps")
             for k, v in self.learner.update(self.buffer.sample(self.cfg.batch_size, self.learner.gen)).items():
                 logs.setdefault(k, []).append(v)
         metrics = {k: float(torch.stack(v).float().mean()) for k, v in logs.items()}

@@ -51,12 +51,12 @@ class Procs:
         self.procs[name] = p
         return p
 
-    def aggregator(self) -> str:
+    def aggregator(self, task_wait: float = 2) -> str:
         pf = self.tmp / "agg.port"
         pf.unlink(missing_ok=True)
         for _ in range(50):  # a restart wants the same port back (agents only know that one)
             self.spawn("aggregator", "-m", "aggregator_service", "--port", str(self.port), "--port-file", str(pf),
-                       "--state-dir", str(self.tmp / "state"), "--task-wait", "2")
+                       "--state-dir", str(self.tmp / "state"), "--task-wait", str(task_wait))
             p = self.procs["aggregator"]
             while not pf.exists() and p.poll() is None:
                 time.sleep(0.05)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
+from pathlib import Path
 
+from fedrl.client import ControlClient
 from tests.e2e.test_faults import Procs, wait_for
 
 
@@ -42,5 +45,42 @@ def test_every_service_stops_under_a_storm_of_sigterms(tmp_path, stand_dataset):
             except Exception:
                 raise AssertionError(f"{name} did not stop within 20 s of a SIGTERM storm; "
                                      f"log: {(tmp_path / 'logs' / f'{name}.log').read_text()[-1500:]}") from None
+    finally:
+        ps.close()
+
+
+def _stop_seconds(p, name: str, log: Path, limit: float = 20) -> float:
+    """SIGTERM ``p``; how long it took to exit (fails past ``limit``)."""
+    t = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(limit)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{name} still running {limit:.0f} s after SIGTERM; log: {log.read_text()[-1500:]}") \
+            from None
+    return time.monotonic() - t
+
+
+def test_an_agent_stops_within_seconds_while_training_or_long_polling(tmp_path, stand_dataset):
+    """SIGTERM must not wait for the end of a local round (minutes at the paper's sizes on a
+    CPU) nor for a long-poll to return (the agent asks for 10 s; the aggregator allows 30)."""
+    ps = Procs(tmp_path, stand_dataset)
+    logs = tmp_path / "logs"
+    try:
+        target = ps.aggregator(task_wait=30)
+        ps.agent(0, target)
+        wait_for(lambda: "joined" in (logs / "agent-0.log").read_text(), 60, "agent-0 to join", ps.alive())
+        with ControlClient(target) as c:
+            # one round far too long to finish here: 10^6 DRPO steps at the paper's sizes
+            c.start({"agents": 1, "rounds": 1, "local_steps": 1_000_000, "eval_episodes": 0, "seed": 3})
+            wait_for(lambda: c.status()["state"] == "running", 60, "the run to start", ps.alive())
+        ps.agent(1, target)  # not selected: it long-polls NextTask, answered WAIT every 10 s
+        wait_for(lambda: "joined" in (logs / "agent-1.log").read_text(), 60, "agent-1 to join", ps.alive())
+        time.sleep(2.0)  # agent-0 is well into its local steps, agent-1 into a long-poll
+        took = {name: _stop_seconds(ps.procs[name], name, logs / f"{name}.log") for name in ("agent-0", "agent-1")}
+        print("seconds from SIGTERM to exit:", took)
+        for name, s in took.items():
+            assert s < 5.0, f"{name} took {s:.1f} s to stop after SIGTERM"
+            assert "Traceback" not in (logs / f"{name}.log").read_text(), name
     finally:
         ps.close()
