@@ -295,7 +295,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
 
 
 def _ctl_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, stop")
+    p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, fetch, stop")
     p.add_argument("--target", default="127.0.0.1:50051", help="aggregator HOST:PORT")
     p.add_argument("--connect-timeout", type=float, default=10.0,
                    help="seconds to wait for the aggregator to answer (e.g. while its pod starts)")
@@ -312,6 +312,9 @@ def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     csub.add_parser("status", help="the run's state, round, agents and last evaluation")
     w = csub.add_parser("watch", help="print round events until the run ends")
     w.add_argument("--after-version", type=int, default=-1)
+    f = csub.add_parser("fetch", help="save a global version of the run as a policy file (for fedrl evaluate)")
+    f.add_argument("--version", type=int, default=-1, help="default: the latest")
+    f.add_argument("--out", required=True, help="the .safetensors file to write")
     sp = csub.add_parser("stop", help="stop the active run")
     sp.add_argument("--reason", default="stopped by operator")
     p.set_defaults(func=_cmd_ctl)
@@ -354,6 +357,13 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
                     print(json.dumps(e), flush=True)
             elif a.ctl_cmd == "stop":
                 print(dumps(c.stop(a.reason)))
+            elif a.ctl_cmd == "fetch":
+                try:
+                    meta = c.save_policy(a.out, a.version)
+                except (ValueError, OSError) as e:  # no run yet; the file cannot be written
+                    print(f"fedrl ctl: {e}", file=sys.stderr)
+                    return 1
+                print(dumps({"path": a.out, **{k: meta[k] for k in ("run_id", "version", "env_id", "algo")}}))
     except grpc.RpcError as e:
         print(f"fedrl ctl: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

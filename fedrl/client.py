@@ -6,12 +6,14 @@
         for event in c.watch():
             print(event["kind"], event["round"], event.get("evaluation"))
         policy_state = c.fetch_global()          # the latest global model's tensors
+        c.save_policy("policy.safetensors")      # ... as a file `fedrl evaluate` reads
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +76,26 @@ class ControlClient:
         parts = self.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=version),
                                      timeout=max(self.timeout, 120))
         return assemble(*read_weight_parts(parts))
+
+    def save_policy(self, path: str | Path, version: int = -1) -> dict[str, Any]:
+        """Write a global version of the current run as a policy file (``fedrl evaluate`` reads it;
+        default: the latest); returns the metadata written with it (run, version, env, algo,
+        hyperparameters)."""
+        from fedrl.algos.config import config_to_dict
+        from fedrl.federation.round import algo_config
+        from fedrl.policy_io import policy_from_state, save_policy
+
+        st = self.status()
+        if not st.get("run_id"):
+            raise ValueError("the aggregator has no run: nothing to fetch")
+        v = st["global_version"] if version < 0 else version  # pinned: the metadata names these tensors
+        state = self.fetch_global(st["run_id"], v)
+        rc = parse_run_config(st["config_json"])
+        hp = algo_config(rc.algo, rc.drpo, rc.bc)
+        meta = {"env_id": st.get("env_id", ""), "algo": rc.algo, "run_id": st["run_id"], "version": v,
+                "hparams": config_to_dict(hp)}
+        save_policy(policy_from_state(state, hp.log_std_min, hp.log_std_max), path, meta)
+        return meta
 
 
 def dumps(obj: Any) -> str:

@@ -291,17 +291,7 @@ class Launcher:
         return f"round {r['round']:3d}/{self.cfg.run.rounds}  {ev}  {losses}  [{r['seconds']:.1f}s]"
 
     def _save_policy(self, client, status: dict) -> None:
-        from fedrl.algos.config import config_to_dict
-        from fedrl.federation.round import algo_config
-        from fedrl.policy_io import policy_from_state, save_policy
-
-        state = client.fetch_global(status["run_id"], status["global_version"])
-        rc = self.cfg.run
-        hp = algo_config(rc.algo, rc.drpo, rc.bc)
-        pol = policy_from_state(state, hp.log_std_min, hp.log_std_max)
-        save_policy(pol, self.out / "global_policy.safetensors",
-                    {"env_id": status.get("env_id", ""), "algo": rc.algo, "run_id": status["run_id"],
-                     "version": status["global_version"], "hparams": config_to_dict(hp)})
+        client.save_policy(self.out / "global_policy.safetensors", status["global_version"])
 
     def _write_results(self, rounds: dict[int, dict[str, Any]], final: dict) -> None:
         rows = [rounds[v] for v in sorted(rounds)]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import grpc
+import torch
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -72,3 +73,34 @@ def test_health_and_reflection(aggregator):
     resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
     names = {s.name for s in resp.list_services_response.service}
     assert {"fedrl.v1.Federation", "fedrl.v1.Control", "grpc.health.v1.Health"} <= names
+
+
+def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path):
+    from fedrl.policy_io import load_policy
+
+    def ctl(*args):
+        return subprocess.run([sys.executable, "-m", "fedrl.cli", "ctl", "--target", aggregator.target, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    out = tmp_path / "policies" / "global.safetensors"
+    p = ctl("fetch", "--out", str(out))
+    assert p.returncode == 1 and "no run" in p.stderr and not out.exists()
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    with ControlClient(aggregator.target) as c:
+        c.start(json.loads(run_config(agents=2)))
+        assert wait_for(lambda: c.status()["state"] == "running")
+        served = c.fetch_global()
+        run_id = c.status()["run_id"]
+    p = ctl("fetch", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"path": str(out), "run_id": run_id, "version": 0, "env_id": "Hopper-v5",
+                                    "algo": "drpo"}
+    policy, meta = load_policy(out)  # what `fedrl evaluate` reads
+    assert (meta["run_id"], meta["version"], meta["algo"]) == (run_id, 0, "drpo")
+    state = {f"policy.{k}": v for k, v in policy.state_dict().items()}
+    assert state.keys() == served.keys()
+    assert all(torch.equal(state[k], served[k]) for k in served)
+    p = ctl("fetch", "--version", "7", "--out", str(tmp_path / "v7.safetensors"))
+    assert p.returncode == 1 and "NOT_FOUND" in p.stderr and "version 7 does not exist yet" in p.stderr
+    assert not (tmp_path / "v7.safetensors").exists()
