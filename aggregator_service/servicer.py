@@ -14,8 +14,8 @@ from fedrl.data.normalize import ObsStats
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
 from fedrl.rpc import ServiceError, codec_status
 from fedrl.security import Authenticator
-from fedrl.serde import (event_to_proto, evaluation_from_proto, manifest_from_proto, manifest_to_proto,
-                         status_to_proto, weight_parts)
+from fedrl.serde import (event_to_proto, evaluation_from_proto, length_delimited_field, manifest_from_proto,
+                         manifest_to_proto, status_to_proto, weight_parts)
 
 log = logging.getLogger("fedrl.aggregator")
 
@@ -29,6 +29,11 @@ def _abort(context: grpc.ServicerContext, e: Exception) -> None:
 
 
 class FederationServicer(federation_pb2_grpc.FederationServicer):
+    # These answer with bytes: a Task (alone, or as the next_task of a SubmitReply), which is the
+    # same for every agent of a round, weights included, is serialised once per round instead of
+    # once per agent (fedrl.rpc.create_server sends such replies as they are).
+    PRESERIALIZED = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline")
+
     def __init__(self, coord: Coordinator, auth: Authenticator | None = None) -> None:
         self.coord = coord
         self.auth = auth or Authenticator()
@@ -38,6 +43,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         # CPU. Streamed updates are not held to it: they wait on the network between chunks, and
         # their long sha256 and finiteness passes run in parallel on several cores.
         self._inline_lock = threading.Lock()
+        self._task_cache: tuple[tuple, bytes, int] | None = None  # the round's TRAIN task, serialised
 
     def Join(self, request, context):
         self.auth.check_agent(context, request.agent_id)
@@ -55,19 +61,29 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
 
     def NextTask(self, request, context):
         self.auth.check_agent(context, request.agent_id)
-        return self._task(context, request.agent_id, request.wait_seconds)
+        return self._task_bytes(context, request.agent_id, request.wait_seconds)
 
-    def _task(self, context, agent_id: str, wait: float) -> federation_pb2.Task:
+    def _task_bytes(self, context, agent_id: str, wait: float) -> bytes:
+        """The agent's next task, serialised. A round's TRAIN tasks differ between agents only in
+        their normalisers (none with pooled statistics): each distinct one is serialised once."""
         try:
             t = self.coord.next_task(agent_id, wait)
         except ServiceError as e:
             _abort(context, e)
-        kind = federation_pb2.Task.Kind.Value(t.pop("kind"))
         base = t.pop("base", None)
-        if base is not None:
-            t["base_manifest"], t["base_payload"] = manifest_to_proto(base.manifest), base.payload
-            self.coord.metrics.bytes_sent.inc(len(base.payload))
-        return federation_pb2.Task(kind=kind, **t)
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in t.values()) + (id(base),)
+        cached = self._task_cache
+        if cached is not None and cached[0] == key:
+            data, weight_bytes = cached[1], cached[2]
+        else:
+            kind = federation_pb2.Task.Kind.Value(t.pop("kind"))
+            if base is not None:
+                t["base_manifest"], t["base_payload"] = manifest_to_proto(base.manifest), base.payload
+            data, weight_bytes = federation_pb2.Task(kind=kind, **t).SerializeToString(), len(t.get("base_payload", b""))
+            if base is not None:
+                self._task_cache = (key, data, weight_bytes)
+        self.coord.metrics.bytes_sent.inc(weight_bytes)
+        return data
 
     def FetchGlobal(self, request, context):
         try:
@@ -102,9 +118,11 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                                    "bad_stream")
             return request.header, (request.payload,)
         with self._inline_lock:
-            reply = self._submit(context, parts)
+            reply = self._submit(context, parts).SerializeToString()
         if request.next_task_wait_seconds > 0:  # accepted: answer with the next task (one call a round)
-            reply.next_task.CopyFrom(self._task(context, request.header.agent_id, request.next_task_wait_seconds))
+            reply += length_delimited_field(federation_pb2.SubmitReply.NEXT_TASK_FIELD_NUMBER,
+                                            self._task_bytes(context, request.header.agent_id,
+                                                             request.next_task_wait_seconds))
         return reply
 
     def _submit(self, context, parts):

@@ -61,9 +61,14 @@ def create_server(
     tls: TLSFiles | None = None,
 ) -> Server:
     """Start a server on ``host:port`` (0: a free port) serving ``(add_fn, servicer, full_name)``;
-    TLS (mutual when ``tls`` has a CA) when ``tls`` is given, plaintext otherwise."""
+    TLS (mutual when ``tls`` has a CA) when ``tls`` is given, plaintext otherwise.
+
+    A servicer whose methods answer with bytes they serialised themselves lists those methods in
+    ``PRESERIALIZED`` (full names); their replies are sent as given."""
+    raw = frozenset(m for _, servicer, _ in registrations for m in getattr(servicer, "PRESERIALIZED", ()))
+    interceptors = [*([PreserializedReplies(raw)] if raw else []), *interceptors]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-                         options=SERVER_OPTIONS, interceptors=list(interceptors))
+                         options=SERVER_OPTIONS, interceptors=interceptors)
     names = []
     for add, servicer, name in registrations:
         add(servicer, server)
@@ -81,6 +86,22 @@ def create_server(
     s = Server(server, bound, hs, names)
     s.set_serving(True)
     return s
+
+
+class PreserializedReplies(grpc.ServerInterceptor):
+    """Sends the replies of ``methods`` as the bytes their handlers return (no serializer).
+
+    For a reply that carries the same large field to many callers: serialised once, not once
+    per call (see ``FederationServicer.SubmitUpdateInline``)."""
+
+    def __init__(self, methods: frozenset[str]) -> None:
+        self.methods = methods
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is not None and handler_call_details.method in self.methods:
+            handler = handler._replace(response_serializer=None)
+        return handler
 
 
 def announce_port(port_file: str | None, port: int) -> None:

@@ -15,6 +15,19 @@ def manifest_to_proto(m: Manifest) -> weights_pb2.WeightsManifest:
         num_samples=m.num_samples, total_bytes=m.total_bytes, sha256=m.sha256, encoding=m.encoding)
 
 
+def length_delimited_field(number: int, data: bytes) -> bytes:
+    """``data`` (e.g. a serialised message) as field ``number`` of an enclosing message, in the
+    protobuf wire format: appended to that message's own bytes it sets the field (parsers take
+    fields in any order)."""
+    out, n = bytearray(), (number << 3) | 2  # wire type 2: length-delimited
+    for v in (n, len(data)):
+        while v > 0x7F:
+            out.append(v & 0x7F | 0x80)
+            v >>= 7
+        out.append(v)
+    return bytes(out) + data
+
+
 def manifest_from_proto(p: weights_pb2.WeightsManifest) -> Manifest:
     return Manifest(p.run_id, p.round, p.base_version,
                     tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in p.tensors),

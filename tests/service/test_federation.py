@@ -18,7 +18,7 @@ from fedrl.codec import encode
 from fedrl.federation.runconfig import RunConfig
 from fedrl.federation.simulate import SimConfig, run as simulate
 from fedrl.proto.v1 import control_pb2, federation_pb2
-from fedrl.serde import manifest_to_proto, read_weight_parts, status_from_proto
+from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_parts, status_from_proto
 from fedrl.codec import assemble
 
 SMALL = DRPOConfig(hidden=(32, 32), batch_size=16, cql_n_actions=2)
@@ -399,3 +399,45 @@ def test_an_inline_update_can_bring_back_the_next_task(open_round):
     t0 = time.monotonic()
     assert_refused(lambda: inline("a0", 20), grpc.StatusCode.FAILED_PRECONDITION, "round 1 is closed")
     assert time.monotonic() - t0 < 5
+
+
+def test_each_agent_gets_its_own_normaliser_in_every_task(aggregator):
+    """Tasks are serialised once per round and shared while they are the same; with local
+    observation statistics they are not, and no agent may be sent another's normaliser, whether
+    the task comes from NextTask or in the reply to an inline update."""
+    means = {"a0": 1.0, "a1": 5.0}
+    for i, (a, mu) in enumerate(means.items()):
+        aggregator.fed.Join(federation_pb2.JoinRequest(
+            agent_id=a, agent_index=i, num_samples=100, obs_dim=11, act_dim=3, env_id="Hopper-v5",
+            obs_moments=federation_pb2.ObsMoments(count=100, sum=[100 * mu] * 11, sum_sq=[100 * (mu * mu + 4)] * 11)),
+            timeout=5)
+    st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(obs_norm="local", rounds=3)), timeout=5))
+    run_id = st["run_id"]
+
+    def check(task, agent, round):
+        assert (task.kind, task.round) == (federation_pb2.Task.TRAIN, round)
+        np.testing.assert_allclose(task.obs_mean, [means[agent]] * 11)
+        np.testing.assert_allclose(task.obs_std, [2.0] * 11, rtol=1e-3)
+
+    tasks = {a: aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id=a, wait_seconds=1), timeout=5)
+             for a in ("a0", "a1", "a0")}  # a0 again: after a1's task was made
+    for a, t in tasks.items():
+        check(t, a, 1)
+    g = assemble(manifest_from_proto(tasks["a0"].base_manifest), [tasks["a0"].base_payload])
+    for r in (1, 2):  # a0 waits on its reply, a1's closes the round: both replies carry round r+1
+        enc = {a: encode(g, run_id, r, r - 1, 100) for a in means}
+        replies = {}
+
+        def inline(a):
+            replies[a] = aggregator.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(
+                header=federation_pb2.UpdateHeader(agent_id=a, weights=manifest_to_proto(enc[a].manifest)),
+                payload=enc[a].payload, next_task_wait_seconds=20), timeout=30)
+        first = threading.Thread(target=inline, args=("a0",))
+        first.start()
+        wait_for(lambda: "a0" in aggregator.coord.run.submissions, what="a0's update")
+        inline("a1")
+        first.join(10)
+        for a in means:
+            check(replies[a].next_task, a, r + 1)
+        g = assemble(manifest_from_proto(replies["a1"].next_task.base_manifest), [replies["a1"].next_task.base_payload])

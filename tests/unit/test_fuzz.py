@@ -269,3 +269,22 @@ def test_own_safetensors_writer_is_read_by_the_reference_library(spec):
     assert back.keys() == state.keys()
     for k in state:
         assert back[k].dtype == state[k].dtype and back[k].shape == state[k].shape and torch.equal(back[k], state[k])
+
+
+@settings(max_examples=60, deadline=None)
+@given(payload=st.binary(max_size=20_000), big=st.integers(0, 3), round=st.integers(0, 2**40),
+       accepted=st.booleans())
+def test_a_task_appended_as_bytes_parses_as_the_reply_built_with_it(payload, big, round, accepted):
+    """The aggregator answers SubmitUpdateInline with SubmitReply bytes + length_delimited_field(4,
+    Task bytes): protobuf must read exactly the message it would have serialised itself."""
+    from fedrl.serde import length_delimited_field
+
+    payload *= 10 ** big  # lengths with 1 to 4 varint bytes
+    task = federation_pb2.Task(kind=federation_pb2.Task.TRAIN, run_id="r", round=round, base_payload=payload,
+                               obs_mean=[0.5, -1.0])
+    head = federation_pb2.SubmitReply(accepted=accepted, round=round, received_bytes=len(payload))
+    wire = head.SerializeToString() + length_delimited_field(4, task.SerializeToString())
+    expected = federation_pb2.SubmitReply(accepted=accepted, round=round, received_bytes=len(payload),
+                                          next_task=task)
+    assert federation_pb2.SubmitReply.FromString(wire) == expected
+    assert wire == expected.SerializeToString()  # field 4 is the last one: even the bytes agree
