@@ -43,7 +43,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         # CPU. Streamed updates are not held to it: they wait on the network between chunks, and
         # their long sha256 and finiteness passes run in parallel on several cores.
         self._inline_lock = threading.Lock()
-        self._task_cache: tuple[tuple, bytes, int] | None = None  # the round's TRAIN task, serialised
+        self._task_cache: tuple[tuple, bytes] | None = None  # the last task with weights, serialised
 
     def Join(self, request, context):
         self.auth.check_agent(context, request.agent_id)
@@ -73,17 +73,16 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         base = t.pop("base", None)
         key = tuple(tuple(v) if isinstance(v, list) else v for v in t.values()) + (id(base),)
         cached = self._task_cache
-        if cached is not None and cached[0] == key:
-            data, weight_bytes = cached[1], cached[2]
-        else:
+        if cached is None or cached[0] != key:
             kind = federation_pb2.Task.Kind.Value(t.pop("kind"))
             if base is not None:
                 t["base_manifest"], t["base_payload"] = manifest_to_proto(base.manifest), base.payload
-            data, weight_bytes = federation_pb2.Task(kind=kind, **t).SerializeToString(), len(t.get("base_payload", b""))
-            if base is not None:
-                self._task_cache = (key, data, weight_bytes)
-        self.coord.metrics.bytes_sent.inc(weight_bytes)
-        return data
+            cached = (key, federation_pb2.Task(kind=kind, **t).SerializeToString())
+            if base is not None:  # a task with weights inline: worth keeping for the next agent
+                self._task_cache = cached
+        if base is not None:
+            self.coord.metrics.bytes_sent.inc(len(base.payload))
+        return cached[1]
 
     def FetchGlobal(self, request, context):
         try:
