@@ -187,7 +187,7 @@ class Launcher:
             final = client.status()
             ok = final["state"] == "finished"
             if final["global_version"] > 0:
-                self._save_policy(client, final)
+                client.save_policy(self.out / "global_policy.safetensors", final["global_version"])
         self._write_results(rounds, final)
         if not ok:
             self.log(f"run {final.get('run_id')} {final['state']}: {final.get('message', '')}")
@@ -289,9 +289,6 @@ class Launcher:
         losses = "  ".join(f"{k[5:]}={v:.3g}" for k, v in r.items()
                            if k in ("loss_critic_td", "loss_cql_penalty", "loss_reg_data", "loss_bc_loss"))
         return f"round {r['round']:3d}/{self.cfg.run.rounds}  {ev}  {losses}  [{r['seconds']:.1f}s]"
-
-    def _save_policy(self, client, status: dict) -> None:
-        client.save_policy(self.out / "global_policy.safetensors", status["global_version"])
 
     def _write_results(self, rounds: dict[int, dict[str, Any]], final: dict) -> None:
         rows = [rounds[v] for v in sorted(rounds)]

@@ -38,10 +38,14 @@ def test_python_client_drives_a_run(aggregator):
         assert kinds[0] == "RUN_STARTED" and kinds[-1] == "RUN_STOPPED"
 
 
+def _ctl(target: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fedrl.cli", "ctl", "--target", target, *args],
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_ctl_command_line(aggregator):
     def ctl(*args):
-        return subprocess.run([sys.executable, "-m", "fedrl.cli", "ctl", "--target", aggregator.target, *args],
-                              capture_output=True, text=True, timeout=60)
+        return _ctl(aggregator.target, *args)
 
     p = ctl("status")
     assert p.returncode == 0 and json.loads(p.stdout)["state"] == "idle"
@@ -56,8 +60,7 @@ def test_ctl_command_line(aggregator):
     assert p.returncode == 0 and json.loads(p.stdout)["message"] == "from the test"
     p = ctl("watch")
     assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["kind"] == "RUN_STOPPED"
-    p = subprocess.run([sys.executable, "-m", "fedrl.cli", "ctl", "--target", "127.0.0.1:1", "status"],
-                       capture_output=True, text=True, timeout=60)
+    p = _ctl("127.0.0.1:1", "status")
     assert p.returncode == 1 and "no aggregator answering at 127.0.0.1:1" in p.stderr
 
 
@@ -79,8 +82,7 @@ def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path)
     from fedrl.policy_io import load_policy
 
     def ctl(*args):
-        return subprocess.run([sys.executable, "-m", "fedrl.cli", "ctl", "--target", aggregator.target, *args],
-                              capture_output=True, text=True, timeout=60)
+        return _ctl(aggregator.target, *args)
 
     out = tmp_path / "policies" / "global.safetensors"
     p = ctl("fetch", "--out", str(out))

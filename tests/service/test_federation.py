@@ -119,11 +119,13 @@ def test_watch_streams_round_events_and_replays(aggregator, agent_threads, stand
 
 # -- bad input: a hand-driven federation whose round 1 stays open ---------------------------------
 
-def join(agg, agent_id: str, index: int, obs_dim: int = 11):
+def join(agg, agent_id: str, index: int, obs_dim: int = 11, moments: tuple[float, float] = (1.0, 2.0)):
+    """Join as an agent with 100 samples whose observation sum and sum of squares are ``moments``
+    in every dimension."""
     return agg.fed.Join(federation_pb2.JoinRequest(
         agent_id=agent_id, agent_index=index, num_samples=100, obs_dim=obs_dim, act_dim=3,
         env_id="Hopper-v5", obs_moments=federation_pb2.ObsMoments(
-            count=100, sum=[1.0] * obs_dim, sum_sq=[2.0] * obs_dim)), timeout=5)
+            count=100, sum=[moments[0]] * obs_dim, sum_sq=[moments[1]] * obs_dim)), timeout=5)
 
 
 @pytest.fixture
@@ -406,11 +408,8 @@ def test_each_agent_gets_its_own_normaliser_in_every_task(aggregator):
     observation statistics they are not, and no agent may be sent another's normaliser, whether
     the task comes from NextTask or in the reply to an inline update."""
     means = {"a0": 1.0, "a1": 5.0}
-    for i, (a, mu) in enumerate(means.items()):
-        aggregator.fed.Join(federation_pb2.JoinRequest(
-            agent_id=a, agent_index=i, num_samples=100, obs_dim=11, act_dim=3, env_id="Hopper-v5",
-            obs_moments=federation_pb2.ObsMoments(count=100, sum=[100 * mu] * 11, sum_sq=[100 * (mu * mu + 4)] * 11)),
-            timeout=5)
+    for i, (a, mu) in enumerate(means.items()):  # std 2 around mean mu
+        join(aggregator, a, i, moments=(100 * mu, 100 * (mu * mu + 4)))
     st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
         config_json=run_config(obs_norm="local", rounds=3)), timeout=5))
     run_id = st["run_id"]
