@@ -5,7 +5,9 @@
 FLOPs of one update are counted by torch's FlopCounterMode (matmuls, forward and backward, as
 the update actually runs them). Two matmul rates are measured in the same run, giving two
 ceilings (steps/s if the update did nothing but its matmuls at that rate):
-- ``peak``: a 2048^3 float32 GEMM, the machine's practical best;
+- ``peak``: a 2048^3 float32 GEMM, the machine's practical best: the faster of torch's ``mm``
+  (MKL in the x86 CPU wheels) and oneDNN's linear, which this torch build also ships (on the
+  project's 2-core AMD EPYC oneDNN is ~15% faster at this size: 217 vs 189 GFLOP/s);
 - ``shapes``: the update's own matmul calls (recorded once with a dispatch mode, same ops,
   shapes and strides) replayed alone on random data: what those GEMMs can reach here.
 """
@@ -47,20 +49,33 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_rate(device: torch.device, n: int = 2048, seconds: float = 3.0) -> float:
-    """FLOP/s of an n x n x n float32 GEMM, best of repeated timings."""
+def gemm_kernels(device: torch.device) -> dict:
+    """The GEMM implementations to time for the peak: ``name -> f(a, b)`` computing ``a @ b``."""
+    kernels = {"mm": torch.mm}
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+        if linear is not None:  # x @ w^T, so pass b^T: the same product, oneDNN's kernel
+            kernels["onednn"] = lambda a, b: linear(a, b.t(), None, "none", [], "")
+    return kernels
+
+
+def matmul_rate(device: torch.device, n: int = 2048, seconds: float = 3.0) -> dict[str, float]:
+    """FLOP/s of an n x n x n float32 GEMM per kernel (see :func:`gemm_kernels`), best of timings."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        for _ in range(5):
-            a @ b
+    rates = {}
+    for name, f in gemm_kernels(device).items():
+        for _ in range(3):
+            f(a, b)
         sync(device)
-        best = max(best, 5 * 2 * n**3 / (time.perf_counter() - t))
-    return best
+        best, end = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            for _ in range(5):
+                f(a, b)
+            sync(device)
+            best = max(best, 5 * 2 * n**3 / (time.perf_counter() - t))
+        rates[name] = best
+    return rates
 
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
@@ -142,16 +157,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     device = resolve_device(a.device)
     env = env_info(a.env)
-    peak_before = matmul_rate(device)
+    rates_before = matmul_rate(device)
     rows = [
         bench("drpo", DRPOConfig(), env.obs_dim, env.act_dim, device, a.seconds),
         bench("cql", cql_config(), env.obs_dim, env.act_dim, device, a.seconds),
         bench("bc", BCConfig(), env.obs_dim, env.act_dim, device, a.seconds),
     ]
-    peak = max(peak_before, matmul_rate(device))
+    rates = {k: max(v, rates_before[k]) for k, v in matmul_rate(device).items()}
+    peak = max(rates.values())
     print(f"device {device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
           f"torch {torch.__version__}, env {env.gym_id} (obs {env.obs_dim}, act {env.act_dim}), paper sizes")
-    print(f"matmul rate (2048^3 fp32 GEMM, best of run): {peak / 1e9:.1f} GFLOP/s")
+    print("matmul rate (2048^3 fp32 GEMM, best of run): "
+          + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rates.items()) + f" GFLOP/s; peak {peak / 1e9:.1f}")
     print(f"{'update':7s} {'GFLOP/step':>10s} {'steps/s':>8s} | {'ceiling@peak':>12s} {'of it':>6s} | "
           f"{'GFLOP/s@shapes':>14s} {'ceiling@shapes':>14s} {'of it':>6s}")
     for r in rows:
@@ -165,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "env": env.gym_id, "matmul_gflops": peak / 1e9, "rows": rows}, f, indent=2)
+                       "env": env.gym_id, "matmul_gflops": peak / 1e9,
+                       "matmul_gflops_by_kernel": {k: v / 1e9 for k, v in rates.items()}, "rows": rows}, f, indent=2)
     return 0
 
 
