@@ -11,7 +11,10 @@ import torch
 from fedrl.codec import encode
 from fedrl.proto.v1 import federation_pb2
 from fedrl.serde import manifest_to_proto
-from tests.service.test_federation import assert_untouched, open_round, status, submit, wait_for  # noqa: F401 (fixture)
+from tests.service import test_federation
+from tests.service.test_federation import assert_untouched, status, submit, wait_for
+
+open_round = test_federation.open_round  # the fixture, shared with test_federation's bad-input tests
 
 
 def test_a_dropped_upload_is_never_aggregated_and_can_be_retried(open_round):
