@@ -10,9 +10,10 @@ from fedrl.algos.base import Adam
 
 
 def _pair(seed: int = 0):
+    """Parameters small beside the steps (1e-5 vs lr 3e-4), so that a step rounded differently
+    shows in the parameters instead of vanishing below their last bit."""
     torch.manual_seed(seed)
-    ps = [torch.randn(5, 3, requires_grad=True), torch.randn(3, requires_grad=True),
-          torch.randn(2, 2, requires_grad=True)]
+    ps = [(torch.randn(*shape) * 1e-5).requires_grad_(True) for shape in ((5, 3), (3,), (2, 2))]
     qs = [p.detach().clone().requires_grad_(True) for p in ps]
     return ps, qs
 
@@ -26,16 +27,22 @@ def _set_grads(ps, qs, it):
             p.grad, q.grad = g.clone(), g.clone()
 
 
+def _steps(ours, theirs, iterations, clear_at=None):
+    """Step both optimizers on the same gradients; ``clear_at``: DRPO's reset_actor_optimizer
+    (moments and step counts start over) at that iteration."""
+    for it in iterations:
+        _set_grads(ours.params, theirs.param_groups[0]["params"], it)
+        ours.step()
+        theirs.step()
+        if it == clear_at:
+            ours.state.clear()
+            theirs.state.clear()
+
+
 def test_adam_is_bit_identical_to_torch_optim_adam_foreach():
     ps, qs = _pair()
     ours, theirs = Adam(ps, 3e-4), torch.optim.Adam(qs, lr=3e-4, foreach=True)
-    for it in range(60):
-        _set_grads(ps, qs, it)
-        ours.step()
-        theirs.step()
-        if it == 25:  # DRPO's reset_actor_optimizer: moments and step counts start over
-            ours.state.clear()
-            theirs.state.clear()
+    _steps(ours, theirs, range(60), clear_at=25)
     for p, q in zip(ps, qs):
         assert torch.equal(p, q)
     mine, ref = ours.state_dict()["state"], theirs.state_dict()["state"]
@@ -48,16 +55,10 @@ def test_adam_is_bit_identical_to_torch_optim_adam_foreach():
 def test_adam_resumes_from_a_state_dict_including_torch_optims():
     ps, qs = _pair()
     a, ref = Adam(ps, 1e-3), torch.optim.Adam(qs, lr=1e-3, foreach=True)
-    for it in range(10):
-        _set_grads(ps, qs, it)
-        a.step()
-        ref.step()
+    _steps(a, ref, range(10))
     resumed = Adam([p.detach().clone().requires_grad_(True) for p in ps], 1e-3)
     resumed.load_state_dict(ref.state_dict())  # the layout behaviour-policy checkpoints store
-    for it in range(10, 20):
-        _set_grads(resumed.params, qs, it)
-        resumed.step()
-        ref.step()
+    _steps(resumed, ref, range(10, 20))
     assert all(torch.equal(p, q) for p, q in zip(resumed.params, qs))
     with pytest.raises(ValueError, match="shape"):
         Adam([torch.zeros(4, requires_grad=True)], 1e-3).load_state_dict(a.state_dict())
