@@ -119,9 +119,9 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         with self._inline_lock:
             reply = self._submit(context, parts).SerializeToString()
         if request.next_task_wait_seconds > 0:  # accepted: answer with the next task (one call a round)
-            reply += length_delimited_field(federation_pb2.SubmitReply.NEXT_TASK_FIELD_NUMBER,
-                                            self._task_bytes(context, request.header.agent_id,
-                                                             request.next_task_wait_seconds))
+            reply = length_delimited_field(federation_pb2.SubmitReply.NEXT_TASK_FIELD_NUMBER,
+                                           self._task_bytes(context, request.header.agent_id,
+                                                            request.next_task_wait_seconds), prefix=reply)
         return reply
 
     def _submit(self, context, parts):

@@ -15,17 +15,17 @@ def manifest_to_proto(m: Manifest) -> weights_pb2.WeightsManifest:
         num_samples=m.num_samples, total_bytes=m.total_bytes, sha256=m.sha256, encoding=m.encoding)
 
 
-def length_delimited_field(number: int, data: bytes) -> bytes:
+def length_delimited_field(number: int, data: bytes, prefix: bytes = b"") -> bytes:
     """``data`` (e.g. a serialised message) as field ``number`` of an enclosing message, in the
     protobuf wire format: appended to that message's own bytes it sets the field (parsers take
-    fields in any order)."""
+    fields in any order). ``prefix`` (those bytes) is joined in front in the same single copy."""
     out, n = bytearray(), (number << 3) | 2  # wire type 2: length-delimited
     for v in (n, len(data)):
         while v > 0x7F:
             out.append(v & 0x7F | 0x80)
             v >>= 7
         out.append(v)
-    return bytes(out) + data
+    return b"".join((prefix, out, data))
 
 
 def manifest_from_proto(p: weights_pb2.WeightsManifest) -> Manifest:
