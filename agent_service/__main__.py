@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address the health and metrics ports bind")
     p.add_argument("--health-port", type=int, default=None,
                    help="serve gRPC health checking (only) on this port, for probes (0: a free port)")
+    p.add_argument("--transport", choices=("session", "calls"), default="session",
+                   help="session: one stream for tasks and updates; calls: a NextTask and a submit "
+                        "call each round (what an aggregator without Session streams gets anyway)")
     p.add_argument("--log-level", default="INFO")
     add_tls_arg(p)
     p.epilog = ("Its bearer token, when the aggregator requires tokens: $FEDRL_AGENT_TOKEN, or its own "
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"fedrl-agent: error: {e}", file=sys.stderr)
         return 2
-    agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device, tls=tls, token=token),
+    agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device, tls=tls, token=token,
+                              session=a.transport == "session"),
                   shard, metrics)
     health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc], tls=tls)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())

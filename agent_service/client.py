@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -42,6 +44,8 @@ class AgentConfig:
     tls: TLSFiles | None = None
     token: str | None = None
     inline_max_bytes: int = INLINE_MAX_BYTES  # updates up to this size go as one message; larger ones stream
+    # one Session stream for tasks and updates (the default), or a NextTask and a submit call each round
+    session: bool = True
 
 
 class Agent:
@@ -53,17 +57,21 @@ class Agent:
         self.stats = ObsStats.of(shard.transitions.obs)
         self._stop = StopFlag()  # stop() may be called from a signal handler
         self._channel: grpc.Channel | None = None  # the one in use (closed by stop)
+        self._session_call = None  # the Session stream in use, and since when it has been awaited
+        self._awaited_since: float | None = None
         self.trainer: LocalTrainer | None = None
         self.trainer_run = ""
         self.rounds_done = 0
         self._bad_streak = 0  # global models refused in a row
+        self.use_session = cfg.session  # turned off when the aggregator has no Session stream
+        self._train_seconds = 0.0  # of the last local round
 
     def stop(self) -> None:
         self._stop.set()
 
     def run(self) -> None:
         """Until :meth:`stop`: join, then wait, fetch, train and submit; rejoin after failures."""
-        threading.Thread(target=self._close_channel_on_stop, name="agent-stop", daemon=True).start()
+        threading.Thread(target=self._watch, name="agent-watch", daemon=True).start()
         delay = self.cfg.backoff_initial
         while not self._stop.is_set():
             channel = self._channel = create_channel(self.cfg.target, self.cfg.tls, self.cfg.token)
@@ -78,11 +86,18 @@ class Agent:
             finally:
                 channel.close()
 
-    def _close_channel_on_stop(self) -> None:
-        """Once stopped, close the channel in use: that cancels a call in flight (a long-poll for
-        a task, a transfer) at once. :meth:`stop` itself runs in a signal handler, which must
-        not take the locks closing a channel takes."""
-        self._stop.wait()
+    def _watch(self) -> None:
+        """Cancels a Session stream that has kept the agent waiting for a task longer than a
+        NextTask call may take (a hung aggregator, a silently dead connection): the agent then
+        reconnects. Once stopped, closes the channel in use: that cancels a call in flight (a
+        wait for a task, a transfer) at once. :meth:`stop` itself runs in a signal handler,
+        which must not take the locks closing a channel takes."""
+        limit = self.cfg.task_wait + self.cfg.rpc_timeout
+        while not self._stop.wait(1.0):
+            call, since = self._session_call, self._awaited_since
+            if call is not None and since is not None and time.monotonic() - since > limit:
+                log.warning("no task for %.0fs on the session stream; reconnecting", limit)
+                call.cancel()
         channel = self._channel
         if channel is not None:
             channel.close()
@@ -128,6 +143,24 @@ class Agent:
         log.info("joined as %s (run %s)", self.cfg.agent_id, reply.run_id or "none yet")
 
     def _loop(self, stub) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.use_session:
+                    self._session_stream(stub)
+                    self._stop.wait(self.cfg.backoff_initial)  # ended by the aggregator: it is stopping
+                else:
+                    self._calls(stub)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED and self.use_session and not self._stop.is_set():
+                    log.warning("the aggregator has no Session stream; using a call per task instead")
+                    self.use_session = False
+                elif e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+                    log.warning("update not taken (%s)", e.details())  # a stale round, a stopped run
+                else:
+                    raise
+
+    def _calls(self, stub) -> None:
+        """Tasks from NextTask (or an inline update's reply), one call per task."""
         task = None  # the next task, when the last submission's reply brought it
         while not self._stop.is_set():
             if task is None:
@@ -136,10 +169,63 @@ class Agent:
                                      timeout=self.cfg.task_wait + 30)
             current, task = task, None
             if current.kind == federation_pb2.Task.TRAIN:
-                task = self._train(stub, current)
-            elif current.kind == federation_pb2.Task.STOP:
-                log.info("run %s is over", current.run_id)
-                self.trainer, self.trainer_run = None, ""
+                update = self._train(stub, current)
+                if update is not None:
+                    reply = stub.SubmitUpdateInline(
+                        federation_pb2.InlineUpdate(header=update[0], payload=update[1],
+                                                    next_task_wait_seconds=self.cfg.task_wait),
+                        timeout=self.cfg.rpc_timeout + self.cfg.task_wait)
+                    self._submitted(current)
+                    task = reply.next_task if reply.HasField("next_task") else None  # one call a round
+            else:
+                self._other(current)
+
+    def _session_stream(self, stub) -> None:
+        """Tasks and updates on one Session stream until it ends; an update is taken when the
+        next task comes."""
+        answers: queue.SimpleQueue = queue.SimpleQueue()
+
+        def messages():
+            yield federation_pb2.SessionMessage(hello=federation_pb2.TaskRequest(
+                agent_id=self.cfg.agent_id, wait_seconds=self.cfg.task_wait))
+            while (m := answers.get()) is not None:
+                yield m
+
+        call = self._session_call = stub.Session(messages())
+        sent = None  # the task whose update went inline and is not yet acknowledged
+        try:
+            self._awaited_since = time.monotonic()
+            for task in call:
+                self._awaited_since = None
+                if sent is not None:
+                    self._submitted(sent)
+                    sent = None
+                if task.kind == federation_pb2.Task.TRAIN:
+                    update = self._train(stub, task)
+                    if update is None:
+                        answers.put(federation_pb2.SessionMessage(done=federation_pb2.TaskDone(round=task.round)))
+                    else:
+                        answers.put(federation_pb2.SessionMessage(
+                            update=federation_pb2.InlineUpdate(header=update[0], payload=update[1])))
+                        sent = task
+                else:
+                    self._other(task)
+                self._awaited_since = time.monotonic()
+        finally:
+            self._session_call = self._awaited_since = None
+            answers.put(None)
+            call.cancel()
+
+    def _other(self, task) -> None:
+        if task.kind == federation_pb2.Task.STOP:
+            log.info("run %s is over", task.run_id)
+            self.trainer, self.trainer_run = None, ""
+
+    def _submitted(self, task) -> None:
+        self.rounds_done += 1
+        self._bad_streak = 0
+        self.metrics.rounds.inc()
+        log.info("round %d: submitted after %d steps in %.1fs", task.round, task.local_steps, self._train_seconds)
 
     def _trainer_for(self, task) -> LocalTrainer:
         if self.trainer is None or self.trainer_run != task.run_id:
@@ -155,7 +241,8 @@ class Agent:
         return self.trainer
 
     def _train(self, stub, task):
-        """Train on ``task`` and submit; returns the next task when the reply carried it."""
+        """Train on ``task``. A small update is returned as (header, payload) for the caller to
+        send in one message; a large one is streamed here with SubmitUpdate (None returned)."""
         trainer = self._trainer_for(task)
         if task.HasField("base_manifest"):  # small model: the base version came with the task
             manifest, chunks = manifest_from_proto(task.base_manifest), [task.base_payload]
@@ -169,9 +256,12 @@ class Agent:
         state = assemble(manifest, chunks)
         res = trainer.train_round(state, task.local_steps, stop=self._stop.is_set)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
+        self._train_seconds = res.seconds
         enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples)
         header = federation_pb2.UpdateHeader(agent_id=self.cfg.agent_id, weights=manifest_to_proto(enc.manifest),
                                              metrics=res.metrics, train_seconds=res.seconds)
+        if enc.manifest.total_bytes <= self.cfg.inline_max_bytes:
+            return header, enc.payload
 
         def parts_out():
             yield federation_pb2.UpdatePart(header=header)
@@ -179,22 +269,10 @@ class Agent:
                 yield federation_pb2.UpdatePart(chunk=c)
 
         try:
-            if enc.manifest.total_bytes <= self.cfg.inline_max_bytes:  # small model: one unary call,
-                # whose reply also brings the next task (no NextTask call between rounds)
-                reply = stub.SubmitUpdateInline(
-                    federation_pb2.InlineUpdate(header=header, payload=enc.payload,
-                                                next_task_wait_seconds=self.cfg.task_wait),
-                    timeout=self.cfg.rpc_timeout + self.cfg.task_wait)
-            else:
-                reply = stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
-            self.rounds_done += 1
-            self._bad_streak = 0
-            self.metrics.rounds.inc()
-            log.info("round %d: submitted after %d steps in %.1fs", task.round, task.local_steps, res.seconds)
+            stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
+            self._submitted(task)
         except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
-                log.warning("round %d: update not taken (%s)", task.round, e.details())
-                return None
-            raise
-        return reply.next_task if reply.HasField("next_task") else None
-
+            if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+                raise
+            log.warning("round %d: update not taken (%s)", task.round, e.details())
+        return None

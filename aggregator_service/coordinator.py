@@ -103,6 +103,10 @@ class Coordinator:
                                         name="aggregator-ticker")
         self._ticker.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         with self.cond:
             self._closed = True

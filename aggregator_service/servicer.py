@@ -18,6 +18,7 @@ from fedrl.serde import (event_to_proto, evaluation_from_proto, length_delimited
                          manifest_to_proto, status_to_proto, weight_parts)
 
 log = logging.getLogger("fedrl.aggregator")
+SESSION_MIN_WAIT = 1.0  # seconds: an idle session's WAIT heartbeats come no more often than this
 
 
 def _abort(context: grpc.ServicerContext, e: Exception) -> None:
@@ -32,7 +33,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     # These answer with bytes: a Task (alone, or as the next_task of a SubmitReply), which is the
     # same for every agent of a round, weights included, is serialised once per round instead of
     # once per agent (fedrl.rpc.create_server sends such replies as they are).
-    PRESERIALIZED = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline")
+    PRESERIALIZED = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline",
+                     "/fedrl.v1.Federation/Session")
 
     def __init__(self, coord: Coordinator, auth: Authenticator | None = None) -> None:
         self.coord = coord
@@ -61,28 +63,30 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
 
     def NextTask(self, request, context):
         self.auth.check_agent(context, request.agent_id)
-        return self._task_bytes(context, request.agent_id, request.wait_seconds)
+        return self._task(context, request.agent_id, request.wait_seconds)[1]
 
-    def _task_bytes(self, context, agent_id: str, wait: float) -> bytes:
-        """The agent's next task, serialised. A round's TRAIN tasks differ between agents only in
-        their normalisers (none with pooled statistics): each distinct one is serialised once."""
+    def _task(self, context, agent_id: str, wait: float) -> tuple[str, bytes]:
+        """The agent's next task: its kind and the Task serialised. A round's TRAIN tasks differ
+        between agents only in their normalisers (none with pooled statistics): each distinct
+        one is serialised once."""
         try:
             t = self.coord.next_task(agent_id, wait)
         except ServiceError as e:
             _abort(context, e)
         base = t.pop("base", None)
+        kind = t["kind"]
         key = tuple(tuple(v) if isinstance(v, list) else v for v in t.values()) + (id(base),)
         cached = self._task_cache
         if cached is None or cached[0] != key:
-            kind = federation_pb2.Task.Kind.Value(t.pop("kind"))
+            t["kind"] = federation_pb2.Task.Kind.Value(kind)
             if base is not None:
                 t["base_manifest"], t["base_payload"] = manifest_to_proto(base.manifest), base.payload
-            cached = (key, federation_pb2.Task(kind=kind, **t).SerializeToString())
+            cached = (key, federation_pb2.Task(**t).SerializeToString())
             if base is not None:  # a task with weights inline: worth keeping for the next agent
                 self._task_cache = cached
         if base is not None:
             self.coord.metrics.bytes_sent.inc(len(base.payload))
-        return cached[1]
+        return kind, cached[1]
 
     def FetchGlobal(self, request, context):
         try:
@@ -111,18 +115,45 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         return self._submit(context, parts)
 
     def SubmitUpdateInline(self, request, context):
-        def parts():
-            if not request.HasField("header"):
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an inline update needs its header",
-                                   "bad_stream")
-            return request.header, (request.payload,)
-        with self._inline_lock:
-            reply = self._submit(context, parts).SerializeToString()
+        reply = self._submit_inline(context, request).SerializeToString()
         if request.next_task_wait_seconds > 0:  # accepted: answer with the next task (one call a round)
             reply = length_delimited_field(federation_pb2.SubmitReply.NEXT_TASK_FIELD_NUMBER,
-                                           self._task_bytes(context, request.header.agent_id,
-                                                            request.next_task_wait_seconds), prefix=reply)
+                                           self._task(context, request.header.agent_id,
+                                                      request.next_task_wait_seconds)[1], prefix=reply)
         return reply
+
+    def Session(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "hello":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with its hello")
+        agent_id, wait = first.hello.agent_id, max(first.hello.wait_seconds, SESSION_MIN_WAIT)
+        self.auth.check_agent(context, agent_id)
+        while context.is_active() and not self.coord.closed:
+            kind, task = self._task(context, agent_id, wait)
+            yield task
+            if kind != "TRAIN":
+                continue
+            msg = next(request_iterator, None)  # the answer to the task
+            if msg is None:  # the agent closed its side of the stream
+                return
+            which = msg.WhichOneof("kind")
+            if which == "update":
+                if msg.update.HasField("header") and msg.update.header.agent_id != agent_id:
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the session of agent {agent_id!r} "
+                                  f"carried an update of agent {msg.update.header.agent_id!r}")
+                self._submit_inline(context, msg.update)
+            elif which != "done":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"a session answers a TRAIN task with its update or done, not {which or 'nothing'}")
+
+    def _submit_inline(self, context, update) -> federation_pb2.SubmitReply:
+        def parts():
+            if not update.HasField("header"):
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an inline update needs its header",
+                                   "bad_stream")
+            return update.header, (update.payload,)
+        with self._inline_lock:
+            return self._submit(context, parts)
 
     def _submit(self, context, parts):
         """Both submission paths: header checks before any byte is kept, then the same verification."""

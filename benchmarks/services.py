@@ -6,7 +6,8 @@
     python -m benchmarks.services all       (writes benchmarks/results/services-cpu.json)
 
 - overhead: the real aggregator process and N real agent processes, Hopper-size policy,
-  zero local steps; wall time per round (from the aggregator's round events).
+  zero local steps; wall time per round (from the aggregator's round events), with the agents'
+  Session streams (the default) and with a call per task, beside bare gRPC's floor.
 - transfer: the same with a synthetic ~30 MB policy (fed-bc, wide hidden layers, zero steps):
   MB of weights moved per second (N downloads + N uploads per round), beside raw gRPC
   streaming of the same bytes in 1 MiB chunks between the same number of client processes.
@@ -39,7 +40,7 @@ def _dataset(tmp: Path) -> Path:
     return make_dataset("Hopper-v5", "random", 0, tmp / "hopper-random.hdf5", transitions=20_000)
 
 
-def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path) -> dict:
+def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path, transport: str = "session") -> dict:
     """Run real processes; return per-round wall seconds measured by the aggregator."""
     from fedrl.client import ControlClient
 
@@ -59,7 +60,7 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path) -> dict
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "agent_service", "--aggregator", target, "--dataset", f"{data}:{agents}",
                  "--shard", str(i), "--trajectories", "5", "--threads", "1", "--device", "cpu",
-                 "--log-level", "WARNING"], env=env))
+                 "--transport", transport, "--log-level", "WARNING"], env=env))
         with ControlClient(target) as c:
             end = time.monotonic() + 120
             while len(c.status()["agents"]) < agents:
@@ -119,22 +120,33 @@ HOPPER_POLICY_BYTES = 282_352  # the safetensors payload of the Hopper 2x256 pol
 
 
 def bench_overhead(agents: int, rounds: int) -> dict:
+    """The federation's round with its default transport (a Session stream per agent) and with
+    a call per task, one after the other, between two measurements of the bare-gRPC floor."""
     floor = [bare_rounds(agents, max(rounds, 60), HOPPER_POLICY_BYTES)]
     with tempfile.TemporaryDirectory() as d:
-        r = federation_rounds(agents, rounds, {"algo": "drpo"}, Path(d))
+        runs = {t: federation_rounds(agents, rounds, {"algo": "drpo"}, Path(d) / t, transport=t)
+                for t in ("session", "calls")}
     floor.append(bare_rounds(agents, max(rounds, 60), HOPPER_POLICY_BYTES))
-    s = np.array(r["per_round_seconds"][WARMUP_ROUNDS:])
+    ms = {t: np.array(r["per_round_seconds"][WARMUP_ROUNDS:]) * 1e3 for t, r in runs.items()}
+    r, s = runs["session"], ms["session"]
     floor_ms = float(np.median([f["round_ms_median"] for f in floor]))
     out = {"agents": agents, "rounds_measured": len(s), "policy": "Hopper-v5, 2x256 (~280 KB)",
-           "round_ms_median": float(np.median(s) * 1e3), "round_ms_mean": float(s.mean() * 1e3),
-           "round_ms_p90": float(np.percentile(s, 90) * 1e3), "target_ms": 20.0,
+           "transport": "session", "round_ms_median": float(np.median(s)), "round_ms_mean": float(s.mean()),
+           "round_ms_p90": float(np.percentile(s, 90)), "target_ms": 20.0,
+           "calls_transport": {"round_ms_median": float(np.median(ms["calls"])),
+                               "round_ms_p90": float(np.percentile(ms["calls"], 90)),
+                               "cpu_ms_per_round_steady": runs["calls"]["cpu_ms_per_round_steady"],
+                               "what": "the same federation with agent_service --transport calls (a "
+                                       "NextTask, then an inline submit whose reply brings the next "
+                                       "task), measured right after the session run"},
+           "session_to_calls_ratio": float(np.median(s) / np.median(ms["calls"])),
            "bare_grpc_floor": {"round_ms_median": floor_ms, "runs": floor,
-                               "what": "the same call per agent per round with the same payload sizes "
-                                       "(a unary submit of the policy bytes answered with the next task "
-                                       "carrying them; benchmarks/grpc_patterns.py 'one-call'), "
-                                       "the same number of client processes, no work: what Python gRPC "
-                                       "alone costs here; measured before and after the federation run"},
-           "ratio_to_floor": float(np.median(s) * 1e3) / floor_ms,
+                               "what": "one bidirectional stream per client carrying the same messages "
+                                       "(the policy bytes down, an update of the same size up: "
+                                       "benchmarks/grpc_patterns.py 'session'), the same number of client "
+                                       "processes, no work: what Python gRPC alone costs here; measured "
+                                       "before and after the federation runs"},
+           "ratio_to_floor": float(np.median(s)) / floor_ms,
            "cpu_seconds_whole_run": r["cpu_seconds"], "cpu_ms_per_round_steady": r["cpu_ms_per_round_steady"],
            "peak_rss_mb": r["peak_rss_mb"],
            "rounds": rounds, "cores": os.cpu_count(),
@@ -148,7 +160,7 @@ def bare_rounds(agents: int, rounds: int, payload_bytes: int) -> dict:
     """Rounds of the federation's message pattern with no work in them: the floor Python gRPC sets."""
     from benchmarks.grpc_patterns import rounds as pattern_rounds
 
-    return pattern_rounds("one-call", agents, rounds, payload_bytes)  # what the agents do
+    return pattern_rounds("session", agents, rounds, payload_bytes)  # what the agents do
 
 
 # -- raw gRPC byte streaming (no protobuf messages: identity serialisers) -------------------------

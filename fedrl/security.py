@@ -15,7 +15,7 @@ With any token configured, every RPC except health checking needs one:
     a known token calling outside its role      -> PERMISSION_DENIED  (e.g. an agent calling Control)
     an agent's token used for another agent id  -> PERMISSION_DENIED
 
-Roles: agents may Join, NextTask, FetchGlobal, SubmitUpdate[Inline] (as themselves); the evaluator may
+Roles: agents may Join, NextTask, Session, FetchGlobal, SubmitUpdate[Inline] (as themselves); the evaluator may
 watch, read status, report evaluations and fetch global versions; the admin may do all of
 that except act as an agent. Tokens are looked up by their SHA-256 (the same work per RPC for
 any number of agents). Without TLS they travel in clear text: use both outside a trusted network.
@@ -40,6 +40,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/fedrl.v1.Federation/NextTask": frozenset({AGENT}),
     "/fedrl.v1.Federation/SubmitUpdate": frozenset({AGENT}),
     "/fedrl.v1.Federation/SubmitUpdateInline": frozenset({AGENT}),
+    "/fedrl.v1.Federation/Session": frozenset({AGENT}),
     "/fedrl.v1.Federation/FetchGlobal": frozenset({AGENT, EVALUATOR, ADMIN}),
     "/fedrl.v1.Control/StartRun": frozenset({ADMIN}),
     "/fedrl.v1.Control/StopRun": frozenset({ADMIN}),

@@ -74,7 +74,7 @@ def test_an_agent_stops_within_seconds_while_training_or_long_polling(tmp_path, 
             # one round far too long to finish here: 10^6 DRPO steps at the paper's sizes
             c.start({"agents": 1, "rounds": 1, "local_steps": 1_000_000, "eval_episodes": 0, "seed": 3})
             wait_for(lambda: c.status()["state"] == "running", 60, "the run to start", ps.alive())
-        ps.agent(1, target)  # not selected: it long-polls NextTask, answered WAIT every 10 s
+        ps.agent(1, target)  # not selected: its Session stream brings a WAIT every 10 s
         wait_for(lambda: "joined" in (logs / "agent-1.log").read_text(), 60, "agent-1 to join", ps.alive())
         time.sleep(2.0)  # agent-0 is well into its local steps, agent-1 into a long-poll
         took = {name: _stop_seconds(ps.procs[name], name, logs / f"{name}.log") for name in ("agent-0", "agent-1")}

@@ -18,7 +18,8 @@ from fedrl.rpc import create_channel, create_server
 
 
 class Aggregator:
-    def __init__(self, state_dir, task_wait: float = 2.0, port: int = 0, tls=None, auth=None) -> None:
+    def __init__(self, state_dir, task_wait: float = 2.0, port: int = 0, tls=None, auth=None,
+                 servicer=FederationServicer) -> None:
         from fedrl.security import AuthInterceptor, Authenticator
 
         auth = auth or Authenticator()
@@ -26,7 +27,7 @@ class Aggregator:
         self.metrics = AggregatorMetrics()
         self.coord = Coordinator(self.store, max_task_wait=task_wait, tick=0.02, metrics=self.metrics)
         self.server = create_server([
-            (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(self.coord, auth),
+            (federation_pb2_grpc.add_FederationServicer_to_server, servicer(self.coord, auth),
              "fedrl.v1.Federation"),
             (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(self.coord), "fedrl.v1.Control"),
         ], "127.0.0.1", port, interceptors=[self.metrics.grpc, AuthInterceptor(auth)], tls=tls)

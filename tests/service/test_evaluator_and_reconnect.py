@@ -9,12 +9,13 @@ import grpc
 import pytest
 import torch
 
+from aggregator_service.servicer import FederationServicer
 from evaluator_service.follower import Follower
 from evaluator_service.servicer import EvaluatorServicer
 from fedrl.codec import Encoded, encode
 from fedrl.nets import TanhGaussianPolicy
 from fedrl.algos.base import POLICY, prefixed_state
-from fedrl.proto.v1 import control_pb2, evaluator_pb2, evaluator_pb2_grpc
+from fedrl.proto.v1 import control_pb2, evaluator_pb2, evaluator_pb2_grpc, federation_pb2_grpc
 from fedrl.rpc import create_channel, create_server
 from fedrl.serde import status_from_proto, weight_parts
 from tests.service.conftest import Aggregator
@@ -124,6 +125,47 @@ def test_agent_rejoins_a_restarted_aggregator(tmp_path, agent_threads, stand_dat
         wait_for(lambda: status(second)["state"] == "finished", what="run on the new aggregator")
     finally:
         second.close()
+
+
+class PreSessionServicer(FederationServicer):
+    """An aggregator from before the Session stream: that RPC answers UNIMPLEMENTED."""
+    Session = federation_pb2_grpc.FederationServicer.Session
+
+
+def test_agents_fall_back_to_calls_when_the_aggregator_has_no_session(tmp_path, agent_threads, stand_dataset):
+    agg = Aggregator(tmp_path / "s", servicer=PreSessionServicer)
+    try:
+        agents = agent_threads.start(agg.target, str(stand_dataset), 2, 2, seed=0)
+        wait_for(lambda: len(status(agg)["agents"]) == 2, what="agents to join")
+        agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=10)
+        wait_for(lambda: status(agg)["state"] == "finished", what="the run")
+        wait_for(lambda: [a.rounds_done for a in agents] == [2, 2], what="the agents to see their updates taken")
+        assert not any(a.use_session for a in agents)
+
+        def handled(method, kind, code):
+            return agg.metrics.registry.get_sample_value("grpc_server_handled_total", {
+                "grpc_type": kind, "grpc_service": "fedrl.v1.Federation", "grpc_method": method,
+                "grpc_code": code}) or 0
+        assert handled("Session", "bidi_stream", "UNIMPLEMENTED") == 2  # asked once each
+        assert handled("SubmitUpdateInline", "unary", "OK") == 4
+    finally:
+        agg.close()
+
+
+def test_an_agent_reconnects_when_its_session_goes_quiet(aggregator, agent_threads, stand_dataset, caplog):
+    """An aggregator that stops answering (here: its coordinator's lock held) without dropping
+    the connection: the agent gives up on the stream after task_wait + rpc_timeout seconds
+    without a task, reconnects, and finishes the run once the aggregator answers again."""
+    (agent,) = agent_threads.start(aggregator.target, str(stand_dataset), 1, 2, seed=0, rpc_timeout=1.0)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 1, what="agent to join")
+    aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(agents=1, rounds=6)), timeout=10)
+    wait_for(lambda: agent.rounds_done >= 1, what="a first round")
+    with aggregator.coord.cond:  # the aggregator hangs
+        wait_for(lambda: "no task for 2s on the session stream" in caplog.text, timeout=10,
+                 what="the agent to give up on its session")
+    st = wait_for(lambda: (s := status(aggregator))["state"] == "finished" and s, what="the run")
+    assert st["agents"][0]["rounds_submitted"] == 6 and agent.metrics.reconnects._value.get() >= 1
 
 
 def _try_start(state_dir, port):

@@ -53,20 +53,23 @@ def status(agg) -> dict:
     return status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5, wait_for_ready=True))
 
 
-@pytest.mark.parametrize("algo,obs_norm", [("drpo", "pooled"), ("fed-bc", "local")])
+@pytest.mark.parametrize("algo,obs_norm,session", [("drpo", "pooled", True), ("drpo", "local", False),
+                                                   ("fed-bc", "local", True)])
 def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_dataset, tmp_path,
-                                               algo, obs_norm, one_thread):
+                                               algo, obs_norm, session, one_thread):
     """Same config and seeds: the service run's stored global versions are bit-identical to
     the in-process simulator's global model after every round. (PyTorch's CPU kernels split
     work by thread count, so both sides use one thread per learner, as ``fedrl up`` does.)
-    The fed-bc case sends its updates as streams, the others inline: both paths give the same bits."""
+    The drpo cases send their updates inline, on Session streams or as a call each; the fed-bc
+    case streams them with SubmitUpdate (and answers its Session's tasks with done): every path
+    gives the same bits."""
     sim_states: dict[int, dict[str, torch.Tensor]] = {}
     simulate(SimConfig(algo=algo, datasets=(str(stand_dataset),), agents=2, trajectories=2, rounds=2,
                        local_steps=3, eval_episodes=0, seed=7, device="cpu", obs_norm=obs_norm,
                        drpo=SMALL, bc=SMALL_BC),
              tmp_path / "sim", log=lambda m: None, on_round=lambda r, s: sim_states.__setitem__(r, s))
 
-    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7,
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7, session=session,
                         **({"inline_max_bytes": 0} if algo == "fed-bc" else {}))
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
     st = status_from_proto(aggregator.control.StartRun(
@@ -95,11 +98,18 @@ def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_
         federation_pb2.FetchRequest(run_id=done["run_id"], version=0), timeout=10)),
         grpc.StatusCode.DATA_LOSS, "stored version 0 is unreadable")
     assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
-    used = {m: aggregator.metrics.registry.get_sample_value("grpc_server_handled_total", {
-        "grpc_type": t, "grpc_service": "fedrl.v1.Federation", "grpc_method": m, "grpc_code": "OK"}) or 0
-        for m, t in (("SubmitUpdate", "client_stream"), ("SubmitUpdateInline", "unary"))}
-    assert used == ({"SubmitUpdate": 4, "SubmitUpdateInline": 0} if algo == "fed-bc"
-                    else {"SubmitUpdate": 0, "SubmitUpdateInline": 4}), used
+    def sample(name, method, kind, **labels):
+        return aggregator.metrics.registry.get_sample_value(name, {
+            "grpc_type": kind, "grpc_service": "fedrl.v1.Federation", "grpc_method": method, **labels}) or 0
+
+    used = {"SubmitUpdate": sample("grpc_server_handled_total", "SubmitUpdate", "client_stream", grpc_code="OK"),
+            "SubmitUpdateInline": sample("grpc_server_handled_total", "SubmitUpdateInline", "unary", grpc_code="OK"),
+            # per agent: its hello, then an update (or done) per round
+            "Session messages": sample("grpc_server_msg_received_total", "Session", "bidi_stream"),
+            "NextTask": sample("grpc_server_started_total", "NextTask", "unary")}
+    assert used == {"SubmitUpdate": 4 if algo == "fed-bc" else 0,
+                    "SubmitUpdateInline": 0 if algo == "fed-bc" or session else 4,
+                    "Session messages": 6 if session else 0, "NextTask": 0 if session else used["NextTask"]}, used
 
 
 def test_watch_streams_round_events_and_replays(aggregator, agent_threads, stand_dataset):
@@ -142,17 +152,20 @@ def open_round(aggregator):
 
 
 def submit(agg, agent_id, state, run_id, round=1, base=0, tamper=None, extra_chunks=(), chunk_bytes=1 << 20,
-           inline=False):
-    """An update as a stream (SubmitUpdate) or, with ``inline``, as one message (SubmitUpdateInline)."""
+           inline=False, session=False):
+    """An update as a stream (SubmitUpdate) or, with ``inline``, as one message (SubmitUpdateInline),
+    or, with ``session``, as the answer to the first task of a Session stream."""
     enc = encode(state, run_id, round, base, 100, chunk_bytes=chunk_bytes)
     m = manifest_to_proto(enc.manifest)
     chunks = list(enc.chunks())
     if tamper:
         m, chunks = tamper(m, chunks)
+    update = federation_pb2.InlineUpdate(header=federation_pb2.UpdateHeader(agent_id=agent_id, weights=m),
+                                         payload=b"".join([*chunks, *extra_chunks]))
+    if session:
+        return session_answer(agg, agent_id, federation_pb2.SessionMessage(update=update))
     if inline:
-        return agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(
-            header=federation_pb2.UpdateHeader(agent_id=agent_id, weights=m),
-            payload=b"".join([*chunks, *extra_chunks])), timeout=10)
+        return agg.fed.SubmitUpdateInline(update, timeout=10)
 
     def parts():
         yield federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(agent_id=agent_id, weights=m))
@@ -160,6 +173,20 @@ def submit(agg, agent_id, state, run_id, round=1, base=0, tamper=None, extra_chu
             yield federation_pb2.UpdatePart(chunk=c)
 
     return agg.fed.SubmitUpdate(parts(), timeout=10)
+
+
+def session_answer(agg, agent_id, answer, first=None):
+    """Open a Session as ``agent_id`` (or with ``first`` as its first message), expect a TRAIN
+    task and send ``answer``; the reply is the next message: a task means it was taken."""
+    hello = federation_pb2.SessionMessage(hello=federation_pb2.TaskRequest(agent_id=agent_id, wait_seconds=1))
+    call = agg.fed.Session(iter([first or hello, answer]), timeout=10)
+    try:
+        task = next(call)
+        assert task.kind == federation_pb2.Task.TRAIN, task
+        after = next(call)
+        return federation_pb2.SubmitReply(accepted=True, round=task.round, next_task=after)
+    finally:
+        call.cancel()
 
 
 def assert_refused(call, code: grpc.StatusCode, text: str) -> None:
@@ -177,12 +204,12 @@ def assert_untouched(agg, run_id, g, digest) -> None:
     assert all(torch.equal(agg.coord.run.global_state[k], g[k]) for k in g)
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["stream", "inline"])
-def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, inline):
+@pytest.mark.parametrize("path", ["stream", "inline", "session"])
+def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, path):
     agg, run_id, g, digest = open_round
 
     def submit_(*a, **kw):
-        return submit(*a, inline=inline, **kw)
+        return submit(*a, inline=path == "inline", session=path == "session", **kw)
     k0 = "policy.head.weight"
 
     def with_(k, v):
@@ -223,16 +250,39 @@ def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, in
             _prepend_dim(m, k0), c)),
          grpc.StatusCode.INVALID_ARGUMENT, "manifest says tensor 'policy.head.weight' is F32[1,"),
     ]
-    if inline:
+    if path == "inline":
         cases.append(("no header", lambda: agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(payload=b"x"), timeout=10),
                       grpc.StatusCode.INVALID_ARGUMENT, "needs its header"))
+    if path == "session":
+        enc = encode(g, run_id, 1, 0, 100)
+        update = federation_pb2.InlineUpdate(
+            header=federation_pb2.UpdateHeader(agent_id="a1", weights=manifest_to_proto(enc.manifest)),
+            payload=enc.payload)
+        hello = federation_pb2.SessionMessage(hello=federation_pb2.TaskRequest(agent_id="a0"))
+        cases += [
+            ("no header", lambda: session_answer(agg, "a0", federation_pb2.SessionMessage(
+                update=federation_pb2.InlineUpdate(payload=b"x"))), grpc.StatusCode.INVALID_ARGUMENT, "needs its header"),
+            ("no hello first", lambda: list(agg.fed.Session(iter([federation_pb2.SessionMessage(update=update)]),
+                                                            timeout=10)),
+             grpc.StatusCode.INVALID_ARGUMENT, "must start with its hello"),
+            ("another agent's update", lambda: session_answer(agg, "a0", federation_pb2.SessionMessage(update=update)),
+             grpc.StatusCode.PERMISSION_DENIED, "the session of agent 'a0' carried an update of agent 'a1'"),
+            ("a hello for an answer", lambda: session_answer(agg, "a0", hello),
+             grpc.StatusCode.INVALID_ARGUMENT, "answers a TRAIN task with its update or done, not hello"),
+        ]
     for name, call, code, text in cases:
         assert_refused(call, code, text)
         assert_untouched(agg, run_id, g, digest)
 
-    # A valid update is taken once; the second for the same round is refused.
+    # A valid update is taken once; the second for the same round is refused (a Session does
+    # not ask for it: it sends WAIT until the next round opens).
     assert submit_(agg, "a0", g, run_id).accepted
-    assert_refused(lambda: submit_(agg, "a0", g, run_id), grpc.StatusCode.ALREADY_EXISTS, "already submitted")
+    if path == "session":
+        call = agg.fed.Session(iter([hello]), timeout=10)
+        assert next(call).kind == federation_pb2.Task.WAIT
+        call.cancel()
+    else:
+        assert_refused(lambda: submit_(agg, "a0", g, run_id), grpc.StatusCode.ALREADY_EXISTS, "already submitted")
     assert agg.store.versions(run_id) == [0]
     # The other agent completes the round: version 1 exists and equals the average.
     assert submit_(agg, "a1", g, run_id).round == 1

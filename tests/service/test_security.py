@@ -51,7 +51,7 @@ def test_a_federation_runs_over_mutual_tls_with_tokens(secure_aggregator, agent_
         c.start(run_config(rounds=2))
         wait_for(lambda: c.status()["state"] == "finished", 120, "the run to finish")
         assert c.status()["global_version"] == 2
-    assert all(a.rounds_done == 2 for a in agents)
+    wait_for(lambda: all(a.rounds_done == 2 for a in agents), what="the agents to see their updates taken")
 
 
 def test_who_may_call_what(secure_aggregator, ca):
@@ -79,11 +79,14 @@ def test_who_may_call_what(secure_aggregator, ca):
     assert_refused(lambda: control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=3),
                    grpc.StatusCode.PERMISSION_DENIED, "agent-0 (agent) may not call /fedrl.v1.Control/StartRun")
     assert_refused(lambda: control.GetStatus(status, timeout=3), grpc.StatusCode.PERMISSION_DENIED, "may not call")
-    # an agent acting as another: Join, NextTask and an update's header
+    # an agent acting as another: Join, NextTask, a Session and an update's header
     assert_refused(lambda: fed.Join(join_req("agent-1", 1), timeout=3), grpc.StatusCode.PERMISSION_DENIED,
                    "belongs to agent-0, which may not act as agent 'agent-1'")
     assert_refused(lambda: fed.NextTask(federation_pb2.TaskRequest(agent_id="agent-1"), timeout=3),
                    grpc.StatusCode.PERMISSION_DENIED, "may not act as agent 'agent-1'")
+    hello = federation_pb2.SessionMessage(hello=federation_pb2.TaskRequest(agent_id="agent-1"))
+    assert_refused(lambda: list(fed.Session(iter([hello]), timeout=3)), grpc.StatusCode.PERMISSION_DENIED,
+                   "may not act as agent 'agent-1'")
     header = federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(agent_id="agent-1"))
     assert_refused(lambda: fed.SubmitUpdate(iter([header]), timeout=3), grpc.StatusCode.PERMISSION_DENIED,
                    "may not act as agent 'agent-1'")

@@ -9,6 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SessionMessage(_message.Message):
+    __slots__ = ("hello", "update", "done")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    hello: TaskRequest
+    update: InlineUpdate
+    done: TaskDone
+    def __init__(self, hello: _Optional[_Union[TaskRequest, _Mapping]] = ..., update: _Optional[_Union[InlineUpdate, _Mapping]] = ..., done: _Optional[_Union[TaskDone, _Mapping]] = ...) -> None: ...
+
+class TaskDone(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
 class ObsMoments(_message.Message):
     __slots__ = ("count", "sum", "sum_sq")
     COUNT_FIELD_NUMBER: _ClassVar[int]

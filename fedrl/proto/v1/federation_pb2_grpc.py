@@ -61,6 +61,11 @@ class FederationStub:
                 request_serializer=fedrl_dot_v1_dot_federation__pb2.InlineUpdate.SerializeToString,
                 response_deserializer=fedrl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/fedrl.v1.Federation/Session',
+                request_serializer=fedrl_dot_v1_dot_federation__pb2.SessionMessage.SerializeToString,
+                response_deserializer=fedrl_dot_v1_dot_federation__pb2.Task.FromString,
+                _registered_method=True)
 
 
 class FederationServicer:
@@ -102,6 +107,19 @@ class FederationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One bidirectional stream per agent instead of a NextTask and a SubmitUpdateInline call each
+        round (an RPC's set-up costs more than its message in Python's gRPC). The agent opens it
+        with `hello`; the aggregator sends tasks exactly as NextTask returns them (while idle, a WAIT
+        every hello.wait_seconds, at least 1 s apart); after each TRAIN task it reads one message: the
+        update inline, or `done` when the agent submitted it with SubmitUpdate (a large model) or
+        submits nothing. An update is checked exactly as SubmitUpdateInline checks it; the next task
+        means it was accepted, and a refused one ends the stream with SubmitUpdateInline's status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +147,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.SubmitUpdateInline,
                     request_deserializer=fedrl_dot_v1_dot_federation__pb2.InlineUpdate.FromString,
                     response_serializer=fedrl_dot_v1_dot_federation__pb2.SubmitReply.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=fedrl_dot_v1_dot_federation__pb2.SessionMessage.FromString,
+                    response_serializer=fedrl_dot_v1_dot_federation__pb2.Task.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +289,33 @@ class Federation:
             '/fedrl.v1.Federation/SubmitUpdateInline',
             fedrl_dot_v1_dot_federation__pb2.InlineUpdate.SerializeToString,
             fedrl_dot_v1_dot_federation__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fedrl.v1.Federation/Session',
+            fedrl_dot_v1_dot_federation__pb2.SessionMessage.SerializeToString,
+            fedrl_dot_v1_dot_federation__pb2.Task.FromString,
             options,
             channel_credentials,
             insecure,
