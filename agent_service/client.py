@@ -22,9 +22,10 @@ from fedrl.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
 from fedrl.rpc import StopFlag, create_channel
 from fedrl.security import TLSFiles
-from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_parts
+from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_parts, session_update
 
 log = logging.getLogger("fedrl.agent")
+SESSION_METHOD = "/fedrl.v1.Federation/Session"
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 
@@ -108,7 +109,7 @@ class Agent:
             stub = federation_pb2_grpc.FederationStub(channel)
             self._join(stub)
             delay = self.cfg.backoff_initial
-            self._loop(stub)
+            self._loop(channel, stub)
         except CodecError as e:
             # The global model failed verification on the way here (damaged in transit, a bad
             # store): nothing was trained or sent. Ask again after a pause, on a new channel.
@@ -142,11 +143,11 @@ class Agent:
         reply = stub.Join(req, timeout=self.cfg.connect_timeout, wait_for_ready=True)
         log.info("joined as %s (run %s)", self.cfg.agent_id, reply.run_id or "none yet")
 
-    def _loop(self, stub) -> None:
+    def _loop(self, channel: grpc.Channel, stub) -> None:
         while not self._stop.is_set():
             try:
                 if self.use_session:
-                    self._session_stream(stub)
+                    self._session_stream(channel, stub)
                     self._stop.wait(self.cfg.backoff_initial)  # ended by the aggregator: it is stopping
                 else:
                     self._calls(stub)
@@ -180,18 +181,20 @@ class Agent:
             else:
                 self._other(current)
 
-    def _session_stream(self, stub) -> None:
+    def _session_stream(self, channel: grpc.Channel, stub) -> None:
         """Tasks and updates on one Session stream until it ends; an update is taken when the
-        next task comes."""
+        next task comes. Messages go up serialised here (an update with one copy of its payload)."""
         answers: queue.SimpleQueue = queue.SimpleQueue()
 
         def messages():
             yield federation_pb2.SessionMessage(hello=federation_pb2.TaskRequest(
-                agent_id=self.cfg.agent_id, wait_seconds=self.cfg.task_wait))
+                agent_id=self.cfg.agent_id, wait_seconds=self.cfg.task_wait)).SerializeToString()
             while (m := answers.get()) is not None:
                 yield m
 
-        call = self._session_call = stub.Session(messages())
+        session = channel.stream_stream(SESSION_METHOD, request_serializer=None,
+                                         response_deserializer=federation_pb2.Task.FromString)
+        call = self._session_call = session(messages())
         sent = None  # the task whose update went inline and is not yet acknowledged
         try:
             self._awaited_since = time.monotonic()
@@ -203,10 +206,10 @@ class Agent:
                 if task.kind == federation_pb2.Task.TRAIN:
                     update = self._train(stub, task)
                     if update is None:
-                        answers.put(federation_pb2.SessionMessage(done=federation_pb2.TaskDone(round=task.round)))
-                    else:
                         answers.put(federation_pb2.SessionMessage(
-                            update=federation_pb2.InlineUpdate(header=update[0], payload=update[1])))
+                            done=federation_pb2.TaskDone(round=task.round)).SerializeToString())
+                    else:
+                        answers.put(session_update(*update))
                         sent = task
                 else:
                     self._other(task)
@@ -254,7 +257,8 @@ class Agent:
             manifest, chunks = read_weight_parts(parts)
         check_manifest_matches(manifest, self.base_reference)  # before a buffer is sized from it
         state = assemble(manifest, chunks)
-        res = trainer.train_round(state, task.local_steps, stop=self._stop.is_set)
+        # the trained tensors themselves, not copies: they are encoded (copied) before the next round
+        res = trainer.train_round(state, task.local_steps, stop=self._stop.is_set, copy=False)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         self._train_seconds = res.seconds
         enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples)

@@ -8,6 +8,7 @@ is used. Protobuf types stop at the servicers: this module knows plain Python on
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -93,23 +94,31 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     allows). The safetensors library reads it (tested); it is several times faster than the
     library's writer on the small tensors a round sends.
     """
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict[str, Any] = {}
-    if metadata:
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise TypeError("safetensors metadata must map strings to strings")
-        header["__metadata__"] = dict(metadata)
-    pos, parts = 0, []
+    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TypeError("safetensors metadata must map strings to strings")
+    layout = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
+    head, order = _header(layout, tuple(metadata.items()) if metadata else ())
+    parts = [tensors[k].reshape(-1).view(torch.uint8).numpy() for k in order if tensors[k].numel()]
+    return b"".join([head, *parts])
+
+
+@functools.lru_cache(maxsize=16)
+def _header(layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
+            metadata: tuple[tuple[str, str], ...]) -> tuple[bytes, tuple[str, ...]]:
+    """The length-prefixed JSON header of a safetensors file of tensors (name, dtype, shape),
+    and the order of their bytes after it. Cached: an agent sends the same layout every round."""
+    by_name = {k: (dtype, shape) for k, dtype, shape in layout}
+    order = sorted(by_name, key=lambda k: (-by_name[k][0].itemsize, k))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    pos = 0
     for k in order:
-        t = tensors[k]
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [pos, pos + n]}
-        if n:
-            parts.append(t.reshape(-1).view(torch.uint8).numpy())
+        dtype, shape = by_name[k]
+        n = math.prod(shape) * dtype.itemsize
+        header[k] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [pos, pos + n]}
         pos += n
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
-    return b"".join([len(h).to_bytes(8, "little"), h, *parts])
+    return len(h).to_bytes(8, "little") + h, tuple(order)
 
 
 def encode(state: Mapping[str, torch.Tensor], run_id: str = "", round: int = 0,
@@ -237,7 +246,7 @@ class _Entry(NamedTuple):
     end: int
     name: str
     dtype: torch.dtype
-    shape: list[int]
+    shape: tuple[int, ...]
     numel: int
 
 
@@ -256,15 +265,21 @@ def parse_safetensors(buf: bytes | bytearray) -> dict[str, torch.Tensor]:
     return _views(buf, start, entries)
 
 
-def _layout(buf: bytearray) -> tuple[int, list[_Entry]]:
+def _layout(buf: bytearray) -> tuple[int, tuple[_Entry, ...]]:
     """The data area's start and the tensors' entries, sorted by offset (see parse_safetensors)."""
     if len(buf) < 8:
         raise _bad("shorter than its 8-byte header length")
     n = int.from_bytes(bytes(buf[:8]), "little")
     if n > min(len(buf) - 8, MAX_HEADER_BYTES):
         raise _bad(f"header length {n} exceeds the payload")
+    parse = _parse_header_cached if n <= CACHED_HEADER_BYTES else _parse_header
+    return 8 + n, parse(bytes(buf[8:8 + n]), len(buf) - 8 - n)
+
+
+def _parse_header(raw: bytes, end_of_data: int) -> tuple[_Entry, ...]:
+    """The entries a header describes, checked against a data area of ``end_of_data`` bytes."""
     try:
-        header = json.loads(bytes(buf[8:8 + n]))
+        header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _bad(f"header is not JSON ({e})") from None
     if not isinstance(header, dict):
@@ -272,7 +287,6 @@ def _layout(buf: bytearray) -> tuple[int, list[_Entry]]:
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _bad("__metadata__ must map strings to strings")
-    start, end_of_data = 8 + n, len(buf) - 8 - n
     entries = []
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
@@ -287,7 +301,7 @@ def _layout(buf: bytearray) -> tuple[int, list[_Entry]]:
         numel = math.prod(shape)
         if offs[1] - offs[0] != numel * td.itemsize or not 0 <= offs[0] <= offs[1] <= end_of_data:
             raise _bad(f"entry {name!r}: byte range {offs} does not hold {dtype}{shape}")
-        entries.append(_Entry(offs[0], offs[1], name, td, shape, numel))
+        entries.append(_Entry(offs[0], offs[1], name, td, tuple(shape), numel))
     entries.sort(key=lambda e: (e.begin, e.end))
     pos = 0
     for e in entries:
@@ -296,7 +310,13 @@ def _layout(buf: bytearray) -> tuple[int, list[_Entry]]:
         pos = e.end
     if pos != end_of_data:
         raise _bad(f"tensors end at byte {pos} of a {end_of_data}-byte data area")
-    return start, entries
+    return tuple(entries)
+
+
+# Every agent's update, every round, has the same header: small ones are parsed once (a refusal
+# is not cached).
+CACHED_HEADER_BYTES = 1 << 16
+_parse_header_cached = functools.lru_cache(maxsize=16)(_parse_header)
 
 
 def _views(buf: bytearray, start: int, entries: Sequence[_Entry]) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from fedrl.codec import Encoded, Manifest, TensorSpec
-from fedrl.proto.v1 import control_pb2, weights_pb2
+from fedrl.proto.v1 import control_pb2, federation_pb2, weights_pb2
 
 
 def manifest_to_proto(m: Manifest) -> weights_pb2.WeightsManifest:
@@ -15,17 +15,32 @@ def manifest_to_proto(m: Manifest) -> weights_pb2.WeightsManifest:
         num_samples=m.num_samples, total_bytes=m.total_bytes, sha256=m.sha256, encoding=m.encoding)
 
 
-def length_delimited_field(number: int, data: bytes, prefix: bytes = b"") -> bytes:
-    """``data`` (e.g. a serialised message) as field ``number`` of an enclosing message, in the
-    protobuf wire format: appended to that message's own bytes it sets the field (parsers take
-    fields in any order). ``prefix`` (those bytes) is joined in front in the same single copy."""
-    out, n = bytearray(), (number << 3) | 2  # wire type 2: length-delimited
-    for v in (n, len(data)):
+def _field_key(number: int, length: int) -> bytes:
+    """The key and length that open a length-delimited field ``number`` of ``length`` bytes."""
+    out = bytearray()
+    for v in ((number << 3) | 2, length):  # wire type 2: length-delimited
         while v > 0x7F:
             out.append(v & 0x7F | 0x80)
             v >>= 7
         out.append(v)
-    return b"".join((prefix, out, data))
+    return bytes(out)
+
+
+def length_delimited_field(number: int, data: bytes, prefix: bytes = b"") -> bytes:
+    """``data`` (e.g. a serialised message) as field ``number`` of an enclosing message, in the
+    protobuf wire format: appended to that message's own bytes it sets the field (parsers take
+    fields in any order). ``prefix`` (those bytes) is joined in front in the same single copy."""
+    return b"".join((prefix, _field_key(number, len(data)), data))
+
+
+def session_update(header: federation_pb2.UpdateHeader, payload: bytes) -> bytes:
+    """``SessionMessage(update=InlineUpdate(header=header, payload=payload))`` serialised, with
+    one copy of the payload (building the message and serialising it copies it twice)."""
+    head = header.SerializeToString()
+    inner = b"".join((_field_key(federation_pb2.InlineUpdate.HEADER_FIELD_NUMBER, len(head)), head,
+                      _field_key(federation_pb2.InlineUpdate.PAYLOAD_FIELD_NUMBER, len(payload))))
+    return b"".join((_field_key(federation_pb2.SessionMessage.UPDATE_FIELD_NUMBER, len(inner) + len(payload)),
+                     inner, payload))
 
 
 def manifest_from_proto(p: weights_pb2.WeightsManifest) -> Manifest:

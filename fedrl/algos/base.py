@@ -34,13 +34,15 @@ class Learner(Protocol):
     def update(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One gradient step; returns detached scalar diagnostics (no ``.item()`` here)."""
 
-    def shared_state(self, federate_critic: bool) -> dict[str, torch.Tensor]:
-        """The parameters this learner sends to the server (detached CPU copies)."""
+    def shared_state(self, federate_critic: bool, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The parameters this learner sends to the server (detached CPU copies; with
+        ``copy=False`` the tensors themselves when they live on the CPU)."""
 
 
-def prefixed_state(prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` as detached CPU tensors under ``prefix.``."""
-    return {f"{prefix}.{k}": v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+def prefixed_state(prefix: str, module: nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` as detached CPU tensors under ``prefix.`` (copies unless ``copy``
+    is False and they are on the CPU already)."""
+    return {f"{prefix}.{k}": v.detach().to("cpu", copy=copy) for k, v in module.state_dict().items()}
 
 
 def load_prefixed(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> bool:

@@ -45,9 +45,9 @@ class BCLearner:
         if self.cfg.reset_actor_optimizer:
             self.opt.state.clear()  # a fresh Adam: moments and step counts start over
 
-    def shared_state(self, federate_critic: bool = False) -> dict[str, torch.Tensor]:
+    def shared_state(self, federate_critic: bool = False, copy: bool = True) -> dict[str, torch.Tensor]:
         """The policy parameters (BC has no critic)."""
-        return prefixed_state(POLICY, self.policy)
+        return prefixed_state(POLICY, self.policy, copy)
 
     def update(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One BC gradient step."""

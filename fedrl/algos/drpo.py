@@ -120,11 +120,11 @@ class DRPOLearner:
         if self.cfg.reset_actor_optimizer:
             self.actor_opt.state.clear()  # a fresh Adam: moments and step counts start over
 
-    def shared_state(self, federate_critic: bool = False) -> dict[str, torch.Tensor]:
+    def shared_state(self, federate_critic: bool = False, copy: bool = True) -> dict[str, torch.Tensor]:
         """Policy parameters (and critics when ``federate_critic``) as prefixed CPU tensors."""
-        out = prefixed_state(POLICY, self.policy)
+        out = prefixed_state(POLICY, self.policy, copy)
         if federate_critic:
-            out |= prefixed_state(CRITIC, self.critic) | prefixed_state(CRITIC_TARGET, self.critic_target)
+            out |= prefixed_state(CRITIC, self.critic, copy) | prefixed_state(CRITIC_TARGET, self.critic_target, copy)
         return out
 
     @property

@@ -92,8 +92,9 @@ class LocalTrainer:
                                      derive_seed(seed, SEED_AGENT_RNG, agent))
 
     def train_round(self, global_state: Mapping[str, torch.Tensor], steps: int,
-                    stop: Callable[[], bool] | None = None) -> LocalResult:
-        """Adopt ``global_state``, run ``steps`` local updates, return the shared parameters.
+                    stop: Callable[[], bool] | None = None, copy: bool = True) -> LocalResult:
+        """Adopt ``global_state``, run ``steps`` local updates, return the shared parameters
+        (copies; with ``copy=False`` on CPU, the learner's own tensors, valid until its next round).
 
         ``stop`` is asked before every step; when it answers True the round is abandoned
         (:class:`RoundInterrupted`): a service asked to shut down does not finish minutes of
@@ -110,5 +111,5 @@ class LocalTrainer:
             for k, v in self.learner.update(self.buffer.sample(self.cfg.batch_size, self.learner.gen)).items():
                 logs.setdefault(k, []).append(v)
         metrics = {k: float(torch.stack(v).float().mean()) for k, v in logs.items()}
-        return LocalResult(self.agent, self.learner.shared_state(self.federate_critic),
+        return LocalResult(self.agent, self.learner.shared_state(self.federate_critic, copy),
                            len(self.buffer), metrics, time.perf_counter() - t0)
