@@ -320,12 +320,19 @@ _parse_header_cached = functools.lru_cache(maxsize=16)(_parse_header)
 
 
 def _views(buf: bytearray, start: int, entries: Sequence[_Entry]) -> dict[str, torch.Tensor]:
+    """The tensors as views of ``buf``: of one storage (the whole buffer) where each is aligned
+    to its element size, as this module's writer and the safetensors library lay them out, so
+    neighbours can be read as one span (``fedrl.federation.aggregate.fedavg`` does)."""
     out: dict[str, torch.Tensor] = {}
+    whole = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else None
     for e in entries:
+        begin = start + e.begin
         if e.numel == 0:
             out[e.name] = torch.empty(e.shape, dtype=e.dtype)
-        else:
-            out[e.name] = torch.frombuffer(buf, dtype=e.dtype, count=e.numel, offset=start + e.begin).view(e.shape)
+        elif begin % e.dtype.itemsize == 0:
+            out[e.name] = whole[begin:start + e.end].view(e.dtype).view(e.shape)
+        else:  # a header whose length is not padded: unaligned, a tensor of its own
+            out[e.name] = torch.frombuffer(buf, dtype=e.dtype, count=e.numel, offset=begin).view(e.shape)
     return out
 
 

@@ -62,23 +62,62 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
     if any(not x >= 0 for x in w) or sum(w) <= 0:
         raise AggregationError(f"weights must be non-negative with a positive sum, got {w}")
     total = sum(w)
-    # Accumulate each tensor in float64 with in-place mixed-dtype adds: the float32 operand is
-    # widened element by element inside the add (no float64 copy of any update), in the same
-    # order as the plain formula, so the bits are those of sum_i (w_i / W) * theta_i in float64.
+    # Accumulate in float64 with in-place mixed-dtype adds: the float32 operand is widened
+    # element by element inside the add (no float64 copy of any update), in the same order as
+    # the plain formula, so the bits are those of sum_i (w_i / W) * theta_i in float64.
     # 3x faster than widening whole updates first (10 x 30 MB: 0.35 s vs 1.0 s on one core).
-    keys = list(states[0])
-    acc = {k: torch.zeros(states[0][k].shape, dtype=torch.float64) for k in keys}
-    for s, wi in zip(states, w):
-        a = wi / total
-        for k in keys:
-            acc[k].add_(s[k], alpha=a)
     # A NaN or Inf in any update (even one weighted 0: 0 * Inf is NaN) makes its coordinate of
     # the float64 sum non-finite, and a weighted mean of finite float32 values stays finite in
     # float32: so the sum is checked instead of every update (10x fewer checks for 10 agents);
     # only when it fails are the updates searched, to name the one at fault.
-    if not all(all_finite(acc[k]) for k in keys):
+    keys = list(states[0])
+    spans = _spans(states, keys)
+    if spans is not None:
+        # Updates decoded from the wire hold their tensors back to back in one buffer: each is
+        # summed as one span (the same adds element by element, so the same bits; a Hopper
+        # policy's round: 10 adds instead of ~100).
+        acc = torch.zeros(spans[0].numel(), dtype=torch.float64)
+        for x, wi in zip(spans, w):
+            acc.add_(x, alpha=wi / total)
+        if not all_finite(acc):
+            check_compatible(states)
+        mean, out, pos = acc.to(spans[0].dtype), {}, 0
+        for k in keys:
+            n = states[0][k].numel()
+            out[k] = mean[pos:pos + n].view(states[0][k].shape)
+            pos += n
+        return out
+    sums = {k: torch.zeros(states[0][k].shape, dtype=torch.float64) for k in keys}
+    for s, wi in zip(states, w):
+        a = wi / total
+        for k in keys:
+            sums[k].add_(s[k], alpha=a)
+    if not all(all_finite(sums[k]) for k in keys):
         check_compatible(states)
-    return {k: acc[k].to(states[0][k].dtype) for k in keys}
+    return {k: sums[k].to(states[0][k].dtype) for k in keys}
+
+
+def _spans(states: Sequence[Mapping[str, torch.Tensor]], keys: list[str]) -> list[torch.Tensor] | None:
+    """Each state's tensors, in ``keys`` order, as one flat tensor over their memory, when they
+    lie back to back in one CPU storage with one dtype (see ``fedrl.codec._views``); else None."""
+    if not keys:
+        return None
+    dtype = states[0][keys[0]].dtype
+    numel = sum(states[0][k].numel() for k in keys)
+    out = []
+    for s in states:
+        first = s[keys[0]]
+        end = first.data_ptr()
+        for k in keys:
+            t = s[k]
+            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() != end:
+                return None
+            end += t.numel() * t.element_size()
+        try:  # bounds-checked: the span must lie inside the first tensor's storage
+            out.append(torch.empty(0, dtype=dtype).set_(first.untyped_storage(), first.storage_offset(), (numel,)))
+        except RuntimeError:
+            return None
+    return out
 
 
 def _flat(states: Sequence[Mapping[str, torch.Tensor]]) -> tuple[torch.Tensor, list[str]]:

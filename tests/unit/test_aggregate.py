@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from fedrl.federation.aggregate import AggregationError, agent_weights, fedavg
+from fedrl.codec import assemble, encode
+from fedrl.federation.aggregate import AggregationError, _spans, agent_weights, fedavg
 
 
 def s(*vals, dtype=torch.float32):
@@ -83,3 +84,38 @@ def test_median_and_trimmed_mean_values():
     assert torch.allclose(trimmed_mean(s, 0.0)["x"], torch.tensor([4.25, -4.25]))
     with pytest.raises(AggregationError, match="trim fraction"):
         trimmed_mean(s, 0.5)
+
+
+def _decoded(state):
+    """``state`` as the aggregator holds an update: decoded from its wire bytes."""
+    enc = encode(state, "run", 1, 0, 10)
+    return assemble(enc.manifest, [enc.payload])
+
+
+def test_fedavg_of_decoded_updates_sums_each_as_one_span_with_the_same_bits():
+    g = torch.Generator().manual_seed(0)
+    shapes = {"policy.l0.weight": (256, 11), "policy.l0.bias": (256,), "policy.head.weight": (6, 256),
+              "policy.head.bias": (6,), "policy.mean": (11,), "policy.odd": (7, 3)}
+    plain = [{k: torch.randn(sh, generator=g) * (i + 1) for k, sh in shapes.items()} for i in range(5)]
+    decoded = [_decoded(x) for x in plain]
+    keys = list(decoded[0])
+    assert _spans(decoded, keys) is not None and _spans(plain, list(plain[0])) is None
+    for w in (None, [1, 2, 3, 4, 5], [0.5, 0, 2, 7, 1e-3]):
+        a, b = fedavg(plain, w), fedavg(decoded, w)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].shape == b[k].shape for k in a)
+    # one tensor of another dtype, or one that is not in the shared buffer: summed tensor by tensor
+    mixed = [_decoded({**x, "policy.count": torch.arange(3, dtype=torch.float64)}) for x in plain]
+    assert _spans(mixed, list(mixed[0])) is None
+    moved = [dict(x) for x in decoded]
+    moved[2]["policy.odd"] = moved[2]["policy.odd"].clone()
+    assert _spans(moved, keys) is None
+    assert all(torch.equal(fedavg(moved)[k], fedavg(plain)[k]) for k in keys)
+
+
+def test_a_non_finite_decoded_update_is_named():
+    x = {"a": torch.ones(3, 4), "b": torch.zeros(5)}
+    states = [_decoded(x) for _ in range(3)]
+    states[1]["b"][2] = float("nan")  # after decoding (which refuses it): in the span, not at its start
+    assert _spans(states, list(states[0])) is not None
+    with pytest.raises(AggregationError, match="update 1: 'b' contains NaN or Inf"):
+        fedavg(states)
