@@ -528,6 +528,14 @@ def system_md(root: Path = RESULTS) -> str:
                     f"{o['round_ms_median']:.0f} ms median (p90 {o['round_ms_p90']:.0f}) | CPU per round: "
                     f"aggregator {cpu.get('aggregator', float('nan')):.0f} ms, agents {cpu.get('agents_total', float('nan')):.0f} ms"
                     f" on {o.get('cores', '?')} cores | < {o['target_ms']:.0f} ms |")
+        calls = o.get("calls_transport")
+        if calls:
+            cc = calls.get("cpu_ms_per_round_steady") or {}
+            rows.append(f"| the same round with a call per task (`--transport calls`), same run | "
+                        f"{calls['round_ms_median']:.0f} ms median (p90 {calls['round_ms_p90']:.0f}) | CPU per "
+                        f"round: aggregator {cc.get('aggregator', float('nan')):.0f} ms, agents "
+                        f"{cc.get('agents_total', float('nan')):.0f} ms; the Session stream's round is "
+                        f"{o['session_to_calls_ratio']:.2f}x this | |")
         floor = o.get("bare_grpc_floor")
         if floor:
             srv = np.median([r["server_cpu_ms_per_round"] for r in floor["runs"]])
