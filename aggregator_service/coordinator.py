@@ -24,7 +24,7 @@ import torch
 
 from aggregator_service.store import Store
 from fedrl.algos.config import config_to_dict
-from fedrl.codec import (INLINE_MAX_BYTES, CodecError, Encoded, Manifest, check_manifest_matches, check_matches, encode,
+from fedrl.codec import (INLINE_MAX_BYTES, CodecError, Encoded, Manifest, check_manifest_matches, encode,
                          encoded_from_payload)
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
@@ -81,6 +81,7 @@ class Run:
     events: list[dict[str, Any]] = field(default_factory=list)
     evaluations: dict[int, dict[str, Any]] = field(default_factory=dict)
     ended: float = 0.0
+    hparams_json: str = ""  # the learner's hyperparameters, written into every stored version
 
 
 class Coordinator:
@@ -235,13 +236,14 @@ class Coordinator:
 
     def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor],
                metrics: Mapping[str, float], seconds: float) -> int:
-        """Accept a verified update; closes the round when it completes. Returns the round."""
+        """Accept a verified update (``state`` decoded from a payload checked against ``m``);
+        closes the round when it completes. Returns the round."""
         with self.cond:
             run = self._check_submission(agent_id, m)
-            try:
-                check_matches(state, run.global_state)
-            except ValueError as e:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e), "tensor_mismatch") from None
+            # m lists the global version's tensors: compared as the specs of its own manifest
+            # (a tuple comparison), and only when they differ, tensor by tensor to name the difference
+            if m.tensors != run.encoded[run.version].manifest.tensors:
+                check_manifest_matches(m, run.global_state)
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
             run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds)
             self.agents[agent_id].rounds_submitted += 1
@@ -467,9 +469,10 @@ class Coordinator:
 
     def _encode(self, run: Run, version: int, state: dict[str, torch.Tensor]) -> Encoded:
         """A global version as sent and as stored: the same bytes, its provenance in the header."""
-        hp = algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)
+        if not run.hparams_json:
+            run.hparams_json = json.dumps(config_to_dict(algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)))
         meta = {"run_id": run.run_id, "version": str(version), "algo": run.cfg.algo,
-                "env_id": run.env_id, "hparams": json.dumps(config_to_dict(hp))}
+                "env_id": run.env_id, "hparams": run.hparams_json}
         return encode(state, run.run_id, version, version, metadata=meta)
 
     def _open_round(self, run: Run, r: int) -> None:

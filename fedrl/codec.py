@@ -150,25 +150,31 @@ def encoded_from_payload(payload: bytes, run_id: str = "", round: int = 0, base_
 class Assembler:
     """Receives chunks for a manifest into one buffer of the declared size; refuses anything
     past it. The buffer is allocated once (untouched pages cost no memory until chunks land in
-    them), so a 30 MB update is not copied again each time it grows."""
+    them), so a 30 MB update is not copied again each time it grows; a payload that comes whole
+    (an inline message) is copied once, with no zero-filled buffer first."""
 
     def __init__(self, manifest: Manifest) -> None:
         check_manifest(manifest)
         self.manifest = manifest
-        self.buf = bytearray(manifest.total_bytes)
+        self.buf: bytearray | None = None
         self.received = 0
 
     def add(self, chunk: bytes) -> None:
-        n = len(chunk)
-        if self.received + n > self.manifest.total_bytes:
-            raise CodecError("oversize", f"chunks exceed the declared {self.manifest.total_bytes} bytes")
+        n, total = len(chunk), self.manifest.total_bytes
+        if self.received + n > total:
+            raise CodecError("oversize", f"chunks exceed the declared {total} bytes")
+        if self.buf is None:
+            if n == total:
+                self.buf, self.received = bytearray(chunk), n
+                return
+            self.buf = bytearray(total)
         self.buf[self.received:self.received + n] = chunk
         self.received += n
 
     def finish(self) -> dict[str, torch.Tensor]:
         if self.received != self.manifest.total_bytes:
             raise CodecError("truncated", f"received {self.received} of {self.manifest.total_bytes} declared bytes")
-        return decode(self.manifest, self.buf)
+        return decode(self.manifest, self.buf if self.buf is not None else bytearray())
 
 
 def check_manifest(m: Manifest) -> None:
@@ -391,11 +397,6 @@ def _check_specs(have: Mapping[str, tuple[str, tuple[int, ...]]], reference: Map
         if dtype != dtype_name(r.dtype) or tuple(shape) != tuple(r.shape):
             raise CodecError("tensor_mismatch", f"{says}tensor {k!r} is {dtype}{list(shape)}, "
                                                 f"the global model has {dtype_name(r.dtype)}{list(r.shape)}")
-
-
-def check_matches(state: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> None:
-    """``state`` has exactly the tensor names, dtypes and shapes of ``reference`` (the global)."""
-    _check_specs({k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in state.items()}, reference, "", "")
 
 
 def check_manifest_matches(m: Manifest, reference: Mapping[str, torch.Tensor]) -> None:
