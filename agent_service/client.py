@@ -156,7 +156,9 @@ class Agent:
                     log.warning("the aggregator has no Session stream; using a call per task instead")
                     self.use_session = False
                 elif e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
-                    log.warning("update not taken (%s)", e.details())  # a stale round, a stopped run
+                    # an update for a round that closed without it, a run stopped under the task
+                    log.warning("%s; asking for the next task", e.details())
+                    self._stop.wait(self.cfg.backoff_initial)  # never a tight loop of refusals
                 else:
                     raise
 

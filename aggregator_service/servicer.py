@@ -123,6 +123,9 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         return reply
 
     def Session(self, request_iterator, context):
+        """An agent's stream: its tasks (as NextTask answers them) out, its answers to TRAIN
+        tasks in, each update checked as SubmitUpdateInline checks it; a refusal ends the stream
+        with that call's status (see federation.proto)."""
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "hello":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with its hello")

@@ -288,3 +288,20 @@ def test_a_task_appended_as_bytes_parses_as_the_reply_built_with_it(payload, big
                                           next_task=task)
     assert federation_pb2.SubmitReply.FromString(wire) == expected
     assert wire == expected.SerializeToString()  # field 4 is the last one: even the bytes agree
+
+
+@settings(max_examples=60, deadline=None)
+@given(payload=st.binary(max_size=20_000), big=st.integers(0, 3), agent=st.text(max_size=40),
+       metrics=st.dictionaries(st.text(max_size=8), st.floats(allow_nan=False), max_size=3))
+def test_a_session_update_built_by_hand_parses_as_the_message(payload, big, agent, metrics):
+    """Agents serialise their Session update with one copy of the payload (fedrl.serde.session_update):
+    protobuf must read exactly the message it stands for."""
+    from fedrl.serde import session_update
+
+    payload *= 10 ** big  # lengths with 1 to 4 varint bytes
+    header = federation_pb2.UpdateHeader(agent_id=agent, metrics=metrics, train_seconds=1.5)
+    wire = session_update(header, payload)
+    expected = federation_pb2.SessionMessage(update=federation_pb2.InlineUpdate(header=header, payload=payload))
+    assert federation_pb2.SessionMessage.FromString(wire) == expected
+    if payload and len(metrics) <= 1:  # (an empty payload is written, where protobuf would leave
+        assert wire == expected.SerializeToString()  # it out; a map's order on the wire is free)
