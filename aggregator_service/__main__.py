@@ -20,7 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="do not pick up an unfinished run from --state-dir (default: resume it from its "
                         "newest stored global version, as after a crash or a pod restart)")
-    p.add_argument("--max-workers", type=int, default=128, help="RPC threads (long polls hold one each)")
+    p.add_argument("--max-workers", type=int, default=1024,
+                   help="RPC threads, made as needed: each connected agent's Session stream holds one, as "
+                        "do watchers and long polls (a warning is logged when agents come near it)")
     p.add_argument("--task-wait", type=float, default=30.0, help="longest NextTask long poll, seconds")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads; its tensor work is small, and more threads only contend "
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = AggregatorMetrics()
     coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics, resume=a.resume)
     server = create_server([
-        (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord, auth), "fedrl.v1.Federation"),
+        (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord, auth, a.max_workers),
+         "fedrl.v1.Federation"),
         (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(coord), "fedrl.v1.Control"),
     ], a.host, a.port, a.max_workers, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls)
     log.info("serving on %s:%d (%s%s), state in %s", a.host, server.port,

@@ -19,6 +19,7 @@ from fedrl.serde import (event_to_proto, evaluation_from_proto, length_delimited
 
 log = logging.getLogger("fedrl.aggregator")
 SESSION_MIN_WAIT = 1.0  # seconds: an idle session's WAIT heartbeats come no more often than this
+RESERVED_THREADS = 16  # RPC threads left for control calls, watchers and evaluators beside the agents' streams
 
 
 def _abort(context: grpc.ServicerContext, e: Exception) -> None:
@@ -36,9 +37,12 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     PRESERIALIZED = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline",
                      "/fedrl.v1.Federation/Session")
 
-    def __init__(self, coord: Coordinator, auth: Authenticator | None = None) -> None:
+    def __init__(self, coord: Coordinator, auth: Authenticator | None = None, max_workers: int | None = None) -> None:
         self.coord = coord
         self.auth = auth or Authenticator()
+        # Every connected agent's Session holds one of the server's RPC threads for as long as it
+        # is open: past max_workers, a new stream would wait for a thread that never comes free.
+        self.max_workers = max_workers
         # Inline (small) updates are verified one at a time. Their work is many short torch ops,
         # each of which releases the GIL and takes it back: with ten handler threads verifying at
         # once, every hand-back is a contended GIL switch and the same work costs about twice the
@@ -59,6 +63,11 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             run_id = self.coord.join(rec)
         except ServiceError as e:
             _abort(context, e)
+        n = len(self.coord.agents)
+        if self.max_workers is not None and n > self.max_workers - RESERVED_THREADS:
+            log.warning("%d agents have joined; each Session stream holds one of the server's %d RPC threads "
+                        "(%d kept for control calls and watchers): raise --max-workers", n, self.max_workers,
+                        RESERVED_THREADS)
         return federation_pb2.JoinReply(agent_id=request.agent_id, run_id=run_id)
 
     def NextTask(self, request, context):

@@ -152,6 +152,25 @@ def test_agents_fall_back_to_calls_when_the_aggregator_has_no_session(tmp_path, 
         agg.close()
 
 
+def test_the_aggregator_warns_when_agents_come_near_its_rpc_threads(tmp_path, caplog):
+    """Each connected agent's Session holds a server thread: more agents than --max-workers allows
+    (less a reserve for control calls and watchers) would leave a stream waiting forever."""
+    from aggregator_service.servicer import RESERVED_THREADS
+    from tests.service.test_federation import join
+
+    agg = Aggregator(tmp_path / "s", servicer=lambda coord, auth: FederationServicer(
+        coord, auth, max_workers=RESERVED_THREADS + 2))
+    try:
+        join(agg, "a0", 0)
+        join(agg, "a1", 1)
+        assert "raise --max-workers" not in caplog.text
+        join(agg, "a2", 2)
+        assert f"3 agents have joined; each Session stream holds one of the server's {RESERVED_THREADS + 2} " \
+               "RPC threads" in caplog.text
+    finally:
+        agg.close()
+
+
 def test_an_agent_reconnects_when_its_session_goes_quiet(aggregator, agent_threads, stand_dataset, caplog):
     """An aggregator that stops answering (here: its coordinator's lock held) without dropping
     the connection: the agent gives up on the stream after task_wait + rpc_timeout seconds
