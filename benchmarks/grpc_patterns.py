@@ -6,10 +6,12 @@ N client processes and one server exchange, per round, the global payload down a
 of the same size up, with identity serialisers and no work: the floor any round built on that
 pattern stands on. Patterns:
 
-- ``two-calls``: what the federation does today, a long-poll call that returns the task with
-  the weights inline and a unary submit;
-- ``one-call``: a submit answered with the next round's task (one call per agent per round);
-- ``session``: one bidirectional stream per agent for the whole run, a message each way per round.
+- ``two-calls``: a long-poll call that returns the task with the weights inline and a unary
+  submit (the federation's first protocol);
+- ``one-call``: a submit answered with the next round's task (one call per agent per round:
+  ``agent_service --transport calls``);
+- ``session``: one bidirectional stream per agent for the whole run, a message each way per round
+  (the agents' default, the Session RPC).
 
 The server closes a round when all N updates are in and releases the waiting clients.
 """
