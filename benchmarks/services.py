@@ -4,6 +4,8 @@
     python -m benchmarks.services transfer  [--agents 10] [--mb 30] [--rounds 3]
     python -m benchmarks.services evaluator [--env Hopper-v5] [--episodes 400]
     python -m benchmarks.services all       (writes benchmarks/results/services-cpu.json)
+    python -m benchmarks.services federation [--transport session|calls] [--rounds 500]
+                                            (the overhead run alone: for before/after pairs)
 
 - overhead: the real aggregator process and N real agent processes, Hopper-size policy,
   zero local steps; wall time per round (from the aggregator's round events), with the agents'
@@ -335,7 +337,8 @@ def evaluator_service_peak_rss(env: str, policy, episodes: int = 20) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.services")
-    p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all"))
+    p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all", "federation"))
+    p.add_argument("--transport", choices=("session", "calls"), default="session", help="federation only")
     p.add_argument("--agents", type=int, default=10)
     p.add_argument("--rounds", type=int, default=100, help="overhead rounds (the first 3 are not measured)")
     p.add_argument("--mb", type=int, default=30)
@@ -346,6 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                              "python": platform.python_version()},
                  "date": time.strftime("%Y-%m-%d")}
+    if a.what == "federation":  # one federation run, no floor: alternate trees or transports with it
+        with tempfile.TemporaryDirectory() as d:
+            r = federation_rounds(a.agents, a.rounds, {"algo": "drpo"}, Path(d), transport=a.transport)
+        ms = np.array(r["per_round_seconds"][WARMUP_ROUNDS:]) * 1e3
+        print(json.dumps({"transport": a.transport, "agents": a.agents, "rounds_measured": len(ms),
+                          "round_ms_median": round(float(np.median(ms)), 2),
+                          "round_ms_p90": round(float(np.percentile(ms, 90)), 2),
+                          "cpu_ms_per_round_steady": r["cpu_ms_per_round_steady"]}))
+        return 0
     if a.what in ("overhead", "all"):
         res["overhead"] = bench_overhead(a.agents, a.rounds)
     if a.what in ("transfer", "all"):
