@@ -63,9 +63,10 @@ def dashboard() -> dict:
                ('fedrl_agent_loss{term="reg_global"}', "{{agent}} global")], 0, 36, 12, 8),
         panel(15, "Local steps per second per agent",
               [("rate(fedrl_agent_local_steps_total[$__rate_interval])", "{{agent}}")], 12, 36, 12, 8),
+        # CANCELLED is the caller going away (an agent's Session stream ends so when it stops)
         panel(16, "gRPC error rate by method",
               [('sum by (grpc_service, grpc_method, grpc_code) '
-                '(rate(grpc_server_handled_total{grpc_code!="OK"}[$__rate_interval]))',
+                '(rate(grpc_server_handled_total{grpc_code!~"OK|CANCELLED"}[$__rate_interval]))',
                 "{{grpc_method}} {{grpc_code}}")], 0, 44, 12, 8, unit="reqps"),
         panel(17, "gRPC p95 latency (unary)",
               [('histogram_quantile(0.95, sum by (le, grpc_method) '
