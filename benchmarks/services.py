@@ -129,7 +129,7 @@ def bench_overhead(agents: int, rounds: int) -> dict:
         runs = {t: federation_rounds(agents, rounds, {"algo": "drpo"}, Path(d) / t, transport=t)
                 for t in ("session", "calls")}
     floor.append(bare_rounds(agents, max(rounds, 60), HOPPER_POLICY_BYTES))
-    ms = {t: np.array(r["per_round_seconds"][WARMUP_ROUNDS:]) * 1e3 for t, r in runs.items()}
+    ms = {t: _steady_ms(r) for t, r in runs.items()}
     r, s = runs["session"], ms["session"]
     floor_ms = float(np.median([f["round_ms_median"] for f in floor]))
     out = {"agents": agents, "rounds_measured": len(s), "policy": "Hopper-v5, 2x256 (~280 KB)",
@@ -156,6 +156,11 @@ def bench_overhead(agents: int, rounds: int) -> dict:
                    "cpu_ms_per_round_steady is measured after the first rounds"}
     print(json.dumps(out))
     return out
+
+
+def _steady_ms(run: dict) -> np.ndarray:
+    """A federation run's round times after the warm-up rounds, in ms."""
+    return np.array(run["per_round_seconds"][WARMUP_ROUNDS:]) * 1e3
 
 
 def bare_rounds(agents: int, rounds: int, payload_bytes: int) -> dict:
@@ -346,18 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episodes", type=int, default=400)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                             "python": platform.python_version()},
-                 "date": time.strftime("%Y-%m-%d")}
     if a.what == "federation":  # one federation run, no floor: alternate trees or transports with it
         with tempfile.TemporaryDirectory() as d:
             r = federation_rounds(a.agents, a.rounds, {"algo": "drpo"}, Path(d), transport=a.transport)
-        ms = np.array(r["per_round_seconds"][WARMUP_ROUNDS:]) * 1e3
+        ms = _steady_ms(r)
         print(json.dumps({"transport": a.transport, "agents": a.agents, "rounds_measured": len(ms),
                           "round_ms_median": round(float(np.median(ms)), 2),
                           "round_ms_p90": round(float(np.percentile(ms, 90)), 2),
                           "cpu_ms_per_round_steady": r["cpu_ms_per_round_steady"]}))
         return 0
+    res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                             "python": platform.python_version()},
+                 "date": time.strftime("%Y-%m-%d")}
     if a.what in ("overhead", "all"):
         res["overhead"] = bench_overhead(a.agents, a.rounds)
     if a.what in ("transfer", "all"):
