@@ -42,8 +42,9 @@ class CodecError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
+    """One tensor a manifest lists (a tuple: manifests of one layout compare and hash in C)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -94,9 +95,17 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     allows). The safetensors library reads it (tested); it is several times faster than the
     library's writer on the small tensors a round sends.
     """
+    return _write(tensors, _layout_of(tensors), metadata)
+
+
+def _layout_of(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+    return tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
+
+
+def _write(tensors: Mapping[str, torch.Tensor], layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
+           metadata: Mapping[str, str] | None) -> bytes:
     if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("safetensors metadata must map strings to strings")
-    layout = tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
     head, order = _header(layout, tuple(metadata.items()) if metadata else ())
     parts = [tensors[k].reshape(-1).view(torch.uint8).numpy() for k in order if tensors[k].numel()]
     return b"".join([head, *parts])
@@ -128,12 +137,24 @@ def encode(state: Mapping[str, torch.Tensor], run_id: str = "", round: int = 0,
 
     ``metadata`` is written into the file's header (covered by the sha256; decoders ignore it):
     the aggregator stores the very bytes it sends, with the version's provenance inside."""
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    payload = write_safetensors(tensors, metadata)
-    specs = tuple(TensorSpec(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in sorted(tensors.items()))
-    m = Manifest(run_id, int(round), int(base_version), specs, int(num_samples), len(payload),
+    tensors = {k: v if _plain(v) else v.detach().to("cpu").contiguous() for k, v in state.items()}
+    layout = _layout_of(tensors)
+    payload = _write(tensors, layout, metadata)
+    m = Manifest(run_id, int(round), int(base_version), _specs(layout), int(num_samples), len(payload),
                  hashlib.sha256(payload).hexdigest())
     return Encoded(m, payload, chunk_bytes)
+
+
+@functools.lru_cache(maxsize=16)
+def _specs(layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]) -> tuple[TensorSpec, ...]:
+    """A manifest's tensor list (sorted by name) for a layout; cached like the header."""
+    return tuple(TensorSpec(k, dtype_name(dtype), shape) for k, dtype, shape in sorted(layout, key=lambda e: e[0]))
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Already what the writer reads: a contiguous CPU tensor outside autograd (attribute
+    checks, cheaper than three no-op tensor calls per tensor each round)."""
+    return t.device.type == "cpu" and not t.requires_grad and t.is_contiguous()
 
 
 def encoded_from_payload(payload: bytes, run_id: str = "", round: int = 0, base_version: int = 0,
@@ -177,34 +198,44 @@ class Assembler:
         return decode(self.manifest, self.buf if self.buf is not None else bytearray())
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 def check_manifest(m: Manifest) -> None:
     """A manifest's own consistency, before any chunk is accepted."""
     if m.encoding != ENCODING:
         raise CodecError("bad_encoding", f"encoding {m.encoding!r} is not accepted (only {ENCODING!r})")
     if not 0 < m.total_bytes <= MAX_PAYLOAD_BYTES:
         raise CodecError("bad_manifest", f"declared size {m.total_bytes} is outside (0, {MAX_PAYLOAD_BYTES}]")
-    if len(m.sha256) != 64 or any(c not in "0123456789abcdef" for c in m.sha256):
+    if len(m.sha256) != 64 or not _HEX.issuperset(m.sha256):
         raise CodecError("bad_manifest", "sha256 must be 64 lower-case hex digits")
-    if not m.tensors:
-        raise CodecError("bad_manifest", "manifest lists no tensors")
-    names = [t.name for t in m.tensors]
-    if len(set(names)) != len(names):
-        raise CodecError("bad_manifest", "manifest lists a tensor name twice")
-    for t in m.tensors:
-        if t.dtype not in _DTYPES.values():
-            raise CodecError("bad_dtype", f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
-        if any(d < 0 for d in t.shape):
-            raise CodecError("bad_manifest", f"tensor {t.name!r}: negative dimension in {list(t.shape)}")
     if m.num_samples < 0:
         raise CodecError("bad_manifest", f"num_samples must be >= 0, got {m.num_samples}")
     # A receiver sizes its buffer from total_bytes: it must be what the listed tensors take plus
     # a header, whoever receives (the aggregator, an agent, the evaluator, which has no model
     # of its own to compare with). The tensors themselves are bounded by MAX_PAYLOAD_BYTES.
-    data = sum(math.prod(t.shape) * _BY_NAME[t.dtype].itemsize for t in m.tensors)
+    data = _tensor_list_bytes(m.tensors)
     if not data + 8 < m.total_bytes <= data + 8 + MAX_HEADER_ALLOWANCE:
         raise CodecError("bad_manifest", f"declared size {m.total_bytes} bytes does not fit the listed tensors "
                                          f"({data} bytes of data plus a header of at most "
                                          f"{MAX_HEADER_ALLOWANCE} bytes)")
+
+
+@functools.lru_cache(maxsize=64)
+def _tensor_list_bytes(tensors: tuple[TensorSpec, ...]) -> int:
+    """The data bytes a manifest's tensor list declares, once the list is found sound. Cached:
+    every update of a run lists the same tensors (a refusal raises and is not cached)."""
+    if not tensors:
+        raise CodecError("bad_manifest", "manifest lists no tensors")
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise CodecError("bad_manifest", "manifest lists a tensor name twice")
+    for t in tensors:
+        if t.dtype not in _BY_NAME:
+            raise CodecError("bad_dtype", f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
+        if any(d < 0 for d in t.shape):
+            raise CodecError("bad_manifest", f"tensor {t.name!r}: negative dimension in {list(t.shape)}")
+    return sum(math.prod(t.shape) * _BY_NAME[t.dtype].itemsize for t in tensors)
 
 
 _FINITE_BLOCK = 1 << 20  # elements summed per step: bounds all_finite's float64 temporary to 8 MB
@@ -368,20 +399,27 @@ def decode(m: Manifest, payload: bytes | bytearray) -> dict[str, torch.Tensor]:
         raise CodecError("sha256_mismatch", "payload sha256 does not match the manifest")
     buf = payload if isinstance(payload, bytearray) else bytearray(payload)
     start, entries = _layout(buf)
-    spec = m.spec()
+    _check_entries(entries, m.tensors)
+    bad = _first_non_finite(buf, start, entries)
+    if bad is not None:
+        raise CodecError("non_finite", f"tensor {bad!r} contains NaN or Inf")
+    return _views(buf, start, entries)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_entries(entries: tuple[_Entry, ...], tensors: tuple[TensorSpec, ...]) -> None:
+    """A payload's tensors (its parsed header) are exactly the manifest's: names, dtypes,
+    shapes. Cached: every update of a run pairs the same header with the same tensor list."""
+    spec = {t.name: t for t in tensors}
     names = {e.name for e in entries}
     if names != set(spec):
         diff = sorted(names ^ set(spec))
         raise CodecError("tensor_mismatch", f"payload tensors differ from the manifest: {', '.join(diff[:5])}")
     for e in entries:
         s = spec[e.name]
-        if dtype_name(e.dtype) != s.dtype or tuple(e.shape) != s.shape:
+        if dtype_name(e.dtype) != s.dtype or tuple(e.shape) != tuple(s.shape):
             raise CodecError("tensor_mismatch", f"tensor {e.name!r} is {dtype_name(e.dtype)}{list(e.shape)}, "
                                                 f"manifest says {s.dtype}{list(s.shape)}")
-    bad = _first_non_finite(buf, start, entries)
-    if bad is not None:
-        raise CodecError("non_finite", f"tensor {bad!r} contains NaN or Inf")
-    return _views(buf, start, entries)
 
 
 def _check_specs(have: Mapping[str, tuple[str, tuple[int, ...]]], reference: Mapping[str, torch.Tensor],

@@ -39,10 +39,21 @@ class Learner(Protocol):
         ``copy=False`` the tensors themselves when they live on the CPU)."""
 
 
+def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict(keep_vars=True)``, looked up once per module: an agent adopts and
+    sends its modules' tensors every round, and walking the module tree each time costs more
+    than the copies. Valid because these modules keep their parameter and buffer objects for
+    life (steps, loads and ``.to`` change them in place; nothing registers new ones later)."""
+    own = module.__dict__.get("_fedrl_tensors")
+    if own is None:
+        own = module.__dict__["_fedrl_tensors"] = module.state_dict(keep_vars=True)
+    return own
+
+
 def prefixed_state(prefix: str, module: nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` as detached CPU tensors under ``prefix.`` (copies unless ``copy``
     is False and they are on the CPU already)."""
-    return {f"{prefix}.{k}": v.detach().to("cpu", copy=copy) for k, v in module.state_dict().items()}
+    return {f"{prefix}.{k}": v.detach().to("cpu", copy=copy) for k, v in module_tensors(module).items()}
 
 
 def load_prefixed(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> bool:
@@ -61,7 +72,7 @@ def load_prefixed(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: 
 @torch.no_grad()
 def copy_state_(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """``module``'s parameters and buffers <- ``state`` (same names and shapes, checked)."""
-    own = module.state_dict(keep_vars=True)
+    own = module_tensors(module)
     if own.keys() != state.keys():
         missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
         raise RuntimeError(f"state does not match {type(module).__name__}: missing {missing}, "
