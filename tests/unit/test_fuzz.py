@@ -305,3 +305,21 @@ def test_a_session_update_built_by_hand_parses_as_the_message(payload, big, agen
     assert federation_pb2.SessionMessage.FromString(wire) == expected
     if payload and len(metrics) <= 1:  # (an empty payload is written, where protobuf would leave
         assert wire == expected.SerializeToString()  # it out; a map's order on the wire is free)
+
+
+def test_checks_worked_out_once_per_layout_still_refuse_what_differs():
+    """The manifest and header checks are remembered per layout (fedrl.codec caches them): a
+    payload of another shape under the same names, or a bad tensor list, is refused every time."""
+    a = encode({"w": torch.ones(2, 3), "b": torch.zeros(3)})
+    assert torch.equal(decode(a.manifest, a.payload)["w"], torch.ones(2, 3))  # the layout is now known
+    b = encode({"w": torch.ones(3, 2), "b": torch.zeros(3)})  # same names and size, another shape
+    m = replace(a.manifest, sha256=b.manifest.sha256)
+    for _ in range(2):
+        with pytest.raises(CodecError) as e:
+            decode(m, b.payload)
+        assert e.value.reason == "tensor_mismatch" and "'w'" in str(e.value)
+    twice = replace(a.manifest, tensors=(TensorSpec("b", "F32", (3,)), TensorSpec("b", "F32", (3,))))
+    for _ in range(2):  # a refusal is not remembered as an answer
+        with pytest.raises(CodecError, match="twice"):
+            Assembler(twice)
+    assert torch.equal(decode(a.manifest, a.payload)["b"], torch.zeros(3))
