@@ -214,7 +214,7 @@ def check_manifest(m: Manifest) -> None:
     # A receiver sizes its buffer from total_bytes: it must be what the listed tensors take plus
     # a header, whoever receives (the aggregator, an agent, the evaluator, which has no model
     # of its own to compare with). The tensors themselves are bounded by MAX_PAYLOAD_BYTES.
-    data = _tensor_list_bytes(m.tensors)
+    data = _tensor_list_bytes(tuple(m.tensors))
     if not data + 8 < m.total_bytes <= data + 8 + MAX_HEADER_ALLOWANCE:
         raise CodecError("bad_manifest", f"declared size {m.total_bytes} bytes does not fit the listed tensors "
                                          f"({data} bytes of data plus a header of at most "
@@ -399,7 +399,7 @@ def decode(m: Manifest, payload: bytes | bytearray) -> dict[str, torch.Tensor]:
         raise CodecError("sha256_mismatch", "payload sha256 does not match the manifest")
     buf = payload if isinstance(payload, bytearray) else bytearray(payload)
     start, entries = _layout(buf)
-    _check_entries(entries, m.tensors)
+    _check_entries(entries, tuple(m.tensors))
     bad = _first_non_finite(buf, start, entries)
     if bad is not None:
         raise CodecError("non_finite", f"tensor {bad!r} contains NaN or Inf")

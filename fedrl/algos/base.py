@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -56,35 +56,49 @@ def prefixed_state(prefix: str, module: nn.Module, copy: bool = True) -> dict[st
     return {f"{prefix}.{k}": v.detach().to("cpu", copy=copy) for k, v in module_tensors(module).items()}
 
 
-def load_prefixed(module: nn.Module, state: Mapping[str, torch.Tensor], prefix: str) -> bool:
-    """Load the ``prefix.*`` entries of ``state`` into ``module`` (strict); False if none exist.
+@torch.no_grad()
+def load_prefixed(module: nn.Module | Sequence[nn.Module], state: Mapping[str, torch.Tensor], prefix: str) -> bool:
+    """Load the ``prefix.*`` entries of ``state`` into ``module`` (or into each of several
+    modules of one architecture) (strict); False if none exist.
 
     Strict as ``load_state_dict``: exactly the module's names, each with its shape. The copy is
-    one fused call (this runs every round, for every agent)."""
+    one fused call for all the modules (this runs every round, for every agent)."""
     head = prefix + "."
-    sub = {k[len(head):]: v for k, v in state.items() if k.startswith(head)}
+    n = len(head)
+    sub = {k[n:]: v for k, v in state.items() if k.startswith(head)}
     if not sub:
         return False
-    copy_state_(module, sub)
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for m in (module,) if isinstance(module, nn.Module) else module:
+        _pair_up(m, sub, dst, src)
+    torch._foreach_copy_(dst, src)
     return True
 
 
 @torch.no_grad()
 def copy_state_(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """``module``'s parameters and buffers <- ``state`` (same names and shapes, checked)."""
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    _pair_up(module, state, dst, src)
+    torch._foreach_copy_(dst, src)
+
+
+def _pair_up(module: nn.Module, state: Mapping[str, torch.Tensor], dst: list, src: list) -> None:
+    """Append ``module``'s tensors to ``dst`` and their new values from ``state`` to ``src``,
+    after checking ``state`` has exactly the module's names, each with its shape."""
     own = module_tensors(module)
     if own.keys() != state.keys():
         missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
         raise RuntimeError(f"state does not match {type(module).__name__}: missing {missing}, "
                            f"unexpected {unexpected}")
-    dst, src = [], []
     for k, t in own.items():
         v = state[k]
         if v.shape != t.shape:
             raise RuntimeError(f"{k}: shape {list(v.shape)} does not match the module's {list(t.shape)}")
         dst.append(t)
         src.append(v)
-    torch._foreach_copy_(dst, src)
 
 
 @torch.no_grad()

@@ -112,9 +112,9 @@ class DRPOLearner:
     def begin_round(self, global_state: Mapping[str, torch.Tensor]) -> None:
         """Set pi and the frozen pi_bar to the global policy (and critics if they are federated)."""
         state = {k: v.to(self.device) for k, v in global_state.items()}
-        if not load_prefixed(self.policy, state, POLICY):
+        # pi and the frozen pi_bar take the same values: one fused copy for both
+        if not load_prefixed((self.policy, self.global_policy), state, POLICY):
             raise KeyError("global state has no 'policy.*' tensors")
-        load_prefixed(self.global_policy, state, POLICY)  # the same values: pi was just loaded from them
         load_prefixed(self.critic, state, CRITIC)
         load_prefixed(self.critic_target, state, CRITIC_TARGET)
         if self.cfg.reset_actor_optimizer:
