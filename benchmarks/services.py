@@ -6,6 +6,8 @@
     python -m benchmarks.services all       (writes benchmarks/results/services-cpu.json)
     python -m benchmarks.services federation [--transport session|calls] [--rounds 500]
                                             (the overhead run alone: for before/after pairs)
+    python -m benchmarks.services inprocess [--agents 10] [--rounds 500]
+                                            (the round's own work, no gRPC: see bench_inprocess)
 
 - overhead: the real aggregator process and N real agent processes, Hopper-size policy,
   zero local steps; wall time per round (from the aggregator's round events), with the agents'
@@ -340,9 +342,98 @@ def evaluator_service_peak_rss(env: str, policy, episodes: int = 20) -> float:
             proc.wait(20)
 
 
+class _LocalContext:
+    """What the servicer asks of a gRPC context, for calls made in-process (no peer, no token)."""
+
+    def is_active(self) -> bool:
+        return True
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def abort(self, code, details):
+        raise RuntimeError(f"{code}: {details}")
+
+
+def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
+    """The round's own work without gRPC: the aggregator's servicer and coordinator and N agents
+    in this one process, each round every agent taking its task as the Session stream sends it
+    (serialised), training zero steps and answering with its serialised update, which the
+    servicer checks and takes as it does off the stream. CPU per round (min over ``repeats``
+    blocks), split between the two sides, and one agent's ``_train`` alone (timeit, min of 3)."""
+    import timeit
+
+    import torch
+
+    from agent_service.client import Agent, AgentConfig
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.servicer import FederationServicer
+    from aggregator_service.store import Store
+    from fedrl.federation.simulate import load_shards
+    from fedrl.metrics import AggregatorMetrics
+    from fedrl.proto.v1 import federation_pb2
+    from fedrl.security import Authenticator
+    from fedrl.serde import session_update
+
+    torch.set_num_threads(1)
+    ctx = _LocalContext()
+    with tempfile.TemporaryDirectory() as d:
+        data = _dataset(Path(d))
+        shards, env = load_shards([f"{data}:{agents}"], agents, 5, 0, None, lambda *_: None)
+        coord = Coordinator(Store(Path(d) / "state"), metrics=AggregatorMetrics())
+        svc = FederationServicer(coord, Authenticator())
+        members = [Agent(AgentConfig("in-process", f"agent-{i}", i, env.gym_id, torch.device("cpu")), shards[i])
+                   for i in range(agents)]
+        for a in members:
+            tr = a.shard.transitions
+            svc.Join(federation_pb2.JoinRequest(
+                agent_id=a.cfg.agent_id, agent_index=a.cfg.index, num_samples=len(tr), obs_dim=tr.obs.shape[1],
+                act_dim=tr.actions.shape[1], env_id=a.cfg.env_id, obs_moments=federation_pb2.ObsMoments(
+                    count=a.stats.count, sum=a.stats.total.tolist(), sum_sq=a.stats.total_sq.tolist())), ctx)
+        block = max(1, rounds // repeats)
+        coord.start_run(json.dumps({"algo": "drpo", "agents": agents, "rounds": WARMUP_ROUNDS + block * repeats + 1,  # the last: timed alone
+                                    "local_steps": 0, "eval_episodes": 0}))
+        split = {"aggregator": 0.0, "agents": 0.0}
+
+        def one_round() -> None:
+            for a in members:
+                t0 = time.process_time()
+                _, task = svc._task(ctx, a.cfg.agent_id, 1.0)
+                t1 = time.process_time()
+                up = session_update(*a._train(None, federation_pb2.Task.FromString(task)))
+                t2 = time.process_time()
+                svc._submit_inline(ctx, federation_pb2.SessionMessage.FromString(up).update)
+                t3 = time.process_time()
+                split["aggregator"] += (t1 - t0) + (t3 - t2)
+                split["agents"] += t2 - t1
+
+        for _ in range(WARMUP_ROUNDS):
+            one_round()
+        blocks = []
+        for _ in range(repeats):
+            split.update(aggregator=0.0, agents=0.0)
+            t = time.process_time()
+            for _ in range(block):
+                one_round()
+            blocks.append(((time.process_time() - t) / block * 1e3, split["aggregator"] / block * 1e3,
+                           split["agents"] / block * 1e3))
+        best = min(blocks)
+        a = members[0]
+        _, task_bytes = svc._task(ctx, a.cfg.agent_id, 1.0)
+        task = federation_pb2.Task.FromString(task_bytes)
+        train_us = min(timeit.repeat(lambda: a._train(None, task), number=200, repeat=3)) / 200 * 1e6
+        closed = coord.status()["global_version"]
+        coord.close()
+    return {"agents": agents, "rounds_per_block": block, "rounds_closed": closed, "cpu_ms_per_round": round(best[0], 3),
+            "aggregator_cpu_ms_per_round": round(best[1], 3), "agents_cpu_ms_per_round": round(best[2], 3),
+            "agent_train_us": round(train_us, 1),
+            "what": "aggregator servicer + coordinator and the agents' per-round work in one process, no gRPC; "
+                    "cpu per round is the best of the blocks"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.services")
-    p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all", "federation"))
+    p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all", "federation", "inprocess"))
     p.add_argument("--transport", choices=("session", "calls"), default="session", help="federation only")
     p.add_argument("--agents", type=int, default=10)
     p.add_argument("--rounds", type=int, default=100, help="overhead rounds (the first 3 are not measured)")
@@ -359,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
                           "round_ms_median": round(float(np.median(ms)), 2),
                           "round_ms_p90": round(float(np.percentile(ms, 90)), 2),
                           "cpu_ms_per_round_steady": r["cpu_ms_per_round_steady"]}))
+        return 0
+    if a.what == "inprocess":
+        print(json.dumps(bench_inprocess(a.agents, a.rounds)))
         return 0
     res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                              "python": platform.python_version()},
