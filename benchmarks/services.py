@@ -391,7 +391,8 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
                 act_dim=tr.actions.shape[1], env_id=a.cfg.env_id, obs_moments=federation_pb2.ObsMoments(
                     count=a.stats.count, sum=a.stats.total.tolist(), sum_sq=a.stats.total_sq.tolist())), ctx)
         block = max(1, rounds // repeats)
-        coord.start_run(json.dumps({"algo": "drpo", "agents": agents, "rounds": WARMUP_ROUNDS + block * repeats + 1,  # the last: timed alone
+        timed = WARMUP_ROUNDS + block * repeats  # then one more round, open while _train is timed alone
+        coord.start_run(json.dumps({"algo": "drpo", "agents": agents, "rounds": timed + 1,
                                     "local_steps": 0, "eval_episodes": 0}))
         split = {"aggregator": 0.0, "agents": 0.0}
 
@@ -424,7 +425,8 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
         train_us = min(timeit.repeat(lambda: a._train(None, task), number=200, repeat=3)) / 200 * 1e6
         closed = coord.status()["global_version"]
         coord.close()
-    return {"agents": agents, "rounds_per_block": block, "rounds_closed": closed, "cpu_ms_per_round": round(best[0], 3),
+    return {"agents": agents, "rounds_per_block": block, "rounds_closed": closed,
+            "cpu_ms_per_round": round(best[0], 3),
             "aggregator_cpu_ms_per_round": round(best[1], 3), "agents_cpu_ms_per_round": round(best[2], 3),
             "agent_train_us": round(train_us, 1),
             "what": "aggregator servicer + coordinator and the agents' per-round work in one process, no gRPC; "
