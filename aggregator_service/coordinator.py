@@ -204,7 +204,15 @@ class Coordinator:
         tensors or a declared size the global model cannot have: a CodecError, which the servicer
         maps to its status like any other verification failure)."""
         with self.cond:
-            check_manifest_matches(m, self._check_submission(agent_id, m).global_state)
+            self._check_tensors(self._check_submission(agent_id, m), m)
+
+    @staticmethod
+    def _check_tensors(run: Run, m: Manifest) -> None:
+        """``m`` lists exactly the global model's tensors: compared as the specs of the global
+        version's own manifest (one tuple comparison), and only when they differ tensor by
+        tensor, to name the difference."""
+        if m.tensors != run.encoded[run.version].manifest.tensors:
+            check_manifest_matches(m, run.global_state)
 
     def _check_submission(self, agent_id: str, m: Manifest) -> Run:
         self._agent(agent_id)
@@ -240,10 +248,7 @@ class Coordinator:
         closes the round when it completes. Returns the round."""
         with self.cond:
             run = self._check_submission(agent_id, m)
-            # m lists the global version's tensors: compared as the specs of its own manifest
-            # (a tuple comparison), and only when they differ, tensor by tensor to name the difference
-            if m.tensors != run.encoded[run.version].manifest.tensors:
-                check_manifest_matches(m, run.global_state)
+            self._check_tensors(run, m)
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
             run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds)
             self.agents[agent_id].rounds_submitted += 1

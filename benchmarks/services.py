@@ -384,12 +384,12 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
         svc = FederationServicer(coord, Authenticator())
         members = [Agent(AgentConfig("in-process", f"agent-{i}", i, env.gym_id, torch.device("cpu")), shards[i])
                    for i in range(agents)]
+        class LocalStub:  # what Agent._join calls, answered by the servicer in this process
+            def Join(self, request, **_):
+                return svc.Join(request, ctx)
+
         for a in members:
-            tr = a.shard.transitions
-            svc.Join(federation_pb2.JoinRequest(
-                agent_id=a.cfg.agent_id, agent_index=a.cfg.index, num_samples=len(tr), obs_dim=tr.obs.shape[1],
-                act_dim=tr.actions.shape[1], env_id=a.cfg.env_id, obs_moments=federation_pb2.ObsMoments(
-                    count=a.stats.count, sum=a.stats.total.tolist(), sum_sq=a.stats.total_sq.tolist())), ctx)
+            a._join(LocalStub())  # the agent's own JoinRequest
         block = max(1, rounds // repeats)
         timed = WARMUP_ROUNDS + block * repeats  # then one more round, open while _train is timed alone
         coord.start_run(json.dumps({"algo": "drpo", "agents": agents, "rounds": timed + 1,
