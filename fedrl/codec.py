@@ -259,7 +259,7 @@ def all_finite(t: torch.Tensor) -> bool:
     if not t.is_floating_point() or t.numel() == 0:
         return True
     flat = t.reshape(-1)
-    if t.dtype in (torch.float32, torch.float64) and bool(torch.isfinite(torch.dot(flat, flat))):
+    if t.dtype in (torch.float32, torch.float64) and math.isfinite(torch.dot(flat, flat).item()):
         return True
     for i in range(0, flat.numel(), _FINITE_BLOCK):
         block = flat[i:i + _FINITE_BLOCK]
