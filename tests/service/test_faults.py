@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 
 import torch
 
@@ -136,3 +137,52 @@ def test_restart_skips_an_unreadable_newest_version(tmp_path):
         assert all(torch.equal(second.run.global_state[k], g[k]) for k in g)
     finally:
         second.close()
+
+
+def test_a_round_of_large_updates_hands_freed_memory_back_outside_the_lock(tmp_path, monkeypatch):
+    """After a round whose updates reach TRIM_AFTER_BYTES, the ticker (not the thread that
+    closed the round under the coordinator's lock) asks the C library to release free pages,
+    once; a round below it does not."""
+    from aggregator_service import coordinator as coordinator_mod
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+    from tests.service.test_federation import run_config
+
+    trims: list[tuple[str, bool]] = []
+    coord = None
+
+    def trim() -> bool:
+        free = []  # can another thread take the coordinator's lock while the trim runs?
+
+        def probe() -> None:
+            if coord.cond.acquire(timeout=2):
+                coord.cond.release()
+                free.append(True)
+        p = threading.Thread(target=probe)
+        p.start()
+        p.join()
+        trims.append((threading.current_thread().name, bool(free)))
+        return True
+
+    monkeypatch.setattr(coordinator_mod, "release_free_memory", trim)
+    coord = Coordinator(Store(tmp_path / "state"), tick=0.02)
+    try:
+        run_id = coord.start_run(run_config(rounds=3))["run_id"]
+        coord.join(_agent("a0", 0))
+        coord.join(_agent("a1", 1))
+        g = coord.run.global_state
+        size = encode(g, run_id, 1, 0, 100).manifest.total_bytes
+        monkeypatch.setattr(coordinator_mod, "TRIM_AFTER_BYTES", 2 * size + 1)  # round 1: below
+        for a in ("a0", "a1"):
+            coord.submit(a, encode(g, run_id, 1, 0, 100).manifest, g, {}, 0.0)
+        time.sleep(0.2)  # ten ticks
+        assert trims == []
+        monkeypatch.setattr(coordinator_mod, "TRIM_AFTER_BYTES", 2 * size)  # round 2: reaches it
+        for a in ("a0", "a1"):
+            coord.submit(a, encode(g, run_id, 2, 1, 100).manifest, g, {}, 0.0)
+        wait_for(lambda: trims, 5, "a trim after the round")
+        time.sleep(0.2)
+        assert trims == [("aggregator-ticker", True)]
+        assert coord.status()["global_version"] == 2
+    finally:
+        coord.close()
