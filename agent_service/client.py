@@ -63,6 +63,10 @@ class Agent:
         self.trainer: LocalTrainer | None = None
         self.trainer_run = ""
         self.rounds_done = 0
+        # The task whose update was sent and not yet confirmed (by the next task on the Session
+        # stream, or a submit call's reply). If the connection breaks first, the next Join's
+        # reply says whether the aggregator took it.
+        self._unacked = None
         self._bad_streak = 0  # global models refused in a row
         self.use_session = cfg.session  # turned off when the aggregator has no Session stream
         self._train_seconds = 0.0  # of the last local round
@@ -142,6 +146,13 @@ class Agent:
             device=str(self.cfg.device))
         reply = stub.Join(req, timeout=self.cfg.connect_timeout, wait_for_ready=True)
         log.info("joined as %s (run %s)", self.cfg.agent_id, reply.run_id or "none yet")
+        sent, self._unacked = self._unacked, None
+        if sent is not None:
+            if sent.run_id == reply.run_id and reply.last_accepted_round >= sent.round:
+                log.info("round %d: the update sent before the connection broke was taken", sent.round)
+                self._submitted(sent)
+            else:
+                log.warning("round %d: the update sent before the connection broke was not taken", sent.round)
 
     def _loop(self, channel: grpc.Channel, stub) -> None:
         while not self._stop.is_set():
@@ -156,6 +167,7 @@ class Agent:
                     log.warning("the aggregator has no Session stream; using a call per task instead")
                     self.use_session = False
                 elif e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+                    self._unacked = None  # the update in flight, if any, was answered: refused
                     # an update for a round that closed without it, a run stopped under the task
                     log.warning("%s; asking for the next task", e.details())
                     self._stop.wait(self.cfg.backoff_initial)  # never a tight loop of refusals
@@ -174,6 +186,7 @@ class Agent:
             if current.kind == federation_pb2.Task.TRAIN:
                 update = self._train(stub, current)
                 if update is not None:
+                    self._unacked = current
                     reply = stub.SubmitUpdateInline(
                         federation_pb2.InlineUpdate(header=update[0], payload=update[1],
                                                     next_task_wait_seconds=self.cfg.task_wait),
@@ -212,7 +225,7 @@ class Agent:
                             done=federation_pb2.TaskDone(round=task.round)).SerializeToString())
                     else:
                         answers.put(session_update(*update))
-                        sent = task
+                        sent = self._unacked = task
                 else:
                     self._other(task)
                 self._awaited_since = time.monotonic()
@@ -227,6 +240,7 @@ class Agent:
             self.trainer, self.trainer_run = None, ""
 
     def _submitted(self, task) -> None:
+        self._unacked = None
         self.rounds_done += 1
         self._bad_streak = 0
         self.metrics.rounds.inc()
@@ -275,10 +289,12 @@ class Agent:
                 yield federation_pb2.UpdatePart(chunk=c)
 
         try:
+            self._unacked = task
             stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
             self._submitted(task)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
                 raise
+            self._unacked = None
             log.warning("round %d: update not taken (%s)", task.round, e.details())
         return None

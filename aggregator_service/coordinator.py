@@ -55,6 +55,7 @@ class AgentRecord:
     last_seen: float = 0.0
     rounds_submitted: int = 0
     stop_sent_for: str = ""
+    last_accepted: tuple[str, int] = ("", 0)  # (run, round) of the agent's last accepted update
 
 
 @dataclass
@@ -141,12 +142,21 @@ class Coordinator:
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"agent {rec.agent_id} rejoined with different dimensions")
                 rec.rounds_submitted = old.rounds_submitted
+            if old is not None:
+                rec.last_accepted = old.last_accepted
             rec.last_seen = time.time()
             self.agents[rec.agent_id] = rec
             log.info("agent %s joined (index %d, %d samples)", rec.agent_id, rec.index, rec.num_samples)
             self._maybe_begin()
             self.cond.notify_all()
             return run.run_id if run else ""
+
+    def last_accepted_round(self, agent_id: str, run_id: str) -> int:
+        """The last round of ``run_id`` whose update from ``agent_id`` was accepted, 0 if none
+        (or not known: a restarted aggregator remembers no acceptances from before)."""
+        with self.cond:
+            a = self.agents.get(agent_id)
+            return a.last_accepted[1] if a is not None and run_id and a.last_accepted[0] == run_id else 0
 
     def _agent(self, agent_id: str) -> AgentRecord:
         a = self.agents.get(agent_id)
@@ -258,7 +268,9 @@ class Coordinator:
             self._check_tensors(run, m)
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
             run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds, m.total_bytes)
-            self.agents[agent_id].rounds_submitted += 1
+            rec = self.agents[agent_id]
+            rec.rounds_submitted += 1
+            rec.last_accepted = (run.run_id, run.round)
             self.metrics.accepted.inc()
             r = run.round
             if len(run.submissions) == len(run.selected):

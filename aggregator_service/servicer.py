@@ -68,7 +68,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             log.warning("%d agents have joined; each Session stream holds one of the server's %d RPC threads "
                         "(%d kept for control calls and watchers): raise --max-workers", n, self.max_workers,
                         RESERVED_THREADS)
-        return federation_pb2.JoinReply(agent_id=request.agent_id, run_id=run_id)
+        return federation_pb2.JoinReply(agent_id=request.agent_id, run_id=run_id,
+                                        last_accepted_round=self.coord.last_accepted_round(request.agent_id, run_id))
 
     def NextTask(self, request, context):
         self.auth.check_agent(context, request.agent_id)

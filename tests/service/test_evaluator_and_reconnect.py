@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 import grpc
@@ -230,3 +231,48 @@ def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, a
     assert sum(f"global model refused ({reason}:" in r.getMessage() for r in caplog.records) == 2
     assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
     assert all(t.is_alive() for t in agent_threads.threads)
+
+
+class LosesTheFirstAnswer(FederationServicer):
+    """Takes the first update, then drops the call before the agent hears that it was taken."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.lost: list[tuple[str, int]] = []
+
+    def _submit_inline(self, context, update):
+        reply = super()._submit_inline(context, update)
+        if not self.lost:
+            self.lost.append((update.header.agent_id, reply.round))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "connection lost after the update was taken (test)")
+        return reply
+
+
+@pytest.mark.parametrize("transport", ["session", "calls"])
+def test_an_update_taken_as_the_connection_breaks_still_counts_at_its_agent(tmp_path, agent_threads, stand_dataset,
+                                                                            transport, caplog):
+    """The aggregator took an update, then the call broke before the agent heard (the next task
+    on its Session stream, or the submit call's reply, never came): on rejoining, the Join reply
+    says the round was taken, and the agent counts it; its count matches the aggregator's."""
+    caplog.set_level(logging.INFO, "fedrl.agent")
+    servicers: list[LosesTheFirstAnswer] = []
+
+    def make(coord, auth):
+        servicers.append(LosesTheFirstAnswer(coord, auth))
+        return servicers[-1]
+
+    agg = Aggregator(tmp_path / "s", servicer=make)
+    try:
+        agents = agent_threads.start(agg.target, str(stand_dataset), 2, 2, seed=0, session=transport == "session")
+        wait_for(lambda: len(status(agg)["agents"]) == 2, what="agents to join")
+        agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=10)
+        st = wait_for(lambda: (s := status(agg))["state"] == "finished" and s, what="the run")
+        (lost_by, lost_round), = servicers[0].lost
+        assert lost_round == 1 and [a["rounds_submitted"] for a in st["agents"]] == [3, 3]
+        wait_for(lambda: [a.rounds_done for a in agents] == [3, 3], timeout=10,
+                 what="each agent to count the 3 updates the aggregator took")
+        loser = next(a for a in agents if a.cfg.agent_id == lost_by)
+        assert loser.metrics.reconnects._value.get() >= 1
+        assert "round 1: the update sent before the connection broke was taken" in caplog.text
+    finally:
+        agg.close()

@@ -56,12 +56,14 @@ class JoinRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., agent_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., obs_dim: _Optional[int] = ..., act_dim: _Optional[int] = ..., env_id: _Optional[str] = ..., obs_moments: _Optional[_Union[ObsMoments, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("agent_id", "run_id")
+    __slots__ = ("agent_id", "run_id", "last_accepted_round")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCEPTED_ROUND_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     run_id: str
-    def __init__(self, agent_id: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    last_accepted_round: int
+    def __init__(self, agent_id: _Optional[str] = ..., run_id: _Optional[str] = ..., last_accepted_round: _Optional[int] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
     __slots__ = ("agent_id", "wait_seconds")
