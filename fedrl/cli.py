@@ -263,14 +263,28 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_up)
 
 
+def _settings_file(path: str | None) -> dict:
+    """A JSON object of run settings read from ``path`` ({} without one); a ValueError that
+    names the file when it is missing, unreadable, not JSON or not an object."""
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the run settings ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of run settings, got {type(data).__name__}")
+    return data
+
+
 def _cmd_up(a: argparse.Namespace) -> int:
     from fedrl.federation.runconfig import parse_run_config
     from fedrl.launcher import UpConfig, up
 
     data = dict(UP_DEFAULTS)
-    data_from_file = json.loads(Path(a.config).read_text()) if a.config else {}
-    if not isinstance(data_from_file, dict):
-        raise ValueError(f"{a.config}: expected a JSON object of run settings")
+    data_from_file = _settings_file(a.config)
     data.update(data_from_file)
     for k in ("algo", "agents", "rounds", "local_steps", "eval_episodes", "seed", "aggregation"):
         if getattr(a, k) is not None:
@@ -333,6 +347,16 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
     except SecurityConfigError as e:
         print(f"fedrl ctl: {e}", file=sys.stderr)
         return 2
+    if a.ctl_cmd == "start":  # the settings are read before any connection: a bad file is named at once
+        data = _settings_file(a.config)
+        for kv in a.set:
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise ValueError(f"--set {kv!r}: expected KEY=VALUE")
+            try:
+                data[k] = json.loads(v)
+            except json.JSONDecodeError:
+                data[k] = v
     try:
         with ControlClient(a.target, connect_timeout=a.connect_timeout, tls=tls,
                            token=os.environ.get("FEDRL_ADMIN_TOKEN") or None) as c:
@@ -340,15 +364,6 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
             if current is not None and current["state"] in ("waiting_for_agents", "running"):
                 print(dumps(current))
             elif a.ctl_cmd == "start":
-                data = json.loads(Path(a.config).read_text()) if a.config else {}
-                for kv in a.set:
-                    k, sep, v = kv.partition("=")
-                    if not sep:
-                        raise ValueError(f"--set {kv!r}: expected KEY=VALUE")
-                    try:
-                        data[k] = json.loads(v)
-                    except json.JSONDecodeError:
-                        data[k] = v
                 print(dumps(c.start(data)))
             elif a.ctl_cmd == "status":
                 print(dumps(c.status()))

@@ -128,3 +128,26 @@ def _alive(pid: int) -> bool:
     # A zombie is dead for our purpose.
     stat = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
     return stat not in ("Z", "X")
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "cannot read the run settings (No such file or directory)"),
+    ("{rounds: 3", "not valid JSON (Expecting property name"),
+    ("[1, 2]", "expected a JSON object of run settings, got list"),
+])
+def test_a_bad_settings_file_is_named_before_anything_starts(tmp_path, capsys, content, says):
+    """`fedrl up --config` and `fedrl ctl start --config`: the file and its problem, exit 2,
+    before any process starts or any connection is tried (the target here answers nothing)."""
+    from fedrl.cli import main
+
+    cfg = tmp_path / "run.json"
+    if content is not None:
+        cfg.write_text(content)
+    for argv in (["up", "--config", str(cfg), "--out", str(tmp_path / "r")],
+                 ["ctl", "--target", "127.0.0.1:1", "--connect-timeout", "30", "start", "--config", str(cfg)]):
+        t = time.monotonic()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{cfg}: {says}" in err, err
+        assert time.monotonic() - t < 10  # not after waiting for the aggregator
+    assert not (tmp_path / "r").exists()
