@@ -12,22 +12,15 @@ of 30 MB updates (measured in this project's transfer benchmark; see docs/PERFOR
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
-import logging
-
-log = logging.getLogger("fedrl.memory")
 
 
 @functools.cache
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None where malloc is not glibc's (musl, macOS, Windows)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
+    try:  # the symbols already loaded into this process, libc's among them (no library search)
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
