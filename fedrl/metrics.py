@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
+                               start_http_server)
 
 # No ``*_created`` series: Prometheus ignores them in the text format and they double the scrape.
 disable_created_metrics()
@@ -160,11 +161,23 @@ class GrpcServerMetrics(grpc.ServerInterceptor):
 # --------------------------------------------------------------------------------------------
 # Per-service metrics
 # --------------------------------------------------------------------------------------------
+def _service_registry(registry: CollectorRegistry | None) -> CollectorRegistry:
+    """``registry``, or a new one that also carries the process's own metrics
+    (``process_resident_memory_bytes``, ``process_cpu_seconds_total``, open fds, ...: what the
+    default registry of a Prometheus client exports, and what the dashboard's memory and CPU
+    panels read). A registry passed in is the caller's: nothing is added to it."""
+    if registry is not None:
+        return registry
+    r = CollectorRegistry()
+    ProcessCollector(registry=r)
+    return r
+
+
 class AggregatorMetrics:
     """The aggregator's rounds, agents, updates and bytes (``fedrl_aggregator_*``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+        r = self.registry = _service_registry(registry)
         p = f"{PREFIX}_aggregator"
         self.grpc = GrpcServerMetrics(r)
         self.rounds_completed = Counter(f"{p}_rounds_completed_total", "Rounds closed with a new global "
@@ -215,7 +228,7 @@ class AgentMetrics:
     """One agent's local training (``fedrl_agent_*``), labelled with its agent id."""
 
     def __init__(self, agent_id: str, device: str = "", registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+        r = self.registry = _service_registry(registry)
         p = f"{PREFIX}_agent"
         self.agent_id = agent_id
         self.grpc = GrpcServerMetrics(r)  # the health-only server, when the agent runs one
@@ -248,7 +261,7 @@ class EvaluatorMetrics:
     """Rollouts of global versions (``fedrl_evaluator_*``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+        r = self.registry = _service_registry(registry)
         p = f"{PREFIX}_evaluator"
         self.grpc = GrpcServerMetrics(r)
         self.ret = Gauge(f"{p}_return", "Mean raw return of the latest evaluated global version.", registry=r)

@@ -74,6 +74,13 @@ def dashboard() -> dict:
               12, 44, 12, 8, unit="s"),
         panel(18, "Evaluator rollout speed", [("max(fedrl_evaluator_rollout_steps_per_second)", "env steps/s")],
               0, 52, 12, 8),
+        panel(19, "Memory per process (RSS)",
+              [('process_resident_memory_bytes{job=~".*fedrl.*"}', "{{job}} {{instance}}")], 12, 52, 12, 8,
+              unit="bytes", description="Resident memory of every fedrl process. The aggregator's grows "
+                                        "with the agents' update size times the agents per round."),
+        panel(20, "CPU per process",
+              [('rate(process_cpu_seconds_total{job=~".*fedrl.*"}[$__rate_interval])', "{{job}} {{instance}}")],
+              0, 60, 12, 8, unit="percentunit", description="CPU seconds per second (1 = one core busy)."),
     ]
     return {
         "uid": "fedrl-federation", "title": "fedrl: federated DRPO", "tags": ["fedrl"],

@@ -27,7 +27,7 @@ PROMQL_WORDS = {"sum", "by", "max", "rate", "increase", "histogram_quantile", "m
 def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
     names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", re.sub(r'"[^"]*"|\{[^}]*\}|\[[^]]*\]', " ", expr)))
-    return {n for n in names if n.startswith(("fedrl_", "grpc_")) and n not in PROMQL_WORDS}
+    return {n for n in names if n.startswith(("fedrl_", "grpc_", "process_")) and n not in PROMQL_WORDS}
 
 
 def queried_metrics() -> set[str]:
@@ -50,6 +50,7 @@ def test_metric_name_extraction():
     assert metric_names("sum by (grpc_code) (rate(grpc_server_handled_total[1m]))") == {"grpc_server_handled_total"}
     assert "fedrl_aggregator_updates_rejected_total" in queried_metrics()
     assert "grpc_server_handled_total" in queried_metrics()
+    assert {"process_resident_memory_bytes", "process_cpu_seconds_total"} <= queried_metrics()
 
 
 def test_every_endpoint_scrapes_clean_and_prometheus_reads_the_run(stand_dataset, tmp_path):

@@ -137,3 +137,18 @@ def test_unknown_rejection_reasons_fold_into_other(reason):
     m.reject(reason)
     label = reason if reason == "duplicate" else "other"
     assert m.registry.get_sample_value("fedrl_aggregator_updates_rejected_total", {"reason": label}) == 1
+
+
+def test_every_service_exports_its_process_memory_and_cpu():
+    """What the dashboard's memory and CPU panels read, as any Prometheus client's default
+    registry has it; a registry handed in by the caller is left as it is."""
+    from prometheus_client import CollectorRegistry
+
+    from fedrl.metrics import AgentMetrics, AggregatorMetrics, EvaluatorMetrics
+
+    for m in (AggregatorMetrics(), AgentMetrics("agent-0"), EvaluatorMetrics()):
+        assert m.registry.get_sample_value("process_resident_memory_bytes") > 10e6
+        assert m.registry.get_sample_value("process_cpu_seconds_total") > 0
+    own = CollectorRegistry()
+    AggregatorMetrics(own)
+    assert own.get_sample_value("process_resident_memory_bytes") is None
