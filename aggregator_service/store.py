@@ -35,7 +35,11 @@ def _fsync_dir(d: Path) -> None:
 class Store:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        (self.root / "runs").mkdir(parents=True, exist_ok=True)
+        try:
+            (self.root / "runs").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"state directory {self.root}: cannot create {self.root / 'runs'} "
+                          f"({e.strerror or e})") from None
         if not os.access(self.root / "runs", os.W_OK):
             raise PermissionError(f"state directory {self.root / 'runs'} is not writable")
 

@@ -186,3 +186,15 @@ def test_a_round_of_large_updates_hands_freed_memory_back_outside_the_lock(tmp_p
         assert coord.status()["global_version"] == 2
     finally:
         coord.close()
+
+
+def test_a_state_directory_that_cannot_be_made_is_named(tmp_path):
+    import pytest
+
+    from aggregator_service.store import Store
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match=f"state directory {blocker}: cannot create {blocker / 'runs'} "
+                                      r"\(Not a directory\)"):
+        Store(blocker)
