@@ -76,15 +76,6 @@ def load_prefixed(module: nn.Module | Sequence[nn.Module], state: Mapping[str, t
     return True
 
 
-@torch.no_grad()
-def copy_state_(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """``module``'s parameters and buffers <- ``state`` (same names and shapes, checked)."""
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    _pair_up(module, state, dst, src)
-    torch._foreach_copy_(dst, src)
-
-
 def _pair_up(module: nn.Module, state: Mapping[str, torch.Tensor], dst: list, src: list) -> None:
     """Append ``module``'s tensors to ``dst`` and their new values from ``state`` to ``src``,
     after checking ``state`` has exactly the module's names, each with its shape."""
