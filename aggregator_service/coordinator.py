@@ -89,6 +89,9 @@ class Run:
     evaluations: dict[int, dict[str, Any]] = field(default_factory=dict)
     ended: float = 0.0
     hparams_json: str = ""  # the learner's hyperparameters, written into every stored version
+    # A resumed run's accepted updates per agent before the restart, from its stored ROUND_CLOSED
+    # events: (how many, last round). Given back to each agent when it rejoins.
+    accepted_before: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -144,6 +147,9 @@ class Coordinator:
                 rec.rounds_submitted = old.rounds_submitted
             if old is not None:
                 rec.last_accepted = old.last_accepted
+            elif run is not None and rec.agent_id in run.accepted_before:  # first join since a restart
+                n, last = run.accepted_before[rec.agent_id]
+                rec.rounds_submitted, rec.last_accepted = n, (run.run_id, last)
             rec.last_seen = time.time()
             self.agents[rec.agent_id] = rec
             log.info("agent %s joined (index %d, %d samples)", rec.agent_id, rec.index, rec.num_samples)
@@ -152,8 +158,8 @@ class Coordinator:
             return run.run_id if run else ""
 
     def last_accepted_round(self, agent_id: str, run_id: str) -> int:
-        """The last round of ``run_id`` whose update from ``agent_id`` was accepted, 0 if none
-        (or not known: a restarted aggregator remembers no acceptances from before)."""
+        """The last round of ``run_id`` whose update from ``agent_id`` was accepted, 0 if none.
+        A restarted aggregator knows those of the rounds whose close it stored (events)."""
         with self.cond:
             a = self.agents.get(agent_id)
             return a.last_accepted[1] if a is not None and run_id and a.last_accepted[0] == run_id else 0
@@ -417,6 +423,13 @@ class Coordinator:
         run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
         run.version, run.global_state = v, state
         run.encoded = {v: self._encode(run, v, state)}
+        # Who contributed to the versions kept (a round whose version was unreadable runs again):
+        # a rejoining agent's count and its last accepted round continue from before the restart.
+        for e in run.events:
+            if e["kind"] == "ROUND_CLOSED" and e["round"] <= v:
+                for a in e.get("agents", []):
+                    n, _ = run.accepted_before.get(a, (0, 0))
+                    run.accepted_before[a] = (n + 1, e["round"])
         run.round = v
         run.state = "running"
         msg = f"restarted; resuming from stored version {v}"

@@ -139,6 +139,44 @@ def test_restart_skips_an_unreadable_newest_version(tmp_path):
         second.close()
 
 
+def test_a_restarted_aggregator_remembers_whose_updates_its_stored_versions_took(tmp_path):
+    """Rejoining agents keep their count of accepted rounds and learn their last accepted round
+    (how an agent whose update was taken just before the crash counts it); a round whose version
+    could not be read runs again, so it does not count."""
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+    from tests.service.test_federation import run_config
+
+    store = Store(tmp_path / "state")
+    first = Coordinator(store, tick=0.02)
+    run_id = first.start_run(run_config(rounds=4))["run_id"]
+    first.join(_agent("a0", 0))
+    first.join(_agent("a1", 1))
+    g = first.run.global_state
+    for r in (1, 2):
+        m = encode(g, run_id, r, r - 1, 100).manifest
+        for a in ("a0", "a1"):
+            first.submit(a, m, g, {}, 0.0)
+    assert store.versions(run_id) == [0, 1, 2]
+    first.close()
+
+    def rejoined(damage: bool):
+        if damage:
+            store.version_path(run_id, 2).write_bytes(b"not a safetensors file")
+        c = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
+        try:
+            assert c.last_accepted_round("a0", run_id) == 0  # not rejoined yet
+            c.join(_agent("a0", 0))
+            c.join(_agent("a1", 1))
+            done = {a["agent_id"]: a["rounds_submitted"] for a in c.status()["agents"]}
+            return c.last_accepted_round("a0", run_id), c.last_accepted_round("a1", "another-run"), done
+        finally:
+            c.close()
+
+    assert rejoined(False) == (2, 0, {"a0": 2, "a1": 2})
+    assert rejoined(True) == (1, 0, {"a0": 1, "a1": 1})
+
+
 def test_a_round_of_large_updates_hands_freed_memory_back_outside_the_lock(tmp_path, monkeypatch):
     """After a round whose updates reach TRIM_AFTER_BYTES, the ticker (not the thread that
     closed the round under the coordinator's lock) asks the C library to release free pages,
