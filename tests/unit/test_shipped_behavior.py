@@ -1,59 +1,67 @@
-"""The behaviour checkpoints this repository ships: every quality is makeable here, in its band."""
+"""The behaviour checkpoints this repository ships: every quality is makeable here, in its band,
+for every environment with a shipped set."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fedrl.behavior.shipped import behavior_set, shipped_envs
+from fedrl.behavior.shipped import EXPERT_MIN, behavior_set, shipped_envs
 from fedrl.data.d4rl import load_d4rl, to_transitions
 from fedrl.data.make import make_dataset
-from fedrl.data.registry import resolve
+from fedrl.data.registry import makeable, resolve
+from fedrl.envs import env_info
 
-pytestmark = pytest.mark.skipif("hopper" not in shipped_envs(), reason="no Hopper behaviour set shipped")
+
+def test_hopper_is_shipped():
+    assert "hopper" in shipped_envs()  # the default dataset, hopper-medium-v2, is made from it
 
 
-@pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    d = tmp_path_factory.mktemp("shipped")
+@pytest.fixture(scope="module", params=shipped_envs())
+def made(request, tmp_path_factory):
+    env = request.param
+    d = tmp_path_factory.mktemp(f"shipped-{env}")
     qualities = ["random", "medium", "medium-replay"]
-    if behavior_set("hopper").manifest.get("expert"):
+    if behavior_set(env).manifest.get("expert"):
         qualities += ["expert", "medium-expert"]
-    return {q: load_d4rl(make_dataset("Hopper-v5", q, seed=0, out=d / f"{q}.hdf5", episodes=5))
-            for q in qualities}
+    assert set(qualities) == set(makeable(env))  # what named datasets of this env can be made from
+    gym_id = env_info(env).gym_id
+    return env, {q: load_d4rl(make_dataset(gym_id, q, seed=0, out=d / f"{q}.hdf5", episodes=5))
+                 for q in qualities}
 
 
-def _complete_returns(raw):
-    return raw.episode_returns()
-
-
-def test_shipped_manifest_is_consistent():
-    bs = behavior_set("hopper")
+@pytest.mark.parametrize("env", shipped_envs())
+def test_shipped_manifest_is_consistent(env):
+    bs = behavior_set(env)
     m = bs.manifest
-    assert m["env_id"] == "Hopper-v5"
+    assert m["env_id"] == env_info(env).gym_id
     files = {p.name for p in bs.root.glob("*.safetensors")}
     named = {m["medium"]["file"], *(c["file"] for c in m["medium_replay"]["checkpoints"])}
     if m["expert"]:
         named.add(m["expert"]["file"])
-        assert m["expert"]["stochastic_return_mean"] >= 2500
+        assert m["expert"]["stochastic_return_mean"] >= EXPERT_MIN[env]
         assert 0.2 <= m["medium"]["stochastic_return_mean"] / m["expert"]["stochastic_return_mean"] <= 0.5
+    else:
+        assert m["expert_missing_reason"]
     assert files == named
     assert sum(p.stat().st_size for p in bs.root.glob("*.safetensors")) < 3_000_000
 
 
 def test_each_quality_has_the_keys_and_returns_in_its_band(made):
+    env, made = made
+    info = env_info(env)
     for q, raw in made.items():
-        assert raw.observations.shape[1] == 11 and raw.actions.shape[1] == 3, q
-        assert raw.metadata["quality"] == q and raw.metadata["env_id"] == "Hopper-v5"
+        assert raw.observations.shape[1] == info.obs_dim and raw.actions.shape[1] == info.act_dim, q
+        assert raw.metadata["quality"] == q and raw.metadata["env_id"] == info.gym_id
         assert len(to_transitions(raw)) > 0
-    rand = _complete_returns(made["random"]).mean()
-    med = _complete_returns(made["medium"]).mean()
+    rand = made["random"].episode_returns().mean()
+    med = made["medium"].episode_returns().mean()
     assert rand < med
-    target = behavior_set("hopper").manifest["selection"]["medium_target"]
+    target = behavior_set(env).manifest["selection"]["medium_target"]
     assert 0.5 * target <= med <= 1.6 * target, (med, target)
     if "expert" in made:
-        exp = _complete_returns(made["expert"]).mean()
-        assert exp >= 2500 and rand < exp
+        exp = made["expert"].episode_returns().mean()
+        assert exp >= EXPERT_MIN[env] and rand < exp
         assert 0.2 <= med / exp <= 0.5, (med, exp)
 
 
