@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,3 +62,27 @@ def env_info(name: str) -> EnvInfo:
         f"unknown environment {name!r}; known: "
         + ", ".join(f"{e.gym_id} ({e.key})" for e in ENVS.values())
     )
+
+
+# -- MuJoCo's own warnings ---------------------------------------------------------------------
+# Left alone, MuJoCo prints each warning to stderr and appends it to MUJOCO_LOG.TXT in the working
+# directory: gymnasium's HalfCheetah model alone triggers one per environment built (a deprecated
+# compiler attribute in its own XML), so every run left that file behind in the user's folder.
+_MUJOCO_LOG = logging.getLogger("fedrl.mujoco")
+# Warnings about gymnasium's shipped models that a user cannot act on: logged at DEBUG only.
+_MUJOCO_MODEL_NOISE = ("compiler attribute 'settotalmass' is deprecated",)
+
+
+def _mujoco_warning(message: str) -> None:
+    noise = message.startswith(_MUJOCO_MODEL_NOISE)
+    _MUJOCO_LOG.log(logging.DEBUG if noise else logging.WARNING, "MuJoCo: %s", message)
+
+
+def route_mujoco_warnings() -> None:
+    """Send MuJoCo's warnings to Python logging (``fedrl.mujoco``) instead of stderr and a
+    MUJOCO_LOG.TXT in the working directory. Called before every environment this project
+    builds; a handler the user installed first is kept."""
+    import mujoco
+
+    if mujoco.get_mju_user_warning() is None:
+        mujoco.set_mju_user_warning(_mujoco_warning)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from fedrl.behavior.policy import NumpyPolicy
-from fedrl.envs import env_info
+from fedrl.envs import env_info, route_mujoco_warnings
 from fedrl.nets import TanhGaussianPolicy
 from fedrl.scores import normalized_score
 
@@ -39,6 +39,7 @@ def make_vec_env(env_name: str, num_envs: int, obs_dim: int | None = None,
                  max_episode_steps: int = 1000) -> gym.vector.VectorEnv:
     """``num_envs`` synchronous copies whose observation layout has ``obs_dim`` entries."""
     info = env_info(env_name)
+    route_mujoco_warnings()
     return gym.make_vec(
         info.gym_id, num_envs=num_envs, vectorization_mode="sync",
         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},

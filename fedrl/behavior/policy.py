@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 
-from fedrl.envs import env_info
+from fedrl.envs import env_info, route_mujoco_warnings
 from fedrl.nets import TanhGaussianPolicy
 
 
@@ -61,6 +61,7 @@ def episode_returns(policy, env_name: str, episodes: int, seed: int,
                     max_episode_steps: int = 1000) -> Returns:
     """Returns of ``episodes`` sequential episodes of ``policy(obs, rng)``."""
     info = env_info(env_name)
+    route_mujoco_warnings()
     env = gym.make(info.gym_id, max_episode_steps=max_episode_steps,
                    **info.gym_kwargs(getattr(policy, "mean", np.zeros(info.obs_dim)).shape[0]))
     rng = np.random.default_rng(seed)

@@ -31,7 +31,7 @@ from fedrl.algos.config import config_to_dict
 from fedrl.algos.cql import td_loss, td_target, temperature_loss
 from fedrl.behavior.policy import stochastic_return
 from fedrl.device import make_generator, resolve_device, seed_everything, tune_allocator
-from fedrl.envs import env_info
+from fedrl.envs import env_info, route_mujoco_warnings
 from fedrl.evaluation import evaluate
 from fedrl.nets import EnsembleCritic, TanhGaussianPolicy
 from fedrl.policy_io import save_policy
@@ -224,6 +224,7 @@ def train(env_name: str, cfg: SACConfig, out: str | Path, device: str = "auto",
         agent.gen.manual_seed(cfg.seed + step)
         log(f"resuming {out} at step {step} ({episodes} episodes, {wall / 60:.1f} min so far)")
 
+    route_mujoco_warnings()
     env = gym.make(info.gym_id, max_episode_steps=cfg.max_episode_steps)
     obs, _ = env.reset(seed=cfg.seed + step)
     ep_ret, ep_len, recent = 0.0, 0, []

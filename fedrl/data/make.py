@@ -27,7 +27,7 @@ import gymnasium as gym
 import numpy as np
 
 from fedrl.data.d4rl import RawDataset, write_d4rl
-from fedrl.envs import env_info
+from fedrl.envs import env_info, route_mujoco_warnings
 
 Policy = Callable[[np.ndarray, np.random.Generator], np.ndarray]
 QUALITIES = ("random", "medium", "medium-replay", "expert", "medium-expert")
@@ -55,6 +55,7 @@ def record(env_name: str, segments: Sequence[Segment], seed: int, max_episode_st
     files do at their end; the environment is reset between segments.
     """
     info = env_info(env_name)
+    route_mujoco_warnings()
     env = gym.make(info.gym_id, max_episode_steps=max_episode_steps, **info.gym_kwargs(obs_dim))
     rng = np.random.default_rng(seed)
     cols: dict[str, list] = {k: [] for k in ("obs", "act", "rew", "term", "trunc", "next")}

@@ -53,3 +53,48 @@ def test_other_tasks_roll_out(env, obs_dim):
     pol = TanhGaussianPolicy(obs_dim, info.act_dim, (8,))
     r = evaluate(pol, env, episodes=1, seed=0, max_episode_steps=20)
     assert len(r.returns) == 1 and r.lengths[0] <= 20
+
+
+_BUILD_HALFCHEETAH = """
+import logging, sys
+logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
+import mujoco
+if sys.argv[1] == "own":
+    seen = []
+    mujoco.set_mju_user_warning(seen.append)
+from fedrl.evaluation import make_vec_env
+make_vec_env("HalfCheetah-v5", 2).close()
+if sys.argv[1] == "own":
+    print("own handler saw", len(seen))
+"""
+
+
+@pytest.mark.parametrize("handler", ["ours", "own"])
+def test_mujoco_warnings_go_to_logging_not_to_a_file_in_the_working_directory(tmp_path, handler):
+    """gymnasium's HalfCheetah model makes MuJoCo warn on every build; left alone MuJoCo prints it
+    and writes MUJOCO_LOG.TXT into the user's folder. A handler the user set first is kept."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _BUILD_HALFCHEETAH, handler], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert list(tmp_path.iterdir()) == []  # no MUJOCO_LOG.TXT
+    assert "settotalmass" not in out.stderr
+    if handler == "ours":
+        assert "fedrl.mujoco DEBUG MuJoCo: compiler attribute 'settotalmass' is deprecated" in out.stdout
+    else:
+        assert "own handler saw 2" in out.stdout and "fedrl.mujoco" not in out.stdout
+
+
+def test_an_unexpected_mujoco_warning_is_logged_as_a_warning(caplog):
+    from fedrl.envs import _mujoco_warning
+
+    with caplog.at_level("DEBUG", logger="fedrl.mujoco"):
+        _mujoco_warning("Nan, Inf or huge value in QACC at DOF 0. The simulation is unstable.")
+        _mujoco_warning("compiler attribute 'settotalmass' is deprecated and will be removed")
+    assert [(r.levelname, r.getMessage().split(",")[0]) for r in caplog.records] == [
+        ("WARNING", "MuJoCo: Nan"), ("DEBUG", "MuJoCo: compiler attribute 'settotalmass' is deprecated and will be removed")]
