@@ -113,22 +113,33 @@ def test_restart_before_the_run_began_waits_for_its_agents_again(tmp_path):
         second.close()
 
 
-def test_restart_skips_an_unreadable_newest_version(tmp_path):
+def _run_rounds(tmp_path, rounds: int, done: int):
+    """A run of ``rounds`` rounds with agents a0 and a1, ``done`` of them completed (each agent
+    sending the global policy back), its coordinator closed as if killed: (store, run_id, g)."""
     from aggregator_service.coordinator import Coordinator
     from aggregator_service.store import Store
     from tests.service.test_federation import run_config
 
     store = Store(tmp_path / "state")
     first = Coordinator(store, tick=0.02)
-    run_id = first.start_run(run_config(rounds=3))["run_id"]
+    run_id = first.start_run(run_config(rounds=rounds))["run_id"]
     first.join(_agent("a0", 0))
     first.join(_agent("a1", 1))
     g = first.run.global_state
-    m = encode(g, run_id, 1, 0, 100).manifest
-    for a in ("a0", "a1"):
-        first.submit(a, m, g, {}, 0.0)
-    assert store.versions(run_id) == [0, 1]
+    for r in range(1, done + 1):
+        m = encode(g, run_id, r, r - 1, 100).manifest
+        for a in ("a0", "a1"):
+            first.submit(a, m, g, {}, 0.0)
+    assert store.versions(run_id) == list(range(done + 1))
     first.close()
+    return store, run_id, g
+
+
+def test_restart_skips_an_unreadable_newest_version(tmp_path):
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+
+    store, run_id, g = _run_rounds(tmp_path, rounds=3, done=1)
     store.version_path(run_id, 1).write_bytes(b"not a safetensors file")  # a damaged disk
     second = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
     try:
@@ -145,20 +156,8 @@ def test_a_restarted_aggregator_remembers_whose_updates_its_stored_versions_took
     could not be read runs again, so it does not count."""
     from aggregator_service.coordinator import Coordinator
     from aggregator_service.store import Store
-    from tests.service.test_federation import run_config
 
-    store = Store(tmp_path / "state")
-    first = Coordinator(store, tick=0.02)
-    run_id = first.start_run(run_config(rounds=4))["run_id"]
-    first.join(_agent("a0", 0))
-    first.join(_agent("a1", 1))
-    g = first.run.global_state
-    for r in (1, 2):
-        m = encode(g, run_id, r, r - 1, 100).manifest
-        for a in ("a0", "a1"):
-            first.submit(a, m, g, {}, 0.0)
-    assert store.versions(run_id) == [0, 1, 2]
-    first.close()
+    store, run_id, _ = _run_rounds(tmp_path, rounds=4, done=2)
 
     def rejoined(damage: bool):
         if damage:
