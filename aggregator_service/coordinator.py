@@ -92,6 +92,25 @@ class Run:
     # A resumed run's accepted updates per agent before the restart, from its stored ROUND_CLOSED
     # events: (how many, last round). Given back to each agent when it rejoins.
     accepted_before: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The ROUND_CLOSED event journaled for a close whose version is not yet written.
+    closing: dict[str, Any] | None = None
+
+
+def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[dict[str, Any]]:
+    """A run's history as its event journal and its stored versions tell it, for a restart.
+
+    A round's close is journaled before its version is written, so the journal may be ahead of
+    the disk: events past ``stored_version`` are dropped (that round runs again). A round that
+    ran again after an earlier restart closed the same version twice: its second close replaces
+    everything the journal holds from that version on."""
+    out: list[dict[str, Any]] = []
+    newest = -1
+    for e in events:
+        if e["kind"] == "ROUND_CLOSED" and e["version"] <= newest:
+            out = [x for x in out if x["version"] < e["version"]]
+        newest = max(newest, e["version"])
+        out.append(e)
+    return [x for x in out if x["version"] <= stored_version]
 
 
 class Coordinator:
@@ -397,9 +416,6 @@ class Coordinator:
             return
         cfg = parse_run_config(saved["config_json"])
         run = Run(run_id, cfg, saved["config_json"], time.time(), events=saved["events"])
-        for e in run.events:
-            if e["kind"] == "EVALUATED":
-                run.evaluations[e["version"]] = e["evaluation"]
         self.run = run
         part = saved["participants"]
         if part is None:
@@ -423,10 +439,14 @@ class Coordinator:
         run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
         run.version, run.global_state = v, state
         run.encoded = {v: self._encode(run, v, state)}
+        run.events = replay_journal(saved["events"], v)
+        for e in run.events:
+            if e["kind"] == "EVALUATED":
+                run.evaluations[e["version"]] = e["evaluation"]
         # Who contributed to the versions kept (a round whose version was unreadable runs again):
         # a rejoining agent's count and its last accepted round continue from before the restart.
         for e in run.events:
-            if e["kind"] == "ROUND_CLOSED" and e["round"] <= v:
+            if e["kind"] == "ROUND_CLOSED":
                 for a in e.get("agents", []):
                     n, _ = run.accepted_before.get(a, (0, 0))
                     run.accepted_before[a] = (n + 1, e["round"])
@@ -453,9 +473,13 @@ class Coordinator:
         missing = [v for v in range(1, run.version + 1) if v not in run.evaluations]
         return not missing or time.time() - run.ended > self.eval_grace
 
+    @staticmethod
+    def _new_event(run: Run, kind: str, **kw: Any) -> dict[str, Any]:
+        return {"kind": kind, "run_id": run.run_id, "round": kw.pop("round", run.round),
+                "version": kw.pop("version", run.version), "time_unix": time.time(), **kw}
+
     def _event(self, run: Run, kind: str, **kw: Any) -> None:
-        e = {"kind": kind, "run_id": run.run_id, "round": kw.pop("round", run.round),
-             "version": kw.pop("version", run.version), "time_unix": time.time(), **kw}
+        e = self._new_event(run, kind, **kw)
         run.events.append(e)
         try:
             self.store.append_event(run.run_id, e)
@@ -529,7 +553,20 @@ class Coordinator:
             return
         v = run.version + 1
         enc = self._encode(run, v, new)
+        metrics: dict[str, float] = {}
+        for s in subs:
+            for k, x in s.metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + x / len(subs)
+        seconds = time.time() - run.round_opened
         try:
+            # Journal first, then the version: a restart that finds version v also finds whose
+            # updates made it (a journal line whose version never got written is dropped then).
+            # A close retried after a failed write is journaled once.
+            if run.closing is None or (run.closing["version"], run.closing["agents"]) != (v, order):
+                closing = self._new_event(run, "ROUND_CLOSED", version=v, agents=order,
+                                          metrics=metrics, seconds=seconds)
+                self.store.append_event(run.run_id, closing)
+                run.closing = closing
             self.store.save_version(run.run_id, v, enc.payload)
         except OSError as e:
             msg = f"cannot persist version {v}; round {run.round} stays open: {e}"
@@ -542,13 +579,9 @@ class Coordinator:
         self._trim_due = self._trim_due or sum(s.nbytes for s in subs) >= TRIM_AFTER_BYTES
         run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
         run.encoded[v] = enc
-        metrics: dict[str, float] = {}
-        for s in subs:
-            for k, x in s.metrics.items():
-                metrics[k] = metrics.get(k, 0.0) + x / len(subs)
-        seconds = time.time() - run.round_opened
         self.metrics.round_closed(seconds)
-        self._event(run, "ROUND_CLOSED", agents=order, metrics=metrics, seconds=seconds)
+        run.events.append(run.closing)  # announced only now that the version is on disk
+        run.closing = None
         if run.round >= run.cfg.rounds:
             run.state, run.ended = "finished", time.time()
             self._event(run, "RUN_FINISHED")

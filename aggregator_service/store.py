@@ -4,7 +4,8 @@ Layout::
 
     <state-dir>/runs/<run_id>/config.json          the validated run config
     <state-dir>/runs/<run_id>/v000003.safetensors  global version 3 (policy.*, maybe critic.*)
-    <state-dir>/runs/<run_id>/events.jsonl         round events, appended after each version
+    <state-dir>/runs/<run_id>/events.jsonl         round events (a round's close is journaled
+                                                   just before its version is written)
     <state-dir>/runs/<run_id>/participants.json    the agents a running run selected, their
                                                    normalisers and env (what a restart needs)
 
@@ -91,8 +92,9 @@ class Store:
         return {"config_json": (d / "config.json").read_text(), "participants": participants, "events": events}
 
     def append_event(self, run_id: str, event: Mapping[str, Any]) -> None:
-        # Written through to the OS (a killed process loses nothing) but not fsynced: the log is
-        # a journal for watchers and restarts, and a restart needs only the fsynced versions.
+        # Written through to the OS (a killed process loses nothing) but not fsynced: a killed
+        # aggregator keeps every line, a power cut may lose the newest (a restart then still has
+        # every fsynced version, but not who contributed to the versions whose lines it lost).
         with open(self.run_dir(run_id) / "events.jsonl", "a") as f:
             f.write(json.dumps(event) + "\n")
 
