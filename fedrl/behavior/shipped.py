@@ -47,6 +47,18 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _verified(root: Path, file: str, sha256: str) -> Path:
+    """``root/file`` once its bytes are the ones the set's manifest lists."""
+    path = root / file
+    if not path.is_file():
+        raise ValueError(f"{path}: listed in {root / MANIFEST} but missing (an incomplete install "
+                         "or checkout; reinstall fedrl, or ship the set again)")
+    if _sha256(path) != sha256:
+        raise ValueError(f"{path}: checksum differs from {root / MANIFEST}; the file is "
+                         "damaged or was replaced")
+    return path
+
+
 @dataclass
 class BehaviorSet:
     root: Path
@@ -67,11 +79,7 @@ class BehaviorSet:
 
     def policy(self, name: str, stochastic: bool = True) -> NumpyPolicy:
         e = self.entry(name)
-        path = self.root / e["file"]
-        if _sha256(path) != e["sha256"]:
-            raise ValueError(f"{path}: checksum differs from {self.root / MANIFEST}; the file is "
-                             "damaged or was replaced")
-        return NumpyPolicy(load_policy(path)[0], stochastic)
+        return NumpyPolicy(load_policy(_verified(self.root, e["file"], e["sha256"]))[0], stochastic)
 
     def describe(self, name: str) -> dict:
         e = self.entry(name)
@@ -87,9 +95,7 @@ class BehaviorSet:
         act_dim = env_info(self.env_id).act_dim
         segs = [Segment(uniform_policy(act_dim), counts[0], by_episodes)]
         for c, n in zip(rp["checkpoints"], counts[1:]):
-            path = self.root / c["file"]
-            if _sha256(path) != c["sha256"]:
-                raise ValueError(f"{path}: checksum differs from {self.root / MANIFEST}")
+            path = _verified(self.root, c["file"], c["sha256"])
             segs.append(Segment(NumpyPolicy(load_policy(path)[0], True), n, by_episodes))
         desc = {"recipe": "uniform warm-up then shipped SAC checkpoints up to medium, each for its "
                           "share of the replay buffer", "unit": "episodes" if by_episodes else "transitions",

@@ -147,6 +147,11 @@ def test_make_errors_name_the_problem(behavior_dir, tmp_path):
     with pytest.raises(ValueError, match="checksum"):
         make_dataset("Hopper-v5", "expert", 0, tmp_path / "y.hdf5", transitions=10, behavior_dir=bad)
     assert not (tmp_path / "y.hdf5").exists() and not list(tmp_path.glob(".y.hdf5*"))
+    # A checkpoint the manifest lists but the folder lacks (an incomplete install) is named.
+    (bad / "medium.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"medium.safetensors: listed in .*manifest.json but missing"):
+        make_dataset("Hopper-v5", "medium", 0, tmp_path / "y.hdf5", transitions=10, behavior_dir=bad)
+    assert not (tmp_path / "y.hdf5").exists()
 
 
 def test_cli_make_and_info(behavior_dir, tmp_path, capsys):
