@@ -561,11 +561,12 @@ class Coordinator:
         try:
             # Journal first, then the version: a restart that finds version v also finds whose
             # updates made it (a journal line whose version never got written is dropped then).
-            # A close retried after a failed write is journaled once.
+            # The line is fsynced (durable) so not even a power cut keeps the version without
+            # it. A close retried after a failed write is journaled once.
             if run.closing is None or (run.closing["version"], run.closing["agents"]) != (v, order):
                 closing = self._new_event(run, "ROUND_CLOSED", version=v, agents=order,
                                           metrics=metrics, seconds=seconds)
-                self.store.append_event(run.run_id, closing)
+                self.store.append_event(run.run_id, closing, durable=True)
                 run.closing = closing
             self.store.save_version(run.run_id, v, enc.payload)
         except OSError as e:

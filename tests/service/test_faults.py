@@ -233,6 +233,46 @@ def test_a_close_is_journaled_before_its_version_and_a_restart_drops_one_never_w
         c.close()
 
 
+def test_a_close_is_on_the_disk_before_its_version_is_written(tmp_path, monkeypatch):
+    """A power cut cannot be staged here, so the order that survives one is checked instead: every
+    fsync the aggregator makes is recorded (and really made); the journal holding round 2's close
+    is fsynced before the first byte of version 2 is."""
+    import json
+    import os
+
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+
+    store, run_id, g = _run_rounds(tmp_path, rounds=3, done=1)
+    synced: list[tuple[str, str]] = []  # (file name, its text when fsynced, for the journal)
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        text = open(path).read() if path.endswith("events.jsonl") else ""
+        synced.append((os.path.basename(path), text))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    c = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
+    try:
+        c.join(_agent("a0", 0))
+        c.join(_agent("a1", 1))
+        m = encode(g, run_id, 2, 1, 100).manifest
+        for a in ("a0", "a1"):
+            c.submit(a, m, g, {}, 0.0)
+        wait_for(lambda: c.status()["global_version"] == 2, 10, "round 2 to close")
+    finally:
+        c.close()
+    names = [n for n, _ in synced]
+    assert "v000002.safetensors.tmp" in names, names
+    before = synced[: names.index("v000002.safetensors.tmp")]
+    journal = [t for n, t in before if n == "events.jsonl"]
+    assert journal, f"the journal was not fsynced before version 2: {names}"
+    closes = [e for e in map(json.loads, journal[-1].splitlines()) if e["kind"] == "ROUND_CLOSED"]
+    assert closes[-1]["version"] == 2 and closes[-1]["agents"] == ["a0", "a1"]
+
+
 def test_the_journal_replays_the_history_that_the_stored_versions_hold():
     from aggregator_service.coordinator import replay_journal
 
