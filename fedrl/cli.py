@@ -17,7 +17,8 @@ from fedrl.federation.aggregate import AGGREGATIONS, WEIGHTINGS
 
 
 def _simulate_parser(sub: argparse._SubParsersAction) -> None:
-    from fedrl.federation.simulate import DEFAULT_DATASET, FEDERATE_CHOICES, SimConfig
+    from fedrl.federation.aggregate import FEDERATE_CHOICES
+    from fedrl.federation.simulate import DEFAULT_DATASET, SimConfig
 
     d, hp, bc = SimConfig(), DRPOConfig(), BCConfig()
     p = sub.add_parser("simulate", help="run a federation in one process (no network)",

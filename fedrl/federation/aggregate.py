@@ -12,6 +12,7 @@ from fedrl.codec import all_finite
 
 WEIGHTINGS = ("uniform", "samples")
 AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
+FEDERATE_CHOICES = ("policy", "policy+critic")  # what is averaged: the policy (paper) or it and the critics
 
 
 class AggregationError(ValueError):

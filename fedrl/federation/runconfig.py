@@ -15,10 +15,9 @@ from typing import Any
 from fedrl.algos import BCConfig, DRPOConfig
 from fedrl.algos.config import config_to_dict
 from fedrl.data.normalize import NORM_CHOICES
-from fedrl.federation.aggregate import AGGREGATIONS, WEIGHTINGS
+from fedrl.federation.aggregate import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS
 
 SERVICE_ALGOS = ("drpo", "fed-cql", "fed-bc")
-FEDERATE_CHOICES = ("policy", "policy+critic")
 
 
 class ConfigError(ValueError):
@@ -36,19 +35,25 @@ class RunConfig:
     min_agents: int = 0
     """Quorum: at its deadline a round closes if at least this many submitted (0 = all agents)."""
     rounds: int = 5
+    """Communication rounds; the run finishes after the last one closes."""
     local_steps: int = 50
+    """Local gradient steps each agent takes per round (paper: 1000)."""
     round_timeout: float = 600.0
     """Seconds after which a round closes with the quorum."""
     join_timeout: float = 600.0
     """Seconds to wait for ``agents`` agents to join before the run fails."""
     seed: int = 0
+    """Seeds the shards, the initial global policy and every agent's training."""
     obs_norm: str = "pooled"
+    """Observation normalisation: pooled, local or none (see fedrl/data/normalize.py)."""
     weighting: str = "uniform"
+    """FedAvg weights: uniform (paper) or samples (by shard size)."""
     aggregation: str = "fedavg"
     """fedavg (paper), median or trimmed-mean (coordinate-wise; robust to a minority of bad agents)."""
     trim_fraction: float = 0.1
     """Share of the largest and of the smallest values dropped per coordinate by trimmed-mean."""
     federate: str = "policy"
+    """What is averaged: policy (paper) or policy+critic."""
     eval_episodes: int = 10
     """Episodes the evaluator rolls out per global version (0 = no evaluation)."""
     env: str | None = None

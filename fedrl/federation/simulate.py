@@ -28,7 +28,7 @@ from fedrl.data.partition import Shard, ShardSource, partition
 from fedrl.data.registry import infer_env, load
 from fedrl.device import derive_seed, resolve_device, seed_everything
 from fedrl.evaluation import evaluate
-from fedrl.federation.aggregate import AGGREGATIONS, WEIGHTINGS, agent_weights, aggregate
+from fedrl.federation.aggregate import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS, agent_weights, aggregate
 from fedrl.federation.round import (
     SEED_EVAL,
     SEED_SHARDS,
@@ -41,7 +41,6 @@ from fedrl.nets import TanhGaussianPolicy
 from fedrl.policy_io import save_policy
 
 DEFAULT_DATASET = "hopper-random-v2"
-FEDERATE_CHOICES = ("policy", "policy+critic")
 
 
 @dataclass(frozen=True)
