@@ -80,6 +80,11 @@ PRESETS = {
     "paper": Preset("paper", 10, 5, 1000, 20, 10, 1, (0, 1, 2, 3, 4)),
     "reduced": Preset("reduced", 5, 5, 50, 20, 5, 2, (0, 1, 2),
                       local_steps_grid=(10, 25, 50, 100)),
+    # the table on the project's HalfCheetah-v5 data (same scale as reduced; studies stay Hopper's)
+    "reduced-halfcheetah": Preset("reduced-halfcheetah", 5, 5, 50, 20, 5, 2, (0, 1, 2),
+                                  datasets=("halfcheetah-medium-v2", "halfcheetah-medium-replay-v2",
+                                            "halfcheetah-expert-v2"),
+                                  study_dataset="halfcheetah-medium-v2"),
     "smoke": Preset("smoke", 2, 2, 5, 2, 2, 1, (0,), datasets=("hopper-medium-v2",),
                     drpo={"hidden": [32, 32], "batch_size": 32, "cql_n_actions": 2},
                     bc={"hidden": [32, 32], "batch_size": 32},
@@ -105,7 +110,12 @@ class RunSpec:
 
 
 def short(dataset: str) -> str:
-    return dataset.removeprefix("hopper-").removesuffix("-v2")
+    """``hopper-medium-replay-v2`` -> ``medium-replay`` (a preset's datasets share one env)."""
+    return dataset.split("-", 1)[-1].removesuffix("-v2")
+
+
+def env_prefix(dataset: str) -> str:
+    return dataset.split("-", 1)[0]
 
 
 def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
@@ -130,7 +140,7 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
                                     **{**base, "local_steps": n}, variant={"local_steps": n}))
         elif experiment == "lambdas":
             n_exp = max(1, p.agents - 1)
-            mix = (f"hopper-expert-v2:{n_exp}", f"{p.study_dataset}:{p.agents - n_exp}")
+            mix = (f"{env_prefix(p.study_dataset)}-expert-v2:{n_exp}", f"{p.study_dataset}:{p.agents - n_exp}")
             fix1, fix2 = p.lambda_fixed
             pairs = [(v, fix2) for v in p.lambda_values] + [(fix1, v) for v in p.lambda_values]
             for l1, l2 in dict.fromkeys(pairs):
@@ -554,6 +564,19 @@ def system_md(root: Path = RESULTS) -> str:
     return "\n".join(rows)
 
 
+# The presets BENCHMARKS.md shows, and which of their blocks (None: all of them)
+MD_BLOCKS: dict[str, tuple[str, ...] | None] = {"reduced": None, "reduced-halfcheetah": ("table", "best")}
+
+
+def md_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
+    """The blocks of ``p`` that BENCHMARKS.md holds (none for a preset it does not show)."""
+    if p.name not in MD_BLOCKS:
+        return {}
+    blocks, keep = render_blocks(p, root), MD_BLOCKS[p.name]
+    return {k: v for k, v in blocks.items()
+            if keep is None or k.removeprefix(f"paper-{p.name}-") in keep or k == "system"}
+
+
 def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
     """Markdown blocks, keyed by marker name, generated from the result files only."""
     table = load_results(p, "table", root)
@@ -592,8 +615,8 @@ def cmd_render(a) -> int:
         print(f"wrote {out / 'learning_curves.png'}")
     if studies_png(p, root, out / "studies.png"):
         print(f"wrote {out / 'studies.png'}")
-    if a.update_md and p.name == "reduced":
-        BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), blocks))
+    if a.update_md and md_blocks(p, root):
+        BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), md_blocks(p, root)))
         print(f"updated {BENCHMARKS_MD}")
     print(f"wrote {out / 'tables.md'}")
     return 0
@@ -617,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("render")
     d.add_argument("--preset", choices=PRESETS, default="reduced")
     d.add_argument("--no-update-md", dest="update_md", action="store_false",
-                   help="do not rewrite the generated blocks of BENCHMARKS.md (reduced preset only)")
+                   help="do not rewrite the generated blocks of BENCHMARKS.md (presets it shows only)")
     d.add_argument("--results", default=str(RESULTS), help="results root (default benchmarks/results)")
     d.set_defaults(func=cmd_render)
     a = ap.parse_args(argv)

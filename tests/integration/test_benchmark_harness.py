@@ -59,7 +59,8 @@ def test_smoke_rerun_matches_the_committed_results(tmp_path):
 
 def test_benchmarks_md_tables_are_generated_from_the_committed_files():
     text = (ROOT / "BENCHMARKS.md").read_text()
-    blocks = paper.render_blocks(paper.PRESETS["reduced"], COMMITTED)
+    blocks = {k: v for name in paper.MD_BLOCKS for k, v in paper.md_blocks(paper.PRESETS[name], COMMITTED).items()}
+    assert "paper-reduced-lambdas" in blocks and "paper-reduced-halfcheetah-table" in blocks
     for name, body in blocks.items():
         m = re.search(rf"<!-- generated:{re.escape(name)} -->\n(.*?)\n<!-- end:{re.escape(name)} -->", text, re.S)
         assert m, f"BENCHMARKS.md lacks the {name} block"
@@ -122,6 +123,17 @@ def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parall
             assert res["config"]["agents"] == n
     png = tmp_path / "studies.png"
     assert paper.studies_png(p, tmp_path, png) and png.stat().st_size > 1000
+
+
+def test_the_halfcheetah_table_plans_halfcheetah_runs_under_the_same_names():
+    p = paper.PRESETS["reduced-halfcheetah"]
+    runs = paper.plan(p, "table", (0,))
+    assert len(runs) == 12 and {r.datasets[0] for r in runs} == set(p.datasets)
+    assert all(d.startswith("halfcheetah-") for d in p.datasets)
+    assert {r.key for r in runs} == {r.key for r in paper.plan(paper.PRESETS["reduced"], "table", (0,))}
+    assert {r.variant["dataset"] for r in runs} == {"medium", "medium-replay", "expert"}
+    assert all(r.datasets[0].startswith("halfcheetah-expert-v2") for r in paper.plan(p, "lambdas", (0,)))
+    assert paper.result_path(p, runs[0], COMMITTED).parent == COMMITTED / "paper-reduced-halfcheetah" / "table"
 
 
 def test_lambdas_are_the_papers_two_sweeps_crossing_once():
