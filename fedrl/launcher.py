@@ -144,13 +144,12 @@ class Launcher:
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> int:
         from fedrl.client import ControlClient
-        from fedrl.data.registry import resolve
-        from fedrl.federation.simulate import parse_source
+        from fedrl.data.registry import check_one_env, resolve
+        from fedrl.federation.simulate import load_shards, parse_source
 
         cfg = self.cfg
-        (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        (self.out / "ports").mkdir(exist_ok=True)
         # Make or find the data once, before agents start (they would race to make it).
+        check_one_env([parse_source(spec, cfg.run.agents)[0] for spec in cfg.datasets])
         datasets = []
         for spec in cfg.datasets:
             path, n = parse_source(spec, cfg.run.agents)
@@ -158,6 +157,11 @@ class Launcher:
         n_agents = sum(int(d.rpartition(":")[2]) for d in datasets)
         if n_agents != cfg.run.agents:
             raise ValueError(f"the datasets give {n_agents} agents but the run config says {cfg.run.agents}")
+        # The agents' own checks (environment, dimensions, finite values, enough trajectories),
+        # once here: bad data is refused before any process starts, not by every agent after.
+        load_shards(datasets, cfg.run.agents, cfg.trajectories, cfg.run.seed, cfg.run.env, lambda m: None)
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        (self.out / "ports").mkdir(exist_ok=True)
         (self.out / "run_config.json").write_text(json.dumps(json.loads(cfg.run.to_json()), indent=2))
 
         tls_args = self._secure(n_agents) if cfg.secure else {}

@@ -70,6 +70,17 @@ def resolve(spec: str, progress=print) -> Path:
     )
 
 
+def check_one_env(specs: list[str] | tuple[str, ...]) -> None:
+    """Refuse dataset names of different environments before any is loaded or made (a mix is
+    an error either way; found here it costs no data making). Paths are checked on loading."""
+    named = [(s, ENVS[m["env"]]) for s in specs
+             if is_dataset_name(s) and (m := _NAME.match(s)) and m["env"] in ENVS]
+    for spec, env in named[1:]:
+        if env.key != named[0][1].key:
+            raise DatasetError(spec, f"datasets mix environments: {named[0][0]} is {named[0][1].gym_id}, "
+                                     f"{spec} is {env.gym_id}; a federation trains one task")
+
+
 def makeable(env_key: str) -> tuple[str, ...]:
     """Qualities this installation can make for ``env_key`` (random always; the others need a
     shipped behaviour set, expert-based ones an expert checkpoint in it)."""

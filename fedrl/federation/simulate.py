@@ -25,7 +25,7 @@ from fedrl.data.d4rl import check_env_dims, to_transitions
 from fedrl.data.errors import DatasetError
 from fedrl.data.normalize import NORM_CHOICES, ObsStats, agent_normalizer, global_normalizer
 from fedrl.data.partition import Shard, ShardSource, partition
-from fedrl.data.registry import infer_env, load
+from fedrl.data.registry import check_one_env, infer_env, load
 from fedrl.device import derive_seed, resolve_device, seed_everything
 from fedrl.evaluation import evaluate
 from fedrl.federation.aggregate import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS, agent_weights, aggregate
@@ -125,6 +125,7 @@ def load_shards(datasets: tuple[str, ...] | list[str], default_agents: int, traj
     in-process run with the same settings train on identical data.
     """
     sources, env = [], None
+    check_one_env([parse_source(spec, default_agents)[0] for spec in datasets])
     for spec in datasets:
         path, n_agents = parse_source(spec, default_agents)
         raw = load(path, progress=log)

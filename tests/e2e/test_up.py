@@ -50,7 +50,25 @@ def test_up_runs_the_federation_and_writes_the_run_folder(stand_dataset, tmp_pat
 def test_up_refuses_a_missing_dataset_before_starting_anything(tmp_path):
     p = fedrl("up", "--dataset", str(tmp_path / "missing.hdf5"), "--agents", "2", "--out", str(tmp_path / "r"))
     assert p.returncode == 2 and "missing.hdf5" in p.stderr
-    assert not (tmp_path / "r" / "state").exists()
+    assert not (tmp_path / "r").exists()
+
+
+def test_up_refuses_data_its_agents_would_refuse_before_starting_anything(stand_dataset, tmp_path):
+    # The agents' own checks run once in the launcher: no process starts, no run folder is left.
+    p = fedrl("up", "--dataset", str(stand_dataset), "--agents", "2", "--trajectories", "1000",
+              "--out", str(tmp_path / "r"))
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "2 agents x 1000 trajectories need 2000 episodes" in p.stderr and "hopper-stand.hdf5" in p.stderr
+    assert "starting" not in p.stdout and not (tmp_path / "r").exists()
+
+
+def test_up_refuses_named_datasets_of_two_tasks_before_making_either(tmp_path):
+    cache = tmp_path / "cache"
+    p = fedrl("up", "--dataset", "hopper-medium-v2:2", "--dataset", "halfcheetah-expert-v2:1",
+              "--agents", "3", "--out", str(tmp_path / "r"), env={**os.environ, "FEDRL_CACHE_DIR": str(cache)})
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "mix environments: hopper-medium-v2 is Hopper-v5, halfcheetah-expert-v2 is HalfCheetah-v5" in p.stderr
+    assert "making" not in p.stdout and not cache.exists() and not (tmp_path / "r").exists()
 
 
 def _start_long_run(stand_dataset, tmp_path):

@@ -9,7 +9,7 @@ from fedrl.data.errors import DatasetError
 from fedrl.data.minari import load_minari
 from fedrl.data.normalize import ObsStats, agent_normalizers
 from fedrl.data.partition import ShardSource, partition
-from fedrl.data.registry import infer_env, load, resolve
+from fedrl.data.registry import check_one_env, infer_env, load, resolve
 from tests.conftest import tiny_raw
 
 
@@ -176,6 +176,16 @@ def test_heterogeneous_mix_and_not_enough_episodes():
     assert [s.agent for s in shards] == [0, 1, 2, 3, 4]
     with pytest.raises(DatasetError, match="5 agents x 5 trajectories need 25 episodes, the file has 20"):
         partition([ShardSource("expert", expert, 5)], 5, seed=0)
+
+
+def test_named_datasets_of_two_tasks_are_refused_before_any_is_made(tmp_path, monkeypatch):
+    from fedrl.federation.simulate import load_shards
+
+    monkeypatch.setenv("FEDRL_CACHE_DIR", str(tmp_path / "cache"))
+    check_one_env(["hopper-medium-v2", "hopper-expert-v2", str(tmp_path / "any.hdf5")])  # one task: fine
+    with pytest.raises(DatasetError, match="hopper-random-v2 is Hopper-v5, walker2d-random-v2 is Walker2d-v5"):
+        load_shards(["hopper-random-v2:1", "walker2d-random-v2:1"], 1, 1, 0, None, print)
+    assert not (tmp_path / "cache").exists()
 
 
 def test_normalisation_modes():
