@@ -498,6 +498,11 @@ class Coordinator:
             return
         obs_dim, act_dim = dims.pop()
         cfg = run.cfg
+        if cfg.env is not None:  # the evaluation env must be the agents' task
+            problem = _env_mismatch(cfg.env, envs, obs_dim, act_dim)
+            if problem:
+                self._fail(run, problem)
+                return
         if cfg.obs_norm != "none" and any(a.stats is None for a in chosen):
             self._fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments")
             return
@@ -621,3 +626,27 @@ class Coordinator:
                     if len(run.submissions) >= run.cfg.quorum:
                         self._close_round(run)
                         self.cond.notify_all()
+
+
+def _env_mismatch(env_name: str, agent_envs: set[str], obs_dim: int, act_dim: int) -> str:
+    """Why the run config's ``env`` cannot evaluate the agents' policies ("" when it can)."""
+    from fedrl.envs import env_info
+
+    env = env_info(env_name)  # validated with the config
+
+    def key(name: str) -> str | None:
+        try:
+            return env_info(name).key
+        except ValueError:  # a task this installation does not know is not the config's
+            return None
+
+    other = sorted(e for e in agent_envs if key(e) != env.key)
+    if other:
+        return f"env {env_name} in the run config, but the agents' data is for {', '.join(other)}"
+    if act_dim != env.act_dim:
+        return f"env {env_name} in the run config has {env.act_dim} action dims, the agents' data {act_dim}"
+    try:
+        env.gym_kwargs(obs_dim)
+    except ValueError as e:
+        return f"env in the run config cannot evaluate the agents' {obs_dim}-dim observations: {e}"
+    return ""

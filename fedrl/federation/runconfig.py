@@ -57,7 +57,8 @@ class RunConfig:
     eval_episodes: int = 10
     """Episodes the evaluator rolls out per global version (0 = no evaluation)."""
     env: str | None = None
-    """Evaluation env; default: the env the agents' shards report."""
+    """Evaluation env; default: the env the agents' shards report. Set, it must be their task
+    (same env and dimensions): a run whose agents' data is another fails as it starts."""
     drpo: DRPOConfig = field(default_factory=DRPOConfig)
     bc: BCConfig = field(default_factory=BCConfig)
 

@@ -361,6 +361,28 @@ def test_join_and_task_refusals(aggregator):
                    grpc.StatusCode.NOT_FOUND, "unknown run 'nope'")
 
 
+@pytest.mark.parametrize("env, message", [
+    ("HalfCheetah-v5", "env HalfCheetah-v5 in the run config, but the agents' data is for Hopper-v5"),
+    ("Ant-v5", "env Ant-v5 in the run config, but the agents' data is for Hopper-v5"),
+])
+def test_a_run_whose_env_is_not_the_agents_task_fails_at_its_start(aggregator, env, message):
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(env=env)), timeout=5)
+    st = status(aggregator)
+    assert st["state"] == "failed" and st["message"] == message and st["global_version"] == 0
+    assert not list(aggregator.store.root.rglob("v*.safetensors"))  # no version 0 to evaluate
+
+
+def test_a_run_env_of_the_agents_task_but_another_width_fails_at_its_start(aggregator):
+    aggregator.fed.Join(federation_pb2.JoinRequest(  # an agent whose data reports no env id
+        agent_id="a0", agent_index=0, num_samples=100, obs_dim=11, act_dim=6,
+        obs_moments=federation_pb2.ObsMoments(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=1, env="Hopper-v5")),
+                                timeout=5)
+    assert status(aggregator)["message"] == "env Hopper-v5 in the run config has 3 action dims, the agents' data 6"
+
+
 def test_round_closes_at_deadline_with_quorum(aggregator):
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
