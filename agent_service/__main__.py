@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from fedrl import argtypes
 from fedrl.metrics import add_metrics_args
 from fedrl.security import add_tls_arg
 
@@ -54,15 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this agent's shard index (0-based), or 'ordinal' (from a StatefulSet pod's hostname)")
     p.add_argument("--index", type=index_arg, default=None,
                    help="without --shard: the agent's index (its seed stream and order), or 'ordinal'")
-    p.add_argument("--shards", type=int, default=None, help="agents per dataset given without :N")
-    p.add_argument("--trajectories", type=int, default=5, help="whole trajectories per shard")
+    p.add_argument("--shards", type=argtypes.at_least(1), default=None, help="agents per dataset given without :N")
+    p.add_argument("--trajectories", type=argtypes.at_least(1), default=5, help="whole trajectories per shard")
     p.add_argument("--seed", type=int, default=0, help="seed of the shard partition (the run's seed)")
     p.add_argument("--agent-id", default=None, help="default: agent-<shard or index>")
     p.add_argument("--env", default=None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=argtypes.at_least(0), default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--host", default="127.0.0.1", help="address the health and metrics ports bind")
-    p.add_argument("--health-port", type=int, default=None,
+    p.add_argument("--health-port", type=argtypes.port, default=None,
                    help="serve gRPC health checking (only) on this port, for probes (0: a free port)")
     p.add_argument("--transport", choices=("session", "calls"), default="session",
                    help="session: one stream for tasks and updates; calls: a NextTask and a submit "

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from fedrl import argtypes
 from fedrl.metrics import add_metrics_args
 from fedrl.security import add_tls_arg
 
@@ -14,21 +15,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl-aggregator", description="The federation's aggregator: "
                                 "Federation (agents) and Control (operators) gRPC services.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
-    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--port", type=argtypes.port, default=50051, help="0 picks a free port")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--state-dir", required=True, help="where every global version is kept")
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="do not pick up an unfinished run from --state-dir (default: resume it from its "
                         "newest stored global version, as after a crash or a pod restart)")
-    p.add_argument("--max-workers", type=int, default=1024,
+    p.add_argument("--max-workers", type=argtypes.at_least(1), default=1024,
                    help="RPC threads, made as needed: each connected agent's Session stream holds one, as "
                         "do watchers and long polls (a warning is logged when agents come near it)")
-    p.add_argument("--task-wait", type=float, default=30.0, help="longest NextTask long poll, seconds")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--task-wait", type=argtypes.positive_seconds, default=30.0, help="longest NextTask long poll, seconds")
+    p.add_argument("--threads", type=argtypes.at_least(1), default=1,
                    help="torch CPU threads; its tensor work is small, and more threads only contend "
                         "with agents sharing the machine")
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--health-port", type=int, default=None,
+    p.add_argument("--health-port", type=argtypes.port, default=None,
                    help="also serve plaintext gRPC health checking (only) here, for probes when the "
                         "main port needs TLS or tokens (0: a free port)")
     add_tls_arg(p)

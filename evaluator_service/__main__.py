@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 
+from fedrl import argtypes
 from fedrl.metrics import add_metrics_args
 from fedrl.security import add_tls_arg
 
@@ -18,13 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aggregator", default=None, metavar="HOST:PORT",
                    help="follow this aggregator (omit to serve on-demand evaluation only)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50052, help="0 picks a free port")
+    p.add_argument("--port", type=argtypes.port, default=50052, help="0 picks a free port")
     p.add_argument("--port-file", default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of the evaluation episodes")
-    p.add_argument("--num-envs", type=int, default=10, help="vectorised environments per rollout")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--num-envs", type=argtypes.at_least(1), default=10, help="vectorised environments per rollout")
+    p.add_argument("--threads", type=argtypes.at_least(0), default=0)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--health-port", type=int, default=None,
+    p.add_argument("--health-port", type=argtypes.port, default=None,
                    help="also serve plaintext gRPC health checking (only) here, for probes")
     add_tls_arg(p)
     add_metrics_args(p)

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from fedrl import argtypes
 from fedrl.algos import ALGOS, BCConfig, DRPOConfig
 from fedrl.data.errors import DatasetError
 from fedrl.data.normalize import NORM_CHOICES
@@ -39,7 +40,7 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help=f"one of {', '.join(DEVICE_CHOICES)}[:N]")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=argtypes.at_least(0), default=0,
                    help="torch CPU threads (0: torch's default). Results are bit-identical only for "
                         "equal thread counts: use 1 to reproduce a `fedrl up` run, whose agents use 1")
     p.add_argument("--obs-norm", choices=NORM_CHOICES, default=d.obs_norm)
@@ -249,7 +250,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--aggregation", choices=AGGREGATIONS, default=None, help="default fedavg")
     p.add_argument("--device", default="auto", help="agents' device: auto, cpu, cuda[:N]")
-    p.add_argument("--agent-threads", type=int, default=1, help="torch threads per agent process")
+    p.add_argument("--agent-threads", type=argtypes.at_least(0), default=1, help="torch threads per agent process")
     p.add_argument("--out", default=None, help="run folder (default runs/up-<time>)")
     p.add_argument("--prometheus", action="store_true",
                    help="also start a real Prometheus on 127.0.0.1 scraping every process, with the "
@@ -258,7 +259,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--secure", action="store_true",
                    help="mutual TLS (a throwaway CA in <out>/tls) and a bearer token per process, to try "
                         "the federation's identity checks")
-    p.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--linger", type=argtypes.seconds, default=0.0, metavar="SECONDS",
                    help="keep every process (and Prometheus) up this long after the run, to look at "
                         "metrics and dashboards; Ctrl-C ends it early")
     p.set_defaults(func=_cmd_up)
@@ -312,7 +313,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
 def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, fetch, stop")
     p.add_argument("--target", default="127.0.0.1:50051", help="aggregator HOST:PORT")
-    p.add_argument("--connect-timeout", type=float, default=10.0,
+    p.add_argument("--connect-timeout", type=argtypes.positive_seconds, default=10.0,
                    help="seconds to wait for the aggregator to answer (e.g. while its pod starts)")
     from fedrl.security import add_tls_arg
     add_tls_arg(p)

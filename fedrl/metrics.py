@@ -21,6 +21,8 @@ import grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
                                start_http_server)
 
+from fedrl import argtypes
+
 # No ``*_created`` series: Prometheus ignores them in the text format and they double the scrape.
 disable_created_metrics()
 
@@ -297,7 +299,7 @@ class EvaluatorMetrics:
 
 def add_metrics_args(p) -> None:
     """``--metrics-port``/``--metrics-port-file``, the same on every service's command line."""
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=argtypes.port, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; "
                         "default: no metrics endpoint)")
     p.add_argument("--metrics-port-file", default=None, help="write the bound metrics port here")

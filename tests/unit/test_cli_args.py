@@ -1,0 +1,45 @@
+"""A bad number on a service's or the CLI's command line is refused at parse time, by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from aggregator_service.__main__ import build_parser as aggregator_parser
+from agent_service.__main__ import build_parser as agent_parser
+from evaluator_service.__main__ import build_parser as evaluator_parser
+from fedrl.cli import build_parser as fedrl_parser
+
+AGENT = ["--aggregator", "127.0.0.1:1", "--dataset", "d.hdf5"]
+CASES = [
+    (aggregator_parser, ["--state-dir", "s", "--port", "99999"], "--port: a port is 0-65535, got 99999"),
+    (aggregator_parser, ["--state-dir", "s", "--port", "-1"], "--port: a port is 0-65535, got -1"),
+    (aggregator_parser, ["--state-dir", "s", "--health-port", "x"], "--health-port: expected an integer, got 'x'"),
+    (aggregator_parser, ["--state-dir", "s", "--max-workers", "0"], "--max-workers: must be >= 1, got 0"),
+    (aggregator_parser, ["--state-dir", "s", "--task-wait", "nan"], "--task-wait: must be a positive number"),
+    (aggregator_parser, ["--state-dir", "s", "--metrics-port", "70000"], "--metrics-port: a port is 0-65535"),
+    (agent_parser, [*AGENT, "--trajectories", "0"], "--trajectories: must be >= 1, got 0"),
+    (agent_parser, [*AGENT, "--shards", "0"], "--shards: must be >= 1, got 0"),
+    (agent_parser, [*AGENT, "--threads", "-1"], "--threads: must be >= 0, got -1"),
+    (agent_parser, [*AGENT, "--health-port", "65536"], "--health-port: a port is 0-65535, got 65536"),
+    (evaluator_parser, ["--num-envs", "0"], "--num-envs: must be >= 1, got 0"),
+    (evaluator_parser, ["--port", "100000"], "--port: a port is 0-65535, got 100000"),
+    (fedrl_parser, ["simulate", "--threads", "-2"], "--threads: must be >= 0, got -2"),
+    (fedrl_parser, ["up", "--agent-threads", "-1"], "--agent-threads: must be >= 0, got -1"),
+    (fedrl_parser, ["up", "--linger", "-5"], "--linger: must be a finite number of seconds >= 0, got -5"),
+    (fedrl_parser, ["ctl", "--connect-timeout", "inf", "status"], "--connect-timeout: must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("parser, argv, message", CASES, ids=[" ".join(c[1][-2:]) for c in CASES])
+def test_a_bad_number_is_refused_by_name(parser, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_good_numbers_pass_through():
+    a = aggregator_parser().parse_args(["--state-dir", "s", "--port", "0", "--health-port", "65535",
+                                        "--task-wait", "2.5", "--max-workers", "8"])
+    assert (a.port, a.health_port, a.task_wait, a.max_workers) == (0, 65535, 2.5, 8)
+    assert evaluator_parser().parse_args(["--num-envs", "1"]).num_envs == 1
+    assert fedrl_parser().parse_args(["up", "--linger", "0"]).linger == 0.0
