@@ -130,7 +130,8 @@ class Agent:
             if code not in RETRYABLE and code != grpc.StatusCode.NOT_FOUND:
                 log.error("giving up: %s %s", code.name, e.details())
                 raise
-            log.warning("aggregator unavailable (%s: %s); retrying in %.1fs", code.name, e.details(), delay)
+            log.warning("aggregator at %s unavailable (%s: %s); retrying in %.1fs", self.cfg.target,
+                        code.name, e.details(), delay)
             self.metrics.reconnects.inc()
             self._stop.wait(delay * (0.5 + random.random()))
             delay = min(delay * 2, self.cfg.backoff_max)

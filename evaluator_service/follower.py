@@ -57,7 +57,7 @@ class Follower:
                     idle = min(idle * 2, MAX_IDLE_SECONDS)
                     self._stop.wait(idle)
                     continue
-                log.warning("aggregator unavailable (%s); retrying in %.1fs", e.code().name, delay)
+                log.warning("aggregator at %s unavailable (%s); retrying in %.1fs", self.target, e.code().name, delay)
                 self._stop.wait(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 10.0)
             finally:

@@ -110,7 +110,7 @@ def test_follower_evaluates_every_version_and_catches_up(aggregator, agent_threa
     assert g.reports == {}
 
 
-def test_agent_rejoins_a_restarted_aggregator(tmp_path, agent_threads, stand_dataset):
+def test_agent_rejoins_a_restarted_aggregator(tmp_path, agent_threads, stand_dataset, caplog):
     first = Aggregator(tmp_path / "s1")
     port = first.server.port
     agent_threads.start(first.target, str(stand_dataset), 1, 2, seed=0)
@@ -120,6 +120,7 @@ def test_agent_rejoins_a_restarted_aggregator(tmp_path, agent_threads, stand_dat
     second = wait_for(lambda: _try_start(tmp_path / "s2", port), timeout=20, what="port to be free")
     try:
         wait_for(lambda: len(status(second)["agents"]) == 1, timeout=30, what="agent to rejoin")
+        assert f"aggregator at {first.target} unavailable" in caplog.text  # a user can spot a wrong address
         st = status_from_proto(second.control.StartRun(control_pb2.StartRunRequest(
             config_json=run_config(agents=1, rounds=1)), timeout=10))
         assert st["state"] == "running"
