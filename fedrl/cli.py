@@ -166,6 +166,9 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     tb.add_argument("--hidden", type=int, nargs="+", default=list(c.hidden))
     tb.add_argument("--seed", type=int, default=c.seed)
     tb.add_argument("--device", default="auto")
+    tb.add_argument("--threads", type=argtypes.at_least(0), default=0,
+                    help="torch CPU threads (0: torch's default, one per core). Use 1 beside other "
+                         "busy processes: two threads on two shared cores ran ~10x slower here")
     tb.set_defaults(func=_cmd_train_behavior)
 
 
@@ -214,6 +217,10 @@ def _cmd_ship_behavior(a: argparse.Namespace) -> int:
 def _cmd_train_behavior(a: argparse.Namespace) -> int:
     from fedrl.behavior.sac import SACConfig, train
 
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     cfg = SACConfig(total_steps=a.steps, start_steps=a.start_steps, eval_every=a.eval_every,
                     eval_episodes=a.eval_episodes, batch_size=a.batch_size, hidden=tuple(a.hidden),
                     seed=a.seed)

@@ -277,7 +277,8 @@ def _evaluate_and_checkpoint(agent: SACAgent, gym_id: str, cfg: SACConfig, out: 
     rec = {"step": step, "episodes": episodes, "wall_seconds": round(wall, 1),
            "return_mean": det.return_mean, "return_std": det.return_std,
            "stochastic_return_mean": sto.mean, "stochastic_return_std": sto.std,
-           "train_return_recent": train_ret, "steps_per_second": round(sps, 1), "losses": losses}
+           "train_return_recent": train_ret, "steps_per_second": round(sps, 1), "losses": losses,
+           "torch_threads": torch.get_num_threads()}
     save_policy(pol, out / CKPT_DIR / f"step-{step:09d}.safetensors",
                 {"env_id": gym_id, "step": step, "return_mean": det.return_mean,
                  "stochastic_return_mean": sto.mean, "seed": cfg.seed})

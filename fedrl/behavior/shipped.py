@@ -226,7 +226,9 @@ def ship(run_dir: str | Path, dest: str | Path, replay_checkpoints: int = 5, epi
                      "wall_seconds_to_expert": by_step[e_step]["wall_seconds"] if has_expert else None,
                      "command": f"fedrl data train-behavior --env {env_id} --steps {cfg['sac']['total_steps']}"
                                 f" --seed {cfg['sac']['seed']} --out RUN",
-                     "torch_threads": torch.get_num_threads()},
+                     # the training's own (each progress record has it); older runs: unknown
+                     "torch_threads": sorted({r["torch_threads"] for r in recs if "torch_threads" in r})
+                                      or None},
         "selection": {"medium_fraction": medium_fraction, "medium_target": round(target, 1),
                       "expert_min": expert_min, "eval_episodes": episodes,
                       "candidates": candidates, "dtype": "float16"},

@@ -24,10 +24,16 @@ TINY = dict(start_steps=50, eval_every=100, eval_episodes=1, max_episode_steps=6
 
 @pytest.fixture(scope="module")
 def sac_run(tmp_path_factory):
-    """A tiny SAC run trained in two sittings (300 steps, then resumed to 500)."""
+    """A tiny SAC run trained in two sittings (300 steps on one torch thread, then resumed to 500
+    on the test's own thread count)."""
     out = tmp_path_factory.mktemp("sac") / "run"
     logs: list[str] = []
-    first = train("Hopper-v5", SACConfig(total_steps=300, **TINY), out, "cpu", logs.append)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = train("Hopper-v5", SACConfig(total_steps=300, **TINY), out, "cpu", logs.append)
+    finally:
+        torch.set_num_threads(threads)
     second = train("Hopper-v5", SACConfig(total_steps=500, **TINY), out, "cpu", logs.append)
     return out, first, second, logs
 
@@ -48,6 +54,7 @@ def test_sac_checkpoints_progress_and_resume(sac_run):
     lines = (out / "progress.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [100, 200, 300, 400, 500]
     assert all(np.isfinite(json.loads(x)["stochastic_return_mean"]) for x in lines)
+    assert [json.loads(x)["torch_threads"] for x in lines] == [1] * 3 + [torch.get_num_threads()] * 2
 
 
 def test_sac_resume_refuses_a_different_config(sac_run):
@@ -88,6 +95,8 @@ def test_ship_chooses_expert_medium_and_replay(behavior_dir, sac_run):
     with safe_open(str(d / "expert.safetensors"), "pt") as f:
         assert f.get_tensor("policy.head.weight").dtype == torch.float16
     assert json.loads((d / "manifest.json").read_text()) == m
+    # The training's thread counts (not those of the process that ships): they set its speed.
+    assert m["training"]["torch_threads"] == sorted({1, torch.get_num_threads()})
 
 
 @pytest.mark.parametrize("quality", ["random", "medium", "expert", "medium-replay", "medium-expert"])
