@@ -99,6 +99,25 @@ def test_pods_are_hardened_sized_and_probed(rendered):
     assert {p["name"] for p in services["fedrl-aggregator"]["spec"]["ports"]} == {"grpc", "metrics"}
 
 
+def test_every_container_command_line_parses_with_the_cli_it_names(rendered, monkeypatch, capsys):
+    # A flag renamed or a value now refused (a port, a count) would otherwise show first as a
+    # crash-looping pod on a user's cluster.
+    import importlib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    monkeypatch.setenv("HOSTNAME", "fedrl-agent-3")  # what a StatefulSet pod's --shard ordinal reads
+    checked = []
+    for name, w in workloads(rendered[1]).items():
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            module = importlib.import_module(scripts[c["command"][0]].split(":")[0])
+            try:
+                module.build_parser().parse_args([*c["command"][1:], *c.get("args", [])])
+            except SystemExit:
+                pytest.fail(f"{name}/{c['name']}: {c['command'] + c.get('args', [])}: {capsys.readouterr().err}")
+            checked.append(c["command"][0])
+    assert set(checked) == set(scripts)  # every service and the control CLI (the start Job)
+
+
 def test_agents_get_gpus_only_in_the_gpu_overlay(rendered):
     overlay, docs = rendered
     agent = workloads(docs)["fedrl-agent"]
