@@ -20,7 +20,10 @@ def resolve_device(name: str = "auto") -> torch.device:
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:  # torch's own message lists its two dozen backends
+        raise ValueError(f"--device {name}: expected one of auto, cpu, cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA was requested but torch.cuda.is_available() is False")
     if dev.type not in ("cpu", "cuda"):

@@ -145,9 +145,11 @@ class Launcher:
     def run(self) -> int:
         from fedrl.client import ControlClient
         from fedrl.data.registry import check_one_env, resolve
+        from fedrl.device import resolve_device
         from fedrl.federation.simulate import load_shards, parse_source
 
         cfg = self.cfg
+        resolve_device(cfg.device)  # the agents run here: a device this machine lacks fails now
         # Make or find the data once, before agents start (they would race to make it).
         check_one_env([parse_source(spec, cfg.run.agents)[0] for spec in cfg.datasets])
         datasets = []

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors import safe_open
 
 TINY = {"drpo": {"hidden": [32, 32], "batch_size": 16, "cql_n_actions": 2},
@@ -60,6 +61,13 @@ def test_up_refuses_data_its_agents_would_refuse_before_starting_anything(stand_
     assert p.returncode == 2, p.stdout + p.stderr
     assert "2 agents x 1000 trajectories need 2000 episodes" in p.stderr and "hopper-stand.hdf5" in p.stderr
     assert "starting" not in p.stdout and not (tmp_path / "r").exists()
+
+
+def test_up_refuses_a_device_this_machine_lacks_before_starting_anything(tmp_path):
+    bad = "garbage" if torch.cuda.is_available() else "cuda"
+    p = fedrl("up", "--device", bad, "--out", str(tmp_path / "r"))
+    assert p.returncode == 2 and f"--device {bad}:" in p.stderr, p.stdout + p.stderr
+    assert not (tmp_path / "r").exists()
 
 
 def test_up_refuses_named_datasets_of_two_tasks_before_making_either(tmp_path):
