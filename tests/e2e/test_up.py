@@ -63,6 +63,16 @@ def test_up_refuses_data_its_agents_would_refuse_before_starting_anything(stand_
     assert "starting" not in p.stdout and not (tmp_path / "r").exists()
 
 
+def test_up_never_writes_over_an_earlier_run(tmp_path):
+    out = tmp_path / "r"
+    (out / "state").mkdir(parents=True)
+    (out / "summary.json").write_text('{"state": "finished"}')
+    p = fedrl("up", "--out", str(out))
+    assert p.returncode == 2 and f"{out} already holds a run (summary.json, state)" in p.stderr, p.stderr
+    assert sorted(x.name for x in out.iterdir()) == ["state", "summary.json"]
+    assert (out / "summary.json").read_text() == '{"state": "finished"}'
+
+
 def test_up_refuses_a_device_this_machine_lacks_before_starting_anything(tmp_path):
     bad = "garbage" if torch.cuda.is_available() else "cuda"
     p = fedrl("up", "--device", bad, "--out", str(tmp_path / "r"))
