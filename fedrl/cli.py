@@ -68,7 +68,7 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_simulate(a: argparse.Namespace) -> int:
-    from fedrl.federation.simulate import DEFAULT_DATASET, SimConfig, run
+    from fedrl.federation.simulate import DEFAULT_DATASET, SimConfig, refuse_a_used_folder, run
 
     if a.threads:
         import torch
@@ -89,6 +89,7 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
                                batch_size=a.batch_size),
     )
     out = a.out or f"runs/{a.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+    refuse_a_used_folder(out, ("config.json", "rounds.jsonl", "summary.json"))
     summary = run(cfg, out)
     if summary["final"]:
         f = summary["final"]

@@ -146,13 +146,11 @@ class Launcher:
         from fedrl.client import ControlClient
         from fedrl.data.registry import check_one_env, resolve
         from fedrl.device import resolve_device
-        from fedrl.federation.simulate import load_shards, parse_source
+        from fedrl.federation.simulate import load_shards, parse_source, refuse_a_used_folder
 
         cfg = self.cfg
-        held = [n for n in ("run_config.json", "summary.json", "state") if (self.out / n).exists()]
-        if held:  # its results would be overwritten and its state directory mixed with this run's
-            raise ValueError(f"{self.out} already holds a run ({', '.join(held)}): pass another --out "
-                             "or remove it")
+        # its results would be overwritten and its state directory mixed with this run's
+        refuse_a_used_folder(self.out, ("run_config.json", "summary.json", "state"))
         resolve_device(cfg.device)  # the agents run here: a device this machine lacks fails now
         # Make or find the data once, before agents start (they would race to make it).
         check_one_env([parse_source(spec, cfg.run.agents)[0] for spec in cfg.datasets])

@@ -117,6 +117,14 @@ def parse_source(spec: str, default_agents: int) -> tuple[str, int]:
     return spec, default_agents
 
 
+def refuse_a_used_folder(out: str | Path, markers: tuple[str, ...]) -> None:
+    """Raise (naming them) if ``out`` holds any of ``markers``: a run's results are never written
+    over by another's."""
+    held = [n for n in markers if (Path(out) / n).exists()]
+    if held:
+        raise ValueError(f"{out} already holds a run ({', '.join(held)}): pass another --out or remove it")
+
+
 def load_shards(datasets: tuple[str, ...] | list[str], default_agents: int, trajectories: int,
                 seed: int, env_name: str | None, log: Callable[[str], None]) -> tuple[list[Shard], EnvInfo]:
     """Load every source, check it against the env, deal trajectories to agents (seeded).

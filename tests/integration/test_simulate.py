@@ -50,6 +50,12 @@ def test_cli_writes_a_complete_run_folder(tmp_path, random_dataset):
                          "--episodes", "2", "--seed", "0"], capture_output=True, text=True, timeout=120)
     assert ev.returncode == 0, ev.stderr
     assert json.loads(ev.stdout)["env_id"] == "Hopper-v5" and len(json.loads(ev.stdout)["returns"]) == 2
+    # The same command again does not write over this run.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = subprocess.run(proc.args, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and f"{out} already holds a run (config.json, rounds.jsonl, summary.json)" \
+        in again.stderr, again.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_cli_bad_input_exits_2_with_a_named_problem(tmp_path):
