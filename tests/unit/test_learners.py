@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from fedrl import nets
 from fedrl.algos import Batch, BCConfig, BCLearner, DRPOConfig, DRPOLearner, cql_config
 from fedrl.device import make_generator, resolve_device
 from fedrl.nets import EnsembleCritic, ensemble_linear
@@ -114,6 +115,37 @@ def test_ensemble_critic_fused_backward_is_bit_identical_to_layer_by_layer_autog
     assert torch.equal(out, reference())
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+@pytest.mark.parametrize("critic_grad,action_grad", [(True, False), (False, True), (True, True)])
+def test_ensemble_critic_row_blocks_match_one_block(monkeypatch, critic_grad, action_grad):
+    """Rows in blocks (as the CQL critic's batch runs on CPU) give the one-block forward exactly
+    and its gradients up to float rounding; a ragged last block included."""
+    torch.manual_seed(0)
+    c = EnsembleCritic(5, 3, (32, 16), ensemble=2).requires_grad_(critic_grad)
+    obs = torch.randn(64, 1, 5)
+    act = torch.rand(64, 7, 3).mul_(2).sub_(1).requires_grad_(action_grad)
+    upstream = torch.randn(2, 64, 7)
+    leaves = [t for t in (*c.parameters(), act) if t.requires_grad]
+
+    def run(block):
+        monkeypatch.setattr(nets, "ROW_BLOCK", block)
+        out = c(obs, act)
+        return out, torch.autograd.grad((out * upstream).sum(), leaves)
+
+    (one, g_one), (blocked, g_blocked) = run(10_000), run(100)  # 448 rows: 4 blocks + 48
+    assert nets._row_blocks(448, torch.device("cpu")) == range(0, 448, 100)
+    assert torch.equal(one, blocked)
+    for a, b in zip(g_one, g_blocked):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_row_blocks_only_on_cpu():
+    """A GPU gets the whole batch as one block (one launch per layer); an empty batch one block."""
+    assert nets._row_blocks(7936, torch.device("cuda")) == range(0, 7936, 7936)
+    assert len(nets._row_blocks(7936, torch.device("cpu"))) == 8
+    assert list(nets._row_blocks(0, torch.device("cpu"))) == [0]
 
 
 def test_same_seed_same_weights_different_seed_different():
