@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -218,8 +219,21 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
            "seed": r.seed, "agents": r.agents, "trajectories": r.trajectories, "local_steps": r.local_steps,
            "rounds": cfg.rounds, "variant": r.variant, "config": cfg.as_dict(),
            "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
-           "wall_seconds": round(time.perf_counter() - t0, 1)}
+           "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": code_revision()}
     return _write_result(p, r, out, root)
+
+
+def code_revision() -> str:
+    """The git commit the run's code was at (``-dirty`` with uncommitted changes), or ``unknown``:
+    the same cell run on another revision can differ at float rounding and grow from there
+    (e.g. the critic's row blocks, 2026-11-25)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return rev.stdout.strip() if rev.returncode == 0 and rev.stdout.strip() else "unknown"
 
 
 def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path | None:
