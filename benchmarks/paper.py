@@ -33,6 +33,7 @@ the paper's networks and hyperparameters: about 4 hours for the table on one cor
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import subprocess
@@ -205,6 +206,7 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
     from fedrl.federation.simulate import run as simulate
 
     torch.set_num_threads(1)  # reproducible numbers, and one core left for the rest
+    revision = code_revision()  # before the run: the code this process loaded, not later edits
     cfg = sim_config(p, r)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
@@ -219,12 +221,14 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
            "seed": r.seed, "agents": r.agents, "trajectories": r.trajectories, "local_steps": r.local_steps,
            "rounds": cfg.rounds, "variant": r.variant, "config": cfg.as_dict(),
            "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
-           "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": code_revision()}
+           "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": revision}
     return _write_result(p, r, out, root)
 
 
+@functools.cache
 def code_revision() -> str:
-    """The git commit the run's code was at (``-dirty`` with uncommitted changes), or ``unknown``:
+    """The git commit the run's code was at (``-dirty`` with uncommitted changes), or ``unknown``;
+    read once per process, at its first run (a process imports the code once):
     the same cell run on another revision can differ at float rounding and grow from there
     (e.g. the critic's row blocks, 2026-11-25)."""
     root = Path(__file__).resolve().parent.parent
