@@ -141,6 +141,23 @@ def test_ensemble_critic_row_blocks_match_one_block(monkeypatch, critic_grad, ac
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_row_blocks_keep_every_product_visible_to_flop_counting(monkeypatch):
+    """benchmarks.throughput counts an update's FLOPs with FlopCounterMode: the blocked critic
+    must show it every product the one-block critic does (an in-place accumulation did not)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    c = EnsembleCritic(5, 3, (32, 16), ensemble=2)
+    obs, act = torch.randn(64, 1, 5), torch.rand(64, 7, 3).requires_grad_()
+
+    def flops(block):
+        monkeypatch.setattr(nets, "ROW_BLOCK", block)
+        with FlopCounterMode(display=False) as fc:
+            c(obs, act).sum().backward()
+        return fc.get_total_flops()
+
+    assert flops(100) == flops(10_000) > 0
+
+
 def test_row_blocks_only_on_cpu():
     """A GPU gets the whole batch as one block (one launch per layer); an empty batch one block."""
     assert nets._row_blocks(7936, torch.device("cuda")) == range(0, 7936, 7936)

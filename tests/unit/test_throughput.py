@@ -23,10 +23,11 @@ def test_every_peak_kernel_computes_the_same_product():
 
 def test_bench_counts_the_update_flops_and_replays_its_matmuls():
     cfg = DRPOConfig(hidden=(32, 32), batch_size=16, cql_n_actions=2, global_samples=2)
-    r = bench("drpo", cfg, obs_dim=5, act_dim=2, device=torch.device("cpu"), seconds=0.2)
+    r = bench("drpo", cfg, obs_dim=5, act_dim=2, device=torch.device("cpu"), seconds=0.2, peak_n=64)
     # Critic forward on the big call alone: 2 members x B(1+3N) rows x (7*32 + 32*32 + 32*1) MACs.
     big_forward = 2 * 2 * 16 * (1 + 3 * 2) * (7 * 32 + 32 * 32 + 32)
     assert r["gflop_per_step"] * 1e9 > 3 * big_forward  # forward + two backward products, and more
     assert r["matmul_calls"] >= 20
     assert r["steps_per_s"] > 0 and r["ceiling_shapes_steps_per_s"] > 0
     assert r["shape_gflops"] == pytest.approx(r["gflop_per_step"] * r["ceiling_shapes_steps_per_s"])
+    assert r["peak_interleaved_gflops"] > 0  # one GEMM per kernel in every window, median
