@@ -79,21 +79,25 @@ def gemm_kernels(device: torch.device) -> dict:
     return kernels
 
 
+def _gemm_rate(f, a: torch.Tensor, b: torch.Tensor, reps: int, device: torch.device) -> float:
+    """FLOP/s of ``reps`` back-to-back calls of ``f(a, b)`` (square n x n operands)."""
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        f(a, b)
+    sync(device)
+    return reps * 2 * a.shape[0] ** 3 / (time.perf_counter() - t)
+
+
 def matmul_rate(device: torch.device, n: int = 2048, seconds: float = 3.0) -> dict[str, float]:
     """FLOP/s of an n x n x n float32 GEMM per kernel (see :func:`gemm_kernels`), best of timings."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     rates = {}
     for name, f in gemm_kernels(device).items():
-        for _ in range(3):
-            f(a, b)
-        sync(device)
+        _gemm_rate(f, a, b, 3, device)  # warm-up
         best, end = 0.0, time.perf_counter() + seconds
         while time.perf_counter() < end:
-            t = time.perf_counter()
-            for _ in range(5):
-                f(a, b)
-            sync(device)
-            best = max(best, 5 * 2 * n**3 / (time.perf_counter() - t))
+            best = max(best, _gemm_rate(f, a, b, 5, device))
         rates[name] = best
     return rates
 
@@ -148,18 +152,7 @@ def peak_gemm(device: torch.device, n: int = 2048) -> Callable[[], float]:
     kernels = list(gemm_kernels(device).values())
     for f in kernels:
         f(a, b)
-
-    def run() -> float:
-        best = 0.0
-        for f in kernels:
-            sync(device)
-            t = time.perf_counter()
-            f(a, b)
-            sync(device)
-            best = max(best, 2 * n**3 / (time.perf_counter() - t))
-        return best
-
-    return run
+    return lambda: max(_gemm_rate(f, a, b, 1, device) for f in kernels)
 
 
 def bench(name: str, cfg, obs_dim: int, act_dim: int, device: torch.device, seconds: float,
