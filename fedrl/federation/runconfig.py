@@ -9,13 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from fedrl.algos import BCConfig, DRPOConfig
 from fedrl.algos.config import config_to_dict
-from fedrl.data.normalize import NORM_CHOICES
-from fedrl.federation.aggregate import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS
+from fedrl.federation.options import FederationOptions
 
 SERVICE_ALGOS = ("drpo", "fed-cql", "fed-bc")
 
@@ -25,42 +24,29 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """One federated run driven by the aggregator."""
+class RunConfig(FederationOptions):
+    """One federated run driven by the aggregator: the options it shares with ``fedrl simulate``
+    (:class:`FederationOptions`; ``agents`` are the agents the run waits for before round 1) and
+    the service's own. The independent ``cql`` baseline has no server: use simulate."""
 
-    algo: str = "drpo"
-    """drpo, fed-cql or fed-bc (the independent ``cql`` baseline has no server: use simulate)."""
-    agents: int = 2
-    """Agents the run waits for before round 1; every round selects all of them."""
     min_agents: int = 0
     """Quorum: at its deadline a round closes if at least this many submitted (0 = all agents)."""
-    rounds: int = 5
-    """Communication rounds; the run finishes after the last one closes."""
-    local_steps: int = 50
-    """Local gradient steps each agent takes per round (paper: 1000)."""
     round_timeout: float = 600.0
     """Seconds after which a round closes with the quorum."""
     join_timeout: float = 600.0
     """Seconds to wait for ``agents`` agents to join before the run fails."""
-    seed: int = 0
-    """Seeds the shards, the initial global policy and every agent's training."""
-    obs_norm: str = "pooled"
-    """Observation normalisation: pooled, local or none (see fedrl/data/normalize.py)."""
-    weighting: str = "uniform"
-    """FedAvg weights: uniform (paper) or samples (by shard size)."""
-    aggregation: str = "fedavg"
-    """fedavg (paper), median or trimmed-mean (coordinate-wise; robust to a minority of bad agents)."""
-    trim_fraction: float = 0.1
-    """Share of the largest and of the smallest values dropped per coordinate by trimmed-mean."""
-    federate: str = "policy"
-    """What is averaged: policy (paper) or policy+critic."""
-    eval_episodes: int = 10
-    """Episodes the evaluator rolls out per global version (0 = no evaluation)."""
-    env: str | None = None
-    """Evaluation env; default: the env the agents' shards report. Set, it must be their task
-    (same env and dimensions): a run whose agents' data is another fails as it starts."""
-    drpo: DRPOConfig = field(default_factory=DRPOConfig)
-    bc: BCConfig = field(default_factory=BCConfig)
+
+    algos: ClassVar[tuple[str, ...]] = SERVICE_ALGOS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_agents < 0:
+            raise ValueError(f"min_agents: must be >= 0, got {self.min_agents}")
+        if self.min_agents > self.agents:
+            raise ValueError(f"min_agents: {self.min_agents} exceeds agents ({self.agents})")
+        for k in ("round_timeout", "join_timeout"):
+            if not getattr(self, k) > 0:
+                raise ValueError(f"{k}: must be > 0 seconds, got {getattr(self, k)}")
 
     @property
     def quorum(self) -> int:
@@ -82,8 +68,7 @@ MAX_WIDTH, MAX_DEPTH = 4096, 8
 
 _INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes")
 _FLOATS = ("round_timeout", "join_timeout", "trim_fraction")
-_CHOICES = {"algo": SERVICE_ALGOS, "obs_norm": NORM_CHOICES, "weighting": WEIGHTINGS,
-            "aggregation": AGGREGATIONS, "federate": FEDERATE_CHOICES}
+_STRINGS = ("algo", "obs_norm", "weighting", "aggregation", "federate")
 
 
 def _sub_config(cls, value: Any, name: str):
@@ -148,9 +133,9 @@ def parse_run_config(text: str | bytes | dict) -> RunConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
                 raise ConfigError(f"{k}: expected a finite number, got {v!r}")
             v = float(v)
-        elif k in _CHOICES:
-            if v not in _CHOICES[k]:
-                raise ConfigError(f"{k}: {v!r} is not one of {', '.join(_CHOICES[k])}")
+        elif k in _STRINGS:  # which strings are allowed: RunConfig's own check
+            if not isinstance(v, str):
+                raise ConfigError(f"{k}: expected a string, got {v!r}")
         elif k == "env":
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"env: expected a string, got {v!r}")
@@ -159,25 +144,13 @@ def parse_run_config(text: str | bytes | dict) -> RunConfig:
         elif k == "bc":
             v = _sub_config(BCConfig, v, "bc")
         kw[k] = v
-    cfg = RunConfig(**kw)
+    try:
+        cfg = RunConfig(**kw)
+    except ValueError as e:  # a field out of range; the message names it
+        raise ConfigError(str(e)) from None
     for k, top in LIMITS.items():
         if getattr(cfg, k) > top:
             raise ConfigError(f"{k}: at most {top}, got {getattr(cfg, k)}")
-    for k in ("agents", "rounds"):
-        if getattr(cfg, k) < 1:
-            raise ConfigError(f"{k}: must be >= 1, got {getattr(cfg, k)}")
-    for k in ("min_agents", "local_steps", "eval_episodes", "seed"):
-        if getattr(cfg, k) < 0:
-            raise ConfigError(f"{k}: must be >= 0, got {getattr(cfg, k)}")
-    if cfg.min_agents > cfg.agents:
-        raise ConfigError(f"min_agents: {cfg.min_agents} exceeds agents ({cfg.agents})")
-    if not 0.0 <= cfg.trim_fraction < 0.5:
-        raise ConfigError(f"trim_fraction: must be in [0, 0.5), got {cfg.trim_fraction}")
-    for k in ("round_timeout", "join_timeout"):
-        if getattr(cfg, k) <= 0:
-            raise ConfigError(f"{k}: must be > 0 seconds, got {getattr(cfg, k)}")
-    if cfg.federate == "policy+critic" and cfg.algo == "fed-bc":
-        raise ConfigError("federate: policy+critic needs a critic; fed-bc has none")
     if cfg.env is not None:
         from fedrl.envs import env_info
         try:

@@ -11,24 +11,24 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedrl.algos import ALGOS, BCConfig, DRPOConfig
 from fedrl.algos.base import POLICY, load_prefixed
 from fedrl.algos.config import config_to_dict
 from fedrl.data.d4rl import check_env_dims, to_transitions
 from fedrl.data.errors import DatasetError
-from fedrl.data.normalize import NORM_CHOICES, ObsStats, agent_normalizer, global_normalizer
+from fedrl.data.normalize import ObsStats, agent_normalizer, global_normalizer
 from fedrl.data.partition import Shard, ShardSource, partition
 from fedrl.data.registry import check_one_env, infer_env, load
 from fedrl.device import derive_seed, resolve_device, seed_everything
 from fedrl.evaluation import evaluate
-from fedrl.federation.aggregate import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS, agent_weights, aggregate
+from fedrl.federation.aggregate import agent_weights, aggregate
+from fedrl.federation.options import FederationOptions
 from fedrl.federation.round import (
     SEED_EVAL,
     SEED_SHARDS,
@@ -44,61 +44,34 @@ DEFAULT_DATASET = "hopper-random-v2"
 
 
 @dataclass(frozen=True)
-class SimConfig:
-    """One in-process federated run (deployment-level settings; hyperparameters are nested)."""
+class SimConfig(FederationOptions):
+    """One in-process federated run: the options it shares with the services
+    (:class:`FederationOptions`, here with the paper's scale as defaults) and its own."""
 
-    algo: str = "drpo"
-    """drpo, fed-cql, fed-bc, or cql (each agent alone, no federation)."""
-    datasets: tuple[str, ...] = (DEFAULT_DATASET,)
-    """Dataset paths or names; ``PATH:N`` gives N agents to that file (heterogeneous mixes)."""
-    env: str | None = None
-    """Environment for evaluation; inferred from the dataset when omitted."""
     agents: int = 10
     """Agents per dataset given without ``:N`` (paper: 10)."""
-    trajectories: int = 5
-    """Whole trajectories per agent (paper: 5)."""
     rounds: int = 20
     """Communication rounds (paper: converges within ~20)."""
     local_steps: int = 1000
     """Local gradient steps per round (paper: 1000)."""
-    eval_episodes: int = 10
-    """Evaluation episodes of the global policy after each round (0 = no evaluation)."""
+    datasets: tuple[str, ...] = (DEFAULT_DATASET,)
+    """Dataset paths or names; ``PATH:N`` gives N agents to that file (heterogeneous mixes)."""
+    trajectories: int = 5
+    """Whole trajectories per agent (paper: 5)."""
     eval_every: int = 1
     """Evaluate every this many rounds (the last round is always evaluated)."""
-    seed: int = 0
     device: str = "auto"
-    obs_norm: str = "pooled"
-    """Observation normalisation: pooled, local or none (see fedrl/data/normalize.py)."""
-    weighting: str = "uniform"
-    """FedAvg weights: uniform (paper) or samples (by shard size)."""
-    federate: str = "policy"
-    """What is averaged: policy (paper) or policy+critic."""
-    aggregation: str = "fedavg"
-    """fedavg (paper), median or trimmed-mean (robust to a minority of bad agents)."""
-    trim_fraction: float = 0.1
-    """Share of the largest and smallest values per coordinate dropped by trimmed-mean."""
-    drpo: DRPOConfig = field(default_factory=DRPOConfig)
-    bc: BCConfig = field(default_factory=BCConfig)
+    """auto (CUDA when present), cpu, cuda or cuda:N."""
+
+    @classmethod
+    def option_name(cls, name: str) -> str:
+        return "--" + name.replace("_", "-")
 
     def __post_init__(self) -> None:
-        if self.algo not in ALGOS:
-            raise ValueError(f"--algo must be one of {', '.join(ALGOS)}, got {self.algo!r}")
-        for name in ("agents", "trajectories", "rounds", "eval_every"):
+        super().__post_init__()
+        for name in ("trajectories", "eval_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("local_steps", "eval_episodes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.obs_norm not in NORM_CHOICES:
-            raise ValueError(f"--obs-norm must be one of {', '.join(NORM_CHOICES)}")
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"--weighting must be one of {', '.join(WEIGHTINGS)}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}")
-        if self.federate not in FEDERATE_CHOICES:
-            raise ValueError(f"--federate must be one of {', '.join(FEDERATE_CHOICES)}")
-        if self.federate == "policy+critic" and self.algo == "fed-bc":
-            raise ValueError("--federate policy+critic needs a critic; fed-bc has none")
+                raise ValueError(f"{self.option_name(name)}: must be >= 1, got {getattr(self, name)}")
         if not self.datasets:
             raise ValueError("at least one --dataset is needed")
 

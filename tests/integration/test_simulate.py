@@ -65,7 +65,13 @@ def test_cli_bad_input_exits_2_with_a_named_problem(tmp_path):
     assert proc.returncode == 2 and str(missing) in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "fedrl.cli", "simulate", "--agents", "0"],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--agents must be >= 1" in proc.stderr
+    assert proc.returncode == 2 and "--agents: must be >= 1, got 0" in proc.stderr
+    # refused before anything trains or is written (it used to fail after round 1's training)
+    out = tmp_path / "t"
+    proc = subprocess.run([sys.executable, "-m", "fedrl.cli", "simulate", "--aggregation", "trimmed-mean",
+                           "--trim-fraction", "0.7", "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--trim-fraction: must be in [0, 0.5), got 0.7" in proc.stderr, proc.stderr
+    assert not out.exists()
 
 
 def test_same_seed_same_global_weights(tmp_path, random_dataset):

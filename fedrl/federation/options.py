@@ -1,0 +1,80 @@
+"""The settings every federated run has, declared and checked once.
+
+A service run (:class:`fedrl.federation.runconfig.RunConfig`, JSON sent to the aggregator) and an
+in-process run (:class:`fedrl.federation.simulate.SimConfig`, ``fedrl simulate``) both extend
+:class:`FederationOptions`: an option defined here exists on both paths with the same meaning
+and the same check, which the two paths' equivalence (same config and seed, same weights) needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from fedrl.algos import ALGOS, BCConfig, DRPOConfig
+from fedrl.data.normalize import NORM_CHOICES
+from fedrl.federation.aggregate import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS
+
+
+@dataclass(frozen=True)
+class FederationOptions:
+    """What a federated run trains and how its rounds combine the agents' work.
+
+    Subclasses set :attr:`algos` (the algorithms their path can run) and may redeclare a field
+    to give it another default. Construction checks every field and raises ``ValueError`` with
+    a message that starts with the option's name (:meth:`option_name`).
+    """
+
+    algo: str = "drpo"
+    """drpo, fed-cql, fed-bc (and, in-process only, cql: each agent alone, no federation)."""
+    agents: int = 2
+    """How many agents train (each with its own shard); every round selects all of them."""
+    rounds: int = 5
+    """Communication rounds; the run finishes after the last one closes."""
+    local_steps: int = 50
+    """Local gradient steps each agent takes per round (paper: 1000)."""
+    eval_episodes: int = 10
+    """Evaluation episodes of each new global policy (0 = no evaluation)."""
+    seed: int = 0
+    """Seeds the shards, the initial global policy, every agent's training and the evaluation."""
+    env: str | None = None
+    """Evaluation env; default: the env the agents' data reports. Set, it must be their task
+    (same env and dimensions)."""
+    obs_norm: str = "pooled"
+    """Observation normalisation: pooled, local or none (see fedrl/data/normalize.py)."""
+    weighting: str = "uniform"
+    """FedAvg weights: uniform (paper) or samples (by shard size)."""
+    aggregation: str = "fedavg"
+    """fedavg (paper), median or trimmed-mean (coordinate-wise; robust to a minority of bad agents)."""
+    trim_fraction: float = 0.1
+    """Share of the largest and of the smallest values dropped per coordinate by trimmed-mean,
+    in [0, 0.5)."""
+    federate: str = "policy"
+    """What is averaged: policy (paper) or policy+critic."""
+    drpo: DRPOConfig = field(default_factory=DRPOConfig)
+    """DRPO / CQL hyperparameters (defaults: the paper's table)."""
+    bc: BCConfig = field(default_factory=BCConfig)
+    """Fed-BC hyperparameters."""
+
+    algos: ClassVar[tuple[str, ...]] = ALGOS
+    """The algorithms this kind of run accepts."""
+
+    @classmethod
+    def option_name(cls, name: str) -> str:
+        """How errors name field ``name`` (a JSON field here; a command-line flag in simulate)."""
+        return name
+
+    def __post_init__(self) -> None:
+        opt = self.option_name
+        choices = {"algo": self.algos, "obs_norm": NORM_CHOICES, "weighting": WEIGHTINGS,
+                   "aggregation": AGGREGATIONS, "federate": FEDERATE_CHOICES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{opt(name)}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        for name, low in (("agents", 1), ("rounds", 1), ("local_steps", 0), ("eval_episodes", 0), ("seed", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{opt(name)}: must be >= {low}, got {getattr(self, name)}")
+        if not 0.0 <= self.trim_fraction < 0.5:  # also refuses NaN
+            raise ValueError(f"{opt('trim_fraction')}: must be in [0, 0.5), got {self.trim_fraction}")
+        if self.federate == "policy+critic" and self.algo == "fed-bc":
+            raise ValueError(f"{opt('federate')}: policy+critic needs a critic; fed-bc has none")
