@@ -20,9 +20,9 @@ from fedrl.federation.round import LocalTrainer, algo_config
 from fedrl.federation.runconfig import parse_run_config
 from fedrl.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
-from fedrl.rpc import StopFlag, create_channel
+from fedrl.rpc import StopFlag, create_channel, weights_calls
 from fedrl.security import TLSFiles
-from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_parts, session_update
+from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_messages, session_update, update_messages
 
 log = logging.getLogger("fedrl.agent")
 SESSION_METHOD = "/fedrl.v1.Federation/Session"
@@ -111,6 +111,7 @@ class Agent:
         """Join and work on one channel until it fails; returns the next reconnection delay."""
         try:
             stub = federation_pb2_grpc.FederationStub(channel)
+            self._weights_calls = weights_calls(channel)  # FetchGlobal / SubmitUpdate, weights as bytes
             self._join(stub)
             delay = self.cfg.backoff_initial
             self._loop(channel, stub)
@@ -269,9 +270,9 @@ class Agent:
             if (manifest.run_id, manifest.base_version) != (task.run_id, task.base_version):
                 raise CodecError("bad_manifest", "the task's inline weights are not its base version")
         else:
-            parts = stub.FetchGlobal(federation_pb2.FetchRequest(run_id=task.run_id, version=task.base_version),
-                                     timeout=self.cfg.rpc_timeout)
-            manifest, chunks = read_weight_parts(parts)
+            fetch, _ = self._weights_calls
+            manifest, chunks = read_weight_messages(fetch(
+                federation_pb2.FetchRequest(run_id=task.run_id, version=task.base_version), timeout=self.cfg.rpc_timeout))
         check_manifest_matches(manifest, self.base_reference)  # before a buffer is sized from it
         state = assemble(manifest, chunks)
         # the trained tensors themselves, not copies: they are encoded (copied) before the next round
@@ -284,14 +285,9 @@ class Agent:
         if enc.manifest.total_bytes <= self.cfg.inline_max_bytes:
             return header, enc.payload
 
-        def parts_out():
-            yield federation_pb2.UpdatePart(header=header)
-            for c in enc.chunks():
-                yield federation_pb2.UpdatePart(chunk=c)
-
         try:
             self._unacked = task
-            stub.SubmitUpdate(parts_out(), timeout=self.cfg.rpc_timeout)
+            self._weights_calls[1](update_messages(header, enc), timeout=self.cfg.rpc_timeout)
             self._submitted(task)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):

@@ -7,6 +7,7 @@ import threading
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from aggregator_service.coordinator import AgentRecord, Coordinator
 from fedrl.codec import Assembler, CodecError
@@ -14,8 +15,8 @@ from fedrl.data.normalize import ObsStats
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
 from fedrl.rpc import ServiceError, codec_status
 from fedrl.security import Authenticator
-from fedrl.serde import (event_to_proto, evaluation_from_proto, length_delimited_field, manifest_from_proto,
-                         manifest_to_proto, status_to_proto, weight_parts)
+from fedrl.serde import (chunk_in_part, event_to_proto, evaluation_from_proto, length_delimited_field,
+                         manifest_from_proto, manifest_to_proto, status_to_proto, weight_part_bytes)
 
 log = logging.getLogger("fedrl.aggregator")
 SESSION_MIN_WAIT = 1.0  # seconds: an idle session's WAIT heartbeats come no more often than this
@@ -34,8 +35,12 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     # These answer with bytes: a Task (alone, or as the next_task of a SubmitReply), which is the
     # same for every agent of a round, weights included, is serialised once per round instead of
     # once per agent (fedrl.rpc.create_server sends such replies as they are).
+    # FetchGlobal streams a version's parts, serialised once per version for all its fetchers.
     PRESERIALIZED = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline",
-                     "/fedrl.v1.Federation/Session")
+                     "/fedrl.v1.Federation/Session", "/fedrl.v1.Federation/FetchGlobal")
+    # SubmitUpdate's chunk messages are read in place (fedrl.serde.chunk_in_part), not parsed
+    # into a message whose chunk is then copied out again.
+    RAW_REQUESTS = ("/fedrl.v1.Federation/SubmitUpdate",)
 
     def __init__(self, coord: Coordinator, auth: Authenticator | None = None, max_workers: int | None = None) -> None:
         self.coord = coord
@@ -50,6 +55,11 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         # their long sha256 and finiteness passes run in parallel on several cores.
         self._inline_lock = threading.Lock()
         self._task_cache: tuple[tuple, bytes] | None = None  # the last task with weights, serialised
+        # The serialised parts of the versions fetched last (at most two: the current one and
+        # the one before, which a late agent may still fetch), each with its Encoded, whose
+        # identity is the key. Built under the lock: ten agents fetching at once build it once.
+        self._parts_cache: list[tuple[object, list[bytes]]] = []
+        self._parts_lock = threading.Lock()
 
     def Join(self, request, context):
         self.auth.check_agent(context, request.agent_id)
@@ -103,25 +113,40 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             enc = self.coord.global_weights(request.run_id, request.version)
         except ServiceError as e:
             _abort(context, e)
-        for part in weight_parts(enc):
-            if part.WhichOneof("part") == "chunk":
-                self.coord.metrics.bytes_sent.inc(len(part.chunk))
+        parts = self._serialised_parts(enc)
+        yield parts[0]
+        for k, part in enumerate(parts[1:]):
+            self.coord.metrics.bytes_sent.inc(min(enc.chunk_bytes, enc.manifest.total_bytes - k * enc.chunk_bytes))
             yield part
+
+    def _serialised_parts(self, enc) -> list[bytes]:
+        with self._parts_lock:
+            for cached, parts in self._parts_cache:
+                if cached is enc:
+                    return parts
+            parts = weight_part_bytes(enc)
+            self._parts_cache = [*self._parts_cache[-1:], (enc, parts)]
+            return parts
 
     def SubmitUpdate(self, request_iterator, context):
         def parts():
             first = next(request_iterator, None)
-            if first is None or first.WhichOneof("part") != "header":
+            head = None if first is None else _update_part(first)
+            if head is None or head.WhichOneof("part") != "header":
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an update stream must start with its header",
                                    "bad_stream")
 
             def chunks():
-                for part in request_iterator:
-                    if part.WhichOneof("part") != "chunk":
-                        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one update stream",
-                                           "bad_stream")
-                    yield part.chunk
-            return first.header, chunks()
+                for data in request_iterator:
+                    chunk = chunk_in_part(data)  # the usual message: read in place
+                    if chunk is None:
+                        part = _update_part(data)
+                        if part.WhichOneof("part") != "chunk":
+                            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                               "a second header in one update stream", "bad_stream")
+                        chunk = part.chunk
+                    yield chunk
+            return head.header, chunks()
         return self._submit(context, parts)
 
     def SubmitUpdateInline(self, request, context):
@@ -187,6 +212,15 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             metrics.reject(e.reason)
             _abort(context, e)
         return federation_pb2.SubmitReply(accepted=True, round=r, received_bytes=manifest.total_bytes)
+
+
+def _update_part(data: bytes) -> federation_pb2.UpdatePart:
+    """One SubmitUpdate message parsed (they arrive as bytes: see ``RAW_REQUESTS``)."""
+    try:
+        return federation_pb2.UpdatePart.FromString(data)
+    except DecodeError as e:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"an update stream message is not an UpdatePart: {e}",
+                           "bad_stream") from None
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):

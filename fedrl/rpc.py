@@ -64,9 +64,11 @@ def create_server(
     TLS (mutual when ``tls`` has a CA) when ``tls`` is given, plaintext otherwise.
 
     A servicer whose methods answer with bytes they serialised themselves lists those methods in
-    ``PRESERIALIZED`` (full names); their replies are sent as given."""
-    raw = frozenset(m for _, servicer, _ in registrations for m in getattr(servicer, "PRESERIALIZED", ()))
-    interceptors = [*([PreserializedReplies(raw)] if raw else []), *interceptors]
+    ``PRESERIALIZED`` (full names); their replies are sent as given. Methods listed in
+    ``RAW_REQUESTS`` get their requests as the bytes received, to parse themselves."""
+    replies = frozenset(m for _, sv, _ in registrations for m in getattr(sv, "PRESERIALIZED", ()))
+    requests = frozenset(m for _, sv, _ in registrations for m in getattr(sv, "RAW_REQUESTS", ()))
+    interceptors = [*([RawMessages(replies, requests)] if replies or requests else []), *interceptors]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
                          options=SERVER_OPTIONS, interceptors=interceptors)
     names = []
@@ -88,20 +90,41 @@ def create_server(
     return s
 
 
-class PreserializedReplies(grpc.ServerInterceptor):
-    """Sends the replies of ``methods`` as the bytes their handlers return (no serializer).
+class RawMessages(grpc.ServerInterceptor):
+    """Sends the replies of ``replies`` as the bytes their handlers return (no serializer) and
+    hands the requests of ``requests`` to their handlers as the bytes received (no parser).
 
     For a reply that carries the same large field to many callers: serialised once, not once
-    per call (see ``FederationServicer.SubmitUpdateInline``)."""
+    per call (see ``FederationServicer.SubmitUpdateInline`` and ``FetchGlobal``); for a request
+    that is mostly one large bytes field, read in place instead of copied out of a parsed
+    message (see ``FederationServicer.SubmitUpdate``)."""
 
-    def __init__(self, methods: frozenset[str]) -> None:
-        self.methods = methods
+    def __init__(self, replies: frozenset[str], requests: frozenset[str] = frozenset()) -> None:
+        self.replies, self.requests = replies, requests
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is not None and handler_call_details.method in self.methods:
+        if handler is not None and handler_call_details.method in self.replies:
             handler = handler._replace(response_serializer=None)
+        if handler is not None and handler_call_details.method in self.requests:
+            handler = handler._replace(request_deserializer=None)
         return handler
+
+
+def weights_calls(channel: grpc.Channel) -> tuple[Callable, Callable]:
+    """``FetchGlobal`` and ``SubmitUpdate`` on ``channel`` with their weights messages as bytes:
+    the fetch's replies unparsed (read them with ``fedrl.serde.read_weight_messages``), the
+    submission's requests already serialised (``fedrl.serde.update_messages``). A chunk then
+    costs one copy each way instead of three (a message built, serialised, parsed, its field
+    copied out); the aggregator does the same on its side (``RawMessages``)."""
+    from fedrl.proto.v1 import federation_pb2
+
+    fetch = channel.unary_stream("/fedrl.v1.Federation/FetchGlobal",
+                                 request_serializer=federation_pb2.FetchRequest.SerializeToString,
+                                 response_deserializer=None)
+    submit = channel.stream_unary("/fedrl.v1.Federation/SubmitUpdate", request_serializer=None,
+                                  response_deserializer=federation_pb2.SubmitReply.FromString)
+    return fetch, submit
 
 
 def announce_port(port_file: str | None, port: int) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from fedrl.codec import Encoded, Manifest, TensorSpec
+from google.protobuf.message import DecodeError
+
+from fedrl.codec import CodecError, Encoded, Manifest, TensorSpec
 from fedrl.proto.v1 import control_pb2, federation_pb2, weights_pb2
 
 
@@ -43,6 +45,38 @@ def session_update(header: federation_pb2.UpdateHeader, payload: bytes) -> bytes
                      inner, payload))
 
 
+# WeightsPart (FetchGlobal's stream) and UpdatePart (SubmitUpdate's) carry a chunk as field 2.
+CHUNK_FIELD = weights_pb2.WeightsPart.CHUNK_FIELD_NUMBER
+assert federation_pb2.UpdatePart.CHUNK_FIELD_NUMBER == CHUNK_FIELD
+_CHUNK_KEY = (CHUNK_FIELD << 3) | 2  # the key byte of a length-delimited field 2
+
+
+def weight_part_bytes(enc: Encoded) -> list[bytes]:
+    """:func:`weight_parts` serialised: the manifest part, then each chunk part, each chunk's
+    bytes copied once (building a message per chunk and serialising it copies them twice more).
+    Sent to every agent that fetches the version, so it is built once per version."""
+    mv = memoryview(enc.payload)
+    return [weights_pb2.WeightsPart(manifest=manifest_to_proto(enc.manifest)).SerializeToString(),
+            *(b"".join((_field_key(CHUNK_FIELD, len(mv[i:i + enc.chunk_bytes])), mv[i:i + enc.chunk_bytes]))
+              for i in range(0, len(mv), enc.chunk_bytes))]
+
+
+def chunk_in_part(data: bytes) -> memoryview | None:
+    """The chunk of a serialised WeightsPart or UpdatePart that holds just its chunk, as a view
+    of ``data`` (no copy); None for any other message, which is then parsed as one."""
+    if len(data) < 2 or data[0] != _CHUNK_KEY:
+        return None
+    n, shift, i = 0, 0, 1
+    while i < len(data) and i <= 10:  # the chunk's length: a varint of at most 10 bytes
+        b = data[i]
+        n |= (b & 0x7F) << shift
+        i += 1
+        if b < 0x80:
+            return memoryview(data)[i:] if i + n == len(data) else None
+        shift += 7
+    return None
+
+
 def manifest_from_proto(p: weights_pb2.WeightsManifest) -> Manifest:
     return Manifest(p.run_id, p.round, p.base_version,
                     tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in p.tensors),
@@ -68,6 +102,42 @@ def read_weight_parts(parts: Iterable[weights_pb2.WeightsPart]) -> tuple[Manifes
             raise ValueError("a weights stream has exactly one manifest, first")
         chunks.append(p.chunk)
     return manifest_from_proto(first.manifest), chunks
+
+
+def read_weight_messages(messages: Iterable[bytes]) -> tuple[Manifest, list[bytes | memoryview]]:
+    """:func:`read_weight_parts` for a stream received as bytes (see :func:`weights_calls`):
+    chunks are read in place (:func:`chunk_in_part`), not copied out of parsed messages."""
+    def parse(data: bytes) -> weights_pb2.WeightsPart:
+        try:
+            return weights_pb2.WeightsPart.FromString(data)
+        except DecodeError as e:
+            raise CodecError("bad_stream", f"a weights stream message is not a WeightsPart: {e}") from None
+
+    it = iter(messages)
+    first = next(it, None)
+    head = None if first is None else parse(first)
+    if head is None or head.WhichOneof("part") != "manifest":
+        raise CodecError("bad_stream", "weights stream must start with a manifest")
+    chunks: list[bytes | memoryview] = []
+    for data in it:
+        chunk = chunk_in_part(data)
+        if chunk is None:
+            part = parse(data)
+            if part.WhichOneof("part") != "chunk":
+                raise CodecError("bad_stream", "a weights stream has exactly one manifest, first")
+            chunk = part.chunk
+        chunks.append(chunk)
+    return manifest_from_proto(head.manifest), chunks
+
+
+def update_messages(header: federation_pb2.UpdateHeader, enc: Encoded) -> Iterator[bytes]:
+    """A SubmitUpdate stream serialised: the header part, then one part per chunk, each chunk's
+    bytes copied once (see :func:`weight_part_bytes`)."""
+    yield federation_pb2.UpdatePart(header=header).SerializeToString()
+    mv = memoryview(enc.payload)
+    for i in range(0, len(mv), enc.chunk_bytes):
+        c = mv[i:i + enc.chunk_bytes]
+        yield b"".join((_field_key(CHUNK_FIELD, len(c)), c))
 
 
 def evaluation_to_proto(d: dict | None) -> control_pb2.EvaluationReport | None:

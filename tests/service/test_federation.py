@@ -253,6 +253,24 @@ def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, pa
     if path == "inline":
         cases.append(("no header", lambda: agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(payload=b"x"), timeout=10),
                       grpc.StatusCode.INVALID_ARGUMENT, "needs its header"))
+    if path == "stream":  # the aggregator reads these messages as bytes (RAW_REQUESTS): what is not a chunk
+        enc = encode(g, run_id, 1, 0, 1000)
+        head = federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(
+            agent_id="a0", weights=manifest_to_proto(enc.manifest))).SerializeToString()
+        chunk = federation_pb2.UpdatePart(chunk=enc.payload[:1000]).SerializeToString()
+        raw = agg.channel.stream_unary("/fedrl.v1.Federation/SubmitUpdate", request_serializer=None,
+                                       response_deserializer=federation_pb2.SubmitReply.FromString)
+        cases += [
+            ("a second header", lambda: raw(iter([head, chunk, head]), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, "a second header in one update stream"),
+            ("not a message", lambda: raw(iter([head, chunk, b"\xff\xff\xff"]), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, "an update stream message is not an UpdatePart"),
+            ("not a message first", lambda: raw(iter([b"\x0a\x05ab"]), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, "an update stream message is not an UpdatePart"),
+            # a chunk whose length prefix claims more bytes than the message has: parsed, refused
+            ("a cut chunk", lambda: raw(iter([head, chunk[:-1]]), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, "an update stream message is not an UpdatePart"),
+        ]
     if path == "session":
         enc = encode(g, run_id, 1, 0, 100)
         update = federation_pb2.InlineUpdate(

@@ -119,3 +119,31 @@ def test_a_non_finite_decoded_update_is_named():
     assert _spans(states, list(states[0])) is not None
     with pytest.raises(AggregationError, match="update 1: 'b' contains NaN or Inf"):
         fedavg(states)
+
+
+def test_fedavg_in_blocks_has_the_bits_of_whole_update_sums(monkeypatch):
+    import fedrl.federation.aggregate as agg
+    g = torch.Generator().manual_seed(1)
+    plain = [{"w": torch.randn(1000, generator=g) * 10 ** i, "b": torch.randn(37, generator=g)} for i in range(4)]
+    decoded = [_decoded(x) for x in plain]
+    w = [0.3, 1.0, 2.5, 1e-3]
+    total = sum(w)
+
+    def reference(k):  # the formula summed whole, update by update, in float64
+        acc = torch.zeros(plain[0][k].shape, dtype=torch.float64)
+        for x, wi in zip(plain, w):
+            acc.add_(x[k], alpha=wi / total)
+        return acc.to(torch.float32)
+
+    monkeypatch.setattr(agg, "FEDAVG_BLOCK", 64)  # many blocks and a ragged last one, on both paths
+    for states in (plain, decoded):
+        out = fedavg(states, w)
+        assert all(torch.equal(out[k], reference(k)) for k in ("w", "b"))
+    late = [dict(x) for x in decoded]
+    late[3]["w"] = late[3]["w"].clone()
+    late[3]["w"][999] = float("inf")  # in the last, ragged block only
+    with pytest.raises(AggregationError, match="update 3: 'w' contains NaN or Inf"):
+        fedavg(late, w)
+    plain[2]["b"][30] = float("nan")
+    with pytest.raises(AggregationError, match="update 2: 'b' contains NaN or Inf"):
+        fedavg(plain, w)

@@ -1,0 +1,65 @@
+"""Weights messages serialised and read by hand (fedrl.serde) against protobuf's own encoding."""
+
+import pytest
+import torch
+
+from fedrl.codec import CodecError, assemble, encode
+from fedrl.proto.v1 import federation_pb2, weights_pb2
+from fedrl.serde import (chunk_in_part, manifest_to_proto, read_weight_messages, read_weight_parts, update_messages,
+                         weight_part_bytes, weight_parts)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 127, 128, 16_384, 1 << 20])
+def test_serialised_parts_are_protobufs_own_bytes_and_read_back_in_place(chunk_bytes):
+    state = {"w": torch.randn(40, 30), "b": torch.randn(7)}
+    enc = encode(state, "run", 3, 2, 50, chunk_bytes=chunk_bytes)
+    mine = weight_part_bytes(enc)
+    theirs = [p.SerializeToString() for p in weight_parts(enc)]
+    assert mine == theirs  # the same wire bytes as building and serialising each message
+    assert chunk_in_part(mine[0]) is None  # the manifest part is not a chunk
+    chunks = [chunk_in_part(p) for p in mine[1:]]
+    assert b"".join(bytes(c) for c in chunks) == enc.payload
+    # an UpdatePart holds its chunk in the same field: read the same way
+    up = federation_pb2.UpdatePart(chunk=bytes(chunks[0])).SerializeToString()
+    assert bytes(chunk_in_part(up)) == bytes(chunks[0])
+
+
+def test_anything_but_exactly_one_chunk_field_is_left_to_the_parser():
+    one = federation_pb2.UpdatePart(chunk=b"abc").SerializeToString()
+    header = federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(agent_id="a")).SerializeToString()
+    for data in (b"", b"\x12", header, one[:-1], one + b"x", one + one, b"\x12\xff\xff\xff",
+                 b"\x12" + b"\x80" * 11 + b"\x01"):
+        assert chunk_in_part(data) is None, data
+    assert bytes(chunk_in_part(b"\x12\x00")) == b""  # an empty chunk is still a chunk
+    # what the parser then makes of them: one + one is two chunk fields, the last one wins
+    assert federation_pb2.UpdatePart.FromString(one + one).chunk == b"abc"
+    assert weights_pb2.WeightsPart.FromString(one).chunk == b"abc"
+
+
+def test_raw_streams_read_and_write_what_the_message_streams_do():
+    state = {"w": torch.randn(300, 20), "b": torch.randn(9)}
+    enc = encode(state, "run", 2, 1, 30, chunk_bytes=1000)
+    # FetchGlobal received as bytes reads as the parsed stream does
+    m1, c1 = read_weight_parts(weight_parts(enc))
+    m2, c2 = read_weight_messages(weight_part_bytes(enc))
+    assert m1 == m2 and [bytes(c) for c in c2] == c1
+    got = assemble(m2, c2)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    # a stream of parts serialised by protobuf itself (another server) reads the same
+    assert read_weight_messages(p.SerializeToString() for p in weight_parts(enc))[0] == m1
+    # SubmitUpdate's messages are protobuf's own bytes for the same parts
+    header = federation_pb2.UpdateHeader(agent_id="a0", weights=manifest_to_proto(enc.manifest))
+    theirs = [federation_pb2.UpdatePart(header=header).SerializeToString(),
+              *(federation_pb2.UpdatePart(chunk=c).SerializeToString() for c in enc.chunks())]
+    assert list(update_messages(header, enc)) == theirs
+
+
+def test_a_bad_raw_weights_stream_is_a_codec_error_naming_the_problem():
+    enc = encode({"w": torch.randn(50)}, "run", 1, 0, 1, chunk_bytes=64)
+    parts = weight_part_bytes(enc)
+    for messages, says in (([], "must start with a manifest"), (parts[1:], "must start with a manifest"),
+                           ([parts[0], parts[0]], "exactly one manifest"),
+                           ([parts[0], b"\xff\xff"], "not a WeightsPart")):
+        with pytest.raises(CodecError, match=says) as e:
+            read_weight_messages(messages)
+        assert e.value.reason == "bad_stream"
