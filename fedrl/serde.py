@@ -55,10 +55,16 @@ def weight_part_bytes(enc: Encoded) -> list[bytes]:
     """:func:`weight_parts` serialised: the manifest part, then each chunk part, each chunk's
     bytes copied once (building a message per chunk and serialising it copies them twice more).
     Sent to every agent that fetches the version, so it is built once per version."""
-    mv = memoryview(enc.payload)
     return [weights_pb2.WeightsPart(manifest=manifest_to_proto(enc.manifest)).SerializeToString(),
-            *(b"".join((_field_key(CHUNK_FIELD, len(mv[i:i + enc.chunk_bytes])), mv[i:i + enc.chunk_bytes]))
-              for i in range(0, len(mv), enc.chunk_bytes))]
+            *_chunk_parts(enc)]
+
+
+def _chunk_parts(enc: Encoded) -> Iterator[bytes]:
+    """Each chunk of ``enc``'s payload as a serialised chunk part (field 2), copied once."""
+    mv = memoryview(enc.payload)
+    for i in range(0, len(mv), enc.chunk_bytes):
+        c = mv[i:i + enc.chunk_bytes]
+        yield b"".join((_field_key(CHUNK_FIELD, len(c)), c))
 
 
 def chunk_in_part(data: bytes) -> memoryview | None:
@@ -134,10 +140,7 @@ def update_messages(header: federation_pb2.UpdateHeader, enc: Encoded) -> Iterat
     """A SubmitUpdate stream serialised: the header part, then one part per chunk, each chunk's
     bytes copied once (see :func:`weight_part_bytes`)."""
     yield federation_pb2.UpdatePart(header=header).SerializeToString()
-    mv = memoryview(enc.payload)
-    for i in range(0, len(mv), enc.chunk_bytes):
-        c = mv[i:i + enc.chunk_bytes]
-        yield b"".join((_field_key(CHUNK_FIELD, len(c)), c))
+    yield from _chunk_parts(enc)
 
 
 def evaluation_to_proto(d: dict | None) -> control_pb2.EvaluationReport | None:
