@@ -16,10 +16,10 @@ from fedrl.federation.round import algo_config
 from fedrl.federation.runconfig import parse_run_config
 from fedrl.metrics import EvaluatorMetrics
 from fedrl.policy_io import policy_from_state
-from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
-from fedrl.rpc import create_channel
+from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2
+from fedrl.rpc import create_channel, weights_calls
 from fedrl.security import TLSFiles
-from fedrl.serde import evaluation_to_proto, event_from_proto, read_weight_parts
+from fedrl.serde import evaluation_to_proto, event_from_proto, read_weight_messages
 
 log = logging.getLogger("fedrl.evaluator")
 MAX_IDLE_SECONDS = 5.0  # longest wait between looks for a new run
@@ -65,7 +65,7 @@ class Follower:
 
     def _follow(self, channel: grpc.Channel) -> None:
         control = control_pb2_grpc.ControlStub(channel)
-        fed = federation_pb2_grpc.FederationStub(channel)
+        fetch, _ = weights_calls(channel)  # FetchGlobal with its chunks read in place
         stream = control.WatchRounds(control_pb2.WatchRequest(after_version=-1), wait_for_ready=True)
         events: queue.Queue = queue.Queue()
 
@@ -109,7 +109,7 @@ class Follower:
                 if pending:
                     key = pending.pop(0)
                     try:
-                        self._evaluate(control, fed, *key)
+                        self._evaluate(control, fetch, *key)
                     except (ValueError, RuntimeError) as e:  # a bad model or config: report, go on
                         log.error("run %s version %d not evaluated: %s", key[0], key[1], e)
                         self.metrics.failures.inc()
@@ -117,14 +117,14 @@ class Follower:
         finally:
             stream.cancel()
 
-    def _evaluate(self, control, fed, run_id: str, version: int) -> None:
+    def _evaluate(self, control, fetch, run_id: str, version: int) -> None:
         status = control.GetStatus(control_pb2.StatusRequest(), timeout=30)
         if status.run_id != run_id or version in status.evaluated_versions:
             return  # another (or an earlier) evaluator did it, or the run is gone
         cfg = parse_run_config(status.config_json)
         if cfg.eval_episodes == 0:
             return
-        manifest, chunks = read_weight_parts(fed.FetchGlobal(
+        manifest, chunks = read_weight_messages(fetch(
             federation_pb2.FetchRequest(run_id=run_id, version=version), timeout=120))
         state = assemble(manifest, chunks)
         hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)

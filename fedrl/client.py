@@ -21,9 +21,9 @@ import torch
 from fedrl.codec import assemble
 from fedrl.federation.runconfig import RunConfig, parse_run_config
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
-from fedrl.rpc import create_channel, wait_ready
+from fedrl.rpc import create_channel, wait_ready, weights_calls
 from fedrl.security import TLSFiles
-from fedrl.serde import event_from_proto, read_weight_parts, status_from_proto
+from fedrl.serde import event_from_proto, read_weight_messages, status_from_proto
 
 
 class ControlClient:
@@ -73,9 +73,9 @@ class ControlClient:
 
     def fetch_global(self, run_id: str = "", version: int = -1) -> dict[str, torch.Tensor]:
         """Tensors of a global version (verified: size, sha256, names, shapes, finiteness)."""
-        parts = self.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=version),
-                                     timeout=max(self.timeout, 120))
-        return assemble(*read_weight_parts(parts))
+        fetch, _ = weights_calls(self.channel)
+        return assemble(*read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),
+                                                    timeout=max(self.timeout, 120))))
 
     def save_policy(self, path: str | Path, version: int = -1) -> dict[str, Any]:
         """Write a global version of the current run as a policy file (``fedrl evaluate`` reads it;
