@@ -7,7 +7,6 @@ import threading
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from aggregator_service.coordinator import AgentRecord, Coordinator
 from fedrl.codec import Assembler, CodecError
@@ -15,8 +14,8 @@ from fedrl.data.normalize import ObsStats
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
 from fedrl.rpc import ServiceError, codec_status
 from fedrl.security import Authenticator
-from fedrl.serde import (chunk_in_part, event_to_proto, evaluation_from_proto, length_delimited_field,
-                         manifest_from_proto, manifest_to_proto, status_to_proto, weight_part_bytes)
+from fedrl.serde import (event_to_proto, evaluation_from_proto, length_delimited_field, manifest_from_proto,
+                         manifest_to_proto, read_raw_parts, status_to_proto, weight_part_bytes)
 
 log = logging.getLogger("fedrl.aggregator")
 SESSION_MIN_WAIT = 1.0  # seconds: an idle session's WAIT heartbeats come no more often than this
@@ -38,7 +37,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     # FetchGlobal streams a version's parts, serialised once per version for all its fetchers.
     PRESERIALIZED = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline",
                      "/fedrl.v1.Federation/Session", "/fedrl.v1.Federation/FetchGlobal")
-    # SubmitUpdate's chunk messages are read in place (fedrl.serde.chunk_in_part), not parsed
+    # SubmitUpdate's chunk messages are read in place (fedrl.serde.read_raw_parts), not parsed
     # into a message whose chunk is then copied out again.
     RAW_REQUESTS = ("/fedrl.v1.Federation/SubmitUpdate",)
 
@@ -130,23 +129,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
 
     def SubmitUpdate(self, request_iterator, context):
         def parts():
-            first = next(request_iterator, None)
-            head = None if first is None else _update_part(first)
-            if head is None or head.WhichOneof("part") != "header":
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an update stream must start with its header",
-                                   "bad_stream")
-
-            def chunks():
-                for data in request_iterator:
-                    chunk = chunk_in_part(data)  # the usual message: read in place
-                    if chunk is None:
-                        part = _update_part(data)
-                        if part.WhichOneof("part") != "chunk":
-                            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                               "a second header in one update stream", "bad_stream")
-                        chunk = part.chunk
-                    yield chunk
-            return head.header, chunks()
+            head, chunks = read_raw_parts(request_iterator, federation_pb2.UpdatePart)
+            return head.header, chunks
         return self._submit(context, parts)
 
     def SubmitUpdateInline(self, request, context):
@@ -212,15 +196,6 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             metrics.reject(e.reason)
             _abort(context, e)
         return federation_pb2.SubmitReply(accepted=True, round=r, received_bytes=manifest.total_bytes)
-
-
-def _update_part(data: bytes) -> federation_pb2.UpdatePart:
-    """One SubmitUpdate message parsed (they arrive as bytes: see ``RAW_REQUESTS``)."""
-    try:
-        return federation_pb2.UpdatePart.FromString(data)
-    except DecodeError as e:
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"an update stream message is not an UpdatePart: {e}",
-                           "bad_stream") from None
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):

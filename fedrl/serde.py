@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -110,30 +111,53 @@ def read_weight_parts(parts: Iterable[weights_pb2.WeightsPart]) -> tuple[Manifes
     return manifest_from_proto(first.manifest), chunks
 
 
-def read_weight_messages(messages: Iterable[bytes]) -> tuple[Manifest, list[bytes | memoryview]]:
-    """:func:`read_weight_parts` for a stream received as bytes (see :func:`weights_calls`):
-    chunks are read in place (:func:`chunk_in_part`), not copied out of parsed messages."""
-    def parse(data: bytes) -> weights_pb2.WeightsPart:
+# Per raw stream kind: the field its first message must hold, and what a refusal says when it
+# does not, when a later message is not a chunk, and when a message does not parse.
+_RAW_STREAMS = {
+    weights_pb2.WeightsPart: ("manifest", "weights stream must start with a manifest",
+                              "a weights stream has exactly one manifest, first",
+                              "a weights stream message is not a WeightsPart"),
+    federation_pb2.UpdatePart: ("header", "an update stream must start with its header",
+                                "a second header in one update stream",
+                                "an update stream message is not an UpdatePart"),
+}
+
+
+def read_raw_parts(messages: Iterable[bytes], kind: type) -> tuple[Any, Iterator[bytes | memoryview]]:
+    """A stream of ``kind`` messages (WeightsPart or UpdatePart) received as bytes: its first
+    message parsed, and its chunks as they arrive, each read in place (:func:`chunk_in_part`),
+    not copied out of a parsed message. Raises :class:`CodecError` (``bad_stream``) naming what
+    is wrong: no manifest/header first, a second one later, a message that does not parse."""
+    head_field, no_head, second_head, not_parsed = _RAW_STREAMS[kind]
+
+    def parse(data: bytes):
         try:
-            return weights_pb2.WeightsPart.FromString(data)
+            return kind.FromString(data)
         except DecodeError as e:
-            raise CodecError("bad_stream", f"a weights stream message is not a WeightsPart: {e}") from None
+            raise CodecError("bad_stream", f"{not_parsed}: {e}") from None
 
     it = iter(messages)
     first = next(it, None)
     head = None if first is None else parse(first)
-    if head is None or head.WhichOneof("part") != "manifest":
-        raise CodecError("bad_stream", "weights stream must start with a manifest")
-    chunks: list[bytes | memoryview] = []
-    for data in it:
-        chunk = chunk_in_part(data)
-        if chunk is None:
-            part = parse(data)
-            if part.WhichOneof("part") != "chunk":
-                raise CodecError("bad_stream", "a weights stream has exactly one manifest, first")
-            chunk = part.chunk
-        chunks.append(chunk)
-    return manifest_from_proto(head.manifest), chunks
+    if head is None or head.WhichOneof("part") != head_field:
+        raise CodecError("bad_stream", no_head)
+
+    def chunks() -> Iterator[bytes | memoryview]:
+        for data in it:
+            chunk = chunk_in_part(data)
+            if chunk is None:
+                part = parse(data)
+                if part.WhichOneof("part") != "chunk":
+                    raise CodecError("bad_stream", second_head)
+                chunk = part.chunk
+            yield chunk
+    return head, chunks()
+
+
+def read_weight_messages(messages: Iterable[bytes]) -> tuple[Manifest, list[bytes | memoryview]]:
+    """:func:`read_weight_parts` for a stream received as bytes (see ``fedrl.rpc.weights_calls``)."""
+    head, chunks = read_raw_parts(messages, weights_pb2.WeightsPart)
+    return manifest_from_proto(head.manifest), list(chunks)
 
 
 def update_messages(header: federation_pb2.UpdateHeader, enc: Encoded) -> Iterator[bytes]:
