@@ -30,16 +30,12 @@ from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.round import algo_config, initial_global_state
 from fedrl.federation.runconfig import ConfigError, RunConfig, parse_run_config
-from fedrl.memory import release_free_memory
+from fedrl.memory import BufferPool, release_free_memory
 from fedrl.metrics import AggregatorMetrics
 from fedrl.rpc import ServiceError
 
 log = logging.getLogger("fedrl.aggregator")
 ACTIVE = ("waiting_for_agents", "running")
-# After a round whose updates came to at least this many bytes, the ticker hands the heap's
-# free pages back to the OS (fedrl.memory): without it, the RSS of an aggregator taking ten 30 MB
-# updates a round climbed round after round to ~2 GB. Smaller rounds skip it (nothing to gain).
-TRIM_AFTER_BYTES = 64 << 20
 
 
 @dataclass
@@ -64,7 +60,6 @@ class Submission:
     num_samples: int
     metrics: dict[str, float]
     seconds: float
-    nbytes: int = 0  # of the payload as received
 
 
 @dataclass
@@ -127,7 +122,10 @@ class Coordinator:
         self.agents: dict[str, AgentRecord] = {}
         self.run: Run | None = None
         self._closed = False
-        self._trim_due = False  # set by a round close that freed large updates; the ticker trims
+        # Where received updates are assembled: each agent's buffer is written again the next
+        # round instead of being faulted in afresh. Kept only while a run is active (the ticker
+        # sets how many), one per agent of the run.
+        self.buffers = BufferPool()
         if resume:
             self._resume()
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick,), daemon=True,
@@ -292,7 +290,7 @@ class Coordinator:
             run = self._check_submission(agent_id, m)
             self._check_tensors(run, m)
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
-            run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds, m.total_bytes)
+            run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds)
             rec = self.agents[agent_id]
             rec.rounds_submitted += 1
             rec.last_accepted = (run.run_id, run.round)
@@ -582,7 +580,6 @@ class Coordinator:
             return
         run.message = ""
         run.version, run.global_state = v, new
-        self._trim_due = self._trim_due or sum(s.nbytes for s in subs) >= TRIM_AFTER_BYTES
         run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
         run.encoded[v] = enc
         self.metrics.round_closed(seconds)
@@ -600,10 +597,18 @@ class Coordinator:
         self._event(run, "RUN_FAILED", message=message)
 
     def _tick_loop(self, tick: float) -> None:
+        was_active = False
         while True:
-            if self._trim_due:  # outside the lock: a trim after 30 MB updates takes tens of ms
-                self._trim_due = False
+            run = self.run
+            active = run is not None and run.state in ACTIVE
+            # Outside the lock, as either can take tens of ms after 30 MB rounds. While a run is
+            # active its memory is kept for its next rounds: a buffer per agent, and the heap
+            # (malloc arenas are few, see aggregator_service.__main__, so it does not climb).
+            # Once it ends, both go back to the OS.
+            self.buffers.keep = run.cfg.agents if active else 0
+            if was_active and not active:
                 release_free_memory()
+            was_active = active
             with self.cond:
                 if self._closed:
                     return

@@ -185,7 +185,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             self.auth.check_agent(context, h.agent_id)
             manifest = manifest_from_proto(h.weights)
             self.coord.check_header(h.agent_id, manifest)
-            asm = Assembler(manifest)
+            asm = Assembler(manifest, self.coord.buffers)
             for c in chunks:
                 metrics.bytes_received.inc(len(c))
                 asm.add(c)

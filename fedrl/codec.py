@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fedrl.memory import BufferPool
+
 CHUNK_BYTES = 1 << 20
 ENCODING = "safetensors"
 # Message size limit set on every channel and server: a chunk plus headroom for the manifest.
@@ -174,21 +176,22 @@ class Assembler:
     them), so a 30 MB update is not copied again each time it grows; a payload that comes whole
     (an inline message) is copied once, with no zero-filled buffer first."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, pool: BufferPool | None = None) -> None:
         check_manifest(manifest)
         self.manifest = manifest
-        self.buf: bytearray | None = None
+        self.pool = pool  # where the buffer comes from, if anywhere (reused round after round)
+        self.buf: bytearray | memoryview | None = None
         self.received = 0
 
-    def add(self, chunk: bytes) -> None:
+    def add(self, chunk: bytes | memoryview) -> None:
         n, total = len(chunk), self.manifest.total_bytes
         if self.received + n > total:
             raise CodecError("oversize", f"chunks exceed the declared {total} bytes")
         if self.buf is None:
-            if n == total:
+            if n == total and self.pool is None:
                 self.buf, self.received = bytearray(chunk), n
                 return
-            self.buf = bytearray(total)
+            self.buf = bytearray(total) if self.pool is None else self.pool.take(total)
         self.buf[self.received:self.received + n] = chunk
         self.received += n
 
@@ -391,13 +394,18 @@ def _first_non_finite(buf: bytearray, start: int, entries: Sequence[_Entry]) -> 
     return None
 
 
-def decode(m: Manifest, payload: bytes | bytearray) -> dict[str, torch.Tensor]:
+def _writable(payload: bytes | bytearray | memoryview) -> bool:
+    """Memory the tensors can be views of as it is: a bytearray, or a writable view (a pooled buffer)."""
+    return isinstance(payload, bytearray) or (isinstance(payload, memoryview) and not payload.readonly)
+
+
+def decode(m: Manifest, payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     """Verify ``payload`` against ``m`` and return its tensors."""
     if len(payload) != m.total_bytes:
         raise CodecError("truncated", f"received {len(payload)} of {m.total_bytes} declared bytes")
     if hashlib.sha256(payload).hexdigest() != m.sha256:
         raise CodecError("sha256_mismatch", "payload sha256 does not match the manifest")
-    buf = payload if isinstance(payload, bytearray) else bytearray(payload)
+    buf = payload if _writable(payload) else bytearray(payload)
     start, entries = _layout(buf)
     _check_entries(entries, tuple(m.tensors))
     bad = _first_non_finite(buf, start, entries)
