@@ -18,11 +18,12 @@ from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.round import LocalTrainer, algo_config
 from fedrl.federation.runconfig import parse_run_config
+from fedrl.memory import BufferPool
 from fedrl.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
 from fedrl.rpc import StopFlag, create_channel, weights_calls
 from fedrl.security import TLSFiles
-from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_messages, session_update, update_messages
+from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_stream, session_update, update_messages
 
 log = logging.getLogger("fedrl.agent")
 SESSION_METHOD = "/fedrl.v1.Federation/Session"
@@ -70,6 +71,9 @@ class Agent:
         self._bad_streak = 0  # global models refused in a row
         self.use_session = cfg.session  # turned off when the aggregator has no Session stream
         self._train_seconds = 0.0  # of the last local round
+        # The buffer a fetched global is assembled in, written again each round (a fresh one is
+        # zero-filled first). Reused only once the trainer no longer reads the last one.
+        self._buffers = BufferPool(keep=1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -265,16 +269,23 @@ class Agent:
         """Train on ``task``. A small update is returned as (header, payload) for the caller to
         send in one message; a large one is streamed here with SubmitUpdate (None returned)."""
         trainer = self._trainer_for(task)
+        stream = None
         if task.HasField("base_manifest"):  # small model: the base version came with the task
             manifest, chunks = manifest_from_proto(task.base_manifest), [task.base_payload]
             if (manifest.run_id, manifest.base_version) != (task.run_id, task.base_version):
                 raise CodecError("bad_manifest", "the task's inline weights are not its base version")
         else:
-            fetch, _ = self._weights_calls
-            manifest, chunks = read_weight_messages(fetch(
-                federation_pb2.FetchRequest(run_id=task.run_id, version=task.base_version), timeout=self.cfg.rpc_timeout))
-        check_manifest_matches(manifest, self.base_reference)  # before a buffer is sized from it
-        state = assemble(manifest, chunks)
+            stream = self._weights_calls[0](federation_pb2.FetchRequest(run_id=task.run_id, version=task.base_version),
+                                            timeout=self.cfg.rpc_timeout)
+        try:
+            if stream is not None:  # its chunks are assembled (copied, hashed) as they arrive
+                manifest, chunks = read_weight_stream(stream)
+            check_manifest_matches(manifest, self.base_reference)  # before a buffer is sized from it
+            state = assemble(manifest, chunks, self._buffers)
+        except CodecError:
+            if stream is not None:
+                stream.cancel()  # a refused stream is not read to its end
+            raise
         # the trained tensors themselves, not copies: they are encoded (copied) before the next round
         res = trainer.train_round(state, task.local_steps, stop=self._stop.is_set, copy=False)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)

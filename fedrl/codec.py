@@ -174,7 +174,11 @@ class Assembler:
     """Receives chunks for a manifest into one buffer of the declared size; refuses anything
     past it. The buffer is allocated once (untouched pages cost no memory until chunks land in
     them), so a 30 MB update is not copied again each time it grows; a payload that comes whole
-    (an inline message) is copied once, with no zero-filled buffer first."""
+    (an inline message) is copied once, with no zero-filled buffer first.
+
+    Each chunk is hashed as it lands (the bytes in the buffer, which are what gets used), so
+    the sha256 is done when the last chunk is: hashing runs while the sender is still sending,
+    with the GIL released, instead of as one 20 ms pass per 30 MB after the stream ends."""
 
     def __init__(self, manifest: Manifest, pool: BufferPool | None = None) -> None:
         check_manifest(manifest)
@@ -182,6 +186,7 @@ class Assembler:
         self.pool = pool  # where the buffer comes from, if anywhere (reused round after round)
         self.buf: bytearray | memoryview | None = None
         self.received = 0
+        self._sha = hashlib.sha256()
 
     def add(self, chunk: bytes | memoryview) -> None:
         n, total = len(chunk), self.manifest.total_bytes
@@ -190,15 +195,17 @@ class Assembler:
         if self.buf is None:
             if n == total and self.pool is None:
                 self.buf, self.received = bytearray(chunk), n
+                self._sha.update(self.buf)
                 return
             self.buf = bytearray(total) if self.pool is None else self.pool.take(total)
         self.buf[self.received:self.received + n] = chunk
+        self._sha.update(memoryview(self.buf)[self.received:self.received + n])
         self.received += n
 
     def finish(self) -> dict[str, torch.Tensor]:
         if self.received != self.manifest.total_bytes:
             raise CodecError("truncated", f"received {self.received} of {self.manifest.total_bytes} declared bytes")
-        return decode(self.manifest, self.buf if self.buf is not None else bytearray())
+        return _decode(self.manifest, self.buf, self._sha.hexdigest())
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -403,9 +410,14 @@ def decode(m: Manifest, payload: bytes | bytearray | memoryview) -> dict[str, to
     """Verify ``payload`` against ``m`` and return its tensors."""
     if len(payload) != m.total_bytes:
         raise CodecError("truncated", f"received {len(payload)} of {m.total_bytes} declared bytes")
-    if hashlib.sha256(payload).hexdigest() != m.sha256:
+    return _decode(m, payload if _writable(payload) else bytearray(payload), hashlib.sha256(payload).hexdigest())
+
+
+def _decode(m: Manifest, buf: bytearray | memoryview, sha256: str) -> dict[str, torch.Tensor]:
+    """:func:`decode` of a writable buffer of the declared size whose sha256 is known (computed
+    from these very bytes: :class:`Assembler` hashes each chunk where it landed)."""
+    if sha256 != m.sha256:
         raise CodecError("sha256_mismatch", "payload sha256 does not match the manifest")
-    buf = payload if _writable(payload) else bytearray(payload)
     start, entries = _layout(buf)
     _check_entries(entries, tuple(m.tensors))
     bad = _first_non_finite(buf, start, entries)
@@ -452,9 +464,9 @@ def check_manifest_matches(m: Manifest, reference: Mapping[str, torch.Tensor]) -
     _check_specs({t.name: (t.dtype, t.shape) for t in m.tensors}, reference, "manifest ", "manifest says ")
 
 
-def assemble(manifest: Manifest, chunks: Iterable[bytes]) -> dict[str, torch.Tensor]:
-    """Decode a whole stream of chunks for ``manifest``."""
-    a = Assembler(manifest)
+def assemble(manifest: Manifest, chunks: Iterable[bytes], pool: BufferPool | None = None) -> dict[str, torch.Tensor]:
+    """Decode a whole stream of chunks for ``manifest`` (into a buffer of ``pool``, if given)."""
+    a = Assembler(manifest, pool)
     for c in chunks:
         a.add(c)
     return a.finish()

@@ -154,10 +154,17 @@ def read_raw_parts(messages: Iterable[bytes], kind: type) -> tuple[Any, Iterator
     return head, chunks()
 
 
-def read_weight_messages(messages: Iterable[bytes]) -> tuple[Manifest, list[bytes | memoryview]]:
-    """:func:`read_weight_parts` for a stream received as bytes (see ``fedrl.rpc.weights_calls``)."""
+def read_weight_stream(messages: Iterable[bytes]) -> tuple[Manifest, Iterator[bytes | memoryview]]:
+    """A weights stream received as bytes (see ``fedrl.rpc.weights_calls``): its manifest, and
+    its chunks as they arrive (to be assembled while the rest is still on its way)."""
     head, chunks = read_raw_parts(messages, weights_pb2.WeightsPart)
-    return manifest_from_proto(head.manifest), list(chunks)
+    return manifest_from_proto(head.manifest), chunks
+
+
+def read_weight_messages(messages: Iterable[bytes]) -> tuple[Manifest, list[bytes | memoryview]]:
+    """:func:`read_weight_parts` for a stream received as bytes: the whole stream read."""
+    manifest, chunks = read_weight_stream(messages)
+    return manifest, list(chunks)
 
 
 def update_messages(header: federation_pb2.UpdateHeader, enc: Encoded) -> Iterator[bytes]:

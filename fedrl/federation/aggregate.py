@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import math
+import os
+import threading
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -105,21 +106,54 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
 FEDAVG_BLOCK = 1 << 17
 
 
+# Large models are averaged by this many threads, each taking a contiguous run of blocks (the
+# adds release the GIL). Every element still gets the same adds in the same order: same bits.
+# At a round's close the agents wait for this, so it has the machine: 10 x 30 MB updates took
+# 114-118 ms on one thread and 61-74 ms on two (this 2-core CPU). Below FEDAVG_PARALLEL_BLOCKS
+# blocks (a Hopper policy is one) it stays on the caller's thread.
+FEDAVG_THREADS = max(1, min(4, os.cpu_count() or 1))
+FEDAVG_PARALLEL_BLOCKS = 8
+
+
 def _weighted_mean(xs: Sequence[torch.Tensor], alphas: Sequence[float]) -> tuple[torch.Tensor, bool]:
     """``sum_i alphas[i] * xs[i]`` accumulated in float64, returned in the inputs' dtype (flat,
     equal-length ``xs``), and whether every coordinate of the float64 sum is finite."""
     numel = xs[0].numel()
     out = torch.empty(numel, dtype=xs[0].dtype, device=xs[0].device)
-    acc = torch.empty(min(FEDAVG_BLOCK, numel), dtype=torch.float64, device=xs[0].device)
-    finite = True
-    for i in range(0, numel, FEDAVG_BLOCK):
-        a = acc[:min(FEDAVG_BLOCK, numel - i)]
-        a.zero_()
-        for x, alpha in zip(xs, alphas):
-            a.add_(x[i:i + a.numel()], alpha=alpha)
-        finite = finite and all_finite(a)
-        out[i:i + a.numel()].copy_(a)
-    return out, finite
+    blocks = -(-numel // FEDAVG_BLOCK)
+    workers = FEDAVG_THREADS if blocks >= FEDAVG_PARALLEL_BLOCKS and xs[0].device.type == "cpu" else 1
+    finite = [True] * workers
+
+    def average(j: int) -> None:  # blocks [j * blocks / workers, (j + 1) * blocks / workers)
+        acc = torch.empty(min(FEDAVG_BLOCK, numel), dtype=torch.float64, device=xs[0].device)
+        for b in range(j * blocks // workers, (j + 1) * blocks // workers):
+            i = b * FEDAVG_BLOCK
+            a = acc[:min(FEDAVG_BLOCK, numel - i)]
+            a.zero_()
+            for x, alpha in zip(xs, alphas):
+                a.add_(x[i:i + a.numel()], alpha=alpha)
+            finite[j] = finite[j] and all_finite(a)
+            out[i:i + a.numel()].copy_(a)
+
+    errors: list[BaseException] = []
+
+    def helper(j: int) -> None:
+        try:
+            average(j)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(e)
+
+    helpers = [threading.Thread(target=helper, args=(j,), name=f"fedavg-{j}") for j in range(1, workers)]
+    for t in helpers:
+        t.start()
+    try:
+        average(0)
+    finally:
+        for t in helpers:
+            t.join()
+    if errors:  # a block left unwritten: nothing of ``out`` may be used
+        raise errors[0]
+    return out, all(finite)
 
 
 def _spans(states: Sequence[Mapping[str, torch.Tensor]], keys: list[str]) -> list[torch.Tensor] | None:

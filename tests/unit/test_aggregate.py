@@ -136,14 +136,16 @@ def test_fedavg_in_blocks_has_the_bits_of_whole_update_sums(monkeypatch):
         return acc.to(torch.float32)
 
     monkeypatch.setattr(agg, "FEDAVG_BLOCK", 64)  # many blocks and a ragged last one, on both paths
-    for states in (plain, decoded):
-        out = fedavg(states, w)
-        assert all(torch.equal(out[k], reference(k)) for k in ("w", "b"))
     late = [dict(x) for x in decoded]
     late[3]["w"] = late[3]["w"].clone()
     late[3]["w"][999] = float("inf")  # in the last, ragged block only
-    with pytest.raises(AggregationError, match="update 3: 'w' contains NaN or Inf"):
-        fedavg(late, w)
+    for threads in (1, 3):  # 16 blocks of w: on the caller's thread, and split 5/5/6 over three
+        monkeypatch.setattr(agg, "FEDAVG_THREADS", threads)
+        for states in (plain, decoded):
+            out = fedavg(states, w)
+            assert all(torch.equal(out[k], reference(k)) for k in ("w", "b"))
+        with pytest.raises(AggregationError, match="update 3: 'w' contains NaN or Inf"):
+            fedavg(late, w)
     plain[2]["b"][30] = float("nan")
     with pytest.raises(AggregationError, match="update 2: 'b' contains NaN or Inf"):
         fedavg(plain, w)
