@@ -10,10 +10,6 @@ from fedrl import argtypes
 from fedrl.metrics import add_metrics_args
 from fedrl.security import add_tls_arg
 
-# Few malloc arenas: memory freed by one gRPC thread is found again by the next (see
-# fedrl.memory.limit_malloc_arenas); the aggregator's work is mostly serialised by the GIL anyway.
-MALLOC_ARENAS = 2
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl-aggregator", description="The federation's aggregator: "
@@ -47,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    from fedrl.memory import limit_malloc_arenas
+    from fedrl.memory import keep_heap_for_reuse
 
-    limit_malloc_arenas(MALLOC_ARENAS)  # before gRPC's and torch's threads allocate
+    keep_heap_for_reuse()  # before gRPC's and torch's threads allocate
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import torch
 

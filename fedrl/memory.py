@@ -30,30 +30,47 @@ def _malloc_trim():
     return fn
 
 
-M_ARENA_MAX = -8  # mallopt's parameter number for the arena limit (glibc's malloc.h)
+# mallopt's parameter numbers (glibc's malloc.h), and the environment variables an operator
+# would set instead (which then stand).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+_MALLOPT_ENV = {M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_", M_MMAP_THRESHOLD: "MALLOC_MMAP_THRESHOLD_",
+                M_ARENA_MAX: "MALLOC_ARENA_MAX"}
 
 
-def limit_malloc_arenas(n: int) -> bool:
-    """Let at most ``n`` malloc arenas serve this process's threads (glibc; call it first thing,
-    before threads allocate). True if the limit was set; False where malloc is not glibc's, or
-    when ``MALLOC_ARENA_MAX`` is set in the environment (the operator's choice stands).
+def keep_heap_for_reuse(arenas: int = 2, mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20) -> bool:
+    """Set glibc's malloc up for a process that frees and takes back large buffers every round
+    (the aggregator: ten 30 MB updates, a 30 MB average and its encoding a round). Call it first
+    thing, before threads allocate. True if every setting was made; settings the environment
+    already makes (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
+    or any ``GLIBC_TUNABLES``) are left to it; False where malloc is not glibc's.
 
-    glibc gives threads up to 8 arenas per core, and memory freed in one arena serves only
-    the threads of that arena. The aggregator's gRPC threads each take ~1 MiB messages into
-    whichever arena they got: with ten agents sending 30 MB updates a round, the resident set
-    climbed ~20 MB a round (1.1 GB to 1.9 GB in 40 rounds, measured) unless every round's free
-    pages were handed back (:func:`release_free_memory`), which then cost the next round ~47,000
-    page faults to touch them again. With two arenas the freed memory is found again: the
-    resident set stays at ~1.1 GB with no trim at all.
+    - At most ``arenas`` arenas. glibc gives threads up to 8 per core, and memory freed in one
+      serves only its threads: the aggregator's gRPC threads each took ~1 MiB messages into
+      their own, and its resident set climbed ~20 MB a round (1.1 to 1.9 GB in 40 rounds,
+      measured) unless every round's free pages were handed back, which cost the next round
+      tens of thousands of page faults to touch them again. With two it stays at ~1.1 GB.
+    - Blocks up to ``mmap_threshold`` come from the heap, and free space at a heap's top is
+      handed back only past ``trim_threshold``. glibc's defaults adapt both to the blocks
+      freed, and still mapped each new 30 MB block afresh often enough to cost ~9,000 page
+      faults a round (the encode of each new version took 73-101 ms, 26 ms with these).
+
+    The process keeps what it freed, up to its high-water mark, for as long as it runs: the
+    aggregator hands it back when a run ends (:func:`release_free_memory`).
     """
-    if os.environ.get("MALLOC_ARENA_MAX"):
+    if os.environ.get("GLIBC_TUNABLES"):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_ARENA_MAX, n) == 1
+    done = True
+    for param, value in ((M_ARENA_MAX, arenas), (M_MMAP_THRESHOLD, mmap_threshold), (M_TRIM_THRESHOLD, trim_threshold)):
+        if os.environ.get(_MALLOPT_ENV[param]):
+            done = False
+        elif mallopt(param, value) != 1:
+            done = False
+    return done
 
 
 def release_free_memory() -> bool:

@@ -41,14 +41,31 @@ def test_release_free_memory_returns_a_threads_freed_heap_to_the_os():
     assert len(kept) == 1 and kept[0][-1] == 1  # the live block is untouched
 
 
-def test_limit_malloc_arenas_makes_threads_share_one_arena():
-    """What the aggregator sets first thing: with the limit, threads allocating at once share
-    the arenas there are (glibc's malloc_stats lists one per arena); without it, each gets its own."""
+def _run(code: str, *args: str, env_drop: tuple[str, ...] = ()) -> str:
+    """``code`` run by a fresh interpreter (malloc settings are per process); its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+
+def test_keep_heap_for_reuse_makes_threads_share_the_arenas_it_allows():
+    """What the aggregator sets first thing: threads allocating at once share the arenas there
+    are (glibc's malloc_stats lists one per arena); without it, each gets its own."""
+    if not release_free_memory():
+        pytest.skip("not glibc's malloc")
     code = r"""
 import ctypes, sys, threading
-from fedrl.memory import limit_malloc_arenas
-if sys.argv[1] == "limit":
-    assert limit_malloc_arenas(1)
+from fedrl.memory import keep_heap_for_reuse
+if sys.argv[1] == "tuned":
+    assert keep_heap_for_reuse(arenas=1)
 go = threading.Barrier(4)
 def work():
     go.wait()  # all four allocate at the same time: contended arenas make glibc add more
@@ -59,26 +76,45 @@ ts = [threading.Thread(target=work) for _ in range(4)]
 [t.join() for t in ts]
 ctypes.CDLL(None).malloc_stats()
 """
-    import subprocess
-    import sys
-
-    arenas = {}
-    for mode in ("limit", "default"):
-        env = {k: v for k, v in __import__("os").environ.items() if k != "MALLOC_ARENA_MAX"}
-        r = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=60, env=env)
-        if r.returncode != 0 and "malloc_stats" in r.stderr:
-            pytest.skip("the C library has no malloc_stats (not glibc)")
-        assert r.returncode == 0, r.stderr
-        arenas[mode] = r.stderr.count("Arena ")
-    assert arenas["limit"] == 1, arenas
-    assert arenas["default"] > 1, arenas
+    arenas = {mode: _run(code, mode, env_drop=MALLOC_ENV).count("Arena ") for mode in ("tuned", "default")}
+    assert arenas["tuned"] == 1 and arenas["default"] > 1, arenas
 
 
-def test_limit_malloc_arenas_leaves_an_operators_setting_alone(monkeypatch):
-    from fedrl.memory import limit_malloc_arenas
+def test_keep_heap_for_reuse_lets_a_large_freed_block_serve_the_next_one():
+    """A 40 MB block freed and taken again, as the aggregator's encoded versions are each round:
+    by default glibc maps it afresh every time (a page fault per 4 KiB touched); tuned, the
+    heap keeps it and the next one is served from it."""
+    if not release_free_memory():
+        pytest.skip("not glibc's malloc")
+    code = r"""
+import ctypes, resource, sys
+from fedrl.memory import keep_heap_for_reuse
+if sys.argv[1] == "tuned":
+    assert keep_heap_for_reuse()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(40 << 20)
+    ctypes.memset(p, 1, 40 << 20)  # touch every page
+    libc.free(p)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[1:]), file=sys.stderr)
+"""
+    again = {mode: int(_run(code, mode, env_drop=MALLOC_ENV)) for mode in ("tuned", "default")}
+    pages = 3 * (40 << 20) // 4096  # three more blocks' worth of 4 KiB pages
+    assert again["default"] > pages // 2, again
+    assert again["tuned"] < pages // 20, again
 
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
-    assert limit_malloc_arenas(1) is False
+
+def test_keep_heap_for_reuse_leaves_an_operators_settings_alone(monkeypatch):
+    code = "import sys; from fedrl.memory import keep_heap_for_reuse; print(keep_heap_for_reuse(), file=sys.stderr)"
+    for name, value in (("MALLOC_ARENA_MAX", "4"), ("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert _run(code, env_drop=tuple(k for k in MALLOC_ENV if k != name)).strip() == "False"
 
 
 def test_a_pooled_buffer_is_reused_only_once_nothing_reads_it():
