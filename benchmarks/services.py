@@ -1,7 +1,7 @@
 """System speed of the services on loopback, each beside its raw baseline measured in the same run.
 
     python -m benchmarks.services overhead  [--agents 10] [--rounds 100]
-    python -m benchmarks.services transfer  [--agents 10] [--mb 30] [--rounds 3]
+    python -m benchmarks.services transfer  [--agents 10] [--mb 30] [--rounds 5]
     python -m benchmarks.services evaluator [--env Hopper-v5] [--episodes 400]
     python -m benchmarks.services all       (writes benchmarks/results/services-cpu.json)
     python -m benchmarks.services federation [--transport session|calls] [--rounds 500]
@@ -14,7 +14,8 @@
   Session streams (the default) and with a call per task, beside bare gRPC's floor.
 - transfer: the same with a synthetic ~30 MB policy (fed-bc, wide hidden layers, zero steps):
   MB of weights moved per second (N downloads + N uploads per round), beside raw gRPC
-  streaming of the same bytes in 1 MiB chunks between the same number of client processes.
+  streaming of the same bytes in 1 MiB chunks between the same number of client processes,
+  measured before and after the federation; and the CPU seconds a round takes on each side.
 - evaluator: environment steps/s of the evaluator's rollout with the policy, beside random
   actions stepping the same vectorised env.
 """
@@ -182,7 +183,7 @@ def bare_rounds(agents: int, rounds: int, payload_bytes: int) -> dict:
 
 # -- raw gRPC byte streaming (no protobuf messages: identity serialisers) -------------------------
 
-def _raw_server(port_q, payload_mb: int, stop) -> None:
+def _raw_server(port_q, payload_mb: int, start, stop, result_q) -> None:
     import grpc
 
     from fedrl.rpc import SERVER_OPTIONS
@@ -205,7 +206,10 @@ def _raw_server(port_q, payload_mb: int, stop) -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     port_q.put(port)
+    start.wait()
+    cpu = time.process_time()
     stop.wait()
+    result_q.put(time.process_time() - cpu)  # every thread's CPU while the clients ran
     server.stop(0)
 
 
@@ -220,21 +224,21 @@ def _raw_client(port: int, payload_mb: int, rounds: int, ready_q, start, result_
     grpc.channel_ready_future(ch).result(timeout=60)
     ready_q.put(True)  # imported and connected: the clock starts when every client is
     start.wait()
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), time.process_time()
     for _ in range(rounds):
         got = b"".join(down(b""))  # what the agent does: keep the whole payload
         assert len(got) == payload_mb << 20
         n = int.from_bytes(up(iter([chunk] * payload_mb)), "little")
         assert n == payload_mb << 20
-    result_q.put(time.perf_counter() - t0)
+    result_q.put((time.perf_counter() - t0, time.process_time() - cpu))
     ch.close()
 
 
 def raw_grpc(agents: int, payload_mb: int, rounds: int) -> dict:
     ctx = mp.get_context("spawn")
-    port_q, ready_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    port_q, ready_q, result_q, server_q = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     stop, start = ctx.Event(), ctx.Event()
-    srv = ctx.Process(target=_raw_server, args=(port_q, payload_mb, stop))
+    srv = ctx.Process(target=_raw_server, args=(port_q, payload_mb, start, stop, server_q))
     srv.start()
     port = port_q.get(timeout=60)
     clients = [ctx.Process(target=_raw_client, args=(port, payload_mb, rounds, ready_q, start, result_q))
@@ -248,30 +252,56 @@ def raw_grpc(agents: int, payload_mb: int, rounds: int) -> dict:
     [ready_q.get(timeout=120) for _ in clients]
     t0 = time.perf_counter()
     start.set()
-    [result_q.get(timeout=600) for _ in clients]
+    done = [result_q.get(timeout=600) for _ in clients]
     wall = time.perf_counter() - t0
     for c in clients:
         c.join(30)
     stop.set()
+    server_cpu = server_q.get(timeout=60)
     srv.join(30)
     moved = 2 * agents * rounds * payload_mb * (1 << 20)
-    return {"seconds": wall, "bytes": moved, "mb_per_s": moved / wall / 1e6}
+    clients_cpu = sum(c for _, c in done)
+    return {"seconds": wall, "bytes": moved, "mb_per_s": moved / wall / 1e6,
+            "cpu_ms_per_round": {"server": round(server_cpu / rounds * 1e3, 1),
+                                 "clients_total": round(clients_cpu / rounds * 1e3, 1)}}
 
 
-def bench_transfer(agents: int, mb: int, rounds: int) -> dict:
+TRANSFER_ROUNDS = 5  # measured, after a first round that also sets up connections
+
+
+def bench_transfer(agents: int, mb: int, rounds: int = TRANSFER_ROUNDS) -> dict:
+    """The federation moving a ~``mb`` MB model, between two measurements of raw gRPC moving
+    the same bytes (before and after: this machine's speed drifts by tens of percent within
+    minutes, and raw alone swung 560-720 MB/s between runs); the ratio is to their mean."""
     # fed-bc policy with hidden (h, h): params ~ h^2 + (obs + 2 act + 2) h; pick h for ~mb MB.
     h = int((mb * 1e6 / 4) ** 0.5)
     params = 11 * h + h + h * h + h + h * 6 + 6 + 22
     bytes_model = params * 4
+    payload_mb = round(bytes_model / (1 << 20))
+    raw = [raw_grpc(agents, payload_mb, rounds)]
     with tempfile.TemporaryDirectory() as d:
         r = federation_rounds(agents, rounds + 1, {"algo": "fed-bc", "bc": {"hidden": [h, h]}}, Path(d))
+    raw.append(raw_grpc(agents, payload_mb, rounds))
     s = np.array(r["per_round_seconds"][1:])
     moved = 2 * agents * bytes_model
-    fed = {"model_mb": bytes_model / 1e6, "hidden": [h, h], "round_seconds_median": float(np.median(s)),
-           "mb_per_s": float(moved / np.median(s) / 1e6), "peak_rss_mb": r["peak_rss_mb"]}
-    raw = raw_grpc(agents, round(bytes_model / (1 << 20)), rounds)
-    out = {"agents": agents, "federation": fed, "raw_grpc": raw,
-           "ratio_to_raw": fed["mb_per_s"] / raw["mb_per_s"], "target_ratio": 0.70}
+    steady = r["cpu_ms_per_round_steady"]
+    fed = {"model_mb": bytes_model / 1e6, "hidden": [h, h], "rounds_measured": len(s),
+           "round_seconds_median": float(np.median(s)), "round_seconds_each": s.round(3).tolist(),
+           "mb_per_s": float(moved / np.median(s) / 1e6), "peak_rss_mb": r["peak_rss_mb"],
+           "cpu_ms_per_round": {"aggregator": steady.get("aggregator"), "agents_total": steady.get("agents_total")}}
+    raw_mb_s = float(np.mean([x["mb_per_s"] for x in raw]))
+    fed_cpu = sum(v for v in fed["cpu_ms_per_round"].values() if v is not None)
+    raw_cpu = float(np.mean([sum(x["cpu_ms_per_round"].values()) for x in raw]))
+    out = {"agents": agents, "federation": fed,
+           "raw_grpc": {"mb_per_s": raw_mb_s, "runs": raw,
+                        "what": "the same bytes in 1 MiB messages with identity serialisers, as many client "
+                                "processes, each downloading then uploading the payload per round; measured "
+                                "before and after the federation, the mean of the two"},
+           "ratio_to_raw": fed["mb_per_s"] / raw_mb_s, "target_ratio": 0.70,
+           "cpu_per_round": {"federation_ms": fed_cpu, "raw_ms": raw_cpu, "raw_to_federation": raw_cpu / fed_cpu,
+                             "what": "CPU seconds of all processes per round (federation: after its first "
+                                     "rounds): the federation also verifies and hashes every payload "
+                                     "(31 sha256 passes over the model a round), averages and stores"}}
     print(json.dumps(out))
     return out
 
@@ -454,15 +484,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all", "federation", "inprocess"))
     p.add_argument("--transport", choices=("session", "calls"), default="session", help="federation only")
     p.add_argument("--agents", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=100, help="overhead rounds (the first 3 are not measured)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"overhead rounds (default 100; the first 3 are not measured), transfer rounds "
+                        f"(default {TRANSFER_ROUNDS}, after one not measured)")
     p.add_argument("--mb", type=int, default=30)
     p.add_argument("--env", default="Hopper-v5")
     p.add_argument("--episodes", type=int, default=400)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    overhead_rounds = a.rounds or 100
     if a.what == "federation":  # one federation run, no floor: alternate trees or transports with it
         with tempfile.TemporaryDirectory() as d:
-            r = federation_rounds(a.agents, a.rounds, {"algo": "drpo"}, Path(d), transport=a.transport)
+            r = federation_rounds(a.agents, overhead_rounds, {"algo": "drpo"}, Path(d), transport=a.transport)
         ms = _steady_ms(r)
         print(json.dumps({"transport": a.transport, "agents": a.agents, "rounds_measured": len(ms),
                           "round_ms_median": round(float(np.median(ms)), 2),
@@ -471,15 +504,15 @@ def main(argv: list[str] | None = None) -> int:
                           "cpu_ms_per_round_steady": r["cpu_ms_per_round_steady"]}))
         return 0
     if a.what == "inprocess":
-        print(json.dumps(bench_inprocess(a.agents, a.rounds)))
+        print(json.dumps(bench_inprocess(a.agents, overhead_rounds)))
         return 0
     res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                              "python": platform.python_version()},
                  "date": time.strftime("%Y-%m-%d")}
     if a.what in ("overhead", "all"):
-        res["overhead"] = bench_overhead(a.agents, a.rounds)
+        res["overhead"] = bench_overhead(a.agents, overhead_rounds)
     if a.what in ("transfer", "all"):
-        res["transfer"] = bench_transfer(a.agents, a.mb, 3)
+        res["transfer"] = bench_transfer(a.agents, a.mb, a.rounds if a.what == "transfer" and a.rounds else TRANSFER_ROUNDS)
     if a.what in ("evaluator", "all"):
         res["evaluator"] = bench_evaluator(a.env, a.episodes)
     if a.what == "all":
