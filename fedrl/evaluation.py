@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from fedrl.behavior.policy import NumpyPolicy
+from fedrl.behavior.policy import NumpyPolicy, one_blas_thread
 from fedrl.envs import env_info, route_mujoco_warnings
 from fedrl.nets import TanhGaussianPolicy
 from fedrl.scores import normalized_score
@@ -69,21 +69,22 @@ def evaluate(policy: TanhGaussianPolicy, env_name: str, episodes: int, seed: int
     lengths: list[int] = []
     ep_ret, ep_len, done = np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     steps, t0 = 0, time.perf_counter()
-    try:
-        obs, _ = envs.reset(seed=seed)
-        while (done < quota).any():
-            obs, rew, term, trunc, _ = envs.step(act_fn(obs))
-            steps += n
-            ep_ret += rew
-            ep_len += 1
-            for i in np.flatnonzero(term | trunc):
-                if done[i] < quota[i]:
-                    returns.append(float(ep_ret[i]))
-                    lengths.append(int(ep_len[i]))
-                    done[i] += 1
-                ep_ret[i], ep_len[i] = 0.0, 0
-    finally:
-        envs.close()
+    with one_blas_thread():
+        try:
+            obs, _ = envs.reset(seed=seed)
+            while (done < quota).any():
+                obs, rew, term, trunc, _ = envs.step(act_fn(obs))
+                steps += n
+                ep_ret += rew
+                ep_len += 1
+                for i in np.flatnonzero(term | trunc):
+                    if done[i] < quota[i]:
+                        returns.append(float(ep_ret[i]))
+                        lengths.append(int(ep_len[i]))
+                        done[i] += 1
+                    ep_ret[i], ep_len[i] = 0.0, 0
+        finally:
+            envs.close()
     r = np.asarray(returns)
     scores = np.array([normalized_score(info.key, x) for x in r])
     return EvalResult(info.gym_id, tuple(returns), tuple(lengths), float(r.mean()), float(r.std()),

@@ -1,5 +1,7 @@
 """MuJoCo rollouts, normalised scores, env layouts."""
 
+import threading
+
 import pytest
 import torch
 
@@ -98,3 +100,36 @@ def test_an_unexpected_mujoco_warning_is_logged_as_a_warning(caplog):
         _mujoco_warning("compiler attribute 'settotalmass' is deprecated and will be removed")
     assert [(r.levelname, r.getMessage().split(",")[0]) for r in caplog.records] == [
         ("WARNING", "MuJoCo: Nan"), ("DEBUG", "MuJoCo: compiler attribute 'settotalmass' is deprecated and will be removed")]
+
+
+def test_a_rollout_keeps_numpys_blas_to_one_thread():
+    """The rollout's batched products are tiny, and OpenBLAS's worker threads spun between
+    them: another thread of the process burned about as much CPU as the rollout itself (a core
+    taken from the agents on a small machine). Now no other thread of the process does."""
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: BLAS runs no worker threads")
+
+    def ticks() -> dict[str, int]:
+        out = {}
+        for t in os.listdir("/proc/self/task"):
+            try:
+                f = open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended
+                continue
+            out[t] = int(f[11]) + int(f[12])
+        return out
+
+    info = env_info("Hopper-v5")
+    torch.manual_seed(0)
+    pol = TanhGaussianPolicy(info.obs_dim, info.act_dim)
+    evaluate(pol, "Hopper-v5", 10, seed=0, num_envs=10, max_episode_steps=100)  # BLAS threads started
+    before = ticks()
+    evaluate(pol, "Hopper-v5", 40, seed=1, num_envs=10, max_episode_steps=200)
+    after = ticks()
+    used = {t: after[t] - before.get(t, 0) for t in after}
+    main = str(threading.get_native_id())
+    others = sum(v for t, v in used.items() if t != main)
+    assert used[main] >= 20, used  # the rollout ran long enough to tell
+    assert others < 0.2 * used[main], used
