@@ -571,9 +571,16 @@ def system_md(root: Path = RESULTS) -> str:
             rows.append(f"| the same round in bare gRPC (same messages and processes, no work) | "
                         f"{floor['round_ms_median']:.0f} ms median | CPU per round: server {srv:.0f} ms, "
                         f"clients {cli:.0f} ms; the federation's round is {o['ratio_to_floor']:.1f}x this floor | |")
+        runs = tr["raw_grpc"].get("runs")  # measured before and after the federation (since 2026-11-25)
+        each = " and ".join(f"{r['mb_per_s']:.0f}" for r in runs or ())
+        raw = (f"raw gRPC {tr['raw_grpc']['mb_per_s']:.0f} MB/s (mean of {each}, before and after)" if runs
+               else f"raw gRPC {tr['raw_grpc']['mb_per_s']:.0f} MB/s")
+        cpu = tr.get("cpu_per_round")
+        cpu = (f"; CPU per round {cpu['federation_ms'] / 1e3:.2f} s vs raw's {cpu['raw_ms'] / 1e3:.2f} s"
+               if cpu else "")
         rows.append(f"| transfer, {tr['federation']['model_mb']:.0f} MB model, {tr['agents']} agents | "
-                    f"{tr['federation']['mb_per_s']:.0f} MB/s | raw gRPC {tr['raw_grpc']['mb_per_s']:.0f} MB/s: "
-                    f"{100 * tr['ratio_to_raw']:.0f}% | >= {100 * tr['target_ratio']:.0f}% |")
+                    f"{tr['federation']['mb_per_s']:.0f} MB/s | {raw}: {100 * tr['ratio_to_raw']:.0f}%{cpu} | "
+                    f">= {100 * tr['target_ratio']:.0f}% |")
         rows.append(f"| evaluator, {ev['env']}, {ev['num_envs']} envs | {ev['policy_steps_per_s']:.0f} steps/s | "
                     f"random actions {ev['raw_steps_per_s']:.0f} steps/s: {100 * ev['ratio_to_raw']:.0f}% | "
                     f">= {100 * ev['target_ratio']:.0f}% |")
