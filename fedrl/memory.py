@@ -1,12 +1,16 @@
-"""Giving freed heap memory back to the operating system.
+"""Memory of a process that takes large payloads round after round (the aggregator).
 
-glibc's malloc keeps memory freed in the middle of its heaps (one per thread arena) resident:
-only the free space at a heap's top is returned on its own. A process that receives many large
-messages at once on many threads (the aggregator taking ten 30 MB updates in one round: gRPC's
-read buffers, the protobuf messages, the assembled payloads) is left holding its high-water mark
-and a bit more each round. ``malloc_trim(0)`` hands every whole free page back (madvise), at
-the cost of walking the free lists: ~0.1 ms with little to give back, tens of ms after a round
-of 30 MB updates (measured in this project's transfer benchmark; see docs/PERFORMANCE.md).
+- :func:`release_free_memory`: glibc's malloc keeps memory freed in the middle of its heaps
+  resident; ``malloc_trim(0)`` hands every whole free page back (madvise), at the cost of walking
+  the free lists (~0.1 ms with little to give back, tens of ms after a round of 30 MB updates).
+  The aggregator calls it when a run ends.
+- :func:`keep_heap_for_reuse`: while a run lasts, the opposite: few arenas and fixed thresholds,
+  so that what a round frees serves the next round instead of being faulted in afresh.
+- :class:`BufferPool`: receive buffers written again round after round, handed back by
+  themselves once nothing reads them.
+
+Measurements behind each: docs/PERFORMANCE.md (*Page faults, the close, and a bracketed
+baseline*, and *Memory*).
 """
 
 from __future__ import annotations
@@ -136,7 +140,8 @@ class BufferPool:
         _unmap(drop)
         if buf is None:
             buf = mmap.mmap(-1, size)
-            self.mapped += 1
+            with self._lock:
+                self.mapped += 1
         view = memoryview(buf)
         done = weakref.finalize(view, self._give_back, buf)
         done.atexit = False
