@@ -578,8 +578,11 @@ def system_md(root: Path = RESULTS) -> str:
         cpu = tr.get("cpu_per_round")
         cpu = (f"; CPU per round {cpu['federation_ms'] / 1e3:.2f} s vs raw's {cpu['raw_ms'] / 1e3:.2f} s"
                if cpu else "")
+        cycle = ("" if "ratio_to_raw_cycle" not in tr else  # reported since 2026-11-25 (evening)
+                 f" ({tr['federation']['mb_per_s_cycle']:.0f} MB/s and {100 * tr['ratio_to_raw_cycle']:.0f}% "
+                 f"over the whole cycle, the version's fsynced write included)")
         rows.append(f"| transfer, {tr['federation']['model_mb']:.0f} MB model, {tr['agents']} agents | "
-                    f"{tr['federation']['mb_per_s']:.0f} MB/s | {raw}: {100 * tr['ratio_to_raw']:.0f}%{cpu} | "
+                    f"{tr['federation']['mb_per_s']:.0f} MB/s | {raw}: {100 * tr['ratio_to_raw']:.0f}%{cycle}{cpu} | "
                     f">= {100 * tr['target_ratio']:.0f}% |")
         rows.append(f"| evaluator, {ev['env']}, {ev['num_envs']} envs | {ev['policy_steps_per_s']:.0f} steps/s | "
                     f"random actions {ev['raw_steps_per_s']:.0f} steps/s: {100 * ev['ratio_to_raw']:.0f}% | "
