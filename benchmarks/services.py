@@ -531,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episodes", type=int, default=400)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.rounds is not None and a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
     overhead_rounds = a.rounds or 100
     if a.what == "federation":  # one federation run, no floor: alternate trees or transports with it
         with tempfile.TemporaryDirectory() as d:
