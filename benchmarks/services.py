@@ -199,13 +199,15 @@ def _raw_server(port_q, payload_mb: int, go, stop, result_q) -> None:
         for _ in range(payload_mb):
             yield chunk
 
-    received = [0]  # bytes of finished uploads (under the lock)
+    received = [0]  # bytes of the uploads begun once the clock runs (under the lock)
     lock = threading.Lock()
 
     def up(request_iterator, context):
+        timed = go.is_set()  # warm-up uploads end before it is set; timed ones begin after
         n = sum(len(c) for c in request_iterator)
-        with lock:
-            received[0] += n
+        if timed:
+            with lock:
+                received[0] += n
         return n.to_bytes(8, "little")
 
     handler = grpc.method_handlers_generic_handler("raw.Bytes", {
@@ -218,10 +220,10 @@ def _raw_server(port_q, payload_mb: int, go, stop, result_q) -> None:
     server.start()
     port_q.put(port)
     go.wait()
-    cpu, before = time.process_time(), received[0]  # the warm-up rounds' uploads are all in
+    cpu = time.process_time()
     stop.wait()
     # every thread's CPU while the clients ran, and the bytes uploaded in that time
-    result_q.put((time.process_time() - cpu, received[0] - before))
+    result_q.put((time.process_time() - cpu, received[0]))
     server.stop(0)
 
 
@@ -273,9 +275,8 @@ def raw_grpc(agents: int, payload_mb: int, rounds: int) -> dict:
     # seconds on two cores) and connected before the clock starts. Until 2026-11-25 this was a
     # 3 s sleep, and the raw wall time took in the last clients' start-up: raw measured slower
     # than the whole federation moving the same bytes (ratios of 1.4-2.1).
-    # Since 2026-11-25 (evening) each client also runs a warm-up round first, and the clock starts
-    # when all have: the federation's rounds are read after its first, so raw's were the only
-    # ones paying for first calls.
+    # Since 2026-11-25 (evening) each client also runs a warm-up round first (the federation's
+    # rounds are read after its first, so raw's were the only ones paying for first calls).
     [ready_q.get(timeout=120) for _ in clients]
     start.set()
     [ready_q.get(timeout=600) for _ in clients]
