@@ -302,7 +302,8 @@ TRANSFER_ROUNDS = 5  # measured, after a first round that also sets up connectio
 def bench_transfer(agents: int, mb: int, rounds: int = TRANSFER_ROUNDS) -> dict:
     """The federation moving a ~``mb`` MB model, between two measurements of raw gRPC moving
     the same bytes (before and after: this machine's speed drifts by tens of percent within
-    minutes: raw alone measured 537-806 MB/s in runs of 2026-11-25); the ratio is to their mean."""
+    minutes: raw alone measured 537-806 MB/s in runs of 2026-11-25 before it was timed after a
+    warm-up round, 706-885 MB/s after); the ratio is to their mean."""
     # fed-bc policy with hidden (h, h): params ~ h^2 + (obs + 2 act + 2) h; pick h for ~mb MB.
     h = int((mb * 1e6 / 4) ** 0.5)
     params = 11 * h + h + h * h + h + h * 6 + 6 + 22
