@@ -38,6 +38,13 @@ class Learner(Protocol):
         """The parameters this learner sends to the server (detached CPU copies; with
         ``copy=False`` the tensors themselves when they live on the CPU)."""
 
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """Everything the next step depends on (weights, optimiser moments, temperature, RNG) as
+        flat CPU tensors: :meth:`restore` of it continues bit-identically."""
+
+    def restore(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Adopt a :meth:`checkpoint`."""
+
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict(keep_vars=True)``, looked up once per module: an agent adopts and
@@ -170,6 +177,29 @@ class Adam:
                 raise ValueError(f"optimizer state {i} has shape {list(state[p]['exp_avg'].shape)}, "
                                  f"the parameter {list(p.shape)}")
         self.state = state
+
+
+def optimizer_tensors(name: str, opt: Adam) -> dict[str, torch.Tensor]:
+    """``opt``'s moments and step counts as flat tensors ``opt.<name>.<index>.<field>`` (a
+    checkpoint holds tensors only: safetensors, no pickle)."""
+    return {f"opt.{name}.{i}.{k}": v.detach().to("cpu").reshape(-1) if k == "step" else v.detach().to("cpu")
+            for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+
+
+def load_optimizer_tensors(name: str, opt: Adam, state: Mapping[str, torch.Tensor]) -> None:
+    """Restore what :func:`optimizer_tensors` wrote (an optimizer that had taken no step has none)."""
+    head = f"opt.{name}."
+    per: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in state.items():
+        if k.startswith(head):
+            i, field = k[len(head):].split(".")
+            per.setdefault(int(i), {})[field] = v.reshape(()) if field == "step" else v
+    opt.load_state_dict({"state": per})
+
+
+def generator_tensor(gen: torch.Generator) -> torch.Tensor:
+    """The RNG's state as a tensor (restored by ``gen.set_state``)."""
+    return gen.get_state().clone()
 
 
 def adam(params, lr: float) -> Adam:

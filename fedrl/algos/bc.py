@@ -10,7 +10,16 @@ from collections.abc import Mapping
 
 import torch
 
-from fedrl.algos.base import POLICY, Batch, adam, load_prefixed, prefixed_state
+from fedrl.algos.base import (
+    POLICY,
+    Batch,
+    adam,
+    generator_tensor,
+    load_optimizer_tensors,
+    load_prefixed,
+    optimizer_tensors,
+    prefixed_state,
+)
 from fedrl.algos.config import BCConfig
 from fedrl.nets import TanhGaussianPolicy
 
@@ -48,6 +57,18 @@ class BCLearner:
     def shared_state(self, federate_critic: bool = False, copy: bool = True) -> dict[str, torch.Tensor]:
         """The policy parameters (BC has no critic)."""
         return prefixed_state(POLICY, self.policy, copy)
+
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """Policy, optimiser moments and the RNG."""
+        return prefixed_state(POLICY, self.policy) | optimizer_tensors("actor", self.opt) | {"rng": generator_tensor(self.gen)}
+
+    @torch.no_grad()
+    def restore(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Adopt a :meth:`checkpoint`."""
+        self.gen.set_state(state["rng"])
+        load_optimizer_tensors("actor", self.opt, state)
+        if not load_prefixed(self.policy, {k: v.to(self.device) for k, v in state.items()}, POLICY):
+            raise KeyError("checkpoint has no 'policy.*' tensors")
 
     def update(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One BC gradient step."""

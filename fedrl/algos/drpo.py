@@ -22,7 +22,10 @@ from fedrl.algos.base import (
     POLICY,
     Batch,
     adam,
+    generator_tensor,
+    load_optimizer_tensors,
     load_prefixed,
+    optimizer_tensors,
     prefixed_state,
     soft_update_,
 )
@@ -126,6 +129,38 @@ class DRPOLearner:
         if federate_critic:
             out |= prefixed_state(CRITIC, self.critic, copy) | prefixed_state(CRITIC_TARGET, self.critic_target, copy)
         return out
+
+    def _optimizers(self) -> dict[str, object]:
+        opts = {"actor": self.actor_opt, "critic": self.critic_opt}
+        if self.log_alpha is not None:
+            opts["alpha"] = self.alpha_opt
+        return opts
+
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """Policy, frozen pi_bar, critics, targets, temperature, optimiser moments and the RNG."""
+        out = (prefixed_state(POLICY, self.policy) | prefixed_state("global_policy", self.global_policy)
+               | prefixed_state(CRITIC, self.critic) | prefixed_state(CRITIC_TARGET, self.critic_target))
+        if self.log_alpha is not None:
+            out["log_alpha"] = self.log_alpha.detach().to("cpu").clone()
+        for name, opt in self._optimizers().items():
+            out |= optimizer_tensors(name, opt)
+        out["rng"] = generator_tensor(self.gen)
+        return out
+
+    @torch.no_grad()
+    def restore(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Adopt a :meth:`checkpoint` of a learner with the same configuration."""
+        state = dict(state)
+        self.gen.set_state(state.pop("rng"))
+        for name, opt in self._optimizers().items():
+            load_optimizer_tensors(name, opt, state)
+        dev = {k: v.to(self.device) for k, v in state.items() if not k.startswith("opt.")}
+        for prefix, module in ((POLICY, self.policy), ("global_policy", self.global_policy),
+                               (CRITIC, self.critic), (CRITIC_TARGET, self.critic_target)):
+            if not load_prefixed(module, dev, prefix):
+                raise KeyError(f"checkpoint has no '{prefix}.*' tensors")
+        if self.log_alpha is not None:
+            self.log_alpha.copy_(dev["log_alpha"])
 
     @property
     def alpha(self) -> torch.Tensor:

@@ -1,0 +1,545 @@
+"""Our learners beside an independent implementation (d3rlpy) on the same data, same settings.
+
+    python -m benchmarks.reference run    [--runs cql-ours-5traj,...|all] [--seeds 0,1] [--steps 20000] [--jobs 2]
+    python -m benchmarks.reference status
+    python -m benchmarks.reference render (curves PNG + tables.md + the BENCHMARKS.md block)
+
+Learners (``LEARNERS``): our single-agent CQL (``cql_config`` of the project's defaults), the same
+with the earlier ``td_weight=1`` (half CORL's and d3rlpy's TD term), d3rlpy 2.8.1's CQL set to the
+same hyperparameters (actor/critic/temperature lr 3e-5/3e-4/3e-5, batch 256, 2 x 256 ReLU
+networks, gamma 0.99, tau 5e-3, twin critics, 10 sampled actions of each kind, auto temperature
+from 1.0 to -|A|, a *fixed* CQL weight 10: d3rlpy's Lagrangian on it is switched off with
+``alpha_learning_rate=0``); our BC (tanh-Gaussian NLL, the default), ours with the squared error
+of tanh(mu) (d3rlpy's loss), and d3rlpy's deterministic BC, all at one learning rate.
+
+What is the same by construction: the data (the transitions ``fedrl`` trains on, observations
+standardised once with the data's mean/std for both, so neither library's scaler is in play) and
+every minibatch (indices drawn from one seeded generator, fed to both: d3rlpy's update is called
+directly with a ``TorchMiniBatch``). What is each library's own: initialisation, the update's
+order and maths. Known differences of d3rlpy's CQL kept as they are (it is the reference): the TD
+target's next action is the policy's mean (ours samples), the critic steps before the actor
+within an update, the log-std clamp is [-20, 2] (ours [-5, 2]).
+
+Every ``--every`` steps (default 1,000) a run records: mean Q on the data (mean of the twin
+critics over the data's transitions, or a fixed 10,000 of them for a large file), the policy's
+mean NLL of the data actions (``-log pi(a_D|s)``, the same code for both), the temperature, and
+the evaluated return of the deterministic policy (``fedrl.evaluation.evaluate``, 10 episodes,
+fixed seed, for both: d3rlpy's policy is copied into our policy class). Beside them the data's
+own discounted return-to-go (Monte-Carlo, gamma 0.99), what Q on the data estimates for the
+behaviour policy.
+
+Resumable: training runs in chunks of ``--every`` steps in a worker process (d3rlpy's in its own
+virtual environment, ``benchmarks/.venv-d3rlpy``, made on first use: d3rlpy pins gymnasium 1.0.0,
+which this project's environment does not have), each ending with a checkpoint under
+``runs/reference/``; the result file ``benchmarks/results/reference/<run>.json`` gets a row per
+chunk. A stopped run continues from its last row (bit-identically for ours, which restores its RNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "reference"
+WORK = ROOT / "runs" / "reference"
+VENV = ROOT / "benchmarks" / ".venv-d3rlpy"
+D3RLPY_PIN = "d3rlpy==2.8.1"
+DATASET = "hopper-medium-v2"
+GAMMA = 0.99
+Q_ROWS = 10_000  # Q on the data and NLL over at most this many transitions (a fixed subset)
+EVAL_EPISODES = 10
+
+# learner -> (algorithm, implementation, settings that differ from the shared ones)
+LEARNERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "cql-ours": ("cql", "ours", {}),
+    "cql-ours-td1": ("cql", "ours", {"td_weight": 1.0}),
+    "cql-d3rlpy": ("cql", "d3rlpy", {}),
+    "bc-ours": ("bc", "ours", {}),
+    "bc-ours-mse": ("bc", "ours", {"loss": "mse"}),
+    "bc-d3rlpy": ("bc", "d3rlpy", {}),
+}
+# data -> trajectories (0: the whole file), picked once with seed 0 (the same for every seed)
+DATA = {"5traj": 5, "all": 0}
+DEFAULT_RUNS = ("cql-ours-5traj", "cql-d3rlpy-5traj", "bc-ours-5traj", "bc-ours-mse-5traj", "bc-d3rlpy-5traj",
+                "cql-ours-td1-5traj", "cql-ours-all", "cql-d3rlpy-all", "bc-ours-all", "bc-d3rlpy-all")
+LABEL = {"cql-ours": "CQL, fedrl", "cql-ours-td1": "CQL, fedrl, td_weight 1 (earlier default)",
+         "cql-d3rlpy": "CQL, d3rlpy 2.8.1", "bc-ours": "BC, fedrl (NLL)", "bc-ours-mse": "BC, fedrl (MSE)",
+         "bc-d3rlpy": "BC, d3rlpy 2.8.1 (MSE)"}
+
+
+def split_run(run: str) -> tuple[str, str]:
+    """``cql-ours-td1-5traj`` -> (``cql-ours-td1``, ``5traj``)."""
+    learner, _, data = run.rpartition("-")
+    if learner not in LEARNERS or data not in DATA:
+        raise SystemExit(f"unknown run {run!r}: <learner>-<data>, learner one of {', '.join(LEARNERS)}, "
+                         f"data one of {', '.join(DATA)}")
+    return learner, data
+
+
+def shared_settings() -> dict[str, Any]:
+    """The hyperparameters both implementations run with: the project's defaults."""
+    from fedrl.algos import BCConfig, DRPOConfig
+
+    d, b = DRPOConfig(), BCConfig()
+    return {"actor_lr": d.actor_lr, "critic_lr": d.critic_lr, "alpha_lr": d.alpha_lr, "batch_size": d.batch_size,
+            "hidden": list(d.hidden), "gamma": d.gamma, "tau": d.tau, "cql_weight": d.cql_weight,
+            "td_weight": d.td_weight, "cql_n_actions": d.cql_n_actions, "alpha_init": d.alpha_init,
+            "bc_lr": b.lr, "bc_loss": b.loss}
+
+
+# -- data (project environment) --------------------------------------------------------------
+def prepare_data(data: str) -> Path:
+    """Write the run's data once as an .npz the workers read (numpy only)."""
+    path = WORK / f"data-{data}.npz"
+    if path.exists():
+        return path
+    from fedrl.data.d4rl import to_transitions
+    from fedrl.data.normalize import ObsStats
+    from fedrl.data.partition import ShardSource, partition
+    from fedrl.data.registry import load
+
+    raw = load(DATASET)
+    tr = to_transitions(raw)
+    if DATA[data]:
+        tr = partition([ShardSource(raw.source, tr, 1)], DATA[data], 0)[0].transitions
+    mean, std = ObsStats.of(tr.obs).mean_std()
+    rows = np.random.default_rng(0).permutation(len(tr))[:Q_ROWS] if len(tr) > Q_ROWS else np.arange(len(tr))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, obs=((tr.obs - mean) / std).astype(np.float32), next_obs=((tr.next_obs - mean) / std).astype(np.float32),
+             actions=tr.actions.astype(np.float32), rewards=tr.rewards.astype(np.float32),
+             dones=tr.dones.astype(np.float32), obs_mean=mean, obs_std=std, probe=rows,
+             mc_return=np.float64(mc_return(tr.rewards, tr.dones, tr.episode, GAMMA)),
+             episodes=np.int64(len(np.unique(tr.episode))))
+    tmp.replace(path)
+    return path
+
+
+def mc_return(rewards: np.ndarray, dones: np.ndarray, episode: np.ndarray, gamma: float) -> float:
+    """Mean over transitions of the discounted return-to-go within each episode (a row's episode
+    ends where its episode id changes or ``done`` is set)."""
+    g, out = 0.0, np.zeros(len(rewards))
+    for i in range(len(rewards) - 1, -1, -1):
+        if i == len(rewards) - 1 or episode[i + 1] != episode[i] or dones[i]:
+            g = 0.0
+        g = rewards[i] + gamma * g
+        out[i] = g
+    return float(out.mean())
+
+
+# -- the worker: one chunk of training (project env for ours, the d3rlpy venv for d3rlpy) ----
+class _Ours:
+    def __init__(self, algo: str, over: dict[str, Any], s: dict[str, Any], obs_dim: int, act_dim: int, seed: int):
+        import dataclasses
+
+        import torch
+
+        from fedrl.algos import BCConfig, DRPOConfig, cql_config
+        from fedrl.federation.round import build_learner
+
+        if algo == "cql":
+            cfg = dataclasses.replace(cql_config(DRPOConfig()), **over)
+        else:
+            cfg = dataclasses.replace(BCConfig(), **over)
+        self.learner = build_learner(cfg, obs_dim, act_dim, torch.device("cpu"), seed, seed + 1)
+        self.algo = algo
+
+    def update(self, batch) -> None:
+        from fedrl.algos.base import Batch
+
+        self.learner.update(Batch(*batch))
+
+    def state(self) -> dict:
+        return self.learner.checkpoint()
+
+    def load(self, st: dict) -> None:
+        self.learner.restore(st)
+
+    def policy_tensors(self):
+        p = self.learner.policy
+        return p, p.log_std_min
+
+    def q_mean(self, obs, act):
+        return self.learner.critic(obs, act).mean(0)
+
+    def temperature(self) -> float:
+        return float(self.learner.alpha) if self.algo == "cql" else float("nan")
+
+
+class _D3rlpy:
+    def __init__(self, algo: str, over: dict[str, Any], s: dict[str, Any], obs_dim: int, act_dim: int, seed: int):
+        import d3rlpy
+        import torch
+        from d3rlpy.models.encoders import VectorEncoderFactory
+
+        d3rlpy.seed(seed)
+        enc = VectorEncoderFactory(list(s["hidden"]))
+        if algo == "cql":
+            cfg = d3rlpy.algos.CQLConfig(
+                actor_learning_rate=s["actor_lr"], critic_learning_rate=s["critic_lr"],
+                temp_learning_rate=s["alpha_lr"], alpha_learning_rate=0.0, initial_alpha=1.0,
+                conservative_weight=s["cql_weight"], n_action_samples=s["cql_n_actions"],
+                batch_size=s["batch_size"], gamma=s["gamma"], tau=s["tau"], n_critics=2,
+                initial_temperature=s["alpha_init"], actor_encoder_factory=enc, critic_encoder_factory=enc)
+        else:
+            cfg = d3rlpy.algos.BCConfig(learning_rate=s["bc_lr"], batch_size=s["batch_size"],
+                                        policy_type="deterministic", encoder_factory=enc)
+        self.algo_obj = cfg.create(device="cpu:0")
+        self.algo_obj.create_impl((obs_dim,), act_dim)
+        self.impl, self.algo, self.step = self.algo_obj.impl, algo, 0
+        self.torch = torch
+
+    def update(self, batch) -> None:
+        from d3rlpy.torch_utility import TorchMiniBatch
+
+        obs, act, rew, nobs, done = batch
+        ones = self.torch.ones_like(rew)[:, None]
+        b = TorchMiniBatch(observations=obs, actions=act, rewards=rew[:, None], next_observations=nobs,
+                           next_actions=act, returns_to_go=self.torch.zeros_like(ones), terminals=done[:, None],
+                           intervals=ones, device="cpu:0")
+        self.impl.update(b, self.step)
+        self.step += 1
+
+    def policy_tensors(self):
+        """The d3rlpy policy as our TanhGaussianPolicy (same trunk, mean and log-std rows of one head)."""
+        import torch
+
+        from fedrl.nets import TanhGaussianPolicy
+
+        m = self.impl.modules
+        pol = m.policy if self.algo == "cql" else m.imitator
+        lin = [x for x in pol._encoder._layers if isinstance(x, torch.nn.Linear)]
+        out = pol._mu if self.algo == "cql" else pol._fc
+        act_dim, hidden = out.out_features, [x.out_features for x in lin]
+        ours = TanhGaussianPolicy(lin[0].in_features, act_dim, hidden, log_std_min=-20.0, log_std_max=2.0)
+        with torch.no_grad():
+            for dst, src in zip([x for x in ours.trunk if isinstance(x, torch.nn.Linear)], lin):
+                dst.weight.copy_(src.weight)
+                dst.bias.copy_(src.bias)
+            ours.head.weight[:act_dim].copy_(out.weight)
+            ours.head.bias[:act_dim].copy_(out.bias)
+            if self.algo == "cql":
+                ours.head.weight[act_dim:].copy_(pol._logstd.weight)
+                ours.head.bias[act_dim:].copy_(pol._logstd.bias)
+            else:  # deterministic: no log-std (NLL is not defined)
+                ours.head.weight[act_dim:].zero_()
+                ours.head.bias[act_dim:].zero_()
+        return ours, (-20.0 if self.algo == "cql" else None)
+
+    def q_mean(self, obs, act):
+        return self.impl._q_func_forwarder.compute_expected_q(obs, act, "mean").reshape(-1)
+
+    def temperature(self) -> float:
+        from d3rlpy.models.torch import get_parameter
+
+        return float(get_parameter(self.impl.modules.log_temp).exp().reshape(())) if self.algo == "cql" else float("nan")
+
+
+def worker(run: str, seed: int, until: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """Train ``run`` from its checkpoint to step ``until``; save checkpoint + policy; return metrics."""
+    import torch
+
+    from fedrl.nets import TanhGaussianPolicy
+
+    torch.set_num_threads(1)
+    learner, data = split_run(run)
+    algo, impl, over = LEARNERS[learner]
+    d = np.load(WORK / f"data-{data}.npz")
+    t = {k: torch.from_numpy(d[k]) for k in ("obs", "actions", "rewards", "next_obs", "dones")}
+    n, obs_dim, act_dim = len(t["rewards"]), t["obs"].shape[1], t["actions"].shape[1]
+    home = WORK / f"{run}-s{seed}"
+    home.mkdir(parents=True, exist_ok=True)
+    ck = home / "checkpoint.pt"
+    gen = torch.Generator().manual_seed(1000 + seed)  # the minibatch indices, shared by both implementations
+    model = (_Ours if impl == "ours" else _D3rlpy)(algo, over, settings, obs_dim, act_dim, seed)
+    step = 0
+    if ck.exists():  # a local file this benchmark wrote, never network input
+        st = torch.load(ck, weights_only=False)
+        step = st["step"]
+        gen.set_state(st["gen"])
+        torch.set_rng_state(st["torch_rng"])
+        if impl == "ours":
+            model.load(st["model"])
+        else:
+            model.impl.modules.create_checkpointer("cpu:0").load(_bytes_io(st["model"]))
+            model.step = step
+    t0 = time.perf_counter()
+    while step < until:
+        idx = torch.randint(n, (settings["batch_size"],), generator=gen)
+        model.update(tuple(t[k][idx] for k in ("obs", "actions", "rewards", "next_obs", "dones")))
+        step += 1
+    secs = time.perf_counter() - t0
+    if impl == "ours":
+        model_state = model.state()
+    else:
+        buf = _bytes_io()
+        model.impl.modules.create_checkpointer("cpu:0").save(buf)
+        model_state = buf.getvalue()
+    tmp = ck.with_suffix(".tmp")
+    torch.save({"step": step, "gen": gen.get_state(), "torch_rng": torch.get_rng_state(), "model": model_state}, tmp)
+    tmp.replace(ck)
+    # metrics on the data, with our code for both
+    probe = torch.from_numpy(d["probe"])
+    obs, act = t["obs"][probe], t["actions"][probe]
+    pol, _ = model.policy_tensors()
+    with torch.no_grad():
+        q = float(model.q_mean(obs, act).mean()) if algo == "cql" else float("nan")
+        mean, log_std = pol(obs)
+        nll = float(-TanhGaussianPolicy.log_prob_from(mean, log_std, act).mean())
+    if impl == "d3rlpy" and algo == "bc":
+        nll = float("nan")
+    pol.set_normalizer(torch.from_numpy(d["obs_mean"]), torch.from_numpy(d["obs_std"]))
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in pol.state_dict().items()}, str(home / "policy.safetensors"),
+              {"log_std_min": str(pol.log_std_min), "hidden": json.dumps([m.out_features for m in pol.trunk
+                                                                          if isinstance(m, torch.nn.Linear)])})
+    return {"step": step, "q_data": q, "nll_data": nll, "temperature": model.temperature(),
+            "train_seconds": round(secs, 2)}
+
+
+def _bytes_io(b: bytes = b""):
+    import io
+
+    return io.BytesIO(b)
+
+
+# -- the driver (project environment) ---------------------------------------------------------
+def ensure_venv() -> Path:
+    """The d3rlpy virtual environment (made once: this project's torch wheel + d3rlpy)."""
+    py = VENV / "bin" / "python"
+    ok = py.exists() and subprocess.run([str(py), "-c", "import d3rlpy, safetensors"], capture_output=True).returncode == 0
+    if not ok:
+        print(f"making {VENV} ({D3RLPY_PIN}; once, about a minute)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        import torch
+
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}",
+                        D3RLPY_PIN, "safetensors"], check=True)
+    return py
+
+
+def result_path(run: str, seed: int) -> Path:
+    return RESULTS / f"{run}-s{seed}.json"
+
+
+def evaluate_snapshot(home: Path, seed: int) -> dict[str, float]:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from fedrl.evaluation import evaluate
+    from fedrl.nets import TanhGaussianPolicy
+
+    path = home / "policy.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    st = load_file(str(path))
+    act_dim = st["head.bias"].shape[0] // 2
+    pol = TanhGaussianPolicy(st["obs_mean"].shape[0], act_dim, json.loads(meta["hidden"]),
+                             log_std_min=float(meta["log_std_min"]))
+    pol.load_state_dict(st)
+    torch.set_num_threads(1)
+    e = evaluate(pol, "Hopper-v5", EVAL_EPISODES, seed=10_000 + seed)
+    return {"return_mean": round(e.return_mean, 1), "return_std": round(e.return_std, 1),
+            "score_mean": round(e.score_mean, 2)}
+
+
+def drive(run: str, seed: int, steps: int, every: int) -> dict[str, Any]:
+    """Advance one run to ``steps`` in chunks of ``every``, recording a row per chunk."""
+    from benchmarks.paper import code_revision
+
+    learner, data = split_run(run)
+    algo, impl, over = LEARNERS[learner]
+    path = result_path(run, seed)
+    npz = np.load(prepare_data(data))
+    settings = shared_settings()
+    if path.exists():
+        res = json.loads(path.read_text())
+    else:
+        res = {"run": run, "learner": learner, "label": LABEL[learner], "algo": algo, "implementation": impl,
+               "data": data, "dataset": DATASET, "trajectories": DATA[data] or int(npz["episodes"]),
+               "transitions": int(len(npz["rewards"])), "seed": seed, "settings": settings, "overrides": over,
+               "data_discounted_return": round(float(npz["mc_return"]), 2), "rows": []}
+    rows = res["rows"]
+    step = rows[-1]["step"] if rows else 0
+    py = sys.executable if impl == "ours" else str(ensure_venv())
+    while step < steps:
+        until = min(steps, step + every)
+        cmd = [py, "-m", "benchmarks.reference", "worker", "--run", run, "--seed", str(seed), "--until", str(until),
+               "--settings", json.dumps(res["settings"])]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        if p.returncode != 0:
+            raise RuntimeError(f"{run} s{seed}: worker failed:\n{p.stderr[-3000:]}")
+        m = json.loads(p.stdout.strip().splitlines()[-1])
+        if m["step"] != until:
+            raise RuntimeError(f"{run} s{seed}: worker stopped at {m['step']}, asked for {until}")
+        m |= evaluate_snapshot(WORK / f"{run}-s{seed}", seed)
+        rows.append(m)
+        res["code_revision"] = code_revision()
+        if impl == "d3rlpy":
+            res["d3rlpy"] = D3RLPY_PIN
+        tmp = path.with_suffix(".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(res, indent=1))
+        tmp.replace(path)
+        step = until
+        print(f"{run} s{seed} step {step}: Q on data {m['q_data']:.1f}, NLL {m['nll_data']:.2f}, "
+              f"return {m['return_mean']:.0f} (score {m['score_mean']:.1f}), {m['train_seconds']:.0f}s", flush=True)
+    return res
+
+
+def _drive_star(args):
+    return drive(*args)
+
+
+def cmd_run(a) -> int:
+    runs = DEFAULT_RUNS if a.runs == "all" else tuple(a.runs.split(","))
+    for r in runs:
+        split_run(r)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    todo = [(r, s, a.steps, a.every) for s in seeds for r in runs]
+    if a.jobs <= 1:
+        for t in todo:
+            drive(*t)
+        return 0
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as ex:
+        list(ex.map(_drive_star, todo))
+    return 0
+
+
+def cmd_status(a) -> int:
+    for f in sorted(RESULTS.glob("*.json")):
+        r = json.loads(f.read_text())
+        last = r["rows"][-1] if r["rows"] else {}
+        print(f"{f.stem:28s} {last.get('step', 0):6d} steps  Q {last.get('q_data', float('nan')):7.1f}  "
+              f"return {last.get('return_mean', float('nan')):6.0f}")
+    return 0
+
+
+def load_all() -> list[dict[str, Any]]:
+    return [json.loads(f.read_text()) for f in sorted(RESULTS.glob("*.json"))]
+
+
+def table_md(results: list[dict[str, Any]]) -> str:
+    """Per learner and data, at each 5,000 steps: mean over seeds of Q on the data, NLL, return."""
+    out = []
+    groups: dict[tuple[str, str], list] = {}
+    for r in results:
+        groups.setdefault((r["data"], r["learner"]), []).append(r)
+    marks = (1000, 5000, 10000, 15000, 20000)
+    out.append("| data | learner | seeds | " + " | ".join(f"{m // 1000}k: Q / NLL / return" for m in marks) + " |")
+    out.append("| --- | --- | --- | " + " | ".join("---" for _ in marks) + " |")
+    for (data, learner), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], list(LEARNERS).index(kv[0][1]))):
+        cells = []
+        for m in marks:
+            pts = [row for r in rs for row in r["rows"] if row["step"] == m]
+            if not pts:
+                cells.append("-")
+                continue
+            q = np.nanmean([p["q_data"] for p in pts]) if any(np.isfinite(p["q_data"]) for p in pts) else float("nan")
+            nll = [p["nll_data"] for p in pts if np.isfinite(p["nll_data"])]
+            ret = [p["return_mean"] for p in pts]
+            cells.append(f"{q:.1f} / {np.mean(nll):.2f} / {np.mean(ret):.0f}" if nll else
+                         f"{q:.1f} / - / {np.mean(ret):.0f}")
+            cells[-1] += f" (n={len(pts)})" if len(pts) != len(rs) else ""
+        mc = rs[0]["data_discounted_return"]
+        out.append(f"| {data} ({rs[0]['transitions']} transitions; data's discounted return {mc:.0f}) | "
+                   f"{LABEL[learner]} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def curves_png(results: list[dict[str, Any]], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datas = [d for d in DATA if any(r["data"] == d for r in results)]
+    if not datas:
+        return False
+    fig, axes = plt.subplots(len(datas), 3, figsize=(15, 3.6 * len(datas)), squeeze=False)
+    for row, data in zip(axes, datas):
+        rs = [r for r in results if r["data"] == data and r["rows"]]
+        for learner in LEARNERS:
+            for r in (x for x in rs if x["learner"] == learner):
+                steps = [p["step"] for p in r["rows"]]
+                style = dict(color=f"C{list(LEARNERS).index(learner)}", alpha=0.9 if r["seed"] == 0 else 0.5,
+                             label=f"{LABEL[learner]}" if r["seed"] == min(x["seed"] for x in rs if x["learner"] == learner)
+                             else None)
+                if r["algo"] == "cql":
+                    row[0].plot(steps, [p["q_data"] for p in r["rows"]], **style)
+                if r["implementation"] == "ours" or r["algo"] == "cql":
+                    row[1].plot(steps, [p["nll_data"] for p in r["rows"]], **style)
+                row[2].plot(steps, [p["return_mean"] for p in r["rows"]], **style)
+        if rs:
+            row[0].axhline(rs[0]["data_discounted_return"], color="k", ls=":", label="data's discounted return")
+        for ax, title in zip(row, ("mean Q on the data", "NLL of the data actions", "evaluated return (10 episodes)")):
+            ax.set_title(f"{title}: {DATASET}, {data}", fontsize=9)
+            ax.set_xlabel("gradient steps")
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+        row[2].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def cmd_render(a) -> int:
+    from benchmarks.paper import BENCHMARKS_MD, replace_blocks
+
+    results = load_all()
+    md = table_md(results)
+    (RESULTS / "tables.md").write_text(md + "\n")
+    curves_png(results, RESULTS / "curves.png")
+    if a.update_md:
+        BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), {"reference": md}))
+    print(md)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.reference", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train and record (resumes where each run stopped)")
+    r.add_argument("--runs", default="all", help=f"comma-separated <learner>-<data> (default: all = {','.join(DEFAULT_RUNS)})")
+    r.add_argument("--seeds", default="0,1")
+    r.add_argument("--steps", type=int, default=20_000)
+    r.add_argument("--every", type=int, default=1000, help="steps per recorded row and checkpoint (default 1000)")
+    r.add_argument("--jobs", type=int, default=1, help="runs at once, one process and one thread each")
+    r.set_defaults(func=cmd_run)
+    s = sub.add_parser("status")
+    s.set_defaults(func=cmd_status)
+    d = sub.add_parser("render")
+    d.add_argument("--no-update-md", dest="update_md", action="store_false")
+    d.set_defaults(func=cmd_render)
+    w = sub.add_parser("worker", help="(internal) one chunk of one run")
+    w.add_argument("--run", required=True)
+    w.add_argument("--seed", type=int, required=True)
+    w.add_argument("--until", type=int, required=True)
+    w.add_argument("--settings", required=True)
+    w.set_defaults(func=lambda a: print(json.dumps(worker(a.run, a.seed, a.until, json.loads(a.settings)))) or 0)
+    a = ap.parse_args(argv)
+    if getattr(a, "steps", 1) < 1 or getattr(a, "every", 1) < 1:
+        raise SystemExit("--steps and --every must be at least 1")
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
