@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --shard: the agent's index (its seed stream and order), or 'ordinal'")
     p.add_argument("--shards", type=argtypes.at_least(1), default=None, help="agents per dataset given without :N")
     p.add_argument("--trajectories", type=argtypes.at_least(1), default=5, help="whole trajectories per shard")
+    p.add_argument("--transitions", type=argtypes.at_least(0), default=0,
+                   help="with > 0, more whole trajectories per shard until it holds at least this many transitions")
     p.add_argument("--seed", type=int, default=0, help="seed of the shard partition (the run's seed)")
     p.add_argument("--agent-id", default=None, help="default: agent-<shard or index>")
     p.add_argument("--env", default=None)
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             index = a.index or 0
             shard = Shard(index, raw.source, (), tr)
         else:
-            shards, env = load_shards(a.dataset, a.shards or a.shard + 1, a.trajectories, a.seed, a.env, log.info)
+            shards, env = load_shards(a.dataset, a.shards or a.shard + 1, a.trajectories, a.seed, a.env, log.info,
+                                      a.transitions)
             if not 0 <= a.shard < len(shards):
                 raise ValueError(f"--shard {a.shard} is outside the {len(shards)} shards")
             shard, index = shards[a.shard], a.shard

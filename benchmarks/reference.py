@@ -62,6 +62,7 @@ EVAL_EPISODES = 10
 LEARNERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "cql-ours": ("cql", "ours", {}),
     "cql-ours-td1": ("cql", "ours", {"td_weight": 1.0}),
+    "cql-ours-mean-target": ("cql", "ours", {"target_action": "mean"}),
     "cql-d3rlpy": ("cql", "d3rlpy", {}),
     "bc-ours": ("bc", "ours", {}),
     "bc-ours-mse": ("bc", "ours", {"loss": "mse"}),
@@ -72,6 +73,7 @@ DATA = {"5traj": 5, "all": 0}
 DEFAULT_RUNS = ("cql-ours-5traj", "cql-d3rlpy-5traj", "bc-ours-5traj", "bc-ours-mse-5traj", "bc-d3rlpy-5traj",
                 "cql-ours-td1-5traj", "cql-ours-all", "cql-d3rlpy-all", "bc-ours-all", "bc-d3rlpy-all")
 LABEL = {"cql-ours": "CQL, fedrl", "cql-ours-td1": "CQL, fedrl, td_weight 1 (earlier default)",
+         "cql-ours-mean-target": "CQL, fedrl, TD target at the mean action (d3rlpy's)",
          "cql-d3rlpy": "CQL, d3rlpy 2.8.1", "bc-ours": "BC, fedrl (NLL)", "bc-ours-mse": "BC, fedrl (MSE)",
          "bc-d3rlpy": "BC, d3rlpy 2.8.1 (MSE)"}
 

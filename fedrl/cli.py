@@ -34,6 +34,8 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", default=None, help="evaluation env (default: from the dataset)")
     p.add_argument("--agents", type=int, default=d.agents)
     p.add_argument("--trajectories", type=int, default=d.trajectories, help="whole trajectories per agent")
+    p.add_argument("--transitions", type=int, default=d.transitions,
+                   help="with > 0, more whole trajectories per agent until it holds at least this many transitions")
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--local-steps", type=int, default=d.local_steps)
     p.add_argument("--eval-episodes", type=int, default=d.eval_episodes)
@@ -77,7 +79,7 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
     hidden = tuple(a.hidden)
     cfg = SimConfig(
         algo=a.algo, datasets=tuple(a.dataset or [DEFAULT_DATASET]), env=a.env, agents=a.agents,
-        trajectories=a.trajectories, rounds=a.rounds, local_steps=a.local_steps,
+        trajectories=a.trajectories, transitions=a.transitions, rounds=a.rounds, local_steps=a.local_steps,
         eval_episodes=a.eval_episodes, eval_every=a.eval_every, seed=a.seed, device=a.device,
         obs_norm=a.obs_norm, weighting=a.weighting, federate=a.federate,
         aggregation=a.aggregation, trim_fraction=a.trim_fraction,
@@ -252,6 +254,8 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--algo", choices=SERVICE_ALGOS, default=None)
     p.add_argument("--agents", type=int, default=None, help=f"default {UP_DEFAULTS['agents']}")
     p.add_argument("--trajectories", type=int, default=5, help="whole trajectories per agent")
+    p.add_argument("--transitions", type=argtypes.at_least(0), default=0,
+                   help="with > 0, more whole trajectories per agent until it holds at least this many transitions")
     p.add_argument("--rounds", type=int, default=None, help=f"default {UP_DEFAULTS['rounds']}")
     p.add_argument("--local-steps", type=int, default=None, help=f"default {UP_DEFAULTS['local_steps']}")
     p.add_argument("--eval-episodes", type=int, default=None, help=f"default {UP_DEFAULTS['eval_episodes']}")
@@ -314,7 +318,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
             return 2
     return up(UpConfig(rc, datasets, a.trajectories, out, a.device, a.agent_threads,
                        prometheus=a.prometheus, prometheus_bin=a.prometheus_bin, linger=a.linger,
-                       secure=a.secure),
+                       secure=a.secure, transitions=a.transitions),
               log=lambda m: print(m, flush=True))
 
 

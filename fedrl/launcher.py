@@ -62,6 +62,7 @@ class UpConfig:
     datasets: tuple[str, ...]
     trajectories: int = 5
     out: Path = Path("runs/up")
+    transitions: int = 0
     device: str = "auto"
     agent_threads: int = 1
     eval_num_envs: int = 10
@@ -163,7 +164,8 @@ class Launcher:
             raise ValueError(f"the datasets give {n_agents} agents but the run config says {cfg.run.agents}")
         # The agents' own checks (environment, dimensions, finite values, enough trajectories),
         # once here: bad data is refused before any process starts, not by every agent after.
-        load_shards(datasets, cfg.run.agents, cfg.trajectories, cfg.run.seed, cfg.run.env, lambda m: None)
+        load_shards(datasets, cfg.run.agents, cfg.trajectories, cfg.run.seed, cfg.run.env, lambda m: None,
+                    cfg.transitions)
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         (self.out / "ports").mkdir(exist_ok=True)
         (self.out / "run_config.json").write_text(json.dumps(json.loads(cfg.run.to_json()), indent=2))
@@ -180,6 +182,7 @@ class Launcher:
                         "--num-envs", str(cfg.eval_num_envs), "--threads", "1", *tls_args.get("evaluator", ()))
         for i in range(n_agents):
             args = ["--aggregator", target, "--shard", str(i), "--trajectories", str(cfg.trajectories),
+                    "--transitions", str(cfg.transitions),
                     "--seed", str(cfg.run.seed), "--device", cfg.device, "--threads", str(cfg.agent_threads)]
             for d in datasets:
                 args += ["--dataset", d]

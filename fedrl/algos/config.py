@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 QScale = Literal["raw", "normalized"]
+TargetAction = Literal["sample", "mean"]
 BCLoss = Literal["nll", "mse"]
 
 
@@ -52,6 +53,10 @@ class DRPOConfig:
     """Initial (or, with ``auto_alpha=False``, fixed) entropy temperature; 0 removes the entropy term."""
     target_entropy: float | None = None
     """Entropy target of the temperature tuning; ``None`` means -|A| (CORL's choice)."""
+    target_action: TargetAction = "sample"
+    """The next action in the TD target: ``sample`` a' ~ pi(.|s') (eq. cql, CORL) or ``mean``, the
+    policy's deterministic action tanh(mu(s')) (d3rlpy's CQL without soft backup). Kept to explain
+    the measured gap to d3rlpy (docs/ALGORITHM_CHOICES.md)."""
     backup_entropy: bool = False
     """Subtract alpha * log pi(a'|s') in the TD target (CORL: off)."""
     q_scale: QScale = "raw"
@@ -80,6 +85,8 @@ class DRPOConfig:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {self.tau}")
+        if self.target_action not in ("sample", "mean"):
+            raise ValueError(f"target_action must be 'sample' or 'mean', got {self.target_action!r}")
         if self.q_scale not in ("raw", "normalized"):
             raise ValueError(f"q_scale must be 'raw' or 'normalized', got {self.q_scale!r}")
         if not self.hidden or any(int(h) <= 0 for h in self.hidden):

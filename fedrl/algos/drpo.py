@@ -207,7 +207,8 @@ class DRPOLearner:
         with torch.no_grad():
             n_mean, n_log_std = self.policy(next_obs)
             next_a, next_log_pi = TanhGaussianPolicy.sample_from(n_mean, n_log_std, g, n=n + 1)
-            next_q = self.critic_target(next_obs, next_a[:, 0]).min(dim=0).values  # (B,)
+            a_next = torch.tanh(n_mean) if cfg.target_action == "mean" else next_a[:, 0]
+            next_q = self.critic_target(next_obs, a_next).min(dim=0).values  # (B,)
             y = td_target(rew, done, next_q, cfg.gamma,
                           next_log_pi[:, 0] if cfg.backup_entropy else None, alpha)
             cur_a, cur_log_pi = TanhGaussianPolicy.sample_from(mean, log_std, g, n=n)  # (B, N, A)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -58,6 +59,9 @@ class SimConfig(FederationOptions):
     """Dataset paths or names; ``PATH:N`` gives N agents to that file (heterogeneous mixes)."""
     trajectories: int = 5
     """Whole trajectories per agent (paper: 5)."""
+    transitions: int = 0
+    """With > 0, each agent also takes further whole trajectories until it holds at least this many
+    transitions (the paper's agents hold ~5,000: 5 trajectories of ~1,000 steps)."""
     eval_every: int = 1
     """Evaluate every this many rounds (the last round is always evaluated)."""
     device: str = "auto"
@@ -72,6 +76,8 @@ class SimConfig(FederationOptions):
         for name in ("trajectories", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{self.option_name(name)}: must be >= 1, got {getattr(self, name)}")
+        if self.transitions < 0:
+            raise ValueError(f"--transitions: must be >= 0, got {self.transitions}")
         if not self.datasets:
             raise ValueError("at least one --dataset is needed")
 
@@ -99,7 +105,8 @@ def refuse_a_used_folder(out: str | Path, markers: tuple[str, ...]) -> None:
 
 
 def load_shards(datasets: tuple[str, ...] | list[str], default_agents: int, trajectories: int,
-                seed: int, env_name: str | None, log: Callable[[str], None]) -> tuple[list[Shard], EnvInfo]:
+                seed: int, env_name: str | None, log: Callable[[str], None],
+                transitions: int = 0) -> tuple[list[Shard], EnvInfo]:
     """Load every source, check it against the env, deal trajectories to agents (seeded).
 
     The agent service calls this too and keeps only its own shard, so a service run and an
@@ -120,14 +127,23 @@ def load_shards(datasets: tuple[str, ...] | list[str], default_agents: int, traj
             raise DatasetError(raw.source, f"observations have {raw.obs_dim} dims: {e}") from None
         check_env_dims(raw, raw.obs_dim, env.act_dim, env.gym_id)
         sources.append(ShardSource(raw.source, to_transitions(raw), n_agents))
-    return partition(sources, trajectories, derive_seed(seed, SEED_SHARDS)), env
+    return partition(sources, trajectories, derive_seed(seed, SEED_SHARDS), transitions=transitions), env
+
+
+CHECKPOINT = "checkpoint.safetensors"
 
 
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
-        on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> dict[str, Any]:
+        on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+        checkpoint: bool = False) -> dict[str, Any]:
     """Run the federation; write ``config.json``, ``rounds.jsonl``, ``summary.json``,
     ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``.
-    ``on_round(r, global_state)`` sees every new global model (the equivalence tests use it)."""
+    ``on_round(r, global_state)`` sees every new global model (the equivalence tests use it).
+
+    With ``checkpoint``, the whole state (global model, every agent's learner with its critics,
+    optimiser moments and RNG, the curve so far) is written to ``out/checkpoint.safetensors``
+    after every round, and a run whose folder holds one continues after its last finished round,
+    computing exactly what the uninterrupted run would have (tested)."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,7 +151,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     seed_everything(cfg.seed)
     t_start = time.perf_counter()
 
-    shards, env = load_shards(cfg.datasets, cfg.agents, cfg.trajectories, cfg.seed, cfg.env, log)
+    shards, env = load_shards(cfg.datasets, cfg.agents, cfg.trajectories, cfg.seed, cfg.env, log, cfg.transitions)
     stats = [ObsStats.of(s.transitions.obs) for s in shards]
     g_norm = global_normalizer(cfg.obs_norm, stats)
     norms = [agent_normalizer(cfg.obs_norm, st, g_norm) for st in stats]
@@ -149,6 +165,13 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     ]
     global_state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, *g_norm, federate_critic)
     agent_states = [global_state] * len(trainers)  # the independent 'cql' baseline's own policies
+    curve: list[dict[str, Any]] = []
+    done_rounds = 0
+    if checkpoint and (out / CHECKPOINT).exists():
+        if (out / "summary.json").exists():
+            raise ValueError(f"{out} holds a finished run (summary.json): nothing to resume")
+        done_rounds, curve, global_state, agent_states = _resume(out, cfg, trainers)
+        log(f"resuming {out} after round {done_rounds} of {cfg.rounds}")
 
     (out / "config.json").write_text(json.dumps({
         "sim": cfg.as_dict(), "algorithm_hparams": config_to_dict(hp), "env_id": env.gym_id,
@@ -156,7 +179,8 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         "shards": [{"agent": s.agent, "source": s.source, "episodes": list(s.episodes),
                     "transitions": len(s.transitions)} for s in shards],
     }, indent=2))
-    log(f"{cfg.algo}: {len(trainers)} agents x {cfg.trajectories} trajectories "
+    log(f"{cfg.algo}: {len(trainers)} agents x {cfg.trajectories} trajectories"
+        f"{f' (at least {cfg.transitions} transitions each)' if cfg.transitions else ''} "
         f"({sum(len(s.transitions) for s in shards)} transitions) on {env.gym_id}, "
         f"{cfg.rounds} rounds x {cfg.local_steps} local steps, device {device}")
 
@@ -167,9 +191,10 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         load_prefixed(eval_policy, state, POLICY)
         return evaluate(eval_policy, env.gym_id, cfg.eval_episodes, eval_seed).as_dict()
 
-    curve: list[dict[str, Any]] = []
+    lines = (out / "rounds.jsonl").read_text().splitlines()[:done_rounds] if done_rounds else []
     with open(out / "rounds.jsonl", "w") as jl:
-        for r in range(1, cfg.rounds + 1):
+        jl.writelines(x + "\n" for x in lines)  # a round after the checkpoint's is done again
+        for r in range(done_rounds + 1, cfg.rounds + 1):
             t0 = time.perf_counter()
             results = []
             for i, tr in enumerate(trainers):
@@ -203,6 +228,8 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             rec["seconds"] = time.perf_counter() - t0
             jl.write(json.dumps(rec) + "\n")
             jl.flush()
+            if checkpoint:
+                _write_checkpoint(out, cfg, r, curve, global_state, agent_states, trainers)
             log(_round_line(r, cfg.rounds, rec))
 
     final_states = agent_states if cfg.algo == "cql" else [global_state]
@@ -218,12 +245,58 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         "curve": curve,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: its results are the record
     if curve:
         from fedrl.plotting import learning_curve
 
         learning_curve(curve, out / "learning_curve.png", f"{cfg.algo} on {env.gym_id}", env.key)
     log(f"done in {summary['wall_seconds']:.1f}s; results in {out}")
     return summary
+
+
+def _write_checkpoint(out: Path, cfg: SimConfig, r: int, curve: list, global_state: dict[str, torch.Tensor],
+                      agent_states: list[dict[str, torch.Tensor]], trainers: list[LocalTrainer]) -> None:
+    """Everything round ``r + 1`` starts from, in one safetensors file written atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {f"global/{k}": v for k, v in global_state.items()}
+    if cfg.algo == "cql":
+        tensors |= {f"agent_state/{i}/{k}": v for i, st in enumerate(agent_states) for k, v in st.items()}
+    for i, tr in enumerate(trainers):
+        tensors |= {f"learner/{i}/{k}": v for k, v in tr.learner.checkpoint().items()}
+    meta = {"round": r, "curve": curve, "sim": json.loads(json.dumps(cfg.as_dict()))}
+    tmp = out / (CHECKPOINT + ".tmp")
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
+              {"fedrl_checkpoint": json.dumps(meta)})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(out / CHECKPOINT)
+
+
+def _resume(out: Path, cfg: SimConfig, trainers: list[LocalTrainer]) -> tuple[int, list, dict, list]:
+    """Read ``out``'s checkpoint into ``trainers``; (rounds done, curve, global state, agent states)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = out / CHECKPOINT
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["fedrl_checkpoint"])
+    if meta["sim"] != json.loads(json.dumps(cfg.as_dict())):
+        diff = sorted(k for k in set(meta["sim"]) | set(cfg.as_dict())
+                      if meta["sim"].get(k) != json.loads(json.dumps(cfg.as_dict())).get(k))
+        raise ValueError(f"{path} is a checkpoint of another configuration (differs in {', '.join(diff)}); "
+                         "pass another --out or the same settings")
+    tensors = load_file(str(path))
+
+    def part(prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+    global_state = part("global/")
+    agent_states = ([part(f"agent_state/{i}/") for i in range(len(trainers))] if cfg.algo == "cql"
+                    else [global_state] * len(trainers))
+    for i, tr in enumerate(trainers):
+        tr.learner.restore(part(f"learner/{i}/"))
+    return int(meta["round"]), list(meta["curve"]), global_state, agent_states
 
 
 def _round_line(r: int, rounds: int, rec: dict[str, Any]) -> str:

@@ -161,3 +161,107 @@ def test_dataset_of_the_wrong_width_for_the_env_names_the_file(tmp_path, random_
     with pytest.raises(DatasetError, match="observations have 11 dims.*Walker2d-v5") as e:
         run(tiny(random_dataset, env="Walker2d-v5"), tmp_path / "w", log=lambda m: None)
     assert str(random_dataset) in str(e.value)
+
+
+class _Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("algo", ["drpo", "cql", "fed-bc"])
+def test_an_interrupted_run_resumes_from_its_last_round_exactly(tmp_path, random_dataset, algo):
+    """Killed after round 2 of 3 (its checkpoint on disk, nothing after it), then run again on
+    the same folder: the same rounds and the same final policy, bit for bit, as the run that was
+    never stopped; rounds 1-2 are not trained again."""
+    cfg = tiny(random_dataset, algo=algo, rounds=3)
+    whole = run(cfg, tmp_path / "whole", log=lambda m: None, checkpoint=True)
+    cut = tmp_path / "cut"
+    with pytest.raises(_Killed):
+        run(cfg, cut, log=_raise_on("round   2/3"), checkpoint=True)
+    assert (cut / "checkpoint.safetensors").exists() and not (cut / "summary.json").exists()
+    logs = []
+    resumed = run(cfg, cut, log=logs.append, checkpoint=True)
+    assert any(m.startswith("resuming") and m.endswith("after round 2 of 3") for m in logs), logs
+    assert sum("round   3/3" in m for m in logs) == 1 and not any("round   2/3" in m for m in logs)
+    assert resumed["curve"] == whole["curve"]
+
+    def losses(d):
+        rs = [json.loads(x) for x in (d / "rounds.jsonl").read_text().splitlines()]
+        return [(r["round"], [{k: v for k, v in a.items() if k != "seconds"} for a in r["agents"]]) for r in rs]
+
+    assert losses(cut) == losses(tmp_path / "whole") and [r for r, _ in losses(cut)] == [1, 2, 3]
+    a, b = load_file(tmp_path / "whole" / "global_policy.safetensors"), load_file(cut / "global_policy.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (cut / "checkpoint.safetensors").exists()  # a finished run keeps its results, not its state
+    (cut / "checkpoint.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match="finished run"):
+        run(cfg, cut, log=lambda m: None, checkpoint=True)
+
+
+def _raise_on(text):
+    def log(m):
+        if text in m:
+            raise _Killed
+
+    return log
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, random_dataset):
+    cfg = tiny(random_dataset, rounds=2)
+    with pytest.raises(_Killed):
+        run(cfg, tmp_path, log=_raise_on("round   2/2"), checkpoint=True)
+    with pytest.raises(ValueError, match="another configuration .*local_steps"):
+        run(tiny(random_dataset, rounds=2, local_steps=4), tmp_path, log=lambda m: None, checkpoint=True)
+
+
+def _record_rounds(monkeypatch):
+    """Wrap LocalTrainer.train_round: per call, the state it was given, the policy the learner
+    held at its first local step, and the state it returned."""
+    from fedrl.federation import round as round_mod
+
+    calls = []
+    orig = round_mod.LocalTrainer.train_round
+
+    def train_round(self, global_state, steps, stop=None, copy=True):
+        first = {}
+        upd = self.learner.update
+
+        def update(batch):
+            if not first:
+                first.update({k: v.detach().clone() for k, v in self.learner.policy.state_dict().items()})
+            return upd(batch)
+
+        self.learner.update = update
+        try:
+            res = orig(self, global_state, steps, stop, copy)
+        finally:
+            del self.learner.update
+        calls.append({"agent": self.agent, "given": {k: v.clone() for k, v in global_state.items()},
+                      "first": first, "returned": {k: v.clone() for k, v in res.state.items()}})
+        return res
+
+    monkeypatch.setattr(round_mod.LocalTrainer, "train_round", train_round)
+    return calls
+
+
+@pytest.mark.parametrize("algo", ["drpo", "fed-cql", "fed-bc"])
+def test_each_round_starts_every_agent_from_the_average_of_the_last(tmp_path, random_dataset, monkeypatch, algo):
+    calls = _record_rounds(monkeypatch)
+    run(tiny(random_dataset, algo=algo, rounds=2), tmp_path, log=lambda m: None)
+    r1, r2 = calls[:2], calls[2:]
+    assert [c["agent"] for c in calls] == [0, 1, 0, 1]
+    for c in calls:  # local training starts from the state it was given (begin_round adopted it)
+        assert all(torch.equal(c["first"][k], c["given"][f"policy.{k}"]) for k in c["first"])
+    assert not torch.equal(r1[0]["returned"]["policy.head.weight"], r1[1]["returned"]["policy.head.weight"])
+    for c in r2:  # FedAvg (uniform) of round 1's policies
+        for k, v in c["given"].items():
+            torch.testing.assert_close(v, (r1[0]["returned"][k] + r1[1]["returned"][k]) / 2)
+
+
+def test_agents_alone_continue_from_their_own_policies(tmp_path, random_dataset, monkeypatch):
+    """The CQL baseline: no averaging; each agent's round 2 starts where its round 1 ended."""
+    calls = _record_rounds(monkeypatch)
+    run(tiny(random_dataset, algo="cql", rounds=2), tmp_path, log=lambda m: None)
+    r1, r2 = calls[:2], calls[2:]
+    for a in range(2):
+        assert all(torch.equal(r2[a]["given"][k], r1[a]["returned"][k]) for k in r1[a]["returned"])
+    assert not torch.equal(r2[0]["given"]["policy.head.weight"], r2[1]["given"]["policy.head.weight"])
