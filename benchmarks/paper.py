@@ -36,9 +36,9 @@ import argparse
 import functools
 import json
 import re
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +49,10 @@ import numpy as np
 RESULTS = Path(__file__).resolve().parent / "results"
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 ALGO_ORDER = ("fed-bc", "fed-cql", "cql", "drpo")
-ALGO_LABEL = {"fed-bc": "Fed-BC", "fed-cql": "Fed-CQL", "cql": "CQL (alone)", "drpo": "DRPO"}
+ALGO_LABEL = {"fed-bc": "Fed-BC", "fed-cql": "Fed-CQL", "cql": "CQL (alone)", "drpo": "DRPO",
+              "fed-bc-3e-4": "Fed-BC at lr 3e-4"}
+# Named variants of a method: a table column of its own (key -> (algorithm, BC overrides))
+VARIANTS = {"fed-bc-3e-4": ("fed-bc", {"lr": 3e-4})}
 EXPERIMENTS = ("table", "agents", "trajectories", "local_steps", "lambdas", "q_scale", "q_scale_long")
 
 
@@ -76,6 +79,12 @@ class Preset:
     lambda_fixed: tuple[float, float] = (0.1, 1.0)  # (lambda1 in the lambda2 sweep, lambda2 in the lambda1 sweep)
     # q_scale_long: (agents, local steps, rounds, evaluate every) of the long-training runs
     long: tuple[int, int, int, int] = (2, 1000, 10, 2)
+    transitions: int = 0  # with > 0, agents take whole trajectories until they hold this many transitions
+    lambda_sweeps: tuple[str, ...] = ("lambda1", "lambda2")  # which of the two sweeps ``lambdas`` runs
+    # the table's methods in the order they run (a cell's seeds before the next dataset when
+    # ``dataset_first``): the head-to-head first, so the first answer comes early
+    methods: tuple[str, ...] = ALGO_ORDER
+    dataset_first: bool = False
 
 
 PRESETS = {
@@ -87,6 +96,13 @@ PRESETS = {
                                   datasets=("halfcheetah-medium-v2", "halfcheetah-medium-replay-v2",
                                             "halfcheetah-expert-v2"),
                                   study_dataset="halfcheetah-medium-v2"),
+    # The claim at a scale that can show it (issue: 10k actor steps per agent, three seeds): the
+    # paper's 1,000 local steps per round, agents holding the paper's ~5,000 transitions each
+    # (whole hopper-medium episodes: ~20 of them), 10 rounds; every round checkpointed.
+    "claim": Preset("claim", 5, 5, 1000, 10, 10, 1, (0, 1, 2),
+                    datasets=("hopper-medium-v2", "hopper-medium-replay-v2"), transitions=5000,
+                    lambda_values=(0.0, 0.2, 1.0, 5.0), lambda_fixed=(0.1, 1.0), lambda_sweeps=("lambda2",),
+                    methods=("drpo", "fed-cql", "cql", "fed-bc", "fed-bc-3e-4"), dataset_first=True),
     "smoke": Preset("smoke", 2, 2, 5, 2, 2, 1, (0,), datasets=("hopper-medium-v2",),
                     drpo={"hidden": [32, 32], "batch_size": 32, "cql_n_actions": 2},
                     bc={"hidden": [32, 32], "batch_size": 32},
@@ -107,6 +123,7 @@ class RunSpec:
     local_steps: int
     variant: dict[str, Any] = field(default_factory=dict)  # what the study varies
     drpo: dict[str, Any] = field(default_factory=dict)
+    bc: dict[str, Any] = field(default_factory=dict)
     rounds: int | None = None  # None: the preset's
     eval_every: int | None = None
 
@@ -126,9 +143,10 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
     for s in seeds:
         if experiment == "table":
             for d in p.datasets:
-                for a in ALGO_ORDER:
-                    runs.append(RunSpec("table", f"{a}-{short(d)}-s{s}", a, (d,), s, **base,
-                                        variant={"dataset": short(d)}))
+                for m in p.methods:
+                    a, bc = VARIANTS.get(m, (m, {}))
+                    runs.append(RunSpec("table", f"{m}-{short(d)}-s{s}", a, (d,), s, **base, bc=bc,
+                                        variant={"dataset": short(d), **({"method": m} if m != a else {})}))
         elif experiment in ("agents", "trajectories"):
             grid = p.agents_grid if experiment == "agents" else p.trajectories_grid
             for n in grid:
@@ -144,7 +162,8 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
             n_exp = max(1, p.agents - 1)
             mix = (f"{env_prefix(p.study_dataset)}-expert-v2:{n_exp}", f"{p.study_dataset}:{p.agents - n_exp}")
             fix1, fix2 = p.lambda_fixed
-            pairs = [(v, fix2) for v in p.lambda_values] + [(fix1, v) for v in p.lambda_values]
+            pairs = ([(v, fix2) for v in p.lambda_values] if "lambda1" in p.lambda_sweeps else []) + \
+                    ([(fix1, v) for v in p.lambda_values] if "lambda2" in p.lambda_sweeps else [])
             for l1, l2 in dict.fromkeys(pairs):
                 runs.append(RunSpec(experiment, f"drpo-l1_{l1}-l2_{l2}-s{s}", "drpo", mix, s, **base,
                                     variant={"lambda1": l1, "lambda2": l2},
@@ -168,6 +187,8 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
                                     drpo={"q_scale": q} if q else {}))
         else:
             raise ValueError(f"unknown experiment {experiment!r}; choose from {', '.join(EXPERIMENTS)}")
+    if experiment == "table" and p.dataset_first:  # every seed of a dataset before the next dataset
+        runs.sort(key=lambda r: (p.datasets.index(r.datasets[0]), r.seed))
     return runs
 
 
@@ -184,9 +205,10 @@ def sim_config(p: Preset, r: RunSpec):
         return cls(**d)
 
     return SimConfig(algo=r.algo, datasets=r.datasets, agents=r.agents, trajectories=r.trajectories,
+                     transitions=p.transitions,
                      rounds=r.rounds or p.rounds, local_steps=r.local_steps, eval_episodes=p.eval_episodes,
                      eval_every=r.eval_every or p.eval_every, seed=r.seed, device="cpu",
-                     drpo=cfg(DRPOConfig, {**p.drpo, **r.drpo}), bc=cfg(BCConfig, p.bc))
+                     drpo=cfg(DRPOConfig, {**p.drpo, **r.drpo}), bc=cfg(BCConfig, {**p.bc, **r.bc}))
 
 
 def _write_result(p: Preset, r: RunSpec, res: dict[str, Any], root: Path) -> dict[str, Any]:
@@ -209,9 +231,11 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
     revision = code_revision()  # before the run: the code this process loaded, not later edits
     cfg = sim_config(p, r)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as d:
-        summary = simulate(cfg, d, log=lambda m: None)
-        rounds = [json.loads(x) for x in (Path(d) / "rounds.jsonl").read_text().splitlines()]
+    work = work_dir(p, r, root)  # checkpointed every round: a stopped run resumes after its last round
+    work.mkdir(parents=True, exist_ok=True)
+    resumed_from = _rounds_done(work)
+    summary = simulate(cfg, work, log=lambda m: _progress(work, m), checkpoint=True)
+    rounds = [json.loads(x) for x in (work / "rounds.jsonl").read_text().splitlines()]
     losses = {}
     for rec in rounds:  # mean over agents of each round's mean losses
         for k in rec["agents"][0]:
@@ -221,8 +245,37 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
            "seed": r.seed, "agents": r.agents, "trajectories": r.trajectories, "local_steps": r.local_steps,
            "rounds": cfg.rounds, "variant": r.variant, "config": cfg.as_dict(),
            "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
-           "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": revision}
-    return _write_result(p, r, out, root)
+           "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": revision,
+           "shards": json.loads((work / "config.json").read_text())["shards"]}
+    if resumed_from:
+        out["resumed_after_round"] = resumed_from  # wall_seconds then counts only this process's rounds
+    res = _write_result(p, r, out, root)
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def work_dir(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path:
+    """Where a run in progress keeps its rounds and checkpoint (not committed: ``runs/`` is ignored;
+    beside the results when they live elsewhere, as in the tests)."""
+    base = Path(root).resolve().parent.parent / "runs" if Path(root).resolve() == RESULTS else Path(root) / ".work"
+    return base / f"paper-{p.name}" / r.experiment / r.key
+
+
+def _rounds_done(work: Path) -> int:
+    """Rounds a run in progress has checkpointed (0: none)."""
+    ck = work / "checkpoint.safetensors"
+    if not ck.exists():
+        return 0
+    from safetensors import safe_open
+
+    with safe_open(str(ck), "pt") as f:
+        return int(json.loads(f.metadata()["fedrl_checkpoint"])["round"])
+
+
+def _progress(work: Path, message: str) -> None:
+    """A run's progress lines, appended to ``progress.log`` in its work folder as they come."""
+    with open(work / "progress.log", "a") as f:
+        f.write(f"{time.strftime('%H:%M:%S')} {message}\n")
 
 
 @functools.cache
@@ -240,6 +293,11 @@ def code_revision() -> str:
     return rev.stdout.strip() if rev.returncode == 0 and rev.stdout.strip() else "unknown"
 
 
+# What a result file that lacks a field ran with, where today's default differs: td_weight came in
+# at 1 (the 1/2 MSE every earlier run used) and became 2 (2026-11-25, benchmarks.reference).
+LEGACY_DEFAULTS = {"drpo": {"td_weight": 1.0}}
+
+
 def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path | None:
     """A finished run of any experiment of this preset with exactly r's configuration.
 
@@ -250,8 +308,11 @@ def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path | None:
 
     cfg = sim_config(p, r)
     want = json.loads(json.dumps(cfg.as_dict()))
-    # options added after a run was recorded are absent from its file; they ran at their default
+    # options added after a run was recorded are absent from its file; they ran at their default of
+    # the time, which is today's but for the defaults that changed since (LEGACY_DEFAULTS)
     defaults = json.loads(json.dumps(SimConfig(drpo=DRPOConfig(), bc=BCConfig()).as_dict()))
+    for k, v in LEGACY_DEFAULTS.items():
+        defaults[k].update(v)
     for f in sorted((Path(root) / f"paper-{p.name}").glob("*/*.json")):
         res = json.loads(f.read_text())
         have = res.get("config")
@@ -324,10 +385,18 @@ def load_results(p: Preset, experiment: str, root: Path = RESULTS) -> list[dict[
 
 def cmd_status(a) -> int:
     p = PRESETS[a.preset]
+    root = Path(getattr(a, "results", RESULTS))
     for e in EXPERIMENTS:
         todo = plan(p, e, p.seeds)
-        n = sum(result_path(p, r).exists() for r in todo)
-        print(f"{e:13s} {n:4d} / {len(todo)} runs done")
+        n = sum(result_path(p, r, root).exists() for r in todo)
+        going = [(r, _rounds_done(work_dir(p, r, root))) for r in todo
+                 if not result_path(p, r, root).exists() and work_dir(p, r, root).exists()]
+        print(f"{e:13s} {n:4d} / {len(todo)} runs done"
+              + "".join(f"; {r.key} at round {k}/{r.rounds or p.rounds}" for r, k in going))
+        if e == "table" and n:
+            revs = sorted({json.loads(result_path(p, r, root).read_text()).get("code_revision", "unknown")
+                           for r in todo if result_path(p, r, root).exists()})
+            print(f"{'':13s} code revisions of the finished runs: {', '.join(revs)}")
     return 0
 
 
@@ -338,13 +407,24 @@ def _ms(xs: list[float]) -> str:
     return f"{np.mean(xs):.1f} ± {np.std(xs):.1f}" if len(xs) > 1 else f"{xs[0]:.1f}"
 
 
-def table_md(results: list[dict[str, Any]], datasets: tuple[str, ...]) -> str:
-    rows = ["| dataset | " + " | ".join(ALGO_LABEL[a] for a in ALGO_ORDER) + " |",
-            "| --- | " + " | ".join("---" for _ in ALGO_ORDER) + " |"]
+def columns(p: Preset) -> tuple[str, ...]:
+    """The preset's methods in the paper's column order, named variants beside their method."""
+    order = ("fed-bc", "fed-bc-3e-4", "fed-cql", "cql", "drpo")
+    return tuple(m for m in order if m in p.methods)
+
+
+def method(r: dict[str, Any]) -> str:
+    """A result's table column: its algorithm, or the named variant it ran (``fed-bc-3e-4``)."""
+    return r["variant"].get("method", r["algo"])
+
+
+def table_md(results: list[dict[str, Any]], datasets: tuple[str, ...], methods: tuple[str, ...] = ALGO_ORDER) -> str:
+    rows = ["| dataset | " + " | ".join(ALGO_LABEL[a] for a in methods) + " |",
+            "| --- | " + " | ".join("---" for _ in methods) + " |"]
     for d in datasets:
         cells = []
-        for a in ALGO_ORDER:
-            rs = [r for r in results if r["algo"] == a and r["variant"]["dataset"] == short(d) and r["final"]]
+        for a in methods:
+            rs = [r for r in results if method(r) == a and r["variant"]["dataset"] == short(d) and r["final"]]
             if not rs:
                 cells.append("not run yet")
                 continue
@@ -355,15 +435,15 @@ def table_md(results: list[dict[str, Any]], datasets: tuple[str, ...]) -> str:
     return "\n".join(rows)
 
 
-def best_md(results: list[dict[str, Any]], datasets: tuple[str, ...]) -> str:
+def best_md(results: list[dict[str, Any]], datasets: tuple[str, ...], methods: tuple[str, ...] = ALGO_ORDER) -> str:
     """Per cell: the best evaluated score of each run's curve (its round) and how far the final
     score is below it, per seed: whether a method got there and then lost it."""
-    rows = ["| dataset | " + " | ".join(ALGO_LABEL[a] for a in ALGO_ORDER) + " |",
-            "| --- | " + " | ".join("---" for _ in ALGO_ORDER) + " |"]
+    rows = ["| dataset | " + " | ".join(ALGO_LABEL[a] for a in methods) + " |",
+            "| --- | " + " | ".join("---" for _ in methods) + " |"]
     for d in datasets:
         cells = []
-        for a in ALGO_ORDER:
-            rs = sorted((r for r in results if r["algo"] == a and r["variant"]["dataset"] == short(d) and r["curve"]),
+        for a in methods:
+            rs = sorted((r for r in results if method(r) == a and r["variant"]["dataset"] == short(d) and r["curve"]),
                         key=lambda r: r["seed"])
             parts = []
             for r in rs:
@@ -449,7 +529,8 @@ def q_scale_long_md(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: Path) -> bool:
+def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: Path,
+               methods: tuple[str, ...] = ALGO_ORDER) -> bool:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -460,8 +541,8 @@ def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: P
         return False
     fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.6), squeeze=False)
     for ax, d in zip(axes[0], present):
-        for a in ALGO_ORDER:
-            rs = [r for r in results if r["algo"] == a and r["variant"]["dataset"] == short(d) and r["curve"]]
+        for a in methods:
+            rs = [r for r in results if method(r) == a and r["variant"]["dataset"] == short(d) and r["curve"]]
             if not rs:
                 continue
             rounds = [c["round"] for c in rs[0]["curve"]]
@@ -593,7 +674,8 @@ def system_md(root: Path = RESULTS) -> str:
 
 
 # The presets BENCHMARKS.md shows, and which of their blocks (None: all of them)
-MD_BLOCKS: dict[str, tuple[str, ...] | None] = {"reduced": None, "reduced-halfcheetah": ("table", "best")}
+MD_BLOCKS: dict[str, tuple[str, ...] | None] = {"reduced": None, "reduced-halfcheetah": ("table", "best"),
+                                                 "claim": ("table", "best", "lambdas")}
 
 
 def md_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
@@ -609,8 +691,8 @@ def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
     """Markdown blocks, keyed by marker name, generated from the result files only."""
     table = load_results(p, "table", root)
     blocks = {
-        f"paper-{p.name}-table": table_md(table, p.datasets),
-        f"paper-{p.name}-best": best_md(table, p.datasets),
+        f"paper-{p.name}-table": table_md(table, p.datasets, columns(p)),
+        f"paper-{p.name}-best": best_md(table, p.datasets, columns(p)),
         f"paper-{p.name}-agents": study_md(load_results(p, "agents", root), "agents"),
         f"paper-{p.name}-trajectories": study_md(load_results(p, "trajectories", root), "trajectories"),
         f"paper-{p.name}-local_steps": study_md(load_results(p, "local_steps", root), "local_steps"),
@@ -639,7 +721,7 @@ def cmd_render(a) -> int:
     blocks = render_blocks(p, root)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tables.md").write_text("\n\n".join(f"### {k}\n\n{v}" for k, v in blocks.items()) + "\n")
-    if curves_png(load_results(p, "table", root), p.datasets, out / "learning_curves.png"):
+    if curves_png(load_results(p, "table", root), p.datasets, out / "learning_curves.png", columns(p)):
         print(f"wrote {out / 'learning_curves.png'}")
     if studies_png(p, root, out / "studies.png"):
         print(f"wrote {out / 'studies.png'}")
@@ -664,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(func=cmd_run)
     s = sub.add_parser("status")
     s.add_argument("--preset", choices=PRESETS, default="reduced")
+    s.add_argument("--results", default=str(RESULTS), help="results root (default benchmarks/results)")
     s.set_defaults(func=cmd_status)
     d = sub.add_parser("render")
     d.add_argument("--preset", choices=PRESETS, default="reduced")

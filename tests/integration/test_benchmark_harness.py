@@ -103,7 +103,8 @@ def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parall
         dst = paper.result_path(p, r, tmp_path)
         dst.parent.mkdir(parents=True, exist_ok=True)
         res = json.loads(paper.result_path(p, r, COMMITTED).read_text())
-        res["config"]["drpo"].pop("td_weight", None)  # a file written before that option existed
+        res["config"]["drpo"].pop("target_action", None)  # a file written before these options existed
+        res["config"].pop("transitions", None)
         dst.write_text(json.dumps(res))
     a = type("A", (), {"preset": "smoke", "seeds": None, "experiment": "agents", "results": str(tmp_path),
                        "jobs": 2})
@@ -153,3 +154,17 @@ def test_lambdas_are_the_papers_two_sweeps_crossing_once():
     assert lines[4] == "| lambda2 (lambda1 = 0.1) | 0 | 0.1 | 1 | 5 | 20 |"
     assert lines[6] == "| DRPO score | 1.0 | 1.1 | 2.0 | 6.0 | 21.0 |"
     assert lines[8] == "Fed-BC on the same agents, for reference: 7.5"
+
+
+def test_a_file_without_td_weight_ran_at_the_old_default_and_is_not_reused_for_the_new(tmp_path):
+    p = paper.PRESETS["smoke"]
+    r = paper.plan(p, "table", p.seeds)[0]
+    dst = paper.result_path(p, r, tmp_path)
+    dst.parent.mkdir(parents=True)
+    res = json.loads(paper.result_path(p, r, COMMITTED).read_text())
+    assert res["config"]["drpo"]["td_weight"] == 2.0
+    dst.write_text(json.dumps(res))
+    assert paper.find_identical(p, r, tmp_path) == dst
+    res["config"]["drpo"].pop("td_weight")  # as files before the option: they ran at 1
+    dst.write_text(json.dumps(res))
+    assert paper.find_identical(p, r, tmp_path) is None
