@@ -3,6 +3,7 @@
     python -m benchmarks.reference run    [--runs cql-ours-5traj,...|all] [--seeds 0,1] [--steps 20000] [--jobs 2]
     python -m benchmarks.reference status
     python -m benchmarks.reference render (curves PNG + tables.md + the BENCHMARKS.md block)
+    python -m benchmarks.reference check  [--runs ...] [--steps 2000]  (rerun, compare with the committed rows)
 
 Learners (``LEARNERS``): our single-agent CQL (``cql_config`` of the project's defaults), the same
 with the earlier ``td_weight=1`` (half CORL's and d3rlpy's TD term), d3rlpy 2.8.1's CQL set to the
@@ -63,17 +64,21 @@ LEARNERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "cql-ours": ("cql", "ours", {}),
     "cql-ours-td1": ("cql", "ours", {"td_weight": 1.0}),
     "cql-ours-mean-target": ("cql", "ours", {"target_action": "mean"}),
+    "cql-ours-orthogonal": ("cql", "ours", {"init": "orthogonal"}),
     "cql-d3rlpy": ("cql", "d3rlpy", {}),
     "bc-ours": ("bc", "ours", {}),
     "bc-ours-mse": ("bc", "ours", {"loss": "mse"}),
     "bc-d3rlpy": ("bc", "d3rlpy", {}),
 }
-# data -> trajectories (0: the whole file), picked once with seed 0 (the same for every seed)
-DATA = {"5traj": 5, "all": 0}
+# data -> trajectories (0: the whole file), picked once with seed 0 (the same for every seed);
+# ``5traj_scaled``: the same 5 trajectories with CORL's reward normalisation for hopper (rewards x
+# 1000 / (max - min episode return of the data), its ``normalize_reward: true`` config)
+DATA = {"5traj": 5, "all": 0, "5traj_scaled": 5}
 DEFAULT_RUNS = ("cql-ours-5traj", "cql-d3rlpy-5traj", "bc-ours-5traj", "bc-ours-mse-5traj", "bc-d3rlpy-5traj",
                 "cql-ours-td1-5traj", "cql-ours-all", "cql-d3rlpy-all", "bc-ours-all", "bc-d3rlpy-all")
 LABEL = {"cql-ours": "CQL, fedrl", "cql-ours-td1": "CQL, fedrl, td_weight 1 (earlier default)",
          "cql-ours-mean-target": "CQL, fedrl, TD target at the mean action (d3rlpy's)",
+         "cql-ours-orthogonal": "CQL, fedrl, CORL's orthogonal initialisation",
          "cql-d3rlpy": "CQL, d3rlpy 2.8.1", "bc-ours": "BC, fedrl (NLL)", "bc-ours-mse": "BC, fedrl (MSE)",
          "bc-d3rlpy": "BC, d3rlpy 2.8.1 (MSE)"}
 
@@ -99,9 +104,9 @@ def shared_settings() -> dict[str, Any]:
 
 
 # -- data (project environment) --------------------------------------------------------------
-def prepare_data(data: str) -> Path:
+def prepare_data(data: str, work: Path = WORK) -> Path:
     """Write the run's data once as an .npz the workers read (numpy only)."""
-    path = WORK / f"data-{data}.npz"
+    path = work / f"data-{data}.npz"
     if path.exists():
         return path
     from fedrl.data.d4rl import to_transitions
@@ -113,14 +118,18 @@ def prepare_data(data: str) -> Path:
     tr = to_transitions(raw)
     if DATA[data]:
         tr = partition([ShardSource(raw.source, tr, 1)], DATA[data], 0)[0].transitions
+    rewards = tr.rewards.astype(np.float64)
+    if data.endswith("_scaled"):
+        returns = np.bincount(np.unique(tr.episode, return_inverse=True)[1], weights=rewards)
+        rewards = rewards * 1000.0 / (returns.max() - returns.min())
     mean, std = ObsStats.of(tr.obs).mean_std()
     rows = np.random.default_rng(0).permutation(len(tr))[:Q_ROWS] if len(tr) > Q_ROWS else np.arange(len(tr))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, obs=((tr.obs - mean) / std).astype(np.float32), next_obs=((tr.next_obs - mean) / std).astype(np.float32),
-             actions=tr.actions.astype(np.float32), rewards=tr.rewards.astype(np.float32),
+             actions=tr.actions.astype(np.float32), rewards=rewards.astype(np.float32),
              dones=tr.dones.astype(np.float32), obs_mean=mean, obs_std=std, probe=rows,
-             mc_return=np.float64(mc_return(tr.rewards, tr.dones, tr.episode, GAMMA)),
+             mc_return=np.float64(mc_return(rewards, tr.dones, tr.episode, GAMMA)),
              episodes=np.int64(len(np.unique(tr.episode))))
     tmp.replace(path)
     return path
@@ -148,11 +157,15 @@ class _Ours:
         from fedrl.algos import BCConfig, DRPOConfig, cql_config
         from fedrl.federation.round import build_learner
 
+        over = dict(over)
+        init = over.pop("init", "default")
         if algo == "cql":
             cfg = dataclasses.replace(cql_config(DRPOConfig()), **over)
         else:
             cfg = dataclasses.replace(BCConfig(), **over)
         self.learner = build_learner(cfg, obs_dim, act_dim, torch.device("cpu"), seed, seed + 1)
+        if init == "orthogonal":
+            corl_init(self.learner, seed)
         self.algo = algo
 
     def update(self, batch) -> None:
@@ -175,6 +188,26 @@ class _Ours:
 
     def temperature(self) -> float:
         return float(self.learner.alpha) if self.algo == "cql" else float("nan")
+
+
+def corl_init(learner, seed: int) -> None:
+    """CORL cql.py's initialisation (``orthogonal_init: true``): critic hidden layers orthogonal
+    with gain sqrt(2), its output layer orthogonal with gain 1e-2, biases 0; the policy's output
+    layer Xavier-uniform with gain 1e-2, bias 0 (its trunk keeps torch's default)."""
+    import torch
+    from torch import nn
+
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layers = [*learner.critic.hidden, learner.critic.out]
+        for layer in layers:
+            gain = 1e-2 if layer is learner.critic.out else np.sqrt(2)
+            for w in layer.weight:  # (in, out) per member; torch's layout is (out, in)
+                w.copy_(nn.init.orthogonal_(torch.empty(w.shape[1], w.shape[0]), gain=gain).T)
+            layer.bias.zero_()
+        learner.critic_target.load_state_dict(learner.critic.state_dict())
+        nn.init.xavier_uniform_(learner.policy.head.weight, gain=1e-2)
+        learner.policy.head.bias.zero_()
 
 
 class _D3rlpy:
@@ -246,7 +279,7 @@ class _D3rlpy:
         return float(get_parameter(self.impl.modules.log_temp).exp().reshape(())) if self.algo == "cql" else float("nan")
 
 
-def worker(run: str, seed: int, until: int, settings: dict[str, Any]) -> dict[str, Any]:
+def worker(run: str, seed: int, until: int, settings: dict[str, Any], work: Path = WORK) -> dict[str, Any]:
     """Train ``run`` from its checkpoint to step ``until``; save checkpoint + policy; return metrics."""
     import torch
 
@@ -255,10 +288,10 @@ def worker(run: str, seed: int, until: int, settings: dict[str, Any]) -> dict[st
     torch.set_num_threads(1)
     learner, data = split_run(run)
     algo, impl, over = LEARNERS[learner]
-    d = np.load(WORK / f"data-{data}.npz")
+    d = np.load(work / f"data-{data}.npz")
     t = {k: torch.from_numpy(d[k]) for k in ("obs", "actions", "rewards", "next_obs", "dones")}
     n, obs_dim, act_dim = len(t["rewards"]), t["obs"].shape[1], t["actions"].shape[1]
-    home = WORK / f"{run}-s{seed}"
+    home = work / f"{run}-s{seed}"
     home.mkdir(parents=True, exist_ok=True)
     ck = home / "checkpoint.pt"
     gen = torch.Generator().manual_seed(1000 + seed)  # the minibatch indices, shared by both implementations
@@ -330,8 +363,8 @@ def ensure_venv() -> Path:
     return py
 
 
-def result_path(run: str, seed: int) -> Path:
-    return RESULTS / f"{run}-s{seed}.json"
+def result_path(run: str, seed: int, results: Path = RESULTS) -> Path:
+    return results / f"{run}-s{seed}.json"
 
 
 def evaluate_snapshot(home: Path, seed: int) -> dict[str, float]:
@@ -356,14 +389,14 @@ def evaluate_snapshot(home: Path, seed: int) -> dict[str, float]:
             "score_mean": round(e.score_mean, 2)}
 
 
-def drive(run: str, seed: int, steps: int, every: int) -> dict[str, Any]:
+def drive(run: str, seed: int, steps: int, every: int, results: Path = RESULTS, work: Path = WORK) -> dict[str, Any]:
     """Advance one run to ``steps`` in chunks of ``every``, recording a row per chunk."""
     from benchmarks.paper import code_revision
 
     learner, data = split_run(run)
     algo, impl, over = LEARNERS[learner]
-    path = result_path(run, seed)
-    npz = np.load(prepare_data(data))
+    path = result_path(run, seed, results)
+    npz = np.load(prepare_data(data, work))
     settings = shared_settings()
     if path.exists():
         res = json.loads(path.read_text())
@@ -378,7 +411,7 @@ def drive(run: str, seed: int, steps: int, every: int) -> dict[str, Any]:
     while step < steps:
         until = min(steps, step + every)
         cmd = [py, "-m", "benchmarks.reference", "worker", "--run", run, "--seed", str(seed), "--until", str(until),
-               "--settings", json.dumps(res["settings"])]
+               "--settings", json.dumps(res["settings"]), "--work", str(work)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if p.returncode != 0:
@@ -386,7 +419,7 @@ def drive(run: str, seed: int, steps: int, every: int) -> dict[str, Any]:
         m = json.loads(p.stdout.strip().splitlines()[-1])
         if m["step"] != until:
             raise RuntimeError(f"{run} s{seed}: worker stopped at {m['step']}, asked for {until}")
-        m |= evaluate_snapshot(WORK / f"{run}-s{seed}", seed)
+        m |= evaluate_snapshot(work / f"{run}-s{seed}", seed)
         rows.append(m)
         res["code_revision"] = code_revision()
         if impl == "d3rlpy":
@@ -403,6 +436,34 @@ def drive(run: str, seed: int, steps: int, every: int) -> dict[str, Any]:
 
 def _drive_star(args):
     return drive(*args)
+
+
+def cmd_check(a) -> int:
+    """Rerun runs from step 0 to ``--steps`` in a scratch folder and compare every row with the
+    committed file's: the committed curves are reproducible, not just recorded."""
+    import tempfile
+
+    bad = 0
+    runs = tuple(a.runs.split(","))
+    for r in runs:
+        split_run(r)
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in runs:
+            for seed in (int(s) for s in a.seeds.split(",")):
+                committed = json.loads(result_path(run, seed).read_text())
+                every = committed["rows"][0]["step"]
+                fresh = drive(run, seed, a.steps, every, Path(tmp) / "results", Path(tmp) / "work")
+                for new, old in zip(fresh["rows"], committed["rows"]):
+                    diffs = {k: (new[k], old[k]) for k in ("q_data", "nll_data", "return_mean")
+                             if not _close(new[k], old[k])}
+                    print(f"{run} s{seed} step {new['step']}: " + (f"DIFFERS {diffs}" if diffs else "same as committed"))
+                    bad += bool(diffs)
+    return 1 if bad else 0
+
+
+def _close(a: float, b: float) -> bool:
+    """Equal up to float rounding (NaN equals NaN: a metric a learner does not have)."""
+    return (np.isnan(a) and np.isnan(b)) or abs(a - b) <= 1e-3 * max(1.0, abs(b))
 
 
 def cmd_run(a) -> int:
@@ -531,12 +592,19 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("render")
     d.add_argument("--no-update-md", dest="update_md", action="store_false")
     d.set_defaults(func=cmd_render)
+    c = sub.add_parser("check", help="rerun from scratch to --steps and compare with the committed rows")
+    c.add_argument("--runs", default="cql-ours-5traj,cql-d3rlpy-5traj")
+    c.add_argument("--seeds", default="0")
+    c.add_argument("--steps", type=int, default=2000)
+    c.set_defaults(func=cmd_check)
     w = sub.add_parser("worker", help="(internal) one chunk of one run")
     w.add_argument("--run", required=True)
     w.add_argument("--seed", type=int, required=True)
     w.add_argument("--until", type=int, required=True)
     w.add_argument("--settings", required=True)
-    w.set_defaults(func=lambda a: print(json.dumps(worker(a.run, a.seed, a.until, json.loads(a.settings)))) or 0)
+    w.add_argument("--work", default=str(WORK))
+    w.set_defaults(func=lambda a: print(json.dumps(worker(a.run, a.seed, a.until, json.loads(a.settings),
+                                                         Path(a.work)))) or 0)
     a = ap.parse_args(argv)
     if getattr(a, "steps", 1) < 1 or getattr(a, "every", 1) < 1:
         raise SystemExit("--steps and --every must be at least 1")
