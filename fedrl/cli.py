@@ -51,12 +51,15 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aggregation", choices=AGGREGATIONS, default=d.aggregation)
     p.add_argument("--trim-fraction", type=float, default=d.trim_fraction)
     p.add_argument("--out", default=None, help="run folder (default runs/<algo>-<time>)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="write the whole state to OUT/checkpoint.safetensors after every round; the same "
+                        "command again continues a stopped run after its last finished round")
     g = p.add_argument_group("DRPO / CQL hyperparameters (defaults: the paper's table)")
     g.add_argument("--lambda1", type=float, default=hp.lambda1)
     g.add_argument("--lambda2", type=float, default=hp.lambda2)
     g.add_argument("--cql-weight", type=float, default=hp.cql_weight, help="beta")
     g.add_argument("--td-weight", type=float, default=hp.td_weight,
-                   help="weight of each critic's 1/2 MSE TD term (1: the paper's equation; 2: CORL's full MSE)")
+                   help="weight of each critic's 1/2 MSE TD term (1: the paper's equation; 2: the full MSE of CORL and d3rlpy)")
     g.add_argument("--q-scale", choices=("raw", "normalized"), default=hp.q_scale)
     g.add_argument("--actor-lr", type=float, default=hp.actor_lr)
     g.add_argument("--critic-lr", type=float, default=hp.critic_lr)
@@ -91,8 +94,9 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
                                batch_size=a.batch_size),
     )
     out = a.out or f"runs/{a.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
-    refuse_a_used_folder(out, ("config.json", "rounds.jsonl", "summary.json"))
-    summary = run(cfg, out)
+    if not (a.checkpoint and (Path(out) / "checkpoint.safetensors").exists()):
+        refuse_a_used_folder(out, ("config.json", "rounds.jsonl", "summary.json"))
+    summary = run(cfg, out, checkpoint=a.checkpoint)
     if summary["final"]:
         f = summary["final"]
         print(json.dumps({"out": str(out), "final_return": round(f["return_mean"], 2),

@@ -281,9 +281,9 @@ def _resume(out: Path, cfg: SimConfig, trainers: list[LocalTrainer]) -> tuple[in
     path = out / CHECKPOINT
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["fedrl_checkpoint"])
-    if meta["sim"] != json.loads(json.dumps(cfg.as_dict())):
-        diff = sorted(k for k in set(meta["sim"]) | set(cfg.as_dict())
-                      if meta["sim"].get(k) != json.loads(json.dumps(cfg.as_dict())).get(k))
+    want = json.loads(json.dumps(cfg.as_dict()))
+    if meta["sim"] != want:
+        diff = _differences(meta["sim"], want)
         raise ValueError(f"{path} is a checkpoint of another configuration (differs in {', '.join(diff)}); "
                          "pass another --out or the same settings")
     tensors = load_file(str(path))
@@ -297,6 +297,18 @@ def _resume(out: Path, cfg: SimConfig, trainers: list[LocalTrainer]) -> tuple[in
     for i, tr in enumerate(trainers):
         tr.learner.restore(part(f"learner/{i}/"))
     return int(meta["round"]), list(meta["curve"]), global_state, agent_states
+
+
+def _differences(have: dict, want: dict) -> list[str]:
+    """The settings that differ, nested ones as ``drpo.lambda2``."""
+    out = []
+    for k in sorted(set(have) | set(want)):
+        a, b = have.get(k), want.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}.{f}" for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
+        elif a != b:
+            out.append(k)
+    return out
 
 
 def _round_line(r: int, rounds: int, rec: dict[str, Any]) -> str:

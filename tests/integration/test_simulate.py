@@ -1,5 +1,6 @@
 """The in-process federation end to end: outputs, determinism, baselines, a learning check."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -211,6 +212,9 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, random_dataset)
         run(cfg, tmp_path, log=_raise_on("round   2/2"), checkpoint=True)
     with pytest.raises(ValueError, match="another configuration .*local_steps"):
         run(tiny(random_dataset, rounds=2, local_steps=4), tmp_path, log=lambda m: None, checkpoint=True)
+    with pytest.raises(ValueError, match=r"another configuration \(differs in drpo.lambda2\)"):
+        run(tiny(random_dataset, rounds=2, drpo=dataclasses.replace(TINY_DRPO, lambda2=1.0)), tmp_path,
+            log=lambda m: None, checkpoint=True)
 
 
 def _record_rounds(monkeypatch):
@@ -265,3 +269,23 @@ def test_agents_alone_continue_from_their_own_policies(tmp_path, random_dataset,
     for a in range(2):
         assert all(torch.equal(r2[a]["given"][k], r1[a]["returned"][k]) for k in r1[a]["returned"])
     assert not torch.equal(r2[0]["given"]["policy.head.weight"], r2[1]["given"]["policy.head.weight"])
+
+
+def test_cli_checkpoint_continues_a_stopped_run(tmp_path, random_dataset):
+    """`fedrl simulate --checkpoint`: a folder a stopped run left (its checkpoint) is continued by
+    the same command, not refused; without the flag, or once finished, it is refused."""
+    out = tmp_path / "run"
+    with pytest.raises(_Killed):
+        run(tiny(random_dataset, rounds=3, drpo=DRPOConfig(hidden=(16, 16), batch_size=16),
+                 bc=BCConfig(hidden=(16, 16), batch_size=16)), out, log=_raise_on("round   1/3"), checkpoint=True)
+    args = [sys.executable, "-m", "fedrl.cli", "simulate", "--dataset", str(random_dataset), "--agents", "2",
+            "--trajectories", "2", "--rounds", "3", "--local-steps", "3", "--eval-episodes", "2", "--hidden", "16",
+            "16", "--batch-size", "16", "--device", "cpu", "--out", str(out)]
+    refused = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "already holds a run" in refused.stderr
+    done = subprocess.run(args + ["--checkpoint"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "after round 1 of 3" in done.stderr and "round   1/3" not in done.stderr and "round   3/3" in done.stderr
+    assert [json.loads(x)["round"] for x in (out / "rounds.jsonl").read_text().splitlines()] == [1, 2, 3]
+    again = subprocess.run(args + ["--checkpoint"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already holds a run" in again.stderr
