@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from fedrl import argtypes
-from fedrl.metrics import add_metrics_args
-from fedrl.security import add_tls_arg
+from fedrl.common import argtypes
+from fedrl.ops.metrics import add_metrics_args
+from fedrl.wire.security import add_tls_arg
 
 
 def index_arg(value: str) -> int:
@@ -32,7 +32,7 @@ def index_arg(value: str) -> int:
 
 def agent_token(agent_id: str) -> str | None:
     """``$FEDRL_AGENT_TOKEN``, else this agent's entry in ``$FEDRL_AGENT_TOKENS`` (id=token,...)."""
-    from fedrl.security import parse_agent_tokens
+    from fedrl.wire.security import parse_agent_tokens
 
     if os.environ.get("FEDRL_AGENT_TOKEN"):
         return os.environ["FEDRL_AGENT_TOKEN"]
@@ -82,13 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from agent_service.client import Agent, AgentConfig
-    from fedrl.data.errors import DatasetError
+    from fedrl.common.device import resolve_device
     from fedrl.data.d4rl import to_transitions
+    from fedrl.data.errors import DatasetError
     from fedrl.data.partition import Shard
     from fedrl.data.registry import infer_env, load
-    from fedrl.device import resolve_device
     from fedrl.federation.simulate import load_shards
-    from fedrl.security import tls_from_args
+    from fedrl.wire.security import tls_from_args
 
     log = logging.getLogger("fedrl.agent")
     if a.threads:
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, ValueError) as e:  # SecurityConfigError is a ValueError
         print(f"fedrl-agent: error: {e}", file=sys.stderr)
         return 2
-    from fedrl.metrics import AgentMetrics, start_side_endpoints
+    from fedrl.ops.metrics import AgentMetrics, start_side_endpoints
 
     agent_id = a.agent_id or f"agent-{index}"
     metrics = AgentMetrics(agent_id, str(device))

@@ -13,17 +13,29 @@ import grpc
 import numpy as np
 import torch
 
-from fedrl.codec import INLINE_MAX_BYTES, CodecError, assemble, check_manifest_matches, encode
 from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.round import LocalTrainer, algo_config
 from fedrl.federation.runconfig import parse_run_config
-from fedrl.memory import BufferPool
-from fedrl.metrics import AgentMetrics
+from fedrl.ops.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
-from fedrl.rpc import StopFlag, create_channel, weights_calls
-from fedrl.security import TLSFiles
-from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_stream, session_update, update_messages
+from fedrl.wire.codec import (
+    INLINE_MAX_BYTES,
+    CodecError,
+    assemble,
+    check_manifest_matches,
+    encode,
+)
+from fedrl.wire.memory import BufferPool
+from fedrl.wire.rpc import StopFlag, create_channel, weights_calls
+from fedrl.wire.security import TLSFiles
+from fedrl.wire.serde import (
+    manifest_from_proto,
+    manifest_to_proto,
+    read_weight_stream,
+    session_update,
+    update_messages,
+)
 
 log = logging.getLogger("fedrl.agent")
 SESSION_METHOD = "/fedrl.v1.Federation/Session"

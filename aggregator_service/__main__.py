@@ -6,9 +6,9 @@ import argparse
 import logging
 import sys
 
-from fedrl import argtypes
-from fedrl.metrics import add_metrics_args
-from fedrl.security import add_tls_arg
+from fedrl.common import argtypes
+from fedrl.ops.metrics import add_metrics_args
+from fedrl.wire.security import add_tls_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    from fedrl.memory import keep_heap_for_reuse
+    from fedrl.wire.memory import keep_heap_for_reuse
 
     keep_heap_for_reuse()  # before gRPC's and torch's threads allocate
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -53,11 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     from aggregator_service.coordinator import Coordinator
     from aggregator_service.servicer import ControlServicer, FederationServicer
     from aggregator_service.store import Store
-    from fedrl.metrics import AggregatorMetrics, start_side_endpoints
+    from fedrl.ops.metrics import AggregatorMetrics, start_side_endpoints
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
-    from fedrl.rpc import announce_port, create_server, wait_for_shutdown
-
-    from fedrl.security import AuthInterceptor, Authenticator, SecurityConfigError, tls_from_args
+    from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
+    from fedrl.wire.security import (
+        Authenticator,
+        AuthInterceptor,
+        SecurityConfigError,
+        tls_from_args,
+    )
 
     try:
         store = Store(a.state_dir)

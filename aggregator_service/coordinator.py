@@ -24,15 +24,22 @@ import torch
 
 from aggregator_service.store import Store
 from fedrl.algos.config import config_to_dict
-from fedrl.codec import (INLINE_MAX_BYTES, CodecError, Encoded, Manifest, check_manifest_matches, encode,
-                         encoded_from_payload)
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.round import algo_config, initial_global_state
 from fedrl.federation.runconfig import ConfigError, RunConfig, parse_run_config
-from fedrl.memory import BufferPool, release_free_memory
-from fedrl.metrics import AggregatorMetrics
-from fedrl.rpc import ServiceError
+from fedrl.ops.metrics import AggregatorMetrics
+from fedrl.wire.codec import (
+    INLINE_MAX_BYTES,
+    CodecError,
+    Encoded,
+    Manifest,
+    check_manifest_matches,
+    encode,
+    encoded_from_payload,
+)
+from fedrl.wire.memory import BufferPool, release_free_memory
+from fedrl.wire.rpc import ServiceError
 
 log = logging.getLogger("fedrl.aggregator")
 ACTIVE = ("waiting_for_agents", "running")

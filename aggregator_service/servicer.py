@@ -9,13 +9,26 @@ import grpc
 import numpy as np
 
 from aggregator_service.coordinator import AgentRecord, Coordinator
-from fedrl.codec import Assembler, CodecError
 from fedrl.data.normalize import ObsStats
-from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
-from fedrl.rpc import ServiceError, codec_status
-from fedrl.security import Authenticator
-from fedrl.serde import (event_to_proto, evaluation_from_proto, length_delimited_field, manifest_from_proto,
-                         manifest_to_proto, read_raw_parts, status_to_proto, weight_part_bytes)
+from fedrl.proto.v1 import (
+    control_pb2,
+    control_pb2_grpc,
+    federation_pb2,
+    federation_pb2_grpc,
+)
+from fedrl.wire.codec import Assembler, CodecError
+from fedrl.wire.rpc import ServiceError, codec_status
+from fedrl.wire.security import Authenticator
+from fedrl.wire.serde import (
+    evaluation_from_proto,
+    event_to_proto,
+    length_delimited_field,
+    manifest_from_proto,
+    manifest_to_proto,
+    read_raw_parts,
+    status_to_proto,
+    weight_part_bytes,
+)
 
 log = logging.getLogger("fedrl.aggregator")
 SESSION_MIN_WAIT = 1.0  # seconds: an idle session's WAIT heartbeats come no more often than this
@@ -33,11 +46,11 @@ def _abort(context: grpc.ServicerContext, e: Exception) -> None:
 class FederationServicer(federation_pb2_grpc.FederationServicer):
     # These answer with bytes: a Task (alone, or as the next_task of a SubmitReply), which is the
     # same for every agent of a round, weights included, is serialised once per round instead of
-    # once per agent (fedrl.rpc.create_server sends such replies as they are).
+    # once per agent (fedrl.wire.rpc.create_server sends such replies as they are).
     # FetchGlobal streams a version's parts, serialised once per version for all its fetchers.
     PRESERIALIZED = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline",
                      "/fedrl.v1.Federation/Session", "/fedrl.v1.Federation/FetchGlobal")
-    # SubmitUpdate's chunk messages are read in place (fedrl.serde.read_raw_parts), not parsed
+    # SubmitUpdate's chunk messages are read in place (fedrl.wire.serde.read_raw_parts), not parsed
     # into a message whose chunk is then copied out again.
     RAW_REQUESTS = ("/fedrl.v1.Federation/SubmitUpdate",)
 

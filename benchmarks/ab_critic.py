@@ -2,7 +2,7 @@
 
     python -m benchmarks.ab_critic [--rev 75a4f43] [--seconds 60] [--algo drpo]
 
-Loads ``fedrl/nets.py`` as it was at git revision ``--rev`` next to the working tree's, and
+Loads ``fedrl/algos/nets.py`` as it was at git revision ``--rev`` next to the working tree's, and
 times the paper-size DRPO (or CQL) update alternately with each version's ``_EnsembleReluMLP``
 (windows of 4 steps, same learner, same data stream). Alternating in one process is what makes
 a few-percent difference measurable on a noisy machine; separate runs differ by more than that.
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import fedrl.nets as nets
+import fedrl.algos.nets as nets
 from benchmarks.throughput import synthetic_transitions
 from fedrl.algos import DRPOConfig, cql_config
 from fedrl.data.buffer import TensorBuffer
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def nets_at(rev: str):
-    """``fedrl/nets.py`` of a git revision, imported as a separate module."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:fedrl/nets.py"], check=True,
+    """``fedrl/algos/nets.py`` of a git revision, imported as a separate module."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:fedrl/algos/nets.py"], check=True,
                          capture_output=True, text=True).stdout
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(src)

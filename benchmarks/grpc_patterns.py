@@ -40,7 +40,7 @@ def _cpu() -> float:
 def _server(port_q, result_q, pattern: str, agents: int, rounds: int, payload_bytes: int) -> None:
     import grpc
 
-    from fedrl.rpc import SERVER_OPTIONS
+    from fedrl.wire.rpc import SERVER_OPTIONS
     payload = b"\x01" * payload_bytes
     cond = threading.Condition()
     st = {"round": 1, "subs": 0, "closed": [], "cpu": {}}
@@ -111,7 +111,7 @@ def _client(port: int, pattern: str, rounds: int, cpu_q) -> None:
 
     import grpc
 
-    from fedrl.rpc import CHANNEL_OPTIONS
+    from fedrl.wire.rpc import CHANNEL_OPTIONS
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     cpu_at = None
 

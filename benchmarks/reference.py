@@ -24,7 +24,7 @@ within an update, the log-std clamp is [-20, 2] (ours [-5, 2]).
 Every ``--every`` steps (default 1,000) a run records: mean Q on the data (mean of the twin
 critics over the data's transitions, or a fixed 10,000 of them for a large file), the policy's
 mean NLL of the data actions (``-log pi(a_D|s)``, the same code for both), the temperature, and
-the evaluated return of the deterministic policy (``fedrl.evaluation.evaluate``, 10 episodes,
+the evaluated return of the deterministic policy (``fedrl.envs.evaluation.evaluate``, 10 episodes,
 fixed seed, for both: d3rlpy's policy is copied into our policy class). Beside them the data's
 own discounted return-to-go (Monte-Carlo, gamma 0.99), what Q on the data estimates for the
 behaviour policy.
@@ -248,7 +248,7 @@ class _D3rlpy:
         """The d3rlpy policy as our TanhGaussianPolicy (same trunk, mean and log-std rows of one head)."""
         import torch
 
-        from fedrl.nets import TanhGaussianPolicy
+        from fedrl.algos.nets import TanhGaussianPolicy
 
         m = self.impl.modules
         pol = m.policy if self.algo == "cql" else m.imitator
@@ -283,7 +283,7 @@ def worker(run: str, seed: int, until: int, settings: dict[str, Any], work: Path
     """Train ``run`` from its checkpoint to step ``until``; save checkpoint + policy; return metrics."""
     import torch
 
-    from fedrl.nets import TanhGaussianPolicy
+    from fedrl.algos.nets import TanhGaussianPolicy
 
     torch.set_num_threads(1)
     learner, data = split_run(run)
@@ -372,8 +372,8 @@ def evaluate_snapshot(home: Path, seed: int) -> dict[str, float]:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from fedrl.evaluation import evaluate
-    from fedrl.nets import TanhGaussianPolicy
+    from fedrl.algos.nets import TanhGaussianPolicy
+    from fedrl.envs.evaluation import evaluate
 
     path = home / "policy.safetensors"
     with safe_open(str(path), "pt") as f:

@@ -48,7 +48,7 @@ def _dataset(tmp: Path) -> Path:
 
 def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path, transport: str = "session") -> dict:
     """Run real processes; return per-round wall seconds measured by the aggregator."""
-    from fedrl.client import ControlClient
+    from fedrl.cli.client import ControlClient
 
     data = _dataset(tmp)
     port_file = tmp / "agg.port"
@@ -192,7 +192,7 @@ RAW_WARMUP_ROUNDS = 1
 def _raw_server(port_q, payload_mb: int, go, stop, result_q) -> None:
     import grpc
 
-    from fedrl.rpc import SERVER_OPTIONS
+    from fedrl.wire.rpc import SERVER_OPTIONS
     chunk = b"\x01" * (1 << 20)
 
     def down(request, context):
@@ -230,7 +230,7 @@ def _raw_server(port_q, payload_mb: int, go, stop, result_q) -> None:
 def _raw_client(port: int, payload_mb: int, rounds: int, ready_q, start, go, result_q) -> None:
     import grpc
 
-    from fedrl.rpc import CHANNEL_OPTIONS
+    from fedrl.wire.rpc import CHANNEL_OPTIONS
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     down = ch.unary_stream("/raw.Bytes/Down")
     up = ch.stream_unary("/raw.Bytes/Up")
@@ -271,7 +271,7 @@ def raw_grpc(agents: int, payload_mb: int, rounds: int) -> dict:
                for _ in range(agents)]
     for c in clients:
         c.start()
-    # Every client has imported (fedrl.rpc pulls in torch: ~2 s of CPU each, so ten take several
+    # Every client has imported (fedrl.wire.rpc pulls in torch: ~2 s of CPU each, so ten take several
     # seconds on two cores) and connected before the clock starts. Until 2026-11-25 this was a
     # 3 s sleep, and the raw wall time took in the last clients' start-up: raw measured slower
     # than the whole federation moving the same bytes (ratios of 1.4-2.1).
@@ -353,9 +353,9 @@ EVAL_REPEATS = 9  # alternations of policy and random-action stepping; medians c
 def bench_evaluator(env: str, episodes: int) -> dict:
     import torch
 
+    from fedrl.algos.nets import TanhGaussianPolicy
     from fedrl.envs import env_info
-    from fedrl.evaluation import evaluate, make_vec_env
-    from fedrl.nets import TanhGaussianPolicy
+    from fedrl.envs.evaluation import evaluate, make_vec_env
 
     torch.set_num_threads(1)  # as the evaluator process runs under fedrl up
     info = env_info(env)
@@ -401,10 +401,10 @@ def bench_evaluator(env: str, episodes: int) -> dict:
 def evaluator_service_peak_rss(env: str, policy, episodes: int = 20) -> float:
     """Peak RSS (MB) of the real evaluator service process after an on-demand evaluation."""
     from fedrl.algos.base import POLICY, prefixed_state
-    from fedrl.codec import encode
     from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc
-    from fedrl.rpc import create_channel
-    from fedrl.serde import weight_parts
+    from fedrl.wire.codec import encode
+    from fedrl.wire.rpc import create_channel
+    from fedrl.wire.serde import weight_parts
 
     with tempfile.TemporaryDirectory() as d:
         port_file = Path(d) / "eval.port"
@@ -457,10 +457,10 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
     from aggregator_service.servicer import FederationServicer
     from aggregator_service.store import Store
     from fedrl.federation.simulate import load_shards
-    from fedrl.metrics import AggregatorMetrics
+    from fedrl.ops.metrics import AggregatorMetrics
     from fedrl.proto.v1 import federation_pb2
-    from fedrl.security import Authenticator
-    from fedrl.serde import session_update
+    from fedrl.wire.security import Authenticator
+    from fedrl.wire.serde import session_update
 
     torch.set_num_threads(1)
     ctx = _LocalContext()

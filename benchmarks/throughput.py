@@ -37,9 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedrl.algos import BCConfig, DRPOConfig, cql_config
+from fedrl.common.device import resolve_device
 from fedrl.data.buffer import TensorBuffer
 from fedrl.data.d4rl import Transitions
-from fedrl.device import resolve_device
 from fedrl.envs import env_info
 from fedrl.federation.round import build_learner
 

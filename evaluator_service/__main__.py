@@ -8,9 +8,9 @@ import os
 import sys
 import threading
 
-from fedrl import argtypes
-from fedrl.metrics import add_metrics_args
-from fedrl.security import add_tls_arg
+from fedrl.common import argtypes
+from fedrl.ops.metrics import add_metrics_args
+from fedrl.wire.security import add_tls_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +39,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from evaluator_service.follower import Follower
     from evaluator_service.servicer import EvaluatorServicer
-    from fedrl.metrics import EvaluatorMetrics, start_side_endpoints
+    from fedrl.ops.metrics import EvaluatorMetrics, start_side_endpoints
     from fedrl.proto.v1 import evaluator_pb2_grpc
-    from fedrl.rpc import announce_port, create_server, wait_for_shutdown
-    from fedrl.security import AuthInterceptor, Authenticator, SecurityConfigError, tls_from_args
+    from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
+    from fedrl.wire.security import (
+        Authenticator,
+        AuthInterceptor,
+        SecurityConfigError,
+        tls_from_args,
+    )
 
     if a.threads:
         torch.set_num_threads(a.threads)

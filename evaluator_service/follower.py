@@ -10,16 +10,16 @@ from collections.abc import Callable
 
 import grpc
 
-from fedrl.codec import assemble
-from fedrl.evaluation import evaluate
+from fedrl.algos.policy_io import policy_from_state
+from fedrl.envs.evaluation import evaluate
 from fedrl.federation.round import algo_config
 from fedrl.federation.runconfig import parse_run_config
-from fedrl.metrics import EvaluatorMetrics
-from fedrl.policy_io import policy_from_state
+from fedrl.ops.metrics import EvaluatorMetrics
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2
-from fedrl.rpc import create_channel, weights_calls
-from fedrl.security import TLSFiles
-from fedrl.serde import evaluation_to_proto, event_from_proto, read_weight_messages
+from fedrl.wire.codec import assemble
+from fedrl.wire.rpc import create_channel, weights_calls
+from fedrl.wire.security import TLSFiles
+from fedrl.wire.serde import evaluation_to_proto, event_from_proto, read_weight_messages
 
 log = logging.getLogger("fedrl.evaluator")
 MAX_IDLE_SECONDS = 5.0  # longest wait between looks for a new run

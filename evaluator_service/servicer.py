@@ -7,13 +7,13 @@ import threading
 import grpc
 
 from evaluator_service.follower import Follower
-from fedrl.codec import CodecError, assemble
-from fedrl.evaluation import evaluate
-from fedrl.metrics import EvaluatorMetrics
-from fedrl.policy_io import policy_from_state
+from fedrl.algos.policy_io import policy_from_state
+from fedrl.envs.evaluation import evaluate
+from fedrl.ops.metrics import EvaluatorMetrics
 from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc
-from fedrl.rpc import codec_status
-from fedrl.serde import evaluation_to_proto, read_weight_parts
+from fedrl.wire.codec import CodecError, assemble
+from fedrl.wire.rpc import codec_status
+from fedrl.wire.serde import evaluation_to_proto, read_weight_parts
 
 MAX_EPISODES = 1000
 

@@ -1,18 +1,88 @@
-"""The layout tells the architecture: the core imports no service; the promised folders exist."""
+"""The layout tells the architecture: the core's packages are layers that import only downwards,
+the core imports no service, services never import each other, protobuf stays at the edge."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("aggregator_service", "agent_service", "evaluator_service")
+# The core's packages, bottom to top; each may import its own layer and the ones before it.
+LAYERS = (("common",), ("algos",), ("envs",), ("behavior",), ("data",), ("wire", "proto"), ("ops",),
+          ("federation",), ("cli",))
+LAYER = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
 
 
-def imported_modules(path: Path):
-    for node in ast.walk(ast.parse(path.read_text())):
+def imported_modules(path: Path, top_level_only: bool = False):
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    for node in nodes:
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            yield node.module
+            if node.module == "fedrl":  # from fedrl import x
+                yield from (f"fedrl.{a.name}" for a in node.names)
+            else:
+                yield node.module
+
+
+def core_package(path: Path) -> str:
+    """The layer package a core module belongs to (``fedrl/__init__.py``: the bottom layer's)."""
+    parts = path.relative_to(ROOT / "fedrl").parts
+    return parts[0] if len(parts) > 1 else LAYERS[0][0]
+
+
+def test_every_core_module_sits_in_a_layer_package():
+    loose = [f.name for f in (ROOT / "fedrl").glob("*.py") if f.name != "__init__.py"]
+    assert not loose, f"modules outside the layer packages: {loose}"
+    pkgs = {p.name for p in (ROOT / "fedrl").iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    assert pkgs == set(LAYER), f"packages without a layer (or layers without a package): {pkgs ^ set(LAYER)}"
+    for pkg in pkgs:  # each says what it holds and what it may import
+        doc = ast.get_docstring(ast.parse((ROOT / "fedrl" / pkg / "__init__.py").read_text()))
+        assert doc and "may import" in doc or pkg == "proto", f"fedrl/{pkg}/__init__.py: say what it may import"
+
+
+def test_no_core_module_imports_upwards():
+    for f in (ROOT / "fedrl").rglob("*.py"):
+        own = LAYER[core_package(f)]
+        for mod in imported_modules(f):
+            parts = mod.split(".")
+            if parts[0] == "fedrl" and len(parts) > 1:
+                assert LAYER[parts[1]] <= own, f"{f.relative_to(ROOT)} (layer {own}) imports {mod} (layer {LAYER[parts[1]]})"
+
+
+def test_core_import_graph_has_no_cycle():
+    """Imports between the core's modules (those inside functions included) form no cycle."""
+    mods = {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
+            for f in (ROOT / "fedrl").rglob("*.py")}
+    graph = {m: sorted({i for i in imported_modules(f) if i in mods and i != m}) for m, f in mods.items()}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for n in graph[m]:
+            assert state.get(n) != 1, f"import cycle: {' -> '.join(path[path.index(n):] + [n])}"
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(mods):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_behavior_does_not_import_data():
+    """Datasets are made from behaviour policies, so data sits above behavior, never the reverse
+    (``data.make`` and ``behavior.shipped`` used to import each other)."""
+    for f in (ROOT / "fedrl" / "behavior").rglob("*.py"):
+        assert not any(m.startswith("fedrl.data") for m in imported_modules(f)), f
+
+
+def test_protobuf_types_only_in_the_wire_and_the_servicers():
+    for f in (ROOT / "fedrl").rglob("*.py"):
+        if core_package(f) in ("wire", "proto"):
+            continue
+        for mod in imported_modules(f):
+            assert not mod.startswith(("fedrl.proto", "google.protobuf")), f"{f.relative_to(ROOT)} imports {mod}"
 
 
 def test_core_imports_no_service():

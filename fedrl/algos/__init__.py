@@ -1,4 +1,7 @@
-"""Learners: pure losses plus one update step each (DRPO, CQL = DRPO without regularisers, BC)."""
+"""The learning layer: networks, pure losses plus one update step each (DRPO, CQL = DRPO without
+regularisers, BC), and policy files.
+
+Layer 1: may import ``fedrl.common``."""
 
 from fedrl.algos.base import Batch, Learner
 from fedrl.algos.bc import BCLearner

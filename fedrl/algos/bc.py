@@ -21,7 +21,7 @@ from fedrl.algos.base import (
     prefixed_state,
 )
 from fedrl.algos.config import BCConfig
-from fedrl.nets import TanhGaussianPolicy
+from fedrl.algos.nets import TanhGaussianPolicy
 
 
 def bc_nll_loss(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor,

@@ -31,7 +31,7 @@ from fedrl.algos.base import (
 )
 from fedrl.algos.config import DRPOConfig
 from fedrl.algos.cql import cql_penalty, td_loss, td_target, temperature_loss
-from fedrl.nets import EnsembleCritic, TanhGaussianPolicy
+from fedrl.algos.nets import EnsembleCritic, TanhGaussianPolicy
 
 
 @dataclass(frozen=True)

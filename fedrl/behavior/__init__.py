@@ -1,1 +1,3 @@
-"""Behaviour policies: online SAC training and the checkpoints datasets are made from."""
+"""Behaviour policies: online SAC training and the checkpoints datasets are made from.
+
+Layer 3: may import ``fedrl.common``, ``fedrl.algos`` and ``fedrl.envs``."""

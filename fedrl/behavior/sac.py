@@ -23,18 +23,24 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
-from safetensors.numpy import load_file as load_np, save_file as save_np
+from safetensors.numpy import load_file as load_np
+from safetensors.numpy import save_file as save_np
 from safetensors.torch import load_file, save_file
 
 from fedrl.algos.base import adam, soft_update_
 from fedrl.algos.config import config_to_dict
 from fedrl.algos.cql import td_loss, td_target, temperature_loss
-from fedrl.behavior.policy import stochastic_return
-from fedrl.device import make_generator, resolve_device, seed_everything, tune_allocator
+from fedrl.algos.nets import EnsembleCritic, TanhGaussianPolicy
+from fedrl.algos.policy_io import save_policy
+from fedrl.common.device import (
+    make_generator,
+    resolve_device,
+    seed_everything,
+    tune_allocator,
+)
 from fedrl.envs import env_info, route_mujoco_warnings
-from fedrl.evaluation import evaluate
-from fedrl.nets import EnsembleCritic, TanhGaussianPolicy
-from fedrl.policy_io import save_policy
+from fedrl.envs.evaluation import evaluate
+from fedrl.envs.rollout import stochastic_return
 
 STATE_DIR = "state"
 CKPT_DIR = "checkpoints"

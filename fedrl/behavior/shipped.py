@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
-from fedrl.behavior.policy import NumpyPolicy, stochastic_return
-from fedrl.data.make import Segment, uniform_policy
+from fedrl.algos.policy_io import load_policy, save_policy
 from fedrl.envs import ENVS, env_info
-from fedrl.policy_io import load_policy, save_policy
+from fedrl.envs.rollout import NumpyPolicy, Segment, stochastic_return, uniform_policy
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 MANIFEST = "manifest.json"

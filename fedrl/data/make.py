@@ -19,8 +19,7 @@ episodes, ``timeouts`` at the time limit and where a segment or the file cuts an
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import gymnasium as gym
@@ -28,23 +27,10 @@ import numpy as np
 
 from fedrl.data.d4rl import RawDataset, write_d4rl
 from fedrl.envs import env_info, route_mujoco_warnings
+from fedrl.envs.rollout import Policy, Segment, uniform_policy
 
-Policy = Callable[[np.ndarray, np.random.Generator], np.ndarray]
 QUALITIES = ("random", "medium", "medium-replay", "expert", "medium-expert")
 D4RL_TRANSITIONS = 1_000_000
-
-
-def uniform_policy(act_dim: int) -> Policy:
-    return lambda obs, rng: rng.uniform(-1.0, 1.0, size=act_dim).astype(np.float32)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """``policy`` recorded for ``amount`` transitions (or whole episodes when ``episodes``)."""
-
-    policy: Policy
-    amount: int
-    episodes: bool = False
 
 
 def record(env_name: str, segments: Sequence[Segment], seed: int, max_episode_steps: int = 1000,

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedrl.codec import all_finite
+from fedrl.wire.codec import all_finite
 
 WEIGHTINGS = ("uniform", "samples")
 AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
@@ -158,7 +158,7 @@ def _weighted_mean(xs: Sequence[torch.Tensor], alphas: Sequence[float]) -> tuple
 
 def _spans(states: Sequence[Mapping[str, torch.Tensor]], keys: list[str]) -> list[torch.Tensor] | None:
     """Each state's tensors, in ``keys`` order, as one flat tensor over their memory, when they
-    lie back to back in one CPU storage with one dtype (see ``fedrl.codec._views``); else None."""
+    lie back to back in one CPU storage with one dtype (see ``fedrl.wire.codec._views``); else None."""
     if not keys:
         return None
     dtype = states[0][keys[0]].dtype

@@ -16,9 +16,9 @@ import torch
 
 from fedrl.algos import BCConfig, BCLearner, DRPOConfig, DRPOLearner, cql_config
 from fedrl.algos.base import Learner
+from fedrl.common.device import derive_seed, make_generator, tune_allocator
 from fedrl.data.buffer import TensorBuffer
 from fedrl.data.d4rl import Transitions
-from fedrl.device import derive_seed, make_generator, tune_allocator
 
 _INIT_LOCK = threading.Lock()
 

@@ -21,13 +21,16 @@ import torch
 
 from fedrl.algos.base import POLICY, load_prefixed
 from fedrl.algos.config import config_to_dict
+from fedrl.algos.nets import TanhGaussianPolicy
+from fedrl.algos.policy_io import save_policy
+from fedrl.common.device import derive_seed, resolve_device, seed_everything
 from fedrl.data.d4rl import check_env_dims, to_transitions
 from fedrl.data.errors import DatasetError
 from fedrl.data.normalize import ObsStats, agent_normalizer, global_normalizer
 from fedrl.data.partition import Shard, ShardSource, partition
 from fedrl.data.registry import check_one_env, infer_env, load
-from fedrl.device import derive_seed, resolve_device, seed_everything
-from fedrl.evaluation import evaluate
+from fedrl.envs import EnvInfo
+from fedrl.envs.evaluation import evaluate
 from fedrl.federation.aggregate import agent_weights, aggregate
 from fedrl.federation.options import FederationOptions
 from fedrl.federation.round import (
@@ -37,9 +40,6 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
-from fedrl.envs import EnvInfo
-from fedrl.nets import TanhGaussianPolicy
-from fedrl.policy_io import save_policy
 
 DEFAULT_DATASET = "hopper-random-v2"
 
@@ -247,7 +247,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: its results are the record
     if curve:
-        from fedrl.plotting import learning_curve
+        from fedrl.ops.plotting import learning_curve
 
         learning_curve(curve, out / "learning_curve.png", f"{cfg.algo} on {env.gym_id}", env.key)
     log(f"done in {summary['wall_seconds']:.1f}s; results in {out}")

@@ -1,1 +1,1 @@
-"""Generated gRPC stubs (package fedrl.v1 on the wire)."""
+"""Generated gRPC stubs (package fedrl.v1 on the wire); part of the wire layer (layer 5)."""

@@ -7,7 +7,7 @@ import subprocess
 
 import yaml
 
-from fedrl.local_prometheus import RULES_FILE, rule_groups
+from fedrl.ops.local_prometheus import RULES_FILE, rule_groups
 from tests.conftest import require_tool
 
 
@@ -54,7 +54,7 @@ def test_a_broken_rule_makes_the_unit_tests_fail(tmp_path):
 def test_local_prometheus_config_loads_the_deployments_rules_and_says_when_it_cannot(tmp_path):
     import json
 
-    from fedrl.local_prometheus import RULES_FILE, rule_groups, write_config
+    from fedrl.ops.local_prometheus import RULES_FILE, rule_groups, write_config
 
     cfg = json.loads(write_config(tmp_path / "a", {"fedrl-aggregator": [("127.0.0.1:9", "aggregator")]}).read_text())
     assert cfg["rule_files"] == [str((tmp_path / "a" / "rules.yml").resolve())]

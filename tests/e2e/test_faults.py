@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedrl.client import ControlClient
+from fedrl.cli.client import ControlClient
 from tests.e2e.test_up import TINY
 
 PY = sys.executable

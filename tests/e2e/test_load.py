@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fedrl.client import ControlClient
+from fedrl.cli.client import ControlClient
 from fedrl.data.d4rl import write_d4rl
 from fedrl.data.make import rollout_dataset
 from tests.conftest import stand_policy

@@ -13,7 +13,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from fedrl.local_prometheus import RULES_FILE, rule_groups
+from fedrl.ops.local_prometheus import RULES_FILE, rule_groups
 from tests.conftest import require_tool
 from tests.e2e.lingering import lingering_up, start_lingering_up, stdout_until
 from tests.e2e.test_up import _alive, _children

@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from fedrl.client import ControlClient
+from fedrl.cli.client import ControlClient
 from tests.e2e.test_faults import Procs, wait_for
 
 

@@ -86,11 +86,11 @@ def test_same_seed_same_global_weights(tmp_path, random_dataset):
 
 def test_global_policy_is_the_average_of_agent_policies(tmp_path, random_dataset):
     # One round, weighting by samples, compared against an independent re-computation.
+    from fedrl.common.device import derive_seed
     from fedrl.data.d4rl import to_transitions
     from fedrl.data.normalize import agent_normalizers
     from fedrl.data.partition import ShardSource, partition
     from fedrl.data.registry import load
-    from fedrl.device import derive_seed
     from fedrl.federation.round import SEED_SHARDS, LocalTrainer, initial_global_state
 
     cfg = tiny(random_dataset, rounds=1, eval_episodes=0, weighting="samples")

@@ -7,20 +7,20 @@ import threading
 import pytest
 import torch
 
+from agent_service.client import Agent, AgentConfig
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.servicer import ControlServicer, FederationServicer
 from aggregator_service.store import Store
-from agent_service.client import Agent, AgentConfig
 from fedrl.federation.simulate import load_shards
-from fedrl.metrics import AggregatorMetrics
+from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
-from fedrl.rpc import create_channel, create_server
+from fedrl.wire.rpc import create_channel, create_server
 
 
 class Aggregator:
     def __init__(self, state_dir, task_wait: float = 2.0, port: int = 0, tls=None, auth=None,
                  servicer=FederationServicer) -> None:
-        from fedrl.security import AuthInterceptor, Authenticator
+        from fedrl.wire.security import Authenticator, AuthInterceptor
 
         auth = auth or Authenticator()
         self.store = Store(state_dir)

@@ -7,15 +7,14 @@ import subprocess
 import sys
 
 import grpc
-import torch
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from fedrl.client import ControlClient
+from fedrl.cli.client import ControlClient
 from fedrl.federation.runconfig import ConfigError
 from fedrl.proto.generate import stale
-
 from tests.service.test_federation import join, run_config, wait_for
 
 
@@ -79,7 +78,7 @@ def test_health_and_reflection(aggregator):
 
 
 def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path):
-    from fedrl.policy_io import load_policy
+    from fedrl.algos.policy_io import load_policy
 
     def ctl(*args):
         return _ctl(aggregator.target, *args)

@@ -13,12 +13,17 @@ import torch
 from aggregator_service.servicer import FederationServicer
 from evaluator_service.follower import Follower
 from evaluator_service.servicer import EvaluatorServicer
-from fedrl.codec import Encoded, encode
-from fedrl.nets import TanhGaussianPolicy
 from fedrl.algos.base import POLICY, prefixed_state
-from fedrl.proto.v1 import control_pb2, evaluator_pb2, evaluator_pb2_grpc, federation_pb2_grpc
-from fedrl.rpc import create_channel, create_server
-from fedrl.serde import status_from_proto, weight_parts
+from fedrl.algos.nets import TanhGaussianPolicy
+from fedrl.proto.v1 import (
+    control_pb2,
+    evaluator_pb2,
+    evaluator_pb2_grpc,
+    federation_pb2_grpc,
+)
+from fedrl.wire.codec import Encoded, encode
+from fedrl.wire.rpc import create_channel, create_server
+from fedrl.wire.serde import status_from_proto, weight_parts
 from tests.service.conftest import Aggregator
 from tests.service.test_federation import run_config, status, wait_for
 

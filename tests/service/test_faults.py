@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from fedrl.codec import encode
 from fedrl.proto.v1 import federation_pb2
-from fedrl.serde import manifest_to_proto
+from fedrl.wire.codec import encode
+from fedrl.wire.serde import manifest_to_proto
 from tests.service import test_federation
 from tests.service.test_federation import assert_untouched, status, submit, wait_for
 

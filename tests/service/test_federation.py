@@ -14,12 +14,17 @@ import torch
 from safetensors import safe_open
 
 from fedrl.algos import BCConfig, DRPOConfig
-from fedrl.codec import encode
 from fedrl.federation.runconfig import RunConfig
-from fedrl.federation.simulate import SimConfig, run as simulate
+from fedrl.federation.simulate import SimConfig
+from fedrl.federation.simulate import run as simulate
 from fedrl.proto.v1 import control_pb2, federation_pb2
-from fedrl.serde import manifest_from_proto, manifest_to_proto, read_weight_parts, status_from_proto
-from fedrl.codec import assemble
+from fedrl.wire.codec import assemble, encode
+from fedrl.wire.serde import (
+    manifest_from_proto,
+    manifest_to_proto,
+    read_weight_parts,
+    status_from_proto,
+)
 
 SMALL = DRPOConfig(hidden=(32, 32), batch_size=16, cql_n_actions=2)
 SMALL_BC = BCConfig(hidden=(32, 32), batch_size=16)

@@ -7,7 +7,13 @@ import grpc
 import pytest
 
 from fedrl.proto.v1 import control_pb2, federation_pb2
-from tests.service.test_federation import assert_refused, join, run_config, submit, wait_for
+from tests.service.test_federation import (
+    assert_refused,
+    join,
+    run_config,
+    submit,
+    wait_for,
+)
 
 
 def value(agg, name: str, **labels) -> float:
@@ -70,8 +76,8 @@ def test_interceptor_counts_unary_and_streaming_rpcs_with_their_codes(aggregator
 
 
 def test_aggregator_metrics_follow_rounds_updates_and_refusals(aggregator):
-    from fedrl.codec import assemble
-    from fedrl.serde import read_weight_parts
+    from fedrl.wire.codec import assemble
+    from fedrl.wire.serde import read_weight_parts
 
     agg = aggregator
     assert value(agg, "fedrl_aggregator_run_active") == 0
@@ -131,7 +137,7 @@ def test_agent_metrics_record_local_training(aggregator, agent_threads, stand_da
 
 @pytest.mark.parametrize("reason", ["whatever", "duplicate"])
 def test_unknown_rejection_reasons_fold_into_other(reason):
-    from fedrl.metrics import AggregatorMetrics
+    from fedrl.ops.metrics import AggregatorMetrics
 
     m = AggregatorMetrics()
     m.reject(reason)
@@ -144,7 +150,7 @@ def test_every_service_exports_its_process_memory_and_cpu():
     registry has it; a registry handed in by the caller is left as it is."""
     from prometheus_client import CollectorRegistry
 
-    from fedrl.metrics import AgentMetrics, AggregatorMetrics, EvaluatorMetrics
+    from fedrl.ops.metrics import AgentMetrics, AggregatorMetrics, EvaluatorMetrics
 
     for m in (AggregatorMetrics(), AgentMetrics("agent-0"), EvaluatorMetrics()):
         assert m.registry.get_sample_value("process_resident_memory_bytes") > 10e6

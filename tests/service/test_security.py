@@ -7,11 +7,21 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fedrl.client import ControlClient
-from fedrl.devca import make_dev_ca
-from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2, federation_pb2_grpc
-from fedrl.rpc import create_channel, create_health_server
-from fedrl.security import Authenticator, SecurityConfigError, TLSFiles, parse_agent_tokens
+from fedrl.cli.client import ControlClient
+from fedrl.proto.v1 import (
+    control_pb2,
+    control_pb2_grpc,
+    federation_pb2,
+    federation_pb2_grpc,
+)
+from fedrl.wire.devca import make_dev_ca
+from fedrl.wire.rpc import create_channel, create_health_server
+from fedrl.wire.security import (
+    Authenticator,
+    SecurityConfigError,
+    TLSFiles,
+    parse_agent_tokens,
+)
 from tests.service.conftest import Aggregator
 from tests.service.test_federation import assert_refused, run_config, wait_for
 
@@ -152,7 +162,7 @@ def test_security_configuration_errors_name_the_problem(tmp_path, ca):
 def test_every_rpc_of_the_contract_has_a_role_entry():
     """Deny-by-default must not silently lock out a method added to protos/: each one is listed."""
     from fedrl.proto.v1 import evaluator_pb2
-    from fedrl.security import POLICY
+    from fedrl.wire.security import POLICY
 
     for module in (federation_pb2, control_pb2, evaluator_pb2):
         for service in module.DESCRIPTOR.services_by_name.values():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fedrl.codec import assemble, encode
 from fedrl.federation.aggregate import AggregationError, _spans, agent_weights, fedavg
+from fedrl.wire.codec import assemble, encode
 
 
 def s(*vals, dtype=torch.float32):
@@ -76,7 +76,11 @@ def test_robust_aggregation_ignores_one_wild_agent():
 
 
 def test_median_and_trimmed_mean_values():
-    from fedrl.federation.aggregate import AggregationError, coordinate_median, trimmed_mean
+    from fedrl.federation.aggregate import (
+        AggregationError,
+        coordinate_median,
+        trimmed_mean,
+    )
     s = [{"x": torch.tensor([v, -v])} for v in (1.0, 2.0, 10.0, 4.0)]
     assert torch.equal(coordinate_median(s)["x"], torch.tensor([3.0, -3.0]))  # mean of 2 and 4
     assert torch.equal(coordinate_median(s[:3])["x"], torch.tensor([2.0, -2.0]))

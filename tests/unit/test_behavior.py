@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedrl.behavior.policy import NumpyPolicy
+from fedrl.algos.nets import TanhGaussianPolicy
+from fedrl.algos.policy_io import load_policy, save_policy
 from fedrl.behavior.sac import SACConfig, train
 from fedrl.behavior.shipped import _apportion, behavior_set, ship
 from fedrl.cli import main
 from fedrl.data.d4rl import load_d4rl, to_transitions
 from fedrl.data.make import make_dataset, return_stats
-from fedrl.nets import TanhGaussianPolicy
-from fedrl.policy_io import load_policy, save_policy
+from fedrl.envs.rollout import NumpyPolicy
 
 TINY = dict(start_steps=50, eval_every=100, eval_episodes=1, max_episode_steps=60,
             hidden=(16, 16), batch_size=32)

@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
+from fedrl.algos.nets import TanhGaussianPolicy
 from fedrl.envs import env_info
-from fedrl.evaluation import evaluate
-from fedrl.nets import TanhGaussianPolicy
-from fedrl.scores import normalized_score
+from fedrl.envs.evaluation import evaluate
+from fedrl.envs.scores import normalized_score
 
 
 def test_d4rl_reference_constants():
@@ -64,7 +64,7 @@ import mujoco
 if sys.argv[1] == "own":
     seen = []
     mujoco.set_mju_user_warning(seen.append)
-from fedrl.evaluation import make_vec_env
+from fedrl.envs.evaluation import make_vec_env
 make_vec_env("HalfCheetah-v5", 2).close()
 if sys.argv[1] == "own":
     print("own handler saw", len(seen))

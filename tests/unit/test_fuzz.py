@@ -11,12 +11,21 @@ from datetime import timedelta
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from fedrl.codec import Assembler, CodecError, Manifest, TensorSpec, assemble, decode, encode
 from fedrl.federation.runconfig import ConfigError, RunConfig, parse_run_config
 from fedrl.proto.v1 import federation_pb2
-from fedrl.serde import manifest_from_proto
+from fedrl.wire.codec import (
+    Assembler,
+    CodecError,
+    Manifest,
+    TensorSpec,
+    assemble,
+    decode,
+    encode,
+)
+from fedrl.wire.serde import manifest_from_proto
 
 FUZZ = settings(max_examples=300, deadline=timedelta(seconds=2), suppress_health_check=[HealthCheck.too_slow])
 STATE = {"policy.w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "policy.b": torch.ones(4),
@@ -170,7 +179,7 @@ def test_own_safetensors_parser_agrees_with_the_reference_library(spec):
     """The zero-copy parser the receivers use reads exactly what the safetensors library writes."""
     from safetensors.torch import load as reference_load
 
-    from fedrl.codec import parse_safetensors
+    from fedrl.wire.codec import parse_safetensors
 
     state = {k: (torch.rand(shape) * 10).to(dt) for k, (dt, shape) in spec.items()}
     blob = encode(state, "r", 0, 0).payload
@@ -181,7 +190,7 @@ def test_own_safetensors_parser_agrees_with_the_reference_library(spec):
 
 
 def test_all_finite_is_exact():
-    from fedrl.codec import all_finite
+    from fedrl.wire.codec import all_finite
 
     v = torch.randn(100, 100)
     assert all_finite(v) and all_finite(torch.full((1000, 1000), 3.4e38)) and all_finite(torch.arange(3))
@@ -262,7 +271,7 @@ def test_assembler_takes_exactly_the_declared_bytes():
 def test_own_safetensors_writer_is_read_by_the_reference_library(spec):
     from safetensors.torch import load as reference_load
 
-    from fedrl.codec import write_safetensors
+    from fedrl.wire.codec import write_safetensors
 
     state = {k: (torch.rand(shape) * 10).to(dt) for k, (dt, shape) in spec.items()}
     back = reference_load(write_safetensors(state))
@@ -277,7 +286,7 @@ def test_own_safetensors_writer_is_read_by_the_reference_library(spec):
 def test_a_task_appended_as_bytes_parses_as_the_reply_built_with_it(payload, big, round, accepted):
     """The aggregator answers SubmitUpdateInline with SubmitReply bytes + length_delimited_field(4,
     Task bytes): protobuf must read exactly the message it would have serialised itself."""
-    from fedrl.serde import length_delimited_field
+    from fedrl.wire.serde import length_delimited_field
 
     payload *= 10 ** big  # lengths with 1 to 4 varint bytes
     task = federation_pb2.Task(kind=federation_pb2.Task.TRAIN, run_id="r", round=round, base_payload=payload,
@@ -294,9 +303,9 @@ def test_a_task_appended_as_bytes_parses_as_the_reply_built_with_it(payload, big
 @given(payload=st.binary(max_size=20_000), big=st.integers(0, 3), agent=st.text(max_size=40),
        metrics=st.dictionaries(st.text(max_size=8), st.floats(allow_nan=False), max_size=3))
 def test_a_session_update_built_by_hand_parses_as_the_message(payload, big, agent, metrics):
-    """Agents serialise their Session update with one copy of the payload (fedrl.serde.session_update):
+    """Agents serialise their Session update with one copy of the payload (fedrl.wire.serde.session_update):
     protobuf must read exactly the message it stands for."""
-    from fedrl.serde import session_update
+    from fedrl.wire.serde import session_update
 
     payload *= 10 ** big  # lengths with 1 to 4 varint bytes
     header = federation_pb2.UpdateHeader(agent_id=agent, metrics=metrics, train_seconds=1.5)
@@ -308,7 +317,7 @@ def test_a_session_update_built_by_hand_parses_as_the_message(payload, big, agen
 
 
 def test_checks_worked_out_once_per_layout_still_refuse_what_differs():
-    """The manifest and header checks are remembered per layout (fedrl.codec caches them): a
+    """The manifest and header checks are remembered per layout (fedrl.wire.codec caches them): a
     payload of another shape under the same names, or a bad tensor list, is refused every time."""
     a = encode({"w": torch.ones(2, 3), "b": torch.zeros(3)})
     assert torch.equal(decode(a.manifest, a.payload)["w"], torch.ones(2, 3))  # the layout is now known

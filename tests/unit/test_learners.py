@@ -6,10 +6,17 @@ import dataclasses
 import pytest
 import torch
 
-from fedrl import nets
-from fedrl.algos import Batch, BCConfig, BCLearner, DRPOConfig, DRPOLearner, cql_config
-from fedrl.device import make_generator, resolve_device
-from fedrl.nets import EnsembleCritic, ensemble_linear
+from fedrl.algos import (
+    Batch,
+    BCConfig,
+    BCLearner,
+    DRPOConfig,
+    DRPOLearner,
+    cql_config,
+    nets,
+)
+from fedrl.algos.nets import EnsembleCritic, ensemble_linear
+from fedrl.common.device import make_generator, resolve_device
 
 CPU = torch.device("cpu")
 TINY = DRPOConfig(hidden=(32, 32), batch_size=16, cql_n_actions=3)

@@ -8,7 +8,7 @@ import torch
 from fedrl.algos.bc import bc_mse_loss, bc_nll_loss
 from fedrl.algos.cql import cql_penalty, td_loss, td_target, temperature_loss
 from fedrl.algos.drpo import actor_loss
-from fedrl.nets import TanhGaussianPolicy
+from fedrl.algos.nets import TanhGaussianPolicy
 
 
 def test_td_target_masks_terminals_and_optionally_backs_up_entropy():

@@ -1,4 +1,4 @@
-"""fedrl.memory: freed heap memory goes back to the operating system when asked."""
+"""fedrl.wire.memory: freed heap memory goes back to the operating system when asked."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from fedrl.memory import release_free_memory
+from fedrl.wire.memory import release_free_memory
 
 
 def _rss_mb() -> float:
@@ -63,7 +63,7 @@ def test_keep_heap_for_reuse_makes_threads_share_the_arenas_it_allows():
         pytest.skip("not glibc's malloc")
     code = r"""
 import ctypes, sys, threading
-from fedrl.memory import keep_heap_for_reuse
+from fedrl.wire.memory import keep_heap_for_reuse
 if sys.argv[1] == "tuned":
     assert keep_heap_for_reuse(arenas=1)
 go = threading.Barrier(4)
@@ -88,7 +88,7 @@ def test_keep_heap_for_reuse_lets_a_large_freed_block_serve_the_next_one():
         pytest.skip("not glibc's malloc")
     code = r"""
 import ctypes, resource, sys
-from fedrl.memory import keep_heap_for_reuse
+from fedrl.wire.memory import keep_heap_for_reuse
 if sys.argv[1] == "tuned":
     assert keep_heap_for_reuse()
 libc = ctypes.CDLL(None)
@@ -110,7 +110,7 @@ print(sum(faults[1:]), file=sys.stderr)
 
 
 def test_keep_heap_for_reuse_leaves_an_operators_settings_alone(monkeypatch):
-    code = "import sys; from fedrl.memory import keep_heap_for_reuse; print(keep_heap_for_reuse(), file=sys.stderr)"
+    code = "import sys; from fedrl.wire.memory import keep_heap_for_reuse; print(keep_heap_for_reuse(), file=sys.stderr)"
     for name, value in (("MALLOC_ARENA_MAX", "4"), ("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")):
         with monkeypatch.context() as m:
             m.setenv(name, value)
@@ -125,7 +125,7 @@ def test_a_pooled_buffer_is_reused_only_once_nothing_reads_it():
 
     import torch
 
-    from fedrl.memory import BufferPool
+    from fedrl.wire.memory import BufferPool
 
     pool = BufferPool(keep=2)
     a = pool.take(4096)
@@ -148,7 +148,7 @@ def test_a_pooled_buffer_is_reused_only_once_nothing_reads_it():
 
 
 def test_a_pool_keeps_at_most_keep_buffers_of_the_size_taken_last():
-    from fedrl.memory import BufferPool
+    from fedrl.wire.memory import BufferPool
 
     pool = BufferPool(keep=1)
     views = [pool.take(1 << 16) for _ in range(3)]

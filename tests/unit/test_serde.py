@@ -1,12 +1,19 @@
-"""Weights messages serialised and read by hand (fedrl.serde) against protobuf's own encoding."""
+"""Weights messages serialised and read by hand (fedrl.wire.serde) against protobuf's own encoding."""
 
 import pytest
 import torch
 
-from fedrl.codec import CodecError, assemble, encode
 from fedrl.proto.v1 import federation_pb2, weights_pb2
-from fedrl.serde import (chunk_in_part, manifest_to_proto, read_weight_messages, read_weight_parts, update_messages,
-                         weight_part_bytes, weight_parts)
+from fedrl.wire.codec import CodecError, assemble, encode
+from fedrl.wire.serde import (
+    chunk_in_part,
+    manifest_to_proto,
+    read_weight_messages,
+    read_weight_parts,
+    update_messages,
+    weight_part_bytes,
+    weight_parts,
+)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 100, 127, 128, 16_384, 1 << 20])
@@ -71,8 +78,8 @@ def test_updates_assembled_in_pooled_buffers_stay_intact_while_held():
     update never landing in the memory of one still held, and the buffer reused once it is free."""
     import gc
 
-    from fedrl.codec import Assembler
-    from fedrl.memory import BufferPool
+    from fedrl.wire.codec import Assembler
+    from fedrl.wire.memory import BufferPool
 
     pool = BufferPool(keep=4)
 

@@ -2,7 +2,7 @@
 
 Each update's gradients are compared with those of an independent, deliberately unoptimised
 implementation written here from the equations (one network per critic member, torch.distributions
-for the log-densities, nothing shared with ``fedrl.algos`` or ``fedrl.nets`` but the weights). The
+for the log-densities, nothing shared with ``fedrl.algos`` or ``fedrl.algos.nets`` but the weights). The
 reference draws its noise from a copy of the learner's generator in the learner's order. So any
 one-line mis-wiring (max instead of min of the twin critics, the online critic in the TD target,
 s' where s belongs, a sign, a coefficient, the actor's -Q reaching the critic's weights, pi
@@ -201,7 +201,7 @@ def test_actor_gradient_reaches_neither_critic_nor_global_policy():
     ln = learner_with_state(CFG)
     obs = make_batch().obs
     mean, log_std = ln.policy(obs)
-    from fedrl.nets import TanhGaussianPolicy
+    from fedrl.algos.nets import TanhGaussianPolicy
 
     a, _ = TanhGaussianPolicy.sample_from(mean, log_std, ln.gen)
     ln.critic.requires_grad_(False)

@@ -13,8 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fedrl.codec import MAX_MESSAGE_BYTES
-from fedrl.security import TLSFiles, TokenClientInterceptor
+from fedrl.wire.codec import MAX_MESSAGE_BYTES
+from fedrl.wire.security import TLSFiles, TokenClientInterceptor
 
 # Explicit limits on both sides: a chunk (1 MiB) plus headroom, never the 4 MiB default by accident.
 MESSAGE_OPTIONS = [
@@ -113,8 +113,8 @@ class RawMessages(grpc.ServerInterceptor):
 
 def weights_calls(channel: grpc.Channel) -> tuple[Callable, Callable]:
     """``FetchGlobal`` and ``SubmitUpdate`` on ``channel`` with their weights messages as bytes:
-    the fetch's replies unparsed (read them with ``fedrl.serde.read_weight_messages``), the
-    submission's requests already serialised (``fedrl.serde.update_messages``). A chunk then
+    the fetch's replies unparsed (read them with ``fedrl.wire.serde.read_weight_messages``), the
+    submission's requests already serialised (``fedrl.wire.serde.update_messages``). A chunk then
     costs one copy each way instead of three (a message built, serialised, parsed, its field
     copied out); the aggregator does the same on its side (``RawMessages``)."""
     from fedrl.proto.v1 import federation_pb2
@@ -204,7 +204,7 @@ _CODEC_STATUS = {"sha256_mismatch": grpc.StatusCode.DATA_LOSS, "truncated": grpc
 
 
 def codec_status(reason: str) -> grpc.StatusCode:
-    """The status a :class:`fedrl.codec.CodecError` with ``reason`` is answered with."""
+    """The status a :class:`fedrl.wire.codec.CodecError` with ``reason`` is answered with."""
     return _CODEC_STATUS.get(reason, grpc.StatusCode.INVALID_ARGUMENT)
 
 

@@ -9,10 +9,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from fedrl.behavior.policy import NumpyPolicy, one_blas_thread
+from fedrl.algos.nets import TanhGaussianPolicy
 from fedrl.envs import env_info, route_mujoco_warnings
-from fedrl.nets import TanhGaussianPolicy
-from fedrl.scores import normalized_score
+from fedrl.envs.rollout import NumpyPolicy, one_blas_thread
+from fedrl.envs.scores import normalized_score
 
 
 @dataclass(frozen=True)

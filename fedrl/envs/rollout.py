@@ -1,22 +1,39 @@
-"""A policy as plain numpy for fast single-environment rollouts (recording datasets)."""
+"""Policies rolled out in the environments: a numpy forward for fast rollouts, the random policy,
+segments of a recording, and episode returns."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gymnasium as gym
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from fedrl.algos.nets import TanhGaussianPolicy
 from fedrl.envs import env_info, route_mujoco_warnings
-from fedrl.nets import TanhGaussianPolicy
+
+Policy = Callable[[np.ndarray, np.random.Generator], np.ndarray]
+
+
+def uniform_policy(act_dim: int) -> Policy:
+    return lambda obs, rng: rng.uniform(-1.0, 1.0, size=act_dim).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``policy`` recorded for ``amount`` transitions (or whole episodes when ``episodes``)."""
+
+    policy: Policy
+    amount: int
+    episodes: bool = False
 
 
 class NumpyPolicy:
     """``tanh(N(mu(s), sigma(s)))`` evaluated in numpy: ~10x cheaper than torch for one state.
 
     ``stochastic=True`` samples (how D4RL recorded its SAC datasets); ``False`` takes the mean.
-    Called as ``policy(obs, rng)``, the :data:`fedrl.data.make.Policy` signature.
+    Called as ``policy(obs, rng)``, the :data:`Policy` signature.
     """
 
     def __init__(self, policy: TanhGaussianPolicy, stochastic: bool = True,

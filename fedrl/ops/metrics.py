@@ -18,10 +18,17 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import grpc
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
-                               start_http_server)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
 
-from fedrl import argtypes
+from fedrl.common import argtypes
 
 # No ``*_created`` series: Prometheus ignores them in the text format and they double the scrape.
 disable_created_metrics()
@@ -49,7 +56,7 @@ LOSS_TERMS = {"critic_td": "critic", "cql_penalty": "cql_penalty", "actor_loss":
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, tls=None) -> int:
     """Serve ``registry`` at ``http(s)://host:port/metrics`` in a daemon thread; returns the port.
 
-    With ``tls`` (a :class:`fedrl.security.TLSFiles` read from a directory) the endpoint is
+    With ``tls`` (a :class:`fedrl.wire.security.TLSFiles` read from a directory) the endpoint is
     HTTPS with the service's certificate, and requires a client certificate from the same CA
     when the directory has ``ca.crt``, like the gRPC port.
     """
@@ -309,7 +316,7 @@ def start_metrics_from_args(a, registry: CollectorRegistry, tls=None) -> int | N
     """Start the endpoint the parsed ``a`` asks for (on ``a.host``); returns its port or None."""
     if a.metrics_port is None:
         return None
-    from fedrl.rpc import announce_port
+    from fedrl.wire.rpc import announce_port
 
     port = serve_metrics(registry, a.host, a.metrics_port, tls)
     announce_port(a.metrics_port_file, port)
@@ -319,7 +326,7 @@ def start_metrics_from_args(a, registry: CollectorRegistry, tls=None) -> int | N
 def start_side_endpoints(a, registry: CollectorRegistry, log, interceptors=(), tls=None):
     """The health-only gRPC port (``--health-port``) and the metrics port (``--metrics-port``)
     a service's parsed args ask for, each logged; returns the health server (or None) to stop."""
-    from fedrl.rpc import create_health_server
+    from fedrl.wire.rpc import create_health_server
 
     health = None
     if getattr(a, "health_port", None) is not None:

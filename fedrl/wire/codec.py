@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fedrl.memory import BufferPool
+from fedrl.wire.memory import BufferPool
 
 CHUNK_BYTES = 1 << 20
 ENCODING = "safetensors"

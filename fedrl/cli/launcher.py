@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 
 from fedrl.federation.runconfig import RunConfig
-from fedrl.local_prometheus import PrometheusError
+from fedrl.ops.local_prometheus import PrometheusError
 
 STARTUP_TIMEOUT = 120.0
 
@@ -144,10 +144,14 @@ class Launcher:
 
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> int:
-        from fedrl.client import ControlClient
+        from fedrl.cli.client import ControlClient
+        from fedrl.common.device import resolve_device
         from fedrl.data.registry import check_one_env, resolve
-        from fedrl.device import resolve_device
-        from fedrl.federation.simulate import load_shards, parse_source, refuse_a_used_folder
+        from fedrl.federation.simulate import (
+            load_shards,
+            parse_source,
+            refuse_a_used_folder,
+        )
 
         cfg = self.cfg
         # its results would be overwritten and its state directory mixed with this run's
@@ -208,8 +212,8 @@ class Launcher:
         """A throwaway CA and fresh tokens: mutual TLS and bearer tokens between every process."""
         import secrets
 
-        from fedrl.devca import make_dev_ca
-        from fedrl.security import TLSFiles
+        from fedrl.wire.devca import make_dev_ca
+        from fedrl.wire.security import TLSFiles
 
         agents = [f"agent-{i}" for i in range(n_agents)]
         tls = make_dev_ca(self.out / "tls", clients=("admin", "evaluator", *agents), days=2)
@@ -234,7 +238,7 @@ class Launcher:
             {n: f"{scheme}://127.0.0.1:{p}/metrics" for n, p in self.metrics_ports.items()}, indent=2))
         if not self.cfg.prometheus:
             return
-        from fedrl.local_prometheus import RULES_FILE, LocalPrometheus, write_config
+        from fedrl.ops.local_prometheus import RULES_FILE, LocalPrometheus, write_config
 
         jobs: dict[str, list[tuple[str, str]]] = {}
         for name, port in self.metrics_ports.items():
@@ -316,7 +320,7 @@ class Launcher:
         env = final.get("env_id", "")
         if curve and env:
             from fedrl.envs import env_info
-            from fedrl.plotting import learning_curve
+            from fedrl.ops.plotting import learning_curve
             learning_curve(curve, self.out / "learning_curve.png", f"{self.cfg.run.algo} on {env}", env_info(env).key)
         summary = {"run_id": final.get("run_id"), "state": final["state"], "message": final.get("message", ""),
                    "env_id": env, "rounds": len(rows), "final": curve[-1] if curve else None,

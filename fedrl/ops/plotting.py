@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedrl.scores import normalized_score  # noqa: E402
+from fedrl.envs.scores import normalized_score  # noqa: E402
 
 
 def learning_curve(curve: list[dict], path: str | Path, title: str, env: str) -> Path:

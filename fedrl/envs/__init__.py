@@ -1,4 +1,7 @@
-"""The MuJoCo tasks the project knows: gymnasium ids, dimensions and D4RL reference returns."""
+"""The MuJoCo tasks the project knows (gymnasium ids, dimensions, D4RL reference returns); the
+package also holds D4RL scores (``scores``), policy rollouts (``rollout``) and evaluation.
+
+Layer 2: may import ``fedrl.common`` and ``fedrl.algos``."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fedrl.algos.base import POLICY, load_prefixed, prefixed_state
-from fedrl.nets import TanhGaussianPolicy
+from fedrl.algos.nets import TanhGaussianPolicy
 
 
 def save_policy(policy: TanhGaussianPolicy, path: str | Path, metadata: Mapping[str, Any] | None = None,

@@ -7,8 +7,8 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from fedrl.codec import CodecError, Encoded, Manifest, TensorSpec
 from fedrl.proto.v1 import control_pb2, federation_pb2, weights_pb2
+from fedrl.wire.codec import CodecError, Encoded, Manifest, TensorSpec
 
 
 def manifest_to_proto(m: Manifest) -> weights_pb2.WeightsManifest:
@@ -155,7 +155,7 @@ def read_raw_parts(messages: Iterable[bytes], kind: type) -> tuple[Any, Iterator
 
 
 def read_weight_stream(messages: Iterable[bytes]) -> tuple[Manifest, Iterator[bytes | memoryview]]:
-    """A weights stream received as bytes (see ``fedrl.rpc.weights_calls``): its manifest, and
+    """A weights stream received as bytes (see ``fedrl.wire.rpc.weights_calls``): its manifest, and
     its chunks as they arrive (to be assembled while the rest is still on its way)."""
     head, chunks = read_raw_parts(messages, weights_pb2.WeightsPart)
     return manifest_from_proto(head.manifest), chunks

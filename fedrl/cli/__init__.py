@@ -1,4 +1,7 @@
-"""The ``fedrl`` command line: ``up``, ``ctl``, ``simulate``, ``evaluate``, ``data ...``."""
+"""The ``fedrl`` command line: ``up``, ``ctl``, ``simulate``, ``evaluate``, ``data ...``; with the
+one-machine launcher (``launcher``).
+
+Layer 8, the top of the core: may import every layer below it."""
 
 from __future__ import annotations
 
@@ -9,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-from fedrl import argtypes
 from fedrl.algos import ALGOS, BCConfig, DRPOConfig
+from fedrl.common import argtypes
+from fedrl.common.device import DEVICE_CHOICES
 from fedrl.data.errors import DatasetError
 from fedrl.data.normalize import NORM_CHOICES
-from fedrl.device import DEVICE_CHOICES
 from fedrl.federation.aggregate import AGGREGATIONS, WEIGHTINGS
 
 
@@ -73,7 +76,12 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_simulate(a: argparse.Namespace) -> int:
-    from fedrl.federation.simulate import DEFAULT_DATASET, SimConfig, refuse_a_used_folder, run
+    from fedrl.federation.simulate import (
+        DEFAULT_DATASET,
+        SimConfig,
+        refuse_a_used_folder,
+        run,
+    )
 
     if a.threads:
         import torch
@@ -114,8 +122,8 @@ def _evaluate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_evaluate(a: argparse.Namespace) -> int:
-    from fedrl.evaluation import evaluate
-    from fedrl.policy_io import load_policy
+    from fedrl.algos.policy_io import load_policy
+    from fedrl.envs.evaluation import evaluate
 
     pol, meta = load_policy(a.policy)
     env = a.env or meta.get("env_id")
@@ -182,7 +190,7 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_data_info(a: argparse.Namespace) -> int:
     from fedrl.data.d4rl import to_transitions
     from fedrl.data.registry import infer_env, load
-    from fedrl.scores import normalized_score
+    from fedrl.envs.scores import normalized_score
 
     raw = load(a.dataset, progress=lambda m: print(m, file=sys.stderr))
     rets = raw.episode_returns()
@@ -298,8 +306,8 @@ def _settings_file(path: str | None) -> dict:
 
 
 def _cmd_up(a: argparse.Namespace) -> int:
+    from fedrl.cli.launcher import UpConfig, up
     from fedrl.federation.runconfig import parse_run_config
-    from fedrl.launcher import UpConfig, up
 
     data = dict(UP_DEFAULTS)
     data_from_file = _settings_file(a.config)
@@ -314,7 +322,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
     rc = parse_run_config(data)
     out = Path(a.out or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}")
     if a.prometheus:
-        from fedrl.local_prometheus import PrometheusError, find_prometheus
+        from fedrl.ops.local_prometheus import PrometheusError, find_prometheus
         try:
             find_prometheus(a.prometheus_bin)
         except PrometheusError as e:
@@ -331,7 +339,7 @@ def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="127.0.0.1:50051", help="aggregator HOST:PORT")
     p.add_argument("--connect-timeout", type=argtypes.positive_seconds, default=10.0,
                    help="seconds to wait for the aggregator to answer (e.g. while its pod starts)")
-    from fedrl.security import add_tls_arg
+    from fedrl.wire.security import add_tls_arg
     add_tls_arg(p)
     p.epilog = 'The admin token, when the aggregator requires tokens, is read from $FEDRL_ADMIN_TOKEN.'
     csub = p.add_subparsers(dest="ctl_cmd", required=True)
@@ -353,12 +361,12 @@ def _ctl_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_ctl(a: argparse.Namespace) -> int:
-    import grpc
-
     import os
 
-    from fedrl.client import ControlClient, dumps
-    from fedrl.security import SecurityConfigError, tls_from_args
+    import grpc
+
+    from fedrl.cli.client import ControlClient, dumps
+    from fedrl.wire.security import SecurityConfigError, tls_from_args
 
     try:
         tls = tls_from_args(a.tls_dir)
@@ -422,7 +430,7 @@ def _certs_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_certs(a: argparse.Namespace) -> int:
-    from fedrl.devca import DEFAULT_HOSTS, make_dev_ca
+    from fedrl.wire.devca import DEFAULT_HOSTS, make_dev_ca
 
     kw = {"days": a.days, "hosts": tuple(a.host or DEFAULT_HOSTS)}
     if a.client:
@@ -456,6 +464,3 @@ def main(argv: list[str] | None = None) -> int:
         print("fedrl: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

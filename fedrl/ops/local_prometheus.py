@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+REPO_DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES_FILE = REPO_DEPLOY / "components" / "monitoring" / "prometheusrule.yaml"
 
 

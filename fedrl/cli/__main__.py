@@ -1,0 +1,7 @@
+"""``python -m fedrl.cli``."""
+
+import sys
+
+from fedrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""The Control API's calls from the client side: the channel, the stubs, protobuf in and domain
+dicts out. :class:`fedrl.cli.client.ControlClient` (scripts, notebooks, ``fedrl ctl``) builds on it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fedrl.proto.v1 import (
+    control_pb2,
+    control_pb2_grpc,
+    federation_pb2,
+    federation_pb2_grpc,
+)
+from fedrl.wire.codec import assemble
+from fedrl.wire.rpc import create_channel, wait_ready, weights_calls
+from fedrl.wire.security import TLSFiles
+from fedrl.wire.serde import event_from_proto, read_weight_messages, status_from_proto
+
+
+class ControlCalls:
+    def __init__(self, target: str, timeout: float = 30.0, connect_timeout: float | None = 10.0,
+                 tls: TLSFiles | None = None, token: str | None = None) -> None:
+        """``tls``: trust (and client certificate) for a TLS aggregator; ``token``: the admin token."""
+        self.target, self.timeout = target, timeout
+        self.channel = create_channel(target, tls, token)
+        if connect_timeout:
+            try:
+                wait_ready(self.channel, connect_timeout)
+            except Exception:
+                self.channel.close()
+                raise ConnectionError(f"no aggregator answering at {target} within {connect_timeout:.0f}s") from None
+        self.control = control_pb2_grpc.ControlStub(self.channel)
+        self.fed = federation_pb2_grpc.FederationStub(self.channel)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def start_json(self, config_json: str) -> dict[str, Any]:
+        """Start a run from its settings as JSON (the server validates them too)."""
+        return status_from_proto(self.control.StartRun(control_pb2.StartRunRequest(config_json=config_json),
+                                                       timeout=self.timeout))
+
+    def status(self) -> dict[str, Any]:
+        return status_from_proto(self.control.GetStatus(control_pb2.StatusRequest(), timeout=self.timeout))
+
+    def stop(self, reason: str = "") -> dict[str, Any]:
+        return status_from_proto(self.control.StopRun(control_pb2.StopRunRequest(reason=reason),
+                                                      timeout=self.timeout))
+
+    def watch(self, after_version: int = -1, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Round events (dicts) of the current run until it ends."""
+        for e in self.control.WatchRounds(control_pb2.WatchRequest(after_version=after_version), timeout=timeout):
+            yield event_from_proto(e)
+
+    def fetch_global(self, run_id: str = "", version: int = -1) -> dict[str, torch.Tensor]:
+        """Tensors of a global version (verified: size, sha256, names, shapes, finiteness)."""
+        fetch, _ = weights_calls(self.channel)
+        return assemble(*read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),
+                                                    timeout=max(self.timeout, 120))))
