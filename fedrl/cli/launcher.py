@@ -62,7 +62,6 @@ class UpConfig:
     datasets: tuple[str, ...]
     trajectories: int = 5
     out: Path = Path("runs/up")
-    transitions: int = 0
     device: str = "auto"
     agent_threads: int = 1
     eval_num_envs: int = 10
@@ -72,6 +71,7 @@ class UpConfig:
     prometheus_bin: str | None = None
     linger: float = 0.0
     secure: bool = False
+    transitions: int = 0  # with > 0, whole trajectories per agent until it holds this many transitions
 
 
 class ChildFailed(RuntimeError):

@@ -178,6 +178,27 @@ def test_heterogeneous_mix_and_not_enough_episodes():
         partition([ShardSource("expert", expert, 5)], 5, seed=0)
 
 
+def test_shards_sized_by_transitions_take_whole_episodes_until_full():
+    """--transitions: at least K episodes and at least T transitions, whole episodes, disjoint,
+    seeded; an agent's shard does not depend on how many agents come after it."""
+    tr = synthetic_transitions(n_episodes=40, length=4)  # 4 transitions an episode
+    shards = partition([ShardSource("f", tr, 3)], trajectories=2, seed=1, transitions=10)
+    for s in shards:
+        assert len(s.episodes) == 3 and len(s.transitions) == 12  # 2 episodes = 8 < 10: a third
+        assert set(s.transitions.episode.tolist()) == set(s.episodes)
+    assert len(set().union(*(set(s.episodes) for s in shards))) == 9
+    few = partition([ShardSource("f", tr, 3)], trajectories=5, seed=1, transitions=10)
+    assert all(len(s.episodes) == 5 for s in few)  # the trajectory count is a floor too
+    first_two = partition([ShardSource("f", tr, 2)], trajectories=2, seed=1, transitions=10)
+    assert [s.episodes for s in first_two] == [s.episodes for s in shards[:2]]
+    assert [s.episodes for s in partition([ShardSource("f", tr, 3)], 2, 1, transitions=10)] == \
+        [s.episodes for s in shards]
+    with pytest.raises(DatasetError, match="agent 3 ran out"):
+        partition([ShardSource("f", tr, 4)], trajectories=2, seed=1, transitions=40)
+    with pytest.raises(ValueError, match="transitions per agent must be >= 0"):
+        partition([ShardSource("f", tr, 1)], trajectories=2, seed=1, transitions=-1)
+
+
 def test_named_datasets_of_two_tasks_are_refused_before_any_is_made(tmp_path, monkeypatch):
     from fedrl.federation.simulate import load_shards
 
