@@ -8,6 +8,8 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 from benchmarks import paper
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,3 +170,35 @@ def test_a_file_without_td_weight_ran_at_the_old_default_and_is_not_reused_for_t
     res["config"]["drpo"].pop("td_weight")  # as files before the option: they ran at 1
     dst.write_text(json.dumps(res))
     assert paper.find_identical(p, r, tmp_path) is None
+
+
+class _Stopped(Exception):
+    pass
+
+
+def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path, monkeypatch, capsys):
+    """A harness run killed after round 1 of 2 keeps its checkpoint in its work folder; `status`
+    names it with its round; running again finishes it with what an uninterrupted run computes."""
+    p = paper.PRESETS["smoke"]
+    r = next(x for x in paper.plan(p, "table", p.seeds) if x.algo == "drpo")
+    clean = paper.execute(p, r, tmp_path / "clean")
+    real = paper._progress
+
+    def stop_after_round_one(work, message):
+        real(work, message)
+        if "round   1/2" in message:
+            raise _Stopped
+
+    monkeypatch.setattr(paper, "_progress", stop_after_round_one)
+    with pytest.raises(_Stopped):
+        paper.execute(p, r, tmp_path / "cut")
+    work = paper.work_dir(p, r, tmp_path / "cut")
+    assert (work / "checkpoint.safetensors").exists() and not paper.result_path(p, r, tmp_path / "cut").exists()
+    assert "round   1/2" in (work / "progress.log").read_text()
+    paper.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path / "cut")}))
+    assert f"{r.key} at round 1/2" in capsys.readouterr().out
+    monkeypatch.setattr(paper, "_progress", real)
+    resumed = paper.execute(p, r, tmp_path / "cut")
+    assert resumed["resumed_after_round"] == 1 and "resumed_after_round" not in clean
+    assert resumed["curve"] == clean["curve"] and resumed["losses_per_round"] == clean["losses_per_round"]
+    assert not work.exists()  # a finished run leaves its result, not its work folder
