@@ -108,3 +108,24 @@ def test_weights_never_pickled():
     for f in (ROOT / "fedrl").rglob("*.py"):
         src = f.read_text()
         assert "import pickle" not in src and "torch.load(" not in src, f
+
+
+def test_readme_layout_names_every_core_package_and_only_files_that_exist():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    current = None
+    named: dict[str, set[str]] = {}
+    for line in block.splitlines():
+        m = re.match(r"  ([a-z_/0-9]+)/\s", line)
+        if m and (ROOT / "fedrl" / m.group(1)).is_dir():
+            current = m.group(1)
+        elif not line.startswith("   "):
+            current = None if not m else current
+        if current:
+            named.setdefault(current, set()).update(re.findall(r"\b([a-z_]+\.py)\b", line))
+X
+    for pkg, files in named.items():
+        for f in files:
+            assert (ROOT / "fedrl" / pkg / f).exists(), f"README's layout names fedrl/{pkg}/{f}, which does not exist"

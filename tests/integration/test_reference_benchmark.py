@@ -57,6 +57,9 @@ def test_committed_reference_results_render(tmp_path):
         pytest.skip("no committed reference results")
     md = reference.table_md(results)
     assert md.splitlines()[0].startswith("| data | learner |")
+    text = (reference.ROOT / "BENCHMARKS.md").read_text()
+    block = text.split("<!-- generated:reference -->\n", 1)[1].split("\n<!-- end:reference -->", 1)[0]
+    assert block == md, "BENCHMARKS.md's reference block is stale: python -m benchmarks.reference render"
     assert all(r["rows"] and r["settings"]["td_weight"] in (1.0, 2.0) for r in results)
     assert reference.curves_png(results, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
     json.dumps(results)
