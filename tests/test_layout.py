@@ -125,7 +125,7 @@ def test_readme_layout_names_every_core_package_and_only_files_that_exist():
             current = None if not m else current
         if current:
             named.setdefault(current, set()).update(re.findall(r"\b([a-z_]+\.py)\b", line))
-X
+    assert {p.split("/")[0] for p in named} == set(LAYER), f"README's layout lists {sorted(named)}"
     for pkg, files in named.items():
         for f in files:
             assert (ROOT / "fedrl" / pkg / f).exists(), f"README's layout names fedrl/{pkg}/{f}, which does not exist"
