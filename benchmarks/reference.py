@@ -159,10 +159,15 @@ class _Ours:
 
         over = dict(over)
         init = over.pop("init", "default")
-        if algo == "cql":
-            cfg = dataclasses.replace(cql_config(DRPOConfig()), **over)
+        hidden, batch = tuple(s["hidden"]), s["batch_size"]
+        if algo == "cql":  # the run's recorded settings, so a resumed run keeps them whatever today's defaults
+            cfg = cql_config(DRPOConfig(
+                hidden=hidden, batch_size=batch, actor_lr=s["actor_lr"], critic_lr=s["critic_lr"],
+                alpha_lr=s["alpha_lr"], gamma=s["gamma"], tau=s["tau"], cql_weight=s["cql_weight"],
+                td_weight=s["td_weight"], cql_n_actions=s["cql_n_actions"], alpha_init=s["alpha_init"]))
         else:
-            cfg = dataclasses.replace(BCConfig(), **over)
+            cfg = BCConfig(hidden=hidden, batch_size=batch, lr=s["bc_lr"], loss=s["bc_loss"])
+        cfg = dataclasses.replace(cfg, **over)
         self.learner = build_learner(cfg, obs_dim, act_dim, torch.device("cpu"), seed, seed + 1)
         if init == "orthogonal":
             corl_init(self.learner, seed)
