@@ -221,7 +221,7 @@ def _write_result(p: Preset, r: RunSpec, res: dict[str, Any], root: Path) -> dic
     return res
 
 
-def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
+def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1) -> dict[str, Any]:
     """Run one experiment cell; write and return its result."""
     import torch
 
@@ -234,7 +234,7 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS) -> dict[str, Any]:
     work = work_dir(p, r, root)  # checkpointed every round: a stopped run resumes after its last round
     work.mkdir(parents=True, exist_ok=True)
     resumed_from = _rounds_done(work)
-    summary = simulate(cfg, work, log=lambda m: _progress(work, m), checkpoint=True)
+    summary = simulate(cfg, work, log=lambda m: _progress(work, m), checkpoint=True, parallel_agents=agent_threads)
     rounds = [json.loads(x) for x in (work / "rounds.jsonl").read_text().splitlines()]
     losses = {}
     for rec in rounds:  # mean over agents of each round's mean losses
@@ -331,9 +331,9 @@ def reuse(p: Preset, r: RunSpec, src: Path, root: Path = RESULTS) -> dict[str, A
     return _write_result(p, r, res, root)
 
 
-def _run_one(preset: str, r: RunSpec, root: str) -> tuple[RunSpec, dict[str, Any], float]:
+def _run_one(preset: str, r: RunSpec, root: str, agent_threads: int = 1) -> tuple[RunSpec, dict[str, Any], float]:
     t0 = time.perf_counter()
-    return r, execute(PRESETS[preset], r, Path(root)), time.perf_counter() - t0
+    return r, execute(PRESETS[preset], r, Path(root), agent_threads), time.perf_counter() - t0
 
 
 def cmd_run(a) -> int:
@@ -341,9 +341,9 @@ def cmd_run(a) -> int:
     seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else p.seeds
     exps = EXPERIMENTS if a.experiment == "all" else (a.experiment,)
     root = Path(a.results)
-    jobs = getattr(a, "jobs", 1)
-    if jobs < 1:
-        raise SystemExit("--jobs must be at least 1")
+    jobs, agent_threads = getattr(a, "jobs", 1), getattr(a, "agent_threads", 1)
+    if jobs < 1 or agent_threads < 1:
+        raise SystemExit("--jobs and --agent-threads must be at least 1")
     todo = [r for e in exps for r in plan(p, e, seeds)]
     n_done = sum(result_path(p, r, root).exists() for r in todo)
     print(f"{len(todo)} runs, {n_done} already done", flush=True)
@@ -366,13 +366,13 @@ def cmd_run(a) -> int:
             pending.append(r)
     if jobs == 1:
         for r in pending:
-            report(*_run_one(p.name, r, str(root)))
+            report(*_run_one(p.name, r, str(root), agent_threads))
         return 0
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(_run_one, p.name, r, str(root)) for r in pending]
+        futs = [ex.submit(_run_one, p.name, r, str(root), agent_threads) for r in pending]
         for fut in as_completed(futs):
             report(*fut.result())
     return 0
@@ -743,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--results", default=str(RESULTS), help="results root (default benchmarks/results)")
     r.add_argument("--jobs", type=int, default=1,
                    help="runs in parallel, one process and one torch thread each (default 1)")
+    r.add_argument("--agent-threads", type=int, default=1,
+                   help="a run's agents trained at once, one thread each: the same numbers, sooner; "
+                        "--agent-threads 2 puts one run on both cores (default 1)")
     r.set_defaults(func=cmd_run)
     s = sub.add_parser("status")
     s.add_argument("--preset", choices=PRESETS, default="reduced")

@@ -54,6 +54,9 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aggregation", choices=AGGREGATIONS, default=d.aggregation)
     p.add_argument("--trim-fraction", type=float, default=d.trim_fraction)
     p.add_argument("--out", default=None, help="run folder (default runs/<algo>-<time>)")
+    p.add_argument("--parallel-agents", type=argtypes.at_least(1), default=1,
+                   help="agents trained at once, one thread each (with --threads 1: the same numbers as one "
+                        "at a time, on as many cores)")
     p.add_argument("--checkpoint", action="store_true",
                    help="write the whole state to OUT/checkpoint.safetensors after every round; the same "
                         "command again continues a stopped run after its last finished round")
@@ -104,7 +107,7 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
     out = a.out or f"runs/{a.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not (a.checkpoint and (Path(out) / "checkpoint.safetensors").exists()):
         refuse_a_used_folder(out, ("config.json", "rounds.jsonl", "summary.json"))
-    summary = run(cfg, out, checkpoint=a.checkpoint)
+    summary = run(cfg, out, checkpoint=a.checkpoint, parallel_agents=a.parallel_agents)
     if summary["final"]:
         f = summary["final"]
         print(json.dumps({"out": str(out), "final_return": round(f["return_mean"], 2),

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,7 @@ CHECKPOINT = "checkpoint.safetensors"
 
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
         on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-        checkpoint: bool = False) -> dict[str, Any]:
+        checkpoint: bool = False, parallel_agents: int = 1) -> dict[str, Any]:
     """Run the federation; write ``config.json``, ``rounds.jsonl``, ``summary.json``,
     ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``.
     ``on_round(r, global_state)`` sees every new global model (the equivalence tests use it).
@@ -143,7 +144,13 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     With ``checkpoint``, the whole state (global model, every agent's learner with its critics,
     optimiser moments and RNG, the curve so far) is written to ``out/checkpoint.safetensors``
     after every round, and a run whose folder holds one continues after its last finished round,
-    computing exactly what the uninterrupted run would have (tested)."""
+    computing exactly what the uninterrupted run would have (tested).
+
+    ``parallel_agents`` trains that many agents at once, one thread each (with one torch thread
+    per process, as the benchmarks run, the agents' computations are independent: the results are
+    bit-identical to one agent at a time, tested); two on two cores take ~0.56 of the time."""
+    if parallel_agents < 1:
+        raise ValueError(f"parallel agents must be >= 1, got {parallel_agents}")
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,12 +203,18 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         jl.writelines(x + "\n" for x in lines)  # a round after the checkpoint's is done again
         for r in range(done_rounds + 1, cfg.rounds + 1):
             t0 = time.perf_counter()
-            results = []
-            for i, tr in enumerate(trainers):
-                start = agent_states[i] if cfg.algo == "cql" else global_state
-                results.append(tr.train_round(start, cfg.local_steps))
+
+            def train(i: int):
+                res = trainers[i].train_round(agent_states[i] if cfg.algo == "cql" else global_state, cfg.local_steps)
                 if cfg.local_steps >= 200:
-                    log(f"  round {r}: agent {i + 1}/{len(trainers)} done in {results[-1].seconds:.1f}s")
+                    log(f"  round {r}: agent {i + 1}/{len(trainers)} done in {res.seconds:.1f}s")
+                return res
+
+            if parallel_agents > 1:
+                with ThreadPoolExecutor(parallel_agents, thread_name_prefix="agent") as pool:
+                    results = list(pool.map(train, range(len(trainers))))
+            else:
+                results = [train(i) for i in range(len(trainers))]
             if cfg.algo == "cql":
                 agent_states = [res.state for res in results]
             else:

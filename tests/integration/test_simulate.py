@@ -289,3 +289,20 @@ def test_cli_checkpoint_continues_a_stopped_run(tmp_path, random_dataset):
     assert [json.loads(x)["round"] for x in (out / "rounds.jsonl").read_text().splitlines()] == [1, 2, 3]
     again = subprocess.run(args + ["--checkpoint"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+@pytest.mark.parametrize("algo", ["drpo", "cql"])
+def test_agents_in_parallel_threads_compute_what_one_at_a_time_does(tmp_path, random_dataset, algo):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the benchmarks run
+    try:
+        cfg = tiny(random_dataset, algo=algo, agents=3)
+        one = run(cfg, tmp_path / "one", log=lambda m: None)
+        par = run(cfg, tmp_path / "par", log=lambda m: None, parallel_agents=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert one["curve"] == par["curve"]
+    a, b = load_file(tmp_path / "one" / "global_policy.safetensors"), load_file(tmp_path / "par" / "global_policy.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="parallel agents must be >= 1"):
+        run(cfg, tmp_path / "zero", log=lambda m: None, parallel_agents=0)
