@@ -88,6 +88,7 @@ class Launcher:
         self.prometheus = None
         self.child_env: dict[str, dict[str, str]] = {}
         self.client_tls = None
+        self.data_return: float | None = None  # the agents' data's mean episode return, for the plot
         self.admin_token: str | None = None
 
     # -- processes ---------------------------------------------------------------------------
@@ -168,8 +169,11 @@ class Launcher:
             raise ValueError(f"the datasets give {n_agents} agents but the run config says {cfg.run.agents}")
         # The agents' own checks (environment, dimensions, finite values, enough trajectories),
         # once here: bad data is refused before any process starts, not by every agent after.
-        load_shards(datasets, cfg.run.agents, cfg.trajectories, cfg.run.seed, cfg.run.env, lambda m: None,
-                    cfg.transitions)
+        shards, _ = load_shards(datasets, cfg.run.agents, cfg.trajectories, cfg.run.seed, cfg.run.env,
+                                lambda m: None, cfg.transitions)
+        from fedrl.ops.plotting import episode_return_mean
+        self.data_return = sum(episode_return_mean(s.transitions.rewards, s.transitions.episode)
+                               for s in shards) / len(shards)
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         (self.out / "ports").mkdir(exist_ok=True)
         (self.out / "run_config.json").write_text(json.dumps(json.loads(cfg.run.to_json()), indent=2))
@@ -320,8 +324,13 @@ class Launcher:
         env = final.get("env_id", "")
         if curve and env:
             from fedrl.envs import env_info
+            from fedrl.federation.simulate import parse_source
             from fedrl.ops.plotting import learning_curve
-            learning_curve(curve, self.out / "learning_curve.png", f"{self.cfg.run.algo} on {env}", env_info(env).key)
+            run = self.cfg.run
+            names = ", ".join(Path(parse_source(d, run.agents)[0]).name for d in self.cfg.datasets)
+            learning_curve(curve, self.out / "learning_curve.png",
+                           f"{run.algo} on {names}: {run.agents} agents x {run.local_steps} local steps",
+                           env_info(env).key, self.data_return)
         summary = {"run_id": final.get("run_id"), "state": final["state"], "message": final.get("message", ""),
                    "env_id": env, "rounds": len(rows), "final": curve[-1] if curve else None,
                    "best": max(curve, key=lambda c: c["return_mean"]) if curve else None}

@@ -260,9 +260,12 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: its results are the record
     if curve:
-        from fedrl.ops.plotting import learning_curve
+        from fedrl.ops.plotting import episode_return_mean, learning_curve
 
-        learning_curve(curve, out / "learning_curve.png", f"{cfg.algo} on {env.gym_id}", env.key)
+        data_return = float(np.mean([episode_return_mean(s.transitions.rewards, s.transitions.episode) for s in shards]))
+        learning_curve(curve, out / "learning_curve.png",
+                       f"{cfg.algo} on {', '.join(Path(parse_source(d, cfg.agents)[0]).name for d in cfg.datasets)}: {len(trainers)} agents x "
+                       f"{cfg.local_steps} local steps", env.key, data_return)
     log(f"done in {summary['wall_seconds']:.1f}s; results in {out}")
     return summary
 

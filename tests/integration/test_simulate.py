@@ -306,3 +306,33 @@ def test_agents_in_parallel_threads_compute_what_one_at_a_time_does(tmp_path, ra
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="parallel agents must be >= 1"):
         run(cfg, tmp_path / "zero", log=lambda m: None, parallel_agents=0)
+
+
+def test_learning_curve_has_integer_rounds_a_full_title_and_references(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from fedrl.ops import plotting
+
+    seen = {}
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, *a, **k):
+        ax = fig.axes[0]
+        seen["ticks"] = [t for t in ax.get_xticks() if 1 <= t <= 3]
+        seen["title"] = ax.get_title()
+        seen["labels"] = [line.get_label() for line in ax.get_lines()]
+        return real_savefig(fig, *a, **k)
+
+    curve = [{"round": r, "return_mean": 100.0 * r, "return_std": 5.0} for r in (1, 2, 3)]
+    try:
+        plt.Figure.savefig = savefig
+        plotting.learning_curve(curve, tmp_path / "c.png", "drpo on hopper-medium-v2: 3 agents x 100 local steps",
+                                "hopper", data_return=1234.5)
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert all(float(t).is_integer() for t in seen["ticks"]) and seen["ticks"]
+    assert seen["title"] == "drpo on hopper-medium-v2: 3 agents x 100 local steps"
+    assert "the agents' data (1234)" in seen["labels"] or "the agents' data (1235)" in seen["labels"]
+    assert any(label.startswith("D4RL expert") for label in seen["labels"])
+    assert any(label.startswith("D4RL random") for label in seen["labels"])
+    assert plotting.episode_return_mean([1.0, 2.0, 3.0, 4.0], [7, 7, 9, 9]) == 5.0
