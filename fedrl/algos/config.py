@@ -7,6 +7,7 @@ Table "Hyperparameters". Fields the paper leaves open follow CORL's ``cql.py`` a
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,6 +79,7 @@ class DRPOConfig:
     pi_bar). Critic and temperature optimisers always persist, like the critics themselves."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_positive(self, "actor_lr", "critic_lr", "alpha_lr", "batch_size", "cql_n_actions",
                         "global_samples", "q_norm", "td_weight")
         _check_nonnegative(self, "lambda1", "lambda2", "cql_weight", "alpha_init")
@@ -89,9 +91,7 @@ class DRPOConfig:
             raise ValueError(f"target_action must be 'sample' or 'mean', got {self.target_action!r}")
         if self.q_scale not in ("raw", "normalized"):
             raise ValueError(f"q_scale must be 'raw' or 'normalized', got {self.q_scale!r}")
-        if not self.hidden or any(int(h) <= 0 for h in self.hidden):
-            raise ValueError(f"hidden must be positive layer widths, got {self.hidden}")
-        object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
+        _check_policy(self)
 
 
 @dataclass(frozen=True)
@@ -118,12 +118,11 @@ class BCConfig:
     """Start each round with fresh Adam moments (the weights were just replaced by pi_bar)."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_positive(self, "lr", "batch_size")
         if self.loss not in ("nll", "mse"):
             raise ValueError(f"loss must be 'nll' or 'mse', got {self.loss!r}")
-        if not self.hidden or any(int(h) <= 0 for h in self.hidden):
-            raise ValueError(f"hidden must be positive layer widths, got {self.hidden}")
-        object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
+        _check_policy(self)
 
 
 def cql_config(base: DRPOConfig | None = None) -> DRPOConfig:
@@ -135,6 +134,39 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     """JSON-ready dict of a config dataclass (saved beside every result and checkpoint)."""
     return {f.name: (list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v)
             for f in dataclasses.fields(cfg)}
+
+
+def _check_types(cfg: Any) -> None:
+    """Every field has its declared type: ``bool`` fields a bool, ``int`` fields an integer (not a
+    bool), ``float`` fields a finite number (``float | None``: or None), string fields a string,
+    ``hidden`` a sequence of integers; a ValueError names the field."""
+    for f in dataclasses.fields(cfg):
+        v, kind = getattr(cfg, f.name), str(f.type)
+        is_num = isinstance(v, int | float) and not isinstance(v, bool)
+        if kind == "bool":
+            ok = isinstance(v, bool)
+        elif kind == "int":
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif kind.startswith("float"):
+            ok = (v is None and "None" in kind) or (is_num and math.isfinite(v))
+        elif kind == "tuple[int, ...]":
+            ok = isinstance(v, tuple | list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        else:  # Literal aliases: strings, checked against their choices by each config
+            ok = isinstance(v, str)
+        if not ok:
+            raise ValueError(f"{f.name}: expected {kind.replace('tuple[int, ...]', 'a list of integers')}"
+                             f"{' (finite)' if kind.startswith('float') else ''}, got {v!r}")
+
+
+def _check_policy(cfg: Any) -> None:
+    """What the policy network needs: positive layer widths, a log-std range, an action clip."""
+    if not cfg.hidden or any(int(h) <= 0 for h in cfg.hidden):
+        raise ValueError(f"hidden must be positive layer widths, got {cfg.hidden}")
+    object.__setattr__(cfg, "hidden", tuple(int(h) for h in cfg.hidden))
+    if not cfg.log_std_min < cfg.log_std_max:
+        raise ValueError(f"log_std_min ({cfg.log_std_min}) must be below log_std_max ({cfg.log_std_max})")
+    if not 0.0 < cfg.action_clip_eps < 0.5:
+        raise ValueError(f"action_clip_eps must be in (0, 0.5), got {cfg.action_clip_eps}")
 
 
 def _check_positive(cfg: Any, *names: str) -> None:

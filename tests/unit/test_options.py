@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from fedrl.algos import BCConfig, DRPOConfig
 from fedrl.federation.options import FederationOptions
 from fedrl.federation.runconfig import ConfigError, RunConfig, parse_run_config
 from fedrl.federation.simulate import SimConfig
@@ -72,3 +73,29 @@ def test_a_run_config_built_in_code_is_checked_too():
         RunConfig(round_timeout=float("nan"))
     cfg = RunConfig(agents=3, aggregation="trimmed-mean", trim_fraction=0.34)
     assert parse_run_config(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("target_entropy", "abc", "drpo: target_entropy: expected float | None"),
+    ("target_entropy", [1, 2], "drpo: target_entropy: expected float | None"),
+    ("target_entropy", float("nan"), "drpo: target_entropy: expected float | None"),
+    ("target_entropy", float("inf"), "drpo: target_entropy: expected float | None"),
+    ("log_std_min", 3.0, "drpo: log_std_min \\(3.0\\) must be below log_std_max"),
+    ("action_clip_eps", 0.0, "drpo: action_clip_eps must be in"),
+    ("alpha_lr", float("nan"), "drpo.alpha_lr: expected a finite number"),
+])
+def test_every_algorithm_field_is_typed_finite_and_consistent(field, value, says):
+    """A run config's algorithm settings are refused naming the field, whatever their type or
+    value, before any run starts (NaN, strings and lists where a number belongs, crossed bounds)."""
+    with pytest.raises(ConfigError, match=says):
+        parse_run_config({"drpo": {field: value}})
+    assert parse_run_config({"drpo": {"target_entropy": None}}).drpo.target_entropy is None
+    assert parse_run_config({"drpo": {"target_entropy": -2}}).drpo.target_entropy == -2.0
+
+
+def test_configs_built_in_code_are_typed_too():
+    for bad in ({"batch_size": 2.5}, {"auto_alpha": 1}, {"hidden": (256, True)}, {"gamma": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DRPOConfig(**bad)
+    with pytest.raises(ValueError, match="log_std_min"):
+        BCConfig(log_std_min=2.0, log_std_max=2.0)
