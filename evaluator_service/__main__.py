@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of the evaluation episodes")
     p.add_argument("--num-envs", type=argtypes.at_least(1), default=10, help="vectorised environments per rollout")
+    # the default is evaluator_service.servicer.MAX_POLICY_BYTES in MiB (a test holds them equal)
+    p.add_argument("--max-policy-mb", type=argtypes.at_least(1), default=64,
+                   help="largest policy an on-demand Evaluate accepts, in MiB; a larger declared size is "
+                        "refused (RESOURCE_EXHAUSTED) before anything is allocated (default %(default)s)")
     p.add_argument("--threads", type=argtypes.at_least(0), default=0)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--health-port", type=argtypes.port, default=None,
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     follower = (Follower(a.aggregator, a.seed, a.num_envs, metrics=metrics, tls=tls,
                          token=os.environ.get("FEDRL_EVALUATOR_TOKEN") or None) if a.aggregator else None)
     server = create_server([(evaluator_pb2_grpc.add_EvaluatorServicer_to_server,
-                             EvaluatorServicer(follower, a.num_envs, metrics), "fedrl.v1.Evaluator")],
+                             EvaluatorServicer(follower, a.num_envs, metrics, a.max_policy_mb << 20), "fedrl.v1.Evaluator")],
                            a.host, a.port, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls)
     log = logging.getLogger("fedrl.evaluator")
     log.info("serving on %s:%d", a.host, server.port)

@@ -11,17 +11,20 @@ from fedrl.algos.policy_io import policy_from_state
 from fedrl.envs.evaluation import evaluate
 from fedrl.ops.metrics import EvaluatorMetrics
 from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc
-from fedrl.wire.codec import CodecError, assemble
+from fedrl.wire.codec import Assembler, CodecError, check_manifest
 from fedrl.wire.rpc import codec_status
-from fedrl.wire.serde import evaluation_to_proto, read_weight_parts
+from fedrl.wire.serde import evaluation_to_proto, manifest_from_proto
 
 MAX_EPISODES = 1000
+# The largest policy an on-demand Evaluate accepts (the paper's is ~280 KB): a declared size above
+# it is refused before anything is allocated (--max-policy-mb).
+MAX_POLICY_BYTES = 64 << 20
 
 
 class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
     def __init__(self, follower: Follower | None, num_envs: int = 10,
-                 metrics: EvaluatorMetrics | None = None) -> None:
-        self.follower, self.num_envs = follower, num_envs
+                 metrics: EvaluatorMetrics | None = None, max_policy_bytes: int = MAX_POLICY_BYTES) -> None:
+        self.follower, self.num_envs, self.max_policy_bytes = follower, num_envs, max_policy_bytes
         self.metrics = metrics or (follower.metrics if follower else EvaluatorMetrics())
         self._lock = threading.Lock()  # one on-demand rollout at a time (CPU bound)
 
@@ -35,8 +38,22 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
         if not 1 <= h.episodes <= MAX_EPISODES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"episodes must be in [1, {MAX_EPISODES}]")
         try:
-            manifest, chunks = read_weight_parts(p.weights for p in request_iterator)
-            state = assemble(manifest, chunks)
+            parts = (p.weights for p in request_iterator)
+            first = next(parts, None)
+            if first is None or first.WhichOneof("part") != "manifest":
+                raise ValueError("weights stream must start with a manifest")
+            manifest = manifest_from_proto(first.manifest)
+            check_manifest(manifest)  # consistent with the tensors it lists (INVALID_ARGUMENT if not)
+            if manifest.total_bytes > self.max_policy_bytes:  # before a byte is allocated or read
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"declared size {manifest.total_bytes} bytes exceeds this evaluator's limit of "
+                              f"{self.max_policy_bytes} bytes (--max-policy-mb)")
+            asm = Assembler(manifest)  # checks the manifest; chunks land in it as they come
+            for p in parts:
+                if p.WhichOneof("part") != "chunk":
+                    raise ValueError("a weights stream has exactly one manifest, first")
+                asm.add(p.chunk)
+            state = asm.finish()
             policy = policy_from_state(state)
         except CodecError as e:
             context.abort(codec_status(e.reason), str(e))

@@ -282,3 +282,31 @@ def test_an_update_taken_as_the_connection_breaks_still_counts_at_its_agent(tmp_
         assert "round 1: the update sent before the connection broke was taken" in caplog.text
     finally:
         agg.close()
+
+
+def test_evaluate_refuses_a_declared_size_above_its_limit_before_allocating(evaluator):
+    """A small upload whose manifest declares a huge policy (here 2 GiB of listed tensors) is
+    refused from the manifest alone, before a buffer exists; the evaluator then still answers."""
+    from evaluator_service.__main__ import build_parser
+    from evaluator_service.servicer import MAX_POLICY_BYTES
+    from fedrl.proto.v1 import weights_pb2
+    from fedrl.wire.codec import Manifest, TensorSpec
+    from fedrl.wire.serde import manifest_to_proto
+
+    assert build_parser().parse_args([]).max_policy_mb << 20 == MAX_POLICY_BYTES
+    n = (2 << 30) // 4 - 64
+    m = Manifest("", 0, 0, (TensorSpec("policy.head.weight", "F32", (n,)),), 0, n * 4 + 128, "0" * 64)
+
+    def parts():
+        yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1))
+        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(manifest=manifest_to_proto(m)))
+        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(chunk=b"x" * 1024))
+
+    with pytest.raises(grpc.RpcError) as ei:
+        evaluator.Evaluate(parts(), timeout=30)
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds this evaluator's limit" in ei.value.details()
+    torch.manual_seed(0)
+    state = prefixed_state(POLICY, TanhGaussianPolicy(11, 3, (16, 16)))
+    rep = evaluator.Evaluate(_request(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1, seed=1), state),
+                             timeout=60)
+    assert len(rep.returns) == 1
