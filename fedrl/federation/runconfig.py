@@ -116,8 +116,10 @@ def parse_run_config(text: str | bytes | dict) -> RunConfig:
     else:
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        except (ValueError, UnicodeDecodeError, TypeError) as e:  # ValueError: bad JSON, or a 4,300+ digit integer
             raise ConfigError(f"run config is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ConfigError("run config is not valid JSON: it nests too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"run config must be a JSON object, got {type(data).__name__}")
     known = {f.name for f in dataclasses.fields(RunConfig)}

@@ -327,8 +327,10 @@ def _parse_header(raw: bytes, end_of_data: int) -> tuple[_Entry, ...]:
     """The entries a header describes, checked against a data area of ``end_of_data`` bytes."""
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError) as e:  # ValueError: bad JSON, or an integer of 4,300+ digits
         raise _bad(f"header is not JSON ({e})") from None
+    except RecursionError:
+        raise _bad("header nests too deeply") from None
     if not isinstance(header, dict):
         raise _bad("header is not a JSON object")
     meta = header.pop("__metadata__", {})

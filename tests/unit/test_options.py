@@ -99,3 +99,12 @@ def test_configs_built_in_code_are_typed_too():
             DRPOConfig(**bad)
     with pytest.raises(ValueError, match="log_std_min"):
         BCConfig(log_std_min=2.0, log_std_max=2.0)
+
+
+@pytest.mark.parametrize("text,says", [
+    ('{"drpo": ' + "[" * 50_000 + "]" * 50_000 + "}", "nests too deeply"),
+    ('{"seed": ' + "9" * 5000 + "}", "not valid JSON"),
+])
+def test_absurd_json_is_a_specific_refusal(text, says):
+    with pytest.raises(ConfigError, match=says):
+        parse_run_config(text)

@@ -100,3 +100,14 @@ def test_updates_assembled_in_pooled_buffers_stay_intact_while_held():
     third = receive({"w": torch.full((20, 30), 3.0), "b": torch.full((7,), 3.0)}, 3)
     assert (pool.mapped, pool.reused) == (2, 1)
     assert torch.equal(third["w"], torch.full((20, 30), 3.0)) and torch.equal(second["w"], -torch.ones(20, 30))
+
+
+def test_safetensors_headers_that_nest_or_count_absurdly_are_refused_specifically():
+    import struct
+
+    from fedrl.wire.codec import parse_safetensors
+
+    for header, says in ((b"[" * 50_000 + b"]" * 50_000, "nests too deeply"),
+                         (b'{"a": ' + b"9" * 5000 + b"}", "not JSON")):
+        with pytest.raises(CodecError, match=says):
+            parse_safetensors(struct.pack("<Q", len(header)) + header)
