@@ -9,6 +9,7 @@ deadline if at least ``min_agents`` have. The new global version is written to t
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import secrets
@@ -320,7 +321,13 @@ class Coordinator:
                                    f"run {self.run.run_id} is {self.run.state}; stop it first", "run_active")
             run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
             run = Run(run_id, cfg, cfg.to_json(), time.time())
-            self.store.create_run(run_id, run.config_json)
+            try:
+                self.store.create_run(run_id, run.config_json)
+            except OSError as e:  # nothing of the run was kept, and the aggregator's state is unchanged
+                full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"cannot store the run in the state directory "
+                                   f"({'full' if full else 'not writable'}: {e.strerror or e})", "state_dir") from None
             self.run = run
             self._event(run, "RUN_STARTED", message=f"waiting for {cfg.agents} agents")
             self._maybe_begin()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,16 @@ class Store:
         return self.run_dir(run_id) / f"v{version:06d}.safetensors"
 
     def create_run(self, run_id: str, config_json: str) -> None:
+        """The run's folder with its config; on a failure (a full or read-only disk) nothing of
+        it is left behind."""
         d = self.run_dir(run_id)
         d.mkdir(parents=True, exist_ok=False)
-        self._write_bytes(d / "config.json", config_json.encode())
+        try:
+            self._write_bytes(d / "config.json", config_json.encode())
+            _fsync_dir(d.parent)
+        except BaseException:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
 
     def save_version(self, run_id: str, version: int, payload: bytes) -> Path:
         """Write a version's safetensors bytes (what the aggregator also sends: one serialisation)."""

@@ -351,3 +351,44 @@ def test_a_state_directory_that_cannot_be_made_is_named(tmp_path):
     with pytest.raises(OSError, match=f"state directory {blocker}: cannot create {blocker / 'runs'} "
                                       r"\(Not a directory\)"):
         Store(blocker)
+
+
+def test_start_run_on_a_full_or_unwritable_state_directory_is_refused_and_leaves_nothing(aggregator, monkeypatch):
+    """StartRun when the run cannot be stored: a specific status (RESOURCE_EXHAUSTED for a full
+    disk, FAILED_PRECONDITION for one that cannot be written), no run folder left behind, no run
+    started; with the disk healthy again the same request starts a run."""
+    import errno
+    import os
+
+    import grpc
+    import pytest
+
+    from fedrl.proto.v1 import control_pb2
+
+    runs = aggregator.store.root / "runs"
+    cfg = test_federation.run_config()
+
+    def start():
+        with pytest.raises(grpc.RpcError) as ei:
+            aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=cfg), timeout=10)
+        return ei.value
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:  # the disk fills while the run's config is written
+        m.setattr(os, "fsync", no_space)
+        err = start()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "full" in err.details(), err.details()
+    assert list(runs.iterdir()) == [] and not status(aggregator)["run_id"]
+    runs.rmdir()
+    runs.write_text("not a directory")  # a state directory whose runs/ cannot hold anything: a real OS error
+    try:
+        err = start()
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "not writable" in err.details(), err.details()
+        assert not status(aggregator)["run_id"]
+    finally:
+        runs.unlink()
+        runs.mkdir()
+    st = aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=cfg), timeout=10)
+    assert st.run_id and len(list(runs.iterdir())) == 1
