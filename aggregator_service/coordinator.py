@@ -28,7 +28,12 @@ from fedrl.algos.config import config_to_dict
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.round import algo_config, initial_global_state
-from fedrl.federation.runconfig import ConfigError, RunConfig, parse_run_config
+from fedrl.federation.runconfig import (
+    JOIN_LIMITS,
+    ConfigError,
+    RunConfig,
+    parse_run_config,
+)
 from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
@@ -157,11 +162,26 @@ class Coordinator:
         if rec.obs_dim <= 0 or rec.act_dim <= 0 or rec.num_samples <= 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"agent {rec.agent_id}: obs_dim, act_dim and num_samples must be positive")
+        for name, top in JOIN_LIMITS.items():
+            v = getattr(rec, name)
+            if not 0 <= v <= top:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: {name} must be in "
+                                   f"[0, {top}], got {v}")
         if rec.stats is not None and (len(rec.stats.total) != rec.obs_dim or len(rec.stats.total_sq) != rec.obs_dim
                                       or rec.stats.count <= 0):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"agent {rec.agent_id}: observation moments must have obs_dim={rec.obs_dim} "
                                "entries and a positive count")
+        if rec.stats is not None:
+            if rec.stats.count > JOIN_LIMITS["num_samples"]:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: observation count must "
+                                   f"be at most {JOIN_LIMITS['num_samples']}, got {rec.stats.count}")
+            with np.errstate(all="ignore"):
+                derived = rec.stats.mean_std()
+            if not all(np.isfinite(x).all() for x in (rec.stats.total, rec.stats.total_sq, *derived)):
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"agent {rec.agent_id}: observation moments (sums, sums of squares, and the mean "
+                                   "and std they give) must be finite")
         with self.cond:
             old = self.agents.get(rec.agent_id)
             run = self.run
@@ -502,7 +522,11 @@ class Coordinator:
         run = self.run
         if run is None or run.state != "waiting_for_agents" or len(self.agents) < run.cfg.agents:
             return
-        chosen = sorted(self.agents.values(), key=lambda a: (a.index, a.agent_id))[: run.cfg.agents]
+        now = time.time()  # a run takes agents that are connected now, never records of agents gone
+        present = [a for a in self.agents.values() if self._connected(a, now)]
+        if len(present) < run.cfg.agents:
+            return
+        chosen = sorted(present, key=lambda a: (a.index, a.agent_id))[: run.cfg.agents]
         dims = {(a.obs_dim, a.act_dim) for a in chosen}
         envs = {a.env_id for a in chosen if a.env_id}
         if len(dims) != 1 or len(envs) > 1:
@@ -519,7 +543,11 @@ class Coordinator:
             self._fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments")
             return
         stats = [a.stats for a in chosen] if cfg.obs_norm != "none" else [ObsStats(1, np.zeros(obs_dim), np.zeros(obs_dim))]
-        g_mean, g_std = global_normalizer(cfg.obs_norm, stats)
+        with np.errstate(all="ignore"):
+            g_mean, g_std = global_normalizer(cfg.obs_norm, stats)
+        if not (np.isfinite(g_mean).all() and np.isfinite(g_std).all()):  # each agent's were finite; their pool overflowed
+            self._fail(run, "the agents' pooled observation moments are not finite")
+            return
         hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
         state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
                                      cfg.federate == "policy+critic")

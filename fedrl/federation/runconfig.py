@@ -64,6 +64,9 @@ LIMITS = {"agents": 10_000, "min_agents": 10_000, "rounds": 1_000_000, "local_st
           "eval_episodes": 1_000, "seed": 2**63 - 1, "round_timeout": 7 * 86400.0,
           "join_timeout": 7 * 86400.0}
 SUB_LIMITS = {"batch_size": 65_536, "cql_n_actions": 1_024, "global_samples": 1_024}
+# What an agent may declare when it joins (its shard): an index below the most agents a run may
+# have, dimensions no MuJoCo task comes near, a sample count no dataset does.
+JOIN_LIMITS = {"index": LIMITS["agents"] - 1, "obs_dim": 10_000, "act_dim": 1_000, "num_samples": 10**9}
 MAX_WIDTH, MAX_DEPTH = 4096, 8
 
 _INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes")

@@ -535,3 +535,46 @@ def test_each_agent_gets_its_own_normaliser_in_every_task(aggregator):
         for a in means:
             check(replies[a].next_task, a, r + 1)
         g = assemble(manifest_from_proto(replies["a1"].next_task.base_manifest), [replies["a1"].next_task.base_payload])
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("sum", float("nan"), "must be finite"),
+    ("sum_sq", float("inf"), "must be finite"),
+    ("sum", 1e308, "must be finite"),  # a finite sum whose square (for the std) overflows
+    ("obs_dim", 300_000, "obs_dim must be in"),
+    ("agent_index", -2**63, "index must be in"),
+    ("num_samples", 2**40, "num_samples must be in"),
+])
+def test_join_validates_what_an_agent_declares_and_nothing_changes(aggregator, field, value, says):
+    """Moments that are not finite (or whose mean and std are not), absurd dimensions, indices and
+    sample counts: INVALID_ARGUMENT naming the problem, and the agent is not registered, so a run
+    it would have wedged (a NaN version 0, a 295 MB one) starts with the honest agents."""
+    kw = dict(agent_id="bad", agent_index=0, num_samples=100, obs_dim=11, act_dim=3, env_id="Hopper-v5")
+    moments = dict(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)
+    if field in ("sum", "sum_sq"):
+        moments[field] = [value] * 11
+    else:
+        kw[field] = value
+        if field == "obs_dim":
+            moments.update(sum=[1.0] * value, sum_sq=[2.0] * value)
+    with pytest.raises(grpc.RpcError) as ei:
+        aggregator.fed.Join(federation_pb2.JoinRequest(**kw, obs_moments=federation_pb2.ObsMoments(**moments)),
+                            timeout=10)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in ei.value.details(), ei.value.details()
+    assert "bad" not in aggregator.coord.agents
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    st = wait_for(lambda: (s := status(aggregator))["state"] == "running" and s, 10, "the run to start")
+    v0 = aggregator.store.load_version(st["run_id"], 0)
+    assert all(torch.isfinite(t).all() for t in v0.values())
+
+
+def test_a_new_run_selects_only_agents_connected_now(aggregator):
+    join(aggregator, "gone", 0)
+    aggregator.coord.agents["gone"].last_seen -= 3600  # joined long ago, never heard of since
+    join(aggregator, "a1", 1)
+    join(aggregator, "a2", 2)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    wait_for(lambda: status(aggregator)["state"] == "running", 10, "the run to start")
+    assert aggregator.coord.run.selected == ["a1", "a2"]
