@@ -33,7 +33,9 @@ Resumable: training runs in chunks of ``--every`` steps in a worker process (d3r
 virtual environment, ``benchmarks/.venv-d3rlpy``, made on first use: d3rlpy pins gymnasium 1.0.0,
 which this project's environment does not have), each ending with a checkpoint under
 ``runs/reference/``; the result file ``benchmarks/results/reference/<run>.json`` gets a row per
-chunk. A stopped run continues from its last row (bit-identically for ours, which restores its RNG).
+chunk. A stopped run continues from its last row (bit-identically for ours, which restores its RNG);
+where its checkpoint is gone (``runs/`` is not committed: another machine, a new session), the
+recorded rows are recomputed in the same chunks and each is checked against the record first.
 """
 
 from __future__ import annotations
@@ -411,20 +413,34 @@ def drive(run: str, seed: int, steps: int, every: int, results: Path = RESULTS, 
                "transitions": int(len(npz["rewards"])), "seed": seed, "settings": settings, "overrides": over,
                "data_discounted_return": round(float(npz["mc_return"]), 2), "rows": []}
     rows = res["rows"]
-    step = rows[-1]["step"] if rows else 0
     py = sys.executable if impl == "ours" else str(ensure_venv())
-    while step < steps:
-        until = min(steps, step + every)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+    def chunk(until: int) -> dict[str, Any]:
         cmd = [py, "-m", "benchmarks.reference", "worker", "--run", run, "--seed", str(seed), "--until", str(until),
                "--settings", json.dumps(res["settings"]), "--work", str(work)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             raise RuntimeError(f"{run} s{seed}: worker failed:\n{p.stderr[-3000:]}")
         m = json.loads(p.stdout.strip().splitlines()[-1])
         if m["step"] != until:
             raise RuntimeError(f"{run} s{seed}: worker stopped at {m['step']}, asked for {until}")
-        m |= evaluate_snapshot(work / f"{run}-s{seed}", seed)
+        return m | evaluate_snapshot(work / f"{run}-s{seed}", seed)
+
+    step = rows[-1]["step"] if rows else 0
+    if rows and not (work / f"{run}-s{seed}" / "checkpoint.pt").exists():
+        # Recorded rows but no checkpoint (another machine, or its work folder was lost): retrain
+        # from step 0 in the same chunks, checking each recorded row on the way (the runs are
+        # deterministic), then go on from the last one.
+        print(f"{run} s{seed}: no checkpoint for its {step} recorded steps; recomputing them", flush=True)
+        for old in rows:
+            m = chunk(old["step"])
+            diffs = {k: (m[k], old[k]) for k in ("q_data", "nll_data", "return_mean") if not _close(m[k], old[k])}
+            print(f"{run} s{seed} step {old['step']}: " + (f"DIFFERS from the recorded row {diffs}" if diffs
+                                                          else "same as recorded"), flush=True)
+    while step < steps:
+        until = min(steps, step + every)
+        m = chunk(until)
         rows.append(m)
         res["code_revision"] = code_revision()
         if impl == "d3rlpy":

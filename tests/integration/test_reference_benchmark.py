@@ -63,3 +63,22 @@ def test_committed_reference_results_render(tmp_path):
     assert all(r["rows"] and r["settings"]["td_weight"] in (1.0, 2.0) for r in results)
     assert reference.curves_png(results, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
     json.dumps(results)
+
+
+def test_a_run_whose_checkpoint_is_lost_recomputes_its_rows_and_goes_on(tmp_path, monkeypatch, capsys):
+    """Rows recorded on another machine, no checkpoint here: the driver retrains them in the same
+    chunks, says each matches, and appends only the new rows."""
+    settings = {**reference.shared_settings(), "batch_size": 16}
+    monkeypatch.setattr(reference, "shared_settings", lambda: settings)
+    monkeypatch.setattr(reference, "evaluate_snapshot", lambda home, seed: {"return_mean": 0.0, "return_std": 0.0,
+                                                                            "score_mean": 0.0})
+    work, results = tmp_path / "work", tmp_path / "results"
+    _tiny_data(work)
+    first = reference.drive("bc-ours-5traj", 0, 4, 2, results, work)
+    assert [r["step"] for r in first["rows"]] == [2, 4]
+    (work / "bc-ours-5traj-s0" / "checkpoint.pt").unlink()
+    capsys.readouterr()
+    more = reference.drive("bc-ours-5traj", 0, 6, 2, results, work)
+    out = capsys.readouterr().out
+    assert "recomputing them" in out and out.count("same as recorded") == 2 and "DIFFERS" not in out
+    assert [r["step"] for r in more["rows"]] == [2, 4, 6] and more["rows"][:2] == first["rows"]
