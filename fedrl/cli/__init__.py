@@ -357,7 +357,9 @@ def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--after-version", type=int, default=-1)
     f = csub.add_parser("fetch", help="save a global version of the run as a policy file (for fedrl evaluate)")
     f.add_argument("--version", type=int, default=-1, help="default: the latest")
-    f.add_argument("--out", required=True, help="the .safetensors file to write")
+    f.add_argument("--out", required=True, help="the .safetensors file to write (an existing file is kept "
+                                                "unless --force)")
+    f.add_argument("--force", action="store_true", help="write over an existing --out file")
     sp = csub.add_parser("stop", help="stop the active run")
     sp.add_argument("--reason", default="stopped by operator")
     p.set_defaults(func=_cmd_ctl)
@@ -402,6 +404,9 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
             elif a.ctl_cmd == "stop":
                 print(dumps(c.stop(a.reason)))
             elif a.ctl_cmd == "fetch":
+                if Path(a.out).exists() and not a.force:
+                    print(f"fedrl ctl: {a.out} exists; pass --force to write over it", file=sys.stderr)
+                    return 1
                 try:
                     meta = c.save_policy(a.out, a.version)
                 except (ValueError, OSError) as e:  # no run yet; the file cannot be written
@@ -446,6 +451,9 @@ def _cmd_certs(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl", description="Federated offline RL (DRPO)")
+    import fedrl
+
+    p.add_argument("--version", action="version", version=f"fedrl {fedrl.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     _simulate_parser(sub)
     _evaluate_parser(sub)

@@ -105,3 +105,8 @@ def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path)
     p = ctl("fetch", "--version", "7", "--out", str(tmp_path / "v7.safetensors"))
     assert p.returncode == 1 and "NOT_FOUND" in p.stderr and "version 7 does not exist yet" in p.stderr
     assert not (tmp_path / "v7.safetensors").exists()
+    before = out.read_bytes()  # an existing file is kept unless --force
+    p = ctl("fetch", "--out", str(out))
+    assert p.returncode == 1 and "exists; pass --force" in p.stderr and out.read_bytes() == before
+    p = ctl("fetch", "--out", str(out), "--force")
+    assert p.returncode == 0, p.stderr
