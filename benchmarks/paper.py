@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import platform
 import re
 import shutil
 import subprocess
@@ -196,7 +197,7 @@ def result_path(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path:
     return Path(root) / f"paper-{p.name}" / r.experiment / f"{r.key}.json"
 
 
-def sim_config(p: Preset, r: RunSpec):
+def sim_config(p: Preset, r: RunSpec, device: str = "cpu"):
     from fedrl.algos import BCConfig, DRPOConfig
     from fedrl.federation.simulate import SimConfig
 
@@ -207,7 +208,7 @@ def sim_config(p: Preset, r: RunSpec):
     return SimConfig(algo=r.algo, datasets=r.datasets, agents=r.agents, trajectories=r.trajectories,
                      transitions=p.transitions,
                      rounds=r.rounds or p.rounds, local_steps=r.local_steps, eval_episodes=p.eval_episodes,
-                     eval_every=r.eval_every or p.eval_every, seed=r.seed, device="cpu",
+                     eval_every=r.eval_every or p.eval_every, seed=r.seed, device=device,
                      drpo=cfg(DRPOConfig, {**p.drpo, **r.drpo}), bc=cfg(BCConfig, {**p.bc, **r.bc}))
 
 
@@ -221,15 +222,16 @@ def _write_result(p: Preset, r: RunSpec, res: dict[str, Any], root: Path) -> dic
     return res
 
 
-def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1) -> dict[str, Any]:
-    """Run one experiment cell; write and return its result."""
+def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1,
+            device: str = "cpu") -> dict[str, Any]:
+    """Run one experiment cell on ``device`` (recorded in its config); write and return its result."""
     import torch
 
     from fedrl.federation.simulate import run as simulate
 
     torch.set_num_threads(1)  # reproducible numbers, and one core left for the rest
     revision = code_revision()  # before the run: the code this process loaded, not later edits
-    cfg = sim_config(p, r)
+    cfg = sim_config(p, r, device)
     t0 = time.perf_counter()
     work = work_dir(p, r, root)  # checkpointed every round: a stopped run resumes after its last round
     work.mkdir(parents=True, exist_ok=True)
@@ -246,12 +248,31 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1)
            "rounds": cfg.rounds, "variant": r.variant, "config": cfg.as_dict(),
            "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
            "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": revision,
+           "device_name": _device_name(cfg.device), "torch": torch.__version__,
            "shards": json.loads((work / "config.json").read_text())["shards"]}
     if resumed_from:
         out["resumed_after_round"] = resumed_from  # wall_seconds then counts only this process's rounds
     res = _write_result(p, r, out, root)
     shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def _device_name(device: str) -> str:
+    """What ran a cell, for its result file: the GPU's name, or the CPU's model."""
+    import torch
+
+    from fedrl.common.device import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
 
 
 def work_dir(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path:
@@ -298,7 +319,7 @@ def code_revision() -> str:
 LEGACY_DEFAULTS = {"drpo": {"td_weight": 1.0}}
 
 
-def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path | None:
+def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS, device: str = "cpu") -> Path | None:
     """A finished run of any experiment of this preset with exactly r's configuration.
 
     Runs are deterministic (one thread, seeded), so e.g. the agents study's 5-agent point is the
@@ -306,7 +327,7 @@ def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path | None:
     from fedrl.algos import BCConfig, DRPOConfig
     from fedrl.federation.simulate import SimConfig
 
-    cfg = sim_config(p, r)
+    cfg = sim_config(p, r, device)
     want = json.loads(json.dumps(cfg.as_dict()))
     # options added after a run was recorded are absent from its file; they ran at their default of
     # the time, which is today's but for the defaults that changed since (LEGACY_DEFAULTS)
@@ -331,9 +352,10 @@ def reuse(p: Preset, r: RunSpec, src: Path, root: Path = RESULTS) -> dict[str, A
     return _write_result(p, r, res, root)
 
 
-def _run_one(preset: str, r: RunSpec, root: str, agent_threads: int = 1) -> tuple[RunSpec, dict[str, Any], float]:
+def _run_one(preset: str, r: RunSpec, root: str, agent_threads: int = 1,
+             device: str = "cpu") -> tuple[RunSpec, dict[str, Any], float]:
     t0 = time.perf_counter()
-    return r, execute(PRESETS[preset], r, Path(root), agent_threads), time.perf_counter() - t0
+    return r, execute(PRESETS[preset], r, Path(root), agent_threads, device), time.perf_counter() - t0
 
 
 def cmd_run(a) -> int:
@@ -345,6 +367,15 @@ def cmd_run(a) -> int:
     if jobs < 1 or agent_threads < 1:
         raise SystemExit("--jobs and --agent-threads must be at least 1")
     todo = [r for e in exps for r in plan(p, e, seeds)]
+    device = getattr(a, "device", "cpu")
+    only = [k for k in (getattr(a, "only", None) or "").split(",") if k]
+    if only:  # these cells, in this order
+        by_key = {r.key: r for r in todo}
+        unknown = [k for k in only if k not in by_key]
+        if unknown:
+            raise SystemExit(f"--only: no cell {', '.join(unknown)} in {p.name}/{a.experiment} "
+                             f"(cells: {', '.join(by_key)})")
+        todo = [by_key[k] for k in only]
     n_done = sum(result_path(p, r, root).exists() for r in todo)
     print(f"{len(todo)} runs, {n_done} already done", flush=True)
 
@@ -359,20 +390,20 @@ def cmd_run(a) -> int:
     for r in todo:
         if result_path(p, r, root).exists():
             continue
-        src = find_identical(p, r, root)
+        src = find_identical(p, r, root, device)
         if src is not None:
             report(r, reuse(p, r, src, root), 0, f", same configuration as {src.parent.name}/{src.stem}")
         else:
             pending.append(r)
     if jobs == 1:
         for r in pending:
-            report(*_run_one(p.name, r, str(root), agent_threads))
+            report(*_run_one(p.name, r, str(root), agent_threads, device))
         return 0
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(_run_one, p.name, r, str(root), agent_threads) for r in pending]
+        futs = [ex.submit(_run_one, p.name, r, str(root), agent_threads, device) for r in pending]
         for fut in as_completed(futs):
             report(*fut.result())
     return 0
@@ -430,7 +461,8 @@ def table_md(results: list[dict[str, Any]], datasets: tuple[str, ...], methods: 
                 continue
             sc = [r["final"]["score_mean"] for r in rs]
             ret = [r["final"]["return_mean"] for r in rs]
-            cells.append(f"{_ms(sc)} ({_ms(ret)}) n={len(rs)}")
+            gpu = sum(r["config"].get("device", "cpu") != "cpu" for r in rs)
+            cells.append(f"{_ms(sc)} ({_ms(ret)}) n={len(rs)}" + (f", {gpu} on GPU" if gpu else ""))
         rows.append(f"| {short(d)} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -746,6 +778,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--agent-threads", type=int, default=1,
                    help="a run's agents trained at once, one thread each: the same numbers, sooner; "
                         "--agent-threads 2 puts one run on both cores (default 1)")
+    r.add_argument("--device", default="cpu",
+                   help="cpu (default: every committed CPU result ran so), cuda or cuda:N; recorded in each "
+                        "result's config, with the device's name")
+    r.add_argument("--only", default=None,
+                   help="comma-separated cell keys (e.g. drpo-medium-s0,fed-cql-medium-s0): run just these, "
+                        "in this order")
     r.set_defaults(func=cmd_run)
     s = sub.add_parser("status")
     s.add_argument("--preset", choices=PRESETS, default="reduced")

@@ -202,3 +202,27 @@ def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path,
     assert resumed["resumed_after_round"] == 1 and "resumed_after_round" not in clean
     assert resumed["curve"] == clean["curve"] and resumed["losses_per_round"] == clean["losses_per_round"]
     assert not work.exists()  # a finished run leaves its result, not its work folder
+
+
+def test_only_runs_the_named_cells_and_refuses_unknown_ones(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="no cell drpo-expert-s9"):
+        paper.main(["run", "--preset", "smoke", "--only", "drpo-medium-s0,drpo-expert-s9", "--results", str(tmp_path)])
+    assert paper.main(["run", "--preset", "smoke", "--only", "fed-bc-medium-s0", "--results", str(tmp_path)]) == 0
+    made = sorted(p.name for p in (tmp_path / "paper-smoke" / "table").glob("*.json"))
+    assert made == ["fed-bc-medium-s0.json"]
+    res = json.loads((tmp_path / "paper-smoke" / "table" / "fed-bc-medium-s0.json").read_text())
+    assert res["config"]["device"] == "cpu" and res["device_name"]  # what ran it is recorded
+
+
+def test_device_claim_plans_by_measured_rates():
+    from benchmarks import device_claim as dc
+
+    assert dc.method_of("fed-bc-3e-4-medium-replay-s1") == "fed-bc-3e-4"
+    assert dc.method_of("drpo-medium-s0") == "drpo"
+    rates = {1: 100.0, 15: 1500.0}
+    one = dc.estimate(["drpo-medium-s0"], rates, 0.25, 50_000)
+    assert one == pytest.approx(50_000 / 100 * 1.15 + 60)  # one process alone runs at the 1-process rate
+    # 15 CQL-based cells share 1500 steps/s: 750k steps / 1500; BC cells cost a quarter
+    assert dc.estimate([f"drpo-medium-s{i}" for i in range(15)], rates, 0.25, 50_000) == \
+        pytest.approx(750_000 / 1500 * 1.15 + 60)
+    assert dc.estimate(["drpo-medium-s0", "fed-bc-medium-s0"], rates, 0.25, 50_000) == pytest.approx(one)
