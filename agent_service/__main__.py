@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("session", "calls"), default="session",
                    help="session: one stream for tasks and updates; calls: a NextTask and a submit "
                         "call each round (what an aggregator without Session streams gets anyway)")
+    p.add_argument("--progress-seconds", type=argtypes.positive_seconds, default=10.0,
+                   help="on a Session, report local-step progress while training at most this far apart "
+                        "(keeps the stream inside the aggregator's --stream-idle-seconds)")
     p.add_argument("--log-level", default="INFO")
     add_tls_arg(p)
     p.epilog = ("Its bearer token, when the aggregator requires tokens: $FEDRL_AGENT_TOKEN, or its own "
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedrl-agent: error: {e}", file=sys.stderr)
         return 2
     agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device, tls=tls, token=token,
-                              session=a.transport == "session"),
+                              session=a.transport == "session", progress_seconds=a.progress_seconds),
                   shard, metrics)
     health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc], tls=tls)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())

@@ -60,6 +60,7 @@ class AgentConfig:
     inline_max_bytes: int = INLINE_MAX_BYTES  # updates up to this size go as one message; larger ones stream
     # one Session stream for tasks and updates (the default), or a NextTask and a submit call each round
     session: bool = True
+    progress_seconds: float = 10.0  # a Session agent's progress messages while it trains, at most this far apart
 
 
 class Agent:
@@ -72,6 +73,7 @@ class Agent:
         self._stop = StopFlag()  # stop() may be called from a signal handler
         self._channel: grpc.Channel | None = None  # the one in use (closed by stop)
         self._session_call = None  # the Session stream in use, and since when it has been awaited
+        self._progress_to = None  # (answers queue, round, last sent) while a Session's TRAIN task trains
         self._awaited_since: float | None = None
         self.trainer: LocalTrainer | None = None
         self.trainer_run = ""
@@ -237,7 +239,11 @@ class Agent:
                     self._submitted(sent)
                     sent = None
                 if task.kind == federation_pb2.Task.TRAIN:
-                    update = self._train(stub, task)
+                    self._progress_to = (answers, task.round, time.monotonic())
+                    try:
+                        update = self._train(stub, task)
+                    finally:
+                        self._progress_to = None
                     if update is None:
                         answers.put(federation_pb2.SessionMessage(
                             done=federation_pb2.TaskDone(round=task.round)).SerializeToString())
@@ -251,6 +257,19 @@ class Agent:
             self._session_call = self._awaited_since = None
             answers.put(None)
             call.cancel()
+
+    def _progress(self, done: int, total: int) -> None:
+        """While a Session's TRAIN task trains: its local steps, every ``progress_seconds``
+        (the aggregator ends a stream that stays silent longer than its idle limit)."""
+        to = self._progress_to
+        if to is None:
+            return
+        answers, round_, last = to
+        now = time.monotonic()
+        if now - last >= self.cfg.progress_seconds:
+            answers.put(federation_pb2.SessionMessage(progress=federation_pb2.TaskProgress(
+                round=round_, steps_done=done, steps_total=total)).SerializeToString())
+            self._progress_to = (answers, round_, now)
 
     def _other(self, task) -> None:
         if task.kind == federation_pb2.Task.STOP:
@@ -299,7 +318,8 @@ class Agent:
                 stream.cancel()  # a refused stream is not read to its end
             raise
         # the trained tensors themselves, not copies: they are encoded (copied) before the next round
-        res = trainer.train_round(state, task.local_steps, stop=self._stop.is_set, copy=False)
+        res = trainer.train_round(state, task.local_steps, stop=self._stop.is_set, copy=False,
+                                  progress=self._progress)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         self._train_seconds = res.seconds
         enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples)

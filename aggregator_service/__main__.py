@@ -11,6 +11,11 @@ from fedrl.ops.metrics import add_metrics_args
 from fedrl.wire.security import add_tls_arg
 
 
+def _add_stream_args(p) -> None:
+    from fedrl.wire.rpc import add_stream_args
+
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl-aggregator", description="The federation's aggregator: "
                                 "Federation (agents) and Control (operators) gRPC services.")
@@ -33,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve plaintext gRPC health checking (only) here, for probes when the "
                         "main port needs TLS or tokens (0: a free port)")
     add_tls_arg(p)
+    _add_stream_args(p)
     p.add_argument("--agent-tokens-file", default=None,
                    help="AGENT_ID=TOKEN per line (default $FEDRL_AGENT_TOKENS, comma-separated); with "
                         "$FEDRL_ADMIN_TOKEN and $FEDRL_EVALUATOR_TOKEN. Any token set: every RPC but "
@@ -55,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from aggregator_service.store import Store
     from fedrl.ops.metrics import AggregatorMetrics, start_side_endpoints
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
-    from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
+    from fedrl.wire.rpc import announce_port, create_server, stream_limits, wait_for_shutdown
     from fedrl.wire.security import (
         Authenticator,
         AuthInterceptor,
@@ -79,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord, auth, a.max_workers),
          "fedrl.v1.Federation"),
         (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(coord), "fedrl.v1.Control"),
-    ], a.host, a.port, a.max_workers, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls)
+    ], a.host, a.port, a.max_workers, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls,
+        **stream_limits(a))
     log.info("serving on %s:%d (%s%s), state in %s", a.host, server.port,
              "mutual TLS" if tls and tls.ca else "TLS" if tls else "plaintext",
              ", tokens required" if auth.enabled else "", a.state_dir)

@@ -65,6 +65,7 @@ class AgentRecord:
     rounds_submitted: int = 0
     stop_sent_for: str = ""
     last_accepted: tuple[str, int] = ("", 0)  # (run, round) of the agent's last accepted update
+    progress: tuple[str, int, int, int] = ("", 0, 0, 0)  # (run, round, steps done, steps total) reported
 
 
 @dataclass
@@ -216,6 +217,16 @@ class Coordinator:
                                "unknown_agent")
         a.last_seen = time.time()
         return a
+
+    def progress(self, agent_id: str, round_: int, done: int, total: int) -> None:
+        """An agent's local steps on a round it trains (a Session's progress message): keeps it
+        connected while it trains, and shows in the status."""
+        if not (0 <= done <= total <= 10**12):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"progress {done}/{total}: expected 0 <= steps_done <= steps_total", "bad_progress")
+        with self.cond:
+            a = self._agent(agent_id)
+            a.progress = (self.run.run_id if self.run else "", round_, done, total)
 
     def next_task(self, agent_id: str, wait: float) -> dict[str, Any]:
         """A task for the agent: TRAIN, STOP, or WAIT after at most ``wait`` seconds."""
@@ -395,12 +406,20 @@ class Coordinator:
     def _connected(self, a: AgentRecord, now: float) -> bool:
         return now - a.last_seen < 2 * self.max_task_wait + 5
 
+    @staticmethod
+    def _progress_of(a: AgentRecord, run) -> dict[str, int]:
+        pr_run, pr_round, done, total = a.progress
+        if run is None or pr_run != run.run_id or pr_round != run.round or run.state != "running":
+            return {"steps_done": 0, "steps_total": 0}
+        return {"steps_done": done, "steps_total": total}
+
     def _status(self) -> dict[str, Any]:
         run = self.run
         now = time.time()
         agents = [{"agent_id": a.agent_id, "agent_index": a.index, "num_samples": a.num_samples,
                    "connected": self._connected(a, now),
-                   "last_seen_unix": a.last_seen, "rounds_submitted": a.rounds_submitted}
+                   "last_seen_unix": a.last_seen, "rounds_submitted": a.rounds_submitted,
+                   **self._progress_of(a, run)}
                   for a in sorted(self.agents.values(), key=lambda a: (a.index, a.agent_id))]
         if run is None:
             return {"state": "idle", "agents": agents}

@@ -168,7 +168,14 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             yield task
             if kind != "TRAIN":
                 continue
-            msg = next(request_iterator, None)  # the answer to the task
+            msg = next(request_iterator, None)  # the answer to the task, after any progress
+            while msg is not None and msg.WhichOneof("kind") == "progress":
+                p = msg.progress
+                try:
+                    self.coord.progress(agent_id, p.round, p.steps_done, p.steps_total)
+                except ServiceError as e:
+                    _abort(context, e)
+                msg = next(request_iterator, None)
             if msg is None:  # the agent closed its side of the stream
                 return
             which = msg.WhichOneof("kind")

@@ -13,6 +13,12 @@ from fedrl.ops.metrics import add_metrics_args
 from fedrl.wire.security import add_tls_arg
 
 
+def _add_stream_args(p) -> None:
+    from fedrl.wire.rpc import add_stream_args
+
+    add_stream_args(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl-evaluator", description="Follows the aggregator's rounds, "
                                 "evaluates every new global policy and reports returns and scores.")
@@ -32,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-port", type=argtypes.port, default=None,
                    help="also serve plaintext gRPC health checking (only) here, for probes")
     add_tls_arg(p)
+    _add_stream_args(p)
     add_metrics_args(p)
     return p
 
@@ -45,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from evaluator_service.servicer import EvaluatorServicer
     from fedrl.ops.metrics import EvaluatorMetrics, start_side_endpoints
     from fedrl.proto.v1 import evaluator_pb2_grpc
-    from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
+    from fedrl.wire.rpc import announce_port, create_server, stream_limits, wait_for_shutdown
     from fedrl.wire.security import (
         Authenticator,
         AuthInterceptor,
@@ -66,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                          token=os.environ.get("FEDRL_EVALUATOR_TOKEN") or None) if a.aggregator else None)
     server = create_server([(evaluator_pb2_grpc.add_EvaluatorServicer_to_server,
                              EvaluatorServicer(follower, a.num_envs, metrics, a.max_policy_mb << 20), "fedrl.v1.Evaluator")],
-                           a.host, a.port, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls)
+                           a.host, a.port, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls,
+                           **stream_limits(a))
     log = logging.getLogger("fedrl.evaluator")
     log.info("serving on %s:%d", a.host, server.port)
     health = start_side_endpoints(a, metrics.registry, log, tls=tls)

@@ -92,13 +92,15 @@ class LocalTrainer:
                                      derive_seed(seed, SEED_AGENT_RNG, agent))
 
     def train_round(self, global_state: Mapping[str, torch.Tensor], steps: int,
-                    stop: Callable[[], bool] | None = None, copy: bool = True) -> LocalResult:
+                    stop: Callable[[], bool] | None = None, copy: bool = True,
+                    progress: Callable[[int, int], None] | None = None) -> LocalResult:
         """Adopt ``global_state``, run ``steps`` local updates, return the shared parameters
         (copies; with ``copy=False`` on CPU, the learner's own tensors, valid until its next round).
 
         ``stop`` is asked before every step; when it answers True the round is abandoned
         (:class:`RoundInterrupted`): a service asked to shut down does not finish minutes of
-        local training first."""
+        local training first. ``progress(steps_done, steps)`` is called before every step (a
+        Session agent reports it, rate-limited, to keep its stream alive while it trains)."""
         t0 = time.perf_counter()
         self.learner.begin_round(global_state)
         if self.local_normalizer:
@@ -108,6 +110,8 @@ class LocalTrainer:
         for i in range(steps):
             if stop is not None and stop():
                 raise RoundInterrupted(f"local round abandoned after {i} of {steps} steps")
+            if progress is not None:
+                progress(i, steps)
             for k, v in self.learner.update(self.buffer.sample(self.cfg.batch_size, self.learner.gen)).items():
                 logs.setdefault(k, []).append(v)
         metrics = {k: float(torch.stack(v).float().mean()) for k, v in logs.items()}

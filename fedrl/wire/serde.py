@@ -220,7 +220,8 @@ def status_from_proto(p: control_pb2.RunStatus) -> dict:
          "global_version": p.global_version, "message": p.message, "config_json": p.config_json,
          "env_id": p.env_id, "evaluated_versions": list(p.evaluated_versions), "agents": [{"agent_id": a.agent_id, "agent_index": a.agent_index, "num_samples": a.num_samples,
                      "connected": a.connected, "last_seen_unix": a.last_seen_unix,
-                     "rounds_submitted": a.rounds_submitted} for a in p.agents]}
+                     "rounds_submitted": a.rounds_submitted, "steps_done": a.steps_done,
+                     "steps_total": a.steps_total} for a in p.agents]}
     if p.HasField("last_evaluation"):
         d["last_evaluation"] = evaluation_from_proto(p.last_evaluation)
     return d

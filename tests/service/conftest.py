@@ -19,7 +19,7 @@ from fedrl.wire.rpc import create_channel, create_server
 
 class Aggregator:
     def __init__(self, state_dir, task_wait: float = 2.0, port: int = 0, tls=None, auth=None,
-                 servicer=FederationServicer) -> None:
+                 servicer=FederationServicer, **server_kw) -> None:
         from fedrl.wire.security import Authenticator, AuthInterceptor
 
         auth = auth or Authenticator()
@@ -30,7 +30,7 @@ class Aggregator:
             (federation_pb2_grpc.add_FederationServicer_to_server, servicer(self.coord, auth),
              "fedrl.v1.Federation"),
             (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(self.coord), "fedrl.v1.Control"),
-        ], "127.0.0.1", port, interceptors=[self.metrics.grpc, AuthInterceptor(auth)], tls=tls)
+        ], "127.0.0.1", port, interceptors=[self.metrics.grpc, AuthInterceptor(auth)], tls=tls, **server_kw)
         self.target = f"127.0.0.1:{self.server.port}"
         self.channel = create_channel(self.target, tls)
         self.fed = federation_pb2_grpc.FederationStub(self.channel)

@@ -25,20 +25,24 @@ class StopRunRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_id", "agent_index", "num_samples", "connected", "last_seen_unix", "rounds_submitted")
+    __slots__ = ("agent_id", "agent_index", "num_samples", "connected", "last_seen_unix", "rounds_submitted", "steps_done", "steps_total")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     agent_index: int
     num_samples: int
     connected: bool
     last_seen_unix: float
     rounds_submitted: int
-    def __init__(self, agent_id: _Optional[str] = ..., agent_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., connected: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., rounds_submitted: _Optional[int] = ...) -> None: ...
+    steps_done: int
+    steps_total: int
+    def __init__(self, agent_id: _Optional[str] = ..., agent_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., connected: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., rounds_submitted: _Optional[int] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("run_id", "state", "round", "rounds", "global_version", "agents", "message", "last_evaluation", "config_json", "env_id", "evaluated_versions")

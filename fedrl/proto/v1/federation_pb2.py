@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from fedrl.proto.v1 import weights_pb2 as fedrl_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65\x64rl/v1/federation.proto\x12\x08\x66\x65\x64rl.v1\x1a\x16\x66\x65\x64rl/v1/weights.proto\"\x8e\x01\n\x0eSessionMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.fedrl.v1.TaskRequestH\x00\x12(\n\x06update\x18\x02 \x01(\x0b\x32\x16.fedrl.v1.InlineUpdateH\x00\x12\"\n\x04\x64one\x18\x03 \x01(\x0b\x32\x12.fedrl.v1.TaskDoneH\x00\x42\x06\n\x04kind\"\x19\n\x08TaskDone\x12\r\n\x05round\x18\x01 \x01(\x03\"8\n\nObsMoments\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\x12\x0b\n\x03sum\x18\x02 \x03(\x01\x12\x0e\n\x06sum_sq\x18\x03 \x03(\x01\"\xb6\x01\n\x0bJoinRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_index\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\x0f\n\x07obs_dim\x18\x04 \x01(\x03\x12\x0f\n\x07\x61\x63t_dim\x18\x05 \x01(\x03\x12\x0e\n\x06\x65nv_id\x18\x06 \x01(\t\x12)\n\x0bobs_moments\x18\x07 \x01(\x0b\x32\x14.fedrl.v1.ObsMoments\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\"J\n\tJoinReply\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x1b\n\x13last_accepted_round\x18\x03 \x01(\x03\"5\n\x0bTaskRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xcb\x02\n\x04Task\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.fedrl.v1.Task.Kind\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x13\n\x0blocal_steps\x18\x05 \x01(\x03\x12\x17\n\x0frun_config_json\x18\x06 \x01(\t\x12\x10\n\x08obs_mean\x18\x07 \x03(\x02\x12\x0f\n\x07obs_std\x18\x08 \x03(\x02\x12\x15\n\rdeadline_unix\x18\t \x01(\x01\x12\x30\n\rbase_manifest\x18\n \x01(\x0b\x32\x19.fedrl.v1.WeightsManifest\x12\x14\n\x0c\x62\x61se_payload\x18\x0b \x01(\x0c\";\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04WAIT\x10\x01\x12\t\n\x05TRAIN\x10\x02\x12\x08\n\x04STOP\x10\x03\"/\n\x0c\x46\x65tchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xc9\x01\n\x0cUpdateHeader\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12*\n\x07weights\x18\x02 \x01(\x0b\x32\x19.fedrl.v1.WeightsManifest\x12\x34\n\x07metrics\x18\x03 \x03(\x0b\x32#.fedrl.v1.UpdateHeader.MetricsEntry\x12\x15\n\rtrain_seconds\x18\x04 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"O\n\nUpdatePart\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedrl.v1.UpdateHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"g\n\x0cInlineUpdate\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedrl.v1.UpdateHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x1e\n\x16next_task_wait_seconds\x18\x03 \x01(\x01\"i\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x03\x12!\n\tnext_task\x18\x04 \x01(\x0b\x32\x0e.fedrl.v1.Task2\xf0\x02\n\nFederation\x12\x32\n\x04Join\x12\x15.fedrl.v1.JoinRequest\x1a\x13.fedrl.v1.JoinReply\x12\x31\n\x08NextTask\x12\x15.fedrl.v1.TaskRequest\x1a\x0e.fedrl.v1.Task\x12>\n\x0b\x46\x65tchGlobal\x12\x16.fedrl.v1.FetchRequest\x1a\x15.fedrl.v1.WeightsPart0\x01\x12=\n\x0cSubmitUpdate\x12\x14.fedrl.v1.UpdatePart\x1a\x15.fedrl.v1.SubmitReply(\x01\x12\x43\n\x12SubmitUpdateInline\x12\x16.fedrl.v1.InlineUpdate\x1a\x15.fedrl.v1.SubmitReply\x12\x37\n\x07Session\x12\x18.fedrl.v1.SessionMessage\x1a\x0e.fedrl.v1.Task(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65\x64rl/v1/federation.proto\x12\x08\x66\x65\x64rl.v1\x1a\x16\x66\x65\x64rl/v1/weights.proto\"\xba\x01\n\x0eSessionMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.fedrl.v1.TaskRequestH\x00\x12(\n\x06update\x18\x02 \x01(\x0b\x32\x16.fedrl.v1.InlineUpdateH\x00\x12\"\n\x04\x64one\x18\x03 \x01(\x0b\x32\x12.fedrl.v1.TaskDoneH\x00\x12*\n\x08progress\x18\x04 \x01(\x0b\x32\x16.fedrl.v1.TaskProgressH\x00\x42\x06\n\x04kind\"F\n\x0cTaskProgress\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x12\n\nsteps_done\x18\x02 \x01(\x03\x12\x13\n\x0bsteps_total\x18\x03 \x01(\x03\"\x19\n\x08TaskDone\x12\r\n\x05round\x18\x01 \x01(\x03\"8\n\nObsMoments\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\x12\x0b\n\x03sum\x18\x02 \x03(\x01\x12\x0e\n\x06sum_sq\x18\x03 \x03(\x01\"\xb6\x01\n\x0bJoinRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_index\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\x0f\n\x07obs_dim\x18\x04 \x01(\x03\x12\x0f\n\x07\x61\x63t_dim\x18\x05 \x01(\x03\x12\x0e\n\x06\x65nv_id\x18\x06 \x01(\t\x12)\n\x0bobs_moments\x18\x07 \x01(\x0b\x32\x14.fedrl.v1.ObsMoments\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\"J\n\tJoinReply\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x1b\n\x13last_accepted_round\x18\x03 \x01(\x03\"5\n\x0bTaskRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xcb\x02\n\x04Task\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.fedrl.v1.Task.Kind\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x13\n\x0blocal_steps\x18\x05 \x01(\x03\x12\x17\n\x0frun_config_json\x18\x06 \x01(\t\x12\x10\n\x08obs_mean\x18\x07 \x03(\x02\x12\x0f\n\x07obs_std\x18\x08 \x03(\x02\x12\x15\n\rdeadline_unix\x18\t \x01(\x01\x12\x30\n\rbase_manifest\x18\n \x01(\x0b\x32\x19.fedrl.v1.WeightsManifest\x12\x14\n\x0c\x62\x61se_payload\x18\x0b \x01(\x0c\";\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04WAIT\x10\x01\x12\t\n\x05TRAIN\x10\x02\x12\x08\n\x04STOP\x10\x03\"/\n\x0c\x46\x65tchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xc9\x01\n\x0cUpdateHeader\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12*\n\x07weights\x18\x02 \x01(\x0b\x32\x19.fedrl.v1.WeightsManifest\x12\x34\n\x07metrics\x18\x03 \x03(\x0b\x32#.fedrl.v1.UpdateHeader.MetricsEntry\x12\x15\n\rtrain_seconds\x18\x04 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"O\n\nUpdatePart\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedrl.v1.UpdateHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"g\n\x0cInlineUpdate\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedrl.v1.UpdateHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x1e\n\x16next_task_wait_seconds\x18\x03 \x01(\x01\"i\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x16\n\x0ereceived_bytes\x18\x03 \x01(\x03\x12!\n\tnext_task\x18\x04 \x01(\x0b\x32\x0e.fedrl.v1.Task2\xf0\x02\n\nFederation\x12\x32\n\x04Join\x12\x15.fedrl.v1.JoinRequest\x1a\x13.fedrl.v1.JoinReply\x12\x31\n\x08NextTask\x12\x15.fedrl.v1.TaskRequest\x1a\x0e.fedrl.v1.Task\x12>\n\x0b\x46\x65tchGlobal\x12\x16.fedrl.v1.FetchRequest\x1a\x15.fedrl.v1.WeightsPart0\x01\x12=\n\x0cSubmitUpdate\x12\x14.fedrl.v1.UpdatePart\x1a\x15.fedrl.v1.SubmitReply(\x01\x12\x43\n\x12SubmitUpdateInline\x12\x16.fedrl.v1.InlineUpdate\x1a\x15.fedrl.v1.SubmitReply\x12\x37\n\x07Session\x12\x18.fedrl.v1.SessionMessage\x1a\x0e.fedrl.v1.Task(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATEHEADER_METRICSENTRY']._loaded_options = None
   _globals['_UPDATEHEADER_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_SESSIONMESSAGE']._serialized_start=64
-  _globals['_SESSIONMESSAGE']._serialized_end=206
-  _globals['_TASKDONE']._serialized_start=208
-  _globals['_TASKDONE']._serialized_end=233
-  _globals['_OBSMOMENTS']._serialized_start=235
-  _globals['_OBSMOMENTS']._serialized_end=291
-  _globals['_JOINREQUEST']._serialized_start=294
-  _globals['_JOINREQUEST']._serialized_end=476
-  _globals['_JOINREPLY']._serialized_start=478
-  _globals['_JOINREPLY']._serialized_end=552
-  _globals['_TASKREQUEST']._serialized_start=554
-  _globals['_TASKREQUEST']._serialized_end=607
-  _globals['_TASK']._serialized_start=610
-  _globals['_TASK']._serialized_end=941
-  _globals['_TASK_KIND']._serialized_start=882
-  _globals['_TASK_KIND']._serialized_end=941
-  _globals['_FETCHREQUEST']._serialized_start=943
-  _globals['_FETCHREQUEST']._serialized_end=990
-  _globals['_UPDATEHEADER']._serialized_start=993
-  _globals['_UPDATEHEADER']._serialized_end=1194
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1148
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1194
-  _globals['_UPDATEPART']._serialized_start=1196
-  _globals['_UPDATEPART']._serialized_end=1275
-  _globals['_INLINEUPDATE']._serialized_start=1277
-  _globals['_INLINEUPDATE']._serialized_end=1380
-  _globals['_SUBMITREPLY']._serialized_start=1382
-  _globals['_SUBMITREPLY']._serialized_end=1487
-  _globals['_FEDERATION']._serialized_start=1490
-  _globals['_FEDERATION']._serialized_end=1858
+  _globals['_SESSIONMESSAGE']._serialized_end=250
+  _globals['_TASKPROGRESS']._serialized_start=252
+  _globals['_TASKPROGRESS']._serialized_end=322
+  _globals['_TASKDONE']._serialized_start=324
+  _globals['_TASKDONE']._serialized_end=349
+  _globals['_OBSMOMENTS']._serialized_start=351
+  _globals['_OBSMOMENTS']._serialized_end=407
+  _globals['_JOINREQUEST']._serialized_start=410
+  _globals['_JOINREQUEST']._serialized_end=592
+  _globals['_JOINREPLY']._serialized_start=594
+  _globals['_JOINREPLY']._serialized_end=668
+  _globals['_TASKREQUEST']._serialized_start=670
+  _globals['_TASKREQUEST']._serialized_end=723
+  _globals['_TASK']._serialized_start=726
+  _globals['_TASK']._serialized_end=1057
+  _globals['_TASK_KIND']._serialized_start=998
+  _globals['_TASK_KIND']._serialized_end=1057
+  _globals['_FETCHREQUEST']._serialized_start=1059
+  _globals['_FETCHREQUEST']._serialized_end=1106
+  _globals['_UPDATEHEADER']._serialized_start=1109
+  _globals['_UPDATEHEADER']._serialized_end=1310
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1264
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1310
+  _globals['_UPDATEPART']._serialized_start=1312
+  _globals['_UPDATEPART']._serialized_end=1391
+  _globals['_INLINEUPDATE']._serialized_start=1393
+  _globals['_INLINEUPDATE']._serialized_end=1496
+  _globals['_SUBMITREPLY']._serialized_start=1498
+  _globals['_SUBMITREPLY']._serialized_end=1603
+  _globals['_FEDERATION']._serialized_start=1606
+  _globals['_FEDERATION']._serialized_end=1974
 # @@protoc_insertion_point(module_scope)

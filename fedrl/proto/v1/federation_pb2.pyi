@@ -10,14 +10,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SessionMessage(_message.Message):
-    __slots__ = ("hello", "update", "done")
+    __slots__ = ("hello", "update", "done", "progress")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     UPDATE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     hello: TaskRequest
     update: InlineUpdate
     done: TaskDone
-    def __init__(self, hello: _Optional[_Union[TaskRequest, _Mapping]] = ..., update: _Optional[_Union[InlineUpdate, _Mapping]] = ..., done: _Optional[_Union[TaskDone, _Mapping]] = ...) -> None: ...
+    progress: TaskProgress
+    def __init__(self, hello: _Optional[_Union[TaskRequest, _Mapping]] = ..., update: _Optional[_Union[InlineUpdate, _Mapping]] = ..., done: _Optional[_Union[TaskDone, _Mapping]] = ..., progress: _Optional[_Union[TaskProgress, _Mapping]] = ...) -> None: ...
+
+class TaskProgress(_message.Message):
+    __slots__ = ("round", "steps_done", "steps_total")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    steps_done: int
+    steps_total: int
+    def __init__(self, round: _Optional[int] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
 
 class TaskDone(_message.Message):
     __slots__ = ("round",)

@@ -115,6 +115,9 @@ class FederationServicer:
         update inline, or `done` when the agent submitted it with SubmitUpdate (a large model) or
         submits nothing. An update is checked exactly as SubmitUpdateInline checks it; the next task
         means it was accepted, and a refused one ends the stream with SubmitUpdateInline's status.
+        While it trains, the agent sends `progress` (at least every few seconds): the aggregator
+        ends a stream that keeps it waiting longer than its --stream-idle-seconds (60 s by default)
+        for the next message, with DEADLINE_EXCEEDED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

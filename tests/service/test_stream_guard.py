@@ -1,0 +1,192 @@
+"""Idle streams cannot starve a real aggregator: a stream that keeps the server waiting is ended,
+streams are capped per caller and in all (refused ones hold no worker), unauthenticated ones are
+refused before they are counted, and health, Control and Join answer within a second while the
+server is flooded; a Session agent that trains longer than the idle limit stays connected because
+it reports progress."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fedrl.proto.v1 import control_pb2, federation_pb2
+from fedrl.wire.rpc import RESERVED_WORKERS, create_channel
+from fedrl.wire.security import Authenticator, TokenClientInterceptor
+
+from .conftest import Aggregator
+
+SUBMIT = "/fedrl.v1.Federation/SubmitUpdate"
+
+
+def own_connection(target: str) -> grpc.Channel:
+    """A channel on its own TCP connection (channels in one process share one by default)."""
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+class IdleStreams:
+    """Client streams that send nothing until released (bounded: released at teardown)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.futures: list = []
+
+    def open(self, channel: grpc.Channel, n: int, timeout: float = 60):
+        call = channel.stream_unary(SUBMIT, request_serializer=None, response_deserializer=None)
+
+        def nothing():
+            self.release.wait(timeout)
+            return
+            yield
+
+        futs = [call.future(nothing(), timeout=timeout) for _ in range(n)]
+        self.futures += futs
+        return futs
+
+    def close(self) -> None:
+        self.release.set()
+        for f in self.futures:
+            f.cancel()
+
+
+@pytest.fixture
+def idle():
+    s = IdleStreams()
+    yield s
+    s.close()
+
+
+def _code(fut, timeout=10.0):
+    try:
+        fut.result(timeout=timeout)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+def _quick(fn, limit=1.0):
+    t = time.monotonic()
+    out = fn()
+    took = time.monotonic() - t
+    assert took < limit, f"took {took:.2f}s"
+    return out
+
+
+def test_an_idle_stream_is_ended_after_the_idle_limit(tmp_path, idle):
+    agg = Aggregator(tmp_path / "s", stream_idle_seconds=1.0)
+    try:
+        t = time.monotonic()
+        (fut,) = idle.open(agg.channel, 1)
+        code, details = _code(fut, 15)
+        took = time.monotonic() - t
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "no message for 1s" in details, (code, details)
+        assert 0.9 < took < 5, took
+        # its worker is free again: the guard counts no open stream
+        end = time.monotonic() + 5
+        while agg.server.guard._open and time.monotonic() < end:
+            time.sleep(0.05)
+        assert agg.server.guard._open == 0
+    finally:
+        agg.close()
+
+
+def test_a_flood_of_idle_streams_is_refused_and_the_server_keeps_answering(tmp_path, idle):
+    workers, per_caller = 24, 4
+    agg = Aggregator(tmp_path / "s", max_workers=workers, streams_per_identity=per_caller, stream_idle_seconds=30)
+    chans = [own_connection(agg.target) for _ in range(40)]
+    try:
+        futs = [f for ch in chans for f in idle.open(ch, 6)]  # 240 streams, 6 per connection
+        time.sleep(1.0)
+        refused = [f for f in futs if f.done()]
+        codes = {_code(f)[0] for f in refused}
+        assert codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+        open_now = len(futs) - len(refused)
+        assert open_now == workers - RESERVED_WORKERS, open_now  # the cap in all, reached
+        # one connection's 5th and 6th streams are refused at once, naming the per-caller limit
+        details = {_code(f)[1] for f in refused}
+        assert any("streams open, the most one caller may" in d for d in details), details
+        # while they stay open: health, Control and Join answer within a second each, repeatedly
+        hc = health_pb2_grpc.HealthStub(agg.channel)
+        for _ in range(5):
+            r = _quick(lambda: hc.Check(health_pb2.HealthCheckRequest(), timeout=5))
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+            _quick(lambda: agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
+        reply = _quick(lambda: agg.fed.Join(federation_pb2.JoinRequest(
+            agent_id="a0", agent_index=0, num_samples=10, obs_dim=2, act_dim=1, env_id="Hopper-v5",
+            obs_moments=federation_pb2.ObsMoments(count=10, sum=[0, 0], sum_sq=[10, 10])), timeout=5))
+        assert reply.agent_id == "a0"
+    finally:
+        idle.close()
+        for ch in chans:
+            ch.close()
+        agg.close()
+
+
+def test_one_caller_cannot_hold_more_than_its_streams(tmp_path, idle):
+    agg = Aggregator(tmp_path / "s", streams_per_identity=3, stream_idle_seconds=30)
+    try:
+        first = idle.open(agg.channel, 3)
+        time.sleep(0.5)
+        assert not any(f.done() for f in first)
+        (fourth,) = idle.open(agg.channel, 1)
+        code, details = _code(fourth)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "3 streams open" in details, (code, details)
+        other = own_connection(agg.target)  # another caller is not affected
+        (theirs,) = idle.open(other, 1)
+        time.sleep(0.5)
+        assert not theirs.done()
+        idle.close()
+        other.close()
+    finally:
+        agg.close()
+
+
+def test_unauthenticated_streams_are_refused_before_they_count(tmp_path, idle):
+    auth = Authenticator(admin_token="admin-secret-0123456789", agent_tokens={"a0": "agent-secret-0123456789"})
+    agg = Aggregator(tmp_path / "s", auth=auth, streams_per_identity=2, max_workers=16, stream_idle_seconds=30)
+    try:
+        anon = [own_connection(agg.target) for _ in range(10)]
+        futs = [f for ch in anon for f in idle.open(ch, 5)]
+        assert {_code(f)[0] for f in futs} == {grpc.StatusCode.UNAUTHENTICATED}
+        # the agent's own streams still open
+        ch = grpc.intercept_channel(own_connection(agg.target), TokenClientInterceptor("agent-secret-0123456789"))
+        mine = idle.open(ch, 2)
+        time.sleep(0.5)
+        assert not any(f.done() for f in mine)
+        for c in anon:
+            c.close()
+    finally:
+        agg.close()
+
+
+def test_a_session_agent_training_past_the_idle_limit_stays_connected_by_its_progress(
+        tmp_path, agent_threads, stand_dataset, caplog):
+    from .test_federation import run_config, status, wait_for
+
+    agg = Aggregator(tmp_path / "s", stream_idle_seconds=1.0)
+    try:
+        agent_threads.start(agg.target, str(stand_dataset), 2, 2, seed=1, progress_seconds=0.2)
+        wait_for(lambda: len(status(agg)["agents"]) == 2, what="agents to join")
+        t0 = time.monotonic()
+        agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=1, local_steps=800)),
+                             timeout=10)
+        seen = []
+
+        def progressed():
+            st = status(agg)
+            seen.extend((a["steps_done"], a["steps_total"]) for a in st["agents"] if a["steps_total"])
+            return st["state"] in ("finished", "failed", "stopped") and st
+
+        st = wait_for(progressed, timeout=120, what="the run to end")
+        assert st["state"] == "finished", st
+        assert time.monotonic() - t0 > 2.0  # it did train for longer than the idle limit
+        assert seen and all(0 <= d <= t == 800 for d, t in seen), seen[:5]
+        wait_for(lambda: all(a.rounds_done == 1 for a in agent_threads.agents), timeout=20,
+                 what="the agents to see their updates taken")
+        assert not [r for r in caplog.records if "no message for" in r.getMessage()]  # no stream was ended
+    finally:
+        agent_threads.stop()
+        agg.close()
