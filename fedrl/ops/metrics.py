@@ -13,9 +13,14 @@ method names, status codes, refusal reasons, loss terms and agent ids (one per d
 
 from __future__ import annotations
 
+import socket
+import ssl
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import grpc
 from prometheus_client import (
@@ -25,7 +30,7 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 
 from fedrl.common import argtypes
@@ -60,14 +65,68 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, tls=None) -
     HTTPS with the service's certificate, and requires a client certificate from the same CA
     when the directory has ``ca.crt``, like the gRPC port.
     """
-    kw = {}
+    ctx = None
     if tls is not None and tls.cert is not None:  # a trust-only directory cannot serve TLS
         d = Path(tls.source)
-        kw = {"certfile": str(d / "tls.crt"), "keyfile": str(d / "tls.key")}
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(d / "tls.crt"), str(d / "tls.key"))
         if tls.ca is not None:
-            kw.update(client_cafile=str(d / "ca.crt"), client_auth_required=True)
-    httpd, _thread = start_http_server(port, addr=host, registry=registry, **kw)
+            ctx.load_verify_locations(str(d / "ca.crt"))
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    httpd = _MetricsServer((host, port), _QuietHandler, ctx)
+    httpd.set_app(make_wsgi_app(registry))
+    threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     return int(httpd.server_port)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+        pass
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    """The metrics endpoint: each connection in its own thread, its TLS handshake there too (not in
+    the accepting loop, where one client that connects and never starts its handshake stopped
+    every scrape: prometheus_client wraps the listening socket), every connection's reads bounded
+    by ``TIMEOUT`` seconds, and at most ``MAX_CONNECTIONS`` at once (the rest closed at once)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    TIMEOUT = 10.0
+    MAX_CONNECTIONS = 64
+
+    def __init__(self, address, handler, ctx: ssl.SSLContext | None) -> None:
+        self.ctx = ctx
+        self._slots = threading.BoundedSemaphore(self.MAX_CONNECTIONS)
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+    def get_request(self):
+        conn, addr = self.socket.accept()
+        conn.settimeout(self.TIMEOUT)
+        return conn, addr
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            if self.ctx is not None:
+                try:
+                    request = self.ctx.wrap_socket(request, server_side=True)  # the handshake, here
+                except (OSError, ValueError):
+                    request.close()
+                    return
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):  # a client gone mid-answer is not news
+        pass
 
 
 # --------------------------------------------------------------------------------------------

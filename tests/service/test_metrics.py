@@ -3,6 +3,8 @@ after real RPCs on loopback."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -158,3 +160,43 @@ def test_every_service_exports_its_process_memory_and_cpu():
     own = CollectorRegistry()
     AggregatorMetrics(own)
     assert own.get_sample_value("process_resident_memory_bytes") is None
+
+
+@pytest.mark.parametrize("secure", [True, False])
+def test_metrics_endpoints_answer_while_silent_connections_are_open(tmp_path, secure):
+    """A client that connects and never sends (nor starts its TLS handshake) must not hold up
+    scrapes: prometheus_client's own server ran the handshake in its accepting loop."""
+    import socket
+    import ssl
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from fedrl.ops.metrics import serve_metrics
+    from fedrl.wire.devca import make_dev_ca
+    from fedrl.wire.security import TLSFiles
+
+    reg = CollectorRegistry()
+    Counter("probe_total", "a counter", registry=reg).inc()
+    ctx = None
+    if secure:
+        make_dev_ca(tmp_path / "ca")
+        port = serve_metrics(reg, "127.0.0.1", 0, TLSFiles.from_dir(tmp_path / "ca" / "server"))
+        ctx = ssl.create_default_context(cafile=str(tmp_path / "ca" / "ca.crt"))
+        ctx.load_cert_chain(str(tmp_path / "ca" / "admin" / "tls.crt"), str(tmp_path / "ca" / "admin" / "tls.key"))
+    else:
+        port = serve_metrics(reg, "127.0.0.1", 0)
+    url = f"{'https' if secure else 'http'}://127.0.0.1:{port}/metrics"
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(10)]
+    try:
+        for _ in range(3):
+            t = time.monotonic()
+            body = urllib.request.urlopen(url, context=ctx, timeout=5).read().decode()
+            assert "probe_total 1.0" in body and time.monotonic() - t < 2.0
+        if secure:  # still wants a client certificate
+            bare = ssl.create_default_context(cafile=str(tmp_path / "ca" / "ca.crt"))
+            with pytest.raises((ssl.SSLError, OSError)):
+                urllib.request.urlopen(url, context=bare, timeout=5).read()
+    finally:
+        for s in silent:
+            s.close()
