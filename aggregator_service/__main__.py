@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-workers", type=argtypes.at_least(1), default=1024,
                    help="RPC threads, made as needed: each connected agent's Session stream holds one, as "
                         "do watchers and long polls (a warning is logged when agents come near it)")
+    p.add_argument("--max-agents", type=argtypes.at_least(1), default=1024,
+                   help="agent records kept; a Join past it first forgets agents gone (not connected, not in "
+                        "the run), else is refused with RESOURCE_EXHAUSTED; records unseen for an hour "
+                        "are forgotten (default %(default)s)")
     p.add_argument("--task-wait", type=argtypes.positive_seconds, default=30.0, help="longest NextTask long poll, seconds")
     p.add_argument("--threads", type=argtypes.at_least(1), default=1,
                    help="torch CPU threads; its tensor work is small, and more threads only contend "
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if auth.enabled and tls is None:
         log.warning("tokens without TLS travel in clear text; use --tls-dir outside a trusted network")
     metrics = AggregatorMetrics()
-    coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics, resume=a.resume)
+    coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics, resume=a.resume, max_agents=a.max_agents)
     server = create_server([
         (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord, auth, a.max_workers),
          "fedrl.v1.Federation"),

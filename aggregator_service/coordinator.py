@@ -122,13 +122,20 @@ def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[di
     return [x for x in out if x["version"] <= stored_version]
 
 
+# Agent records the aggregator keeps (each holds its shard's observation moments): a Join past
+# them first drops the records of agents gone (not connected, not in the active run), oldest first.
+MAX_AGENTS = 1024
+AGENT_TTL = 3600.0  # a record not seen for this long, and not in the active run, is dropped
+
+
 class Coordinator:
     """Thread-safe: every public method takes the one lock; waiters use its condition."""
 
     def __init__(self, store: Store, max_task_wait: float = 30.0, tick: float = 0.1,
                  eval_grace: float = 120.0, metrics: AggregatorMetrics | None = None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, max_agents: int = MAX_AGENTS, agent_ttl: float = AGENT_TTL) -> None:
         self.store, self.eval_grace = store, eval_grace
+        self.max_agents, self.agent_ttl = max_agents, agent_ttl
         self.metrics = metrics or AggregatorMetrics()
         self.metrics.bind(self.gauges)
         self.max_task_wait = max_task_wait
@@ -196,12 +203,33 @@ class Coordinator:
             elif run is not None and rec.agent_id in run.accepted_before:  # first join since a restart
                 n, last = run.accepted_before[rec.agent_id]
                 rec.rounds_submitted, rec.last_accepted = n, (run.run_id, last)
-            rec.last_seen = time.time()
+            rec.last_seen = now = time.time()
+            self._expire(now)
+            if old is None and len(self.agents) >= self.max_agents:
+                self._expire(now, make_room=True)
+                if len(self.agents) >= self.max_agents:
+                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"agent {rec.agent_id}: this aggregator holds {len(self.agents)} agents, "
+                                       f"all connected or in the run (--max-agents {self.max_agents})",
+                                       "too_many_agents")
             self.agents[rec.agent_id] = rec
             log.info("agent %s joined (index %d, %d samples)", rec.agent_id, rec.index, rec.num_samples)
             self._maybe_begin()
             self.cond.notify_all()
             return run.run_id if run else ""
+
+    def _in_run(self, agent_id: str) -> bool:
+        run = self.run
+        return run is not None and run.state in ACTIVE and agent_id in run.selected
+
+    def _expire(self, now: float, make_room: bool = False) -> None:
+        """Drop the records of agents gone: not seen for ``agent_ttl`` (or, with ``make_room``,
+        not connected now), and not selected in the active run. Under the lock."""
+        gone = [a for a in self.agents.values() if not self._in_run(a.agent_id)
+                and (now - a.last_seen > self.agent_ttl or (make_room and not self._connected(a, now)))]
+        for a in sorted(gone, key=lambda a: a.last_seen):
+            del self.agents[a.agent_id]
+            log.info("agent %s forgotten (last seen %.0fs ago)", a.agent_id, now - a.last_seen)
 
     def last_accepted_round(self, agent_id: str, run_id: str) -> int:
         """The last round of ``run_id`` whose update from ``agent_id`` was accepted, 0 if none.
@@ -346,6 +374,10 @@ class Coordinator:
             cfg = parse_run_config(config_json)
         except ConfigError as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid run config: {e}", "bad_config") from None
+        if cfg.agents > self.max_agents:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"invalid run config: agents: {cfg.agents} is more than this aggregator keeps "
+                               f"(--max-agents {self.max_agents})", "bad_config")
         with self.cond:
             if self.run is not None and self.run.state in ACTIVE:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,

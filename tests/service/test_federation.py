@@ -384,6 +384,42 @@ def test_join_and_task_refusals(aggregator):
                    grpc.StatusCode.NOT_FOUND, "unknown run 'nope'")
 
 
+def test_agent_records_are_bounded_and_those_of_agents_gone_are_forgotten(aggregator):
+    coord = aggregator.coord
+    coord.max_agents = 3
+    for i in range(3):
+        join(aggregator, f"a{i}", i)
+    # all three connected: a fourth is refused, nothing registered
+    assert_refused(lambda: join(aggregator, "a3", 3), grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-agents 3")
+    assert sorted(coord.agents) == ["a0", "a1", "a2"]
+    # a run may not want more agents than the aggregator keeps
+    assert_refused(lambda: aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(agents=4)), timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "--max-agents 3")
+    # a0 has gone (not connected): its record makes room; a known agent rejoining always may
+    coord.agents["a0"].last_seen -= 2 * coord.max_task_wait + 10
+    join(aggregator, "a3", 3)
+    assert sorted(coord.agents) == ["a1", "a2", "a3"]
+    join(aggregator, "a1", 1)
+    # a record unseen for longer than the TTL is dropped at the next Join, even with room left
+    coord.max_agents = 10
+    coord.agents["a2"].last_seen -= coord.agent_ttl + 1
+    join(aggregator, "a4", 4)
+    assert sorted(coord.agents) == ["a1", "a3", "a4"]
+
+
+def test_agents_selected_in_a_running_run_are_never_forgotten(aggregator):
+    coord = aggregator.coord
+    coord.max_agents = 2
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    wait_for(lambda: status(aggregator)["state"] == "running", what="the run to start")
+    for a in ("a0", "a1"):
+        coord.agents[a].last_seen -= coord.agent_ttl + 1
+    assert_refused(lambda: join(aggregator, "a2", 2), grpc.StatusCode.RESOURCE_EXHAUSTED, "in the run")
+    assert sorted(coord.agents) == ["a0", "a1"]
+
+
 @pytest.mark.parametrize("env, message", [
     ("HalfCheetah-v5", "env HalfCheetah-v5 in the run config, but the agents' data is for Hopper-v5"),
     ("Ant-v5", "env Ant-v5 in the run config, but the agents' data is for Hopper-v5"),
