@@ -14,7 +14,7 @@ from fedrl.wire.security import add_tls_arg
 def _add_stream_args(p) -> None:
     from fedrl.wire.rpc import add_stream_args
 
-
+    add_stream_args(p)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedrl-aggregator", description="The federation's aggregator: "

@@ -425,14 +425,17 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
 def _certs_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("certs", help="certificates for trying TLS / mutual TLS")
     csub = p.add_subparsers(dest="certs_cmd", required=True)
-    d = csub.add_parser("dev-ca", help="a throwaway CA, a server certificate and client certificates "
+    d = csub.add_parser("dev-ca", help="a throwaway CA and one certificate per role: the aggregator's and "
+                                       "the evaluator's (servers), the agents' and the admin's (clients) "
                                        "(development and tests only)")
-    d.add_argument("--out", required=True, help="directory to write (ca.crt, server/, <client>/)")
+    d.add_argument("--out", required=True,
+                   help="directory to write (ca.crt, aggregator/, evaluator/, <client>/)")
     d.add_argument("--host", action="append", default=None,
-                   help="server name or IP to certify (repeatable; default localhost, 127.0.0.1 and "
-                        "the Kubernetes service names)")
+                   help="extra name or IP both servers carry beside their service names fedrl-aggregator / "
+                        "fedrl-evaluator (repeatable; default localhost and 127.0.0.1)")
     d.add_argument("--client", action="append", default=None,
-                   help="client certificate to make (repeatable; default admin, evaluator, agent-0..2)")
+                   help="client certificate to make, named by its identity: admin, or an agent id "
+                        "(repeatable; default admin, agent-0, agent-1, agent-2)")
     d.add_argument("--days", type=int, default=30)
     p.set_defaults(func=_cmd_certs)
 
@@ -444,8 +447,8 @@ def _cmd_certs(a: argparse.Namespace) -> int:
     if a.client:
         kw["clients"] = tuple(a.client)
     out = make_dev_ca(a.out, **kw)
-    print(f"wrote a development CA to {out}: server/ for --tls-dir of the aggregator and evaluator, "
-          f"one directory per client for --tls-dir of agents, the evaluator and fedrl ctl")
+    print(f"wrote a development CA to {out}: aggregator/ and evaluator/ for their --tls-dir, one "
+          f"directory per client (agents, admin) for their --tls-dir and fedrl ctl's")
     return 0
 
 

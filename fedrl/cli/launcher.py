@@ -230,7 +230,7 @@ class Launcher:
             self.child_env[a] = {"FEDRL_AGENT_TOKEN": tok[a]}
         self.client_tls, self.admin_token = TLSFiles.from_dir(tls / "admin"), tok["admin"]
         self.log(f"secure: mutual TLS (throwaway CA in {tls}) and a bearer token per process")
-        return {"aggregator": ("--tls-dir", str(tls / "server")), "evaluator": ("--tls-dir", str(tls / "evaluator")),
+        return {"aggregator": ("--tls-dir", str(tls / "aggregator")), "evaluator": ("--tls-dir", str(tls / "evaluator")),
                 **{a: ("--tls-dir", str(tls / a)) for a in agents}}
 
     def _metrics_endpoints(self) -> None:

@@ -66,12 +66,12 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, tls=None) -
     when the directory has ``ca.crt``, like the gRPC port.
     """
     ctx = None
-    if tls is not None and tls.cert is not None:  # a trust-only directory cannot serve TLS
-        d = Path(tls.source)
+    files = tls.metrics_files() if tls is not None else None
+    if files is not None:  # a trust-only directory cannot serve TLS
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(str(d / "tls.crt"), str(d / "tls.key"))
+        ctx.load_cert_chain(str(files[0]), str(files[1]))
         if tls.ca is not None:
-            ctx.load_verify_locations(str(d / "ca.crt"))
+            ctx.load_verify_locations(str(Path(tls.source) / "ca.crt"))
             ctx.verify_mode = ssl.CERT_REQUIRED
     httpd = _MetricsServer((host, port), _QuietHandler, ctx)
     httpd.set_app(make_wsgi_app(registry))

@@ -1,10 +1,21 @@
 """A throwaway certificate authority for trying TLS and mutual TLS (``fedrl certs dev-ca``).
 
-Writes, in the layout of Kubernetes TLS Secrets (``tls.crt``, ``tls.key``, ``ca.crt``):
+Writes, in the layout of Kubernetes TLS Secrets (``tls.crt``, ``tls.key``, ``ca.crt``), one
+directory per role, each certificate good for its role only:
 
     <out>/ca.crt, ca.key        the CA (keep ca.key away from the services)
-    <out>/server/               the servers' certificate: aggregator and evaluator
-    <out>/<client>/             one client certificate per name (agents, evaluator, admin)
+    <out>/aggregator/           serves only (server usage): the aggregator's names
+    <out>/evaluator/            serves and calls the aggregator (both usages): the evaluator's names
+    <out>/<client>/             calls only (client usage, no host names): one per agent, admin;
+                                with metrics.crt/metrics.key beside it to serve the process's
+                                metrics endpoint (server usage, named ``fedrl-metrics``, localhost)
+
+Every certificate names its role in its subject's OU (``aggregator``, ``evaluator``, ``agent``,
+``admin``) and its identity in its CN (the agent id, ``admin``): under mutual TLS the aggregator
+refuses a call whose token's role or agent id disagrees with them (an agent certificate named
+``fedrl-agent``, ``--client fedrl-agent``, is one a StatefulSet's agents share: any agent's token
+goes with it). A client only takes a server whose certificate carries that service's name
+(``fedrl-aggregator``, also when it dials an IP).
 
 For development and tests only: real deployments use their own PKI (cert-manager, a corporate CA).
 """
@@ -17,9 +28,24 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-DEFAULT_HOSTS = ("localhost", "127.0.0.1", "fedrl-aggregator", "fedrl-evaluator",
-                 "fedrl-aggregator.fedrl.svc", "fedrl-evaluator.fedrl.svc",
-                 "fedrl-aggregator.fedrl.svc.cluster.local", "fedrl-evaluator.fedrl.svc.cluster.local")
+# Names every server certificate carries (for clients on the same machine) and each service's own.
+DEFAULT_HOSTS = ("localhost", "127.0.0.1")
+SERVICE_NAMES = {
+    "aggregator": ("fedrl-aggregator", "fedrl-aggregator.fedrl.svc", "fedrl-aggregator.fedrl.svc.cluster.local"),
+    "evaluator": ("fedrl-evaluator", "fedrl-evaluator.fedrl.svc", "fedrl-evaluator.fedrl.svc.cluster.local"),
+}
+# Every certificate that serves metrics carries this name: a scraper dialling pod IPs verifies
+# it; no gRPC client takes it for a service (they verify fedrl-aggregator / fedrl-evaluator).
+METRICS_NAME = "fedrl-metrics"
+
+
+def client_role(name: str) -> str:
+    """The role a client certificate of this name is for."""
+    if name == "admin":
+        return "admin"
+    if name == "evaluator":
+        return "evaluator"
+    return "agent"
 
 
 def _key():
@@ -43,8 +69,11 @@ def _write(path: Path, data: bytes, secret: bool = False) -> None:
 
 
 def make_dev_ca(out: str | os.PathLike, hosts: Sequence[str] = DEFAULT_HOSTS,
-                clients: Sequence[str] = ("admin", "evaluator", "agent-0", "agent-1", "agent-2"),
+                clients: Sequence[str] = ("admin", "agent-0", "agent-1", "agent-2"),
                 days: int = 30) -> Path:
+    """Write the CA and one certificate per role (see the module's docstring); ``hosts`` are
+    extra names (or IPs) both servers carry beside their service names; ``clients`` the client
+    identities (``evaluator`` among them is ignored: the evaluator has its own directory)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -64,33 +93,42 @@ def make_dev_ca(out: str | os.PathLike, hosts: Sequence[str] = DEFAULT_HOSTS,
     ca_pem = ca.public_bytes(serialization.Encoding.PEM)
     _write(out / "ca.crt", ca_pem)
     _write(out / "ca.key", _pem_key(ca_key), secret=True)
+    server, client = ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH
 
-    def leaf(name: str, sans: Sequence[str], usage) -> tuple[bytes, bytes]:
+    def leaf(cn: str, role: str, sans: Sequence[str], usage) -> tuple[bytes, bytes]:
         key = _key()
         alt = []
-        for h in sans:
+        for h in dict.fromkeys(sans):
             try:
                 alt.append(x509.IPAddress(ipaddress.ip_address(h)))
             except ValueError:
                 alt.append(x509.DNSName(h))
-        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn),
+                             x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)])
+        b = (x509.CertificateBuilder().subject_name(subject)
              .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
              .not_valid_before(start).not_valid_after(end)
              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-             .add_extension(x509.ExtendedKeyUsage(usage), critical=False))
+             .add_extension(x509.ExtendedKeyUsage(usage), critical=True))
         if alt:
             b = b.add_extension(x509.SubjectAlternativeName(alt), critical=False)
         cert = b.sign(ca_key, hashes.SHA256())
         return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
-    if "server" in clients:
-        raise ValueError("a client may not be called 'server'")
-    # Every certificate may serve and authenticate (server and client usage, the listed host
-    # names): each process here is both, e.g. an agent's metrics endpoint is scraped over TLS.
-    both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    for name in ("server", *clients):
-        cert, key = leaf(name if name != "server" else hosts[0], hosts, both)
-        _write(out / name / "tls.crt", cert)
-        _write(out / name / "tls.key", key, secret=True)
-        _write(out / name / "ca.crt", ca_pem)
+    def write(d: Path, pair: tuple[bytes, bytes], prefix: str = "tls") -> None:
+        _write(d / f"{prefix}.crt", pair[0])
+        _write(d / f"{prefix}.key", pair[1], secret=True)
+        _write(d / "ca.crt", ca_pem)
+
+    for role in ("aggregator", "evaluator"):
+        if role in clients and role == "aggregator":
+            raise ValueError("a client may not be called 'aggregator'")
+        usage = [server] if role == "aggregator" else [server, client]  # the evaluator also calls
+        write(out / role, leaf(SERVICE_NAMES[role][0], role, (*SERVICE_NAMES[role], METRICS_NAME, *hosts), usage))
+    for name in clients:
+        if name == "evaluator":
+            continue
+        role = client_role(name)
+        write(out / name, leaf(name, role, (), [client]))
+        write(out / name, leaf(name, "metrics", (METRICS_NAME, *DEFAULT_HOSTS), [server]), prefix="metrics")
     return out

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -426,11 +428,32 @@ def create_health_server(host: str, port: int, interceptors: Sequence[grpc.Serve
     return create_server([], host, port, max_workers=4, interceptors=interceptors)
 
 
-def create_channel(target: str, tls: TLSFiles | None = None, token: str | None = None) -> grpc.Channel:
+def expected_server_name(target: str, service: str = "aggregator") -> str | None:
+    """The name a TLS server at ``target`` must carry in its certificate, when it is not the
+    dialled host: ``fedrl-<service>`` for an IP address or localhost (where any server
+    certificate of the CA naming 127.0.0.1, such as an agent's metrics certificate, would
+    otherwise pass); ``$FEDRL_TLS_SERVER_NAME`` sets it (``-``: the dialled host, always)."""
+    env = os.environ.get("FEDRL_TLS_SERVER_NAME")
+    if env:
+        return None if env == "-" else env
+    host = target.rsplit(":", 1)[0] if not target.startswith("[") else target[1:].split("]")[0]
+    host = host.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return f"fedrl-{service}" if host == "localhost" else None
+    return f"fedrl-{service}"
+
+
+def create_channel(target: str, tls: TLSFiles | None = None, token: str | None = None,
+                   service: str = "aggregator") -> grpc.Channel:
     """A channel with the project's message limits and keepalives; TLS when ``tls`` is given
-    (presenting its client certificate if it has one), a bearer token on every call when ``token``."""
+    (presenting its client certificate if it has one, and taking only a server whose certificate
+    names ``service``: :func:`expected_server_name`), a bearer token on every call when ``token``."""
     if tls is not None:
-        channel = grpc.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+        name = expected_server_name(target, service)
+        opts = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", name)] if name else [])
+        channel = grpc.secure_channel(target, tls.channel_credentials(), options=opts)
     else:
         channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
     if token:

@@ -67,6 +67,9 @@ class TLSFiles:
     key: bytes | None
     ca: bytes | None
     source: str = ""
+    # metrics.crt/metrics.key: what a client-only process (an agent) serves its metrics with
+    metrics_cert: bytes | None = None
+    metrics_key: bytes | None = None
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike) -> "TLSFiles":
@@ -78,9 +81,11 @@ class TLSFiles:
             p = d / name
             return p.read_bytes() if p.exists() else None
 
-        files = cls(read("tls.crt"), read("tls.key"), read("ca.crt"), str(d))
+        files = cls(read("tls.crt"), read("tls.key"), read("ca.crt"), str(d), read("metrics.crt"), read("metrics.key"))
         if (files.cert is None) != (files.key is None):
             raise SecurityConfigError(f"{d}: tls.crt and tls.key go together (found only one)")
+        if (files.metrics_cert is None) != (files.metrics_key is None):
+            raise SecurityConfigError(f"{d}: metrics.crt and metrics.key go together (found only one)")
         if files.cert is None and files.ca is None:
             raise SecurityConfigError(f"{d}: neither tls.crt/tls.key nor ca.crt found")
         return files
@@ -90,6 +95,16 @@ class TLSFiles:
             raise SecurityConfigError(f"{self.source}: a server needs tls.crt and tls.key")
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=self.ca is not None)
+
+    def metrics_files(self) -> tuple[Path, Path] | None:
+        """(certificate, key) files the metrics endpoint serves with: metrics.* when present
+        (a client certificate may not serve), else tls.*; None when there is neither."""
+        d = Path(self.source)
+        if self.metrics_cert is not None:
+            return d / "metrics.crt", d / "metrics.key"
+        if self.cert is not None:
+            return d / "tls.crt", d / "tls.key"
+        return None
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
@@ -211,7 +226,78 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if who[0] not in roles:
             return _deny(handler, grpc.StatusCode.PERMISSION_DENIED,
                          f"{who[1]} ({who[0]}) may not call {handler_call_details.method}")
-        return handler
+        return _checking_certificate(handler, who)
+
+
+# The roles a certificate's subject OU may name (fedrl certs dev-ca writes them): a call under
+# mutual TLS whose certificate names one must carry a token of that role, and of the agent the
+# certificate names (unless it names the shared ``fedrl-agent``). Certificates without such an OU
+# (another PKI) leave the decision to the tokens.
+CERT_ROLES = frozenset({AGENT, EVALUATOR, ADMIN, "aggregator", "metrics"})
+SHARED_AGENT_CN = "fedrl-agent"
+
+
+def certificate_identity(context) -> tuple[str, str] | None:
+    """(role, common name) from the peer's client certificate when its subject names a fedrl role."""
+    try:
+        ac = context.auth_context()
+    except Exception:
+        return None
+    subject = b"".join(ac.get("x509_subject", [])).decode(errors="replace")
+    parts = dict(p.split("=", 1) for p in subject.split(",") if "=" in p)
+    role = parts.get("OU", "")
+    if role not in CERT_ROLES:
+        return None
+    return role, parts.get("CN", "")
+
+
+def certificate_disagrees(context, who: tuple[str, str]) -> str | None:
+    """Why the peer's certificate does not match its token ``who`` = (role, identity), or None."""
+    cert = certificate_identity(context)
+    if cert is None:
+        return None
+    role, cn = cert
+    if role != who[0]:
+        return f"the token of {who[1]} ({who[0]}) came with the certificate of {cn} ({role})"
+    if role == AGENT and cn != SHARED_AGENT_CN and cn != who[1]:
+        return f"the token of agent {who[1]!r} came with the certificate of agent {cn!r}"
+    return None
+
+
+def _checking_certificate(handler, who: tuple[str, str]):
+    """``handler``, refusing (PERMISSION_DENIED) a call whose client certificate disagrees with ``who``."""
+    def check(context):
+        why = certificate_disagrees(context, who)
+        if why is not None:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+
+    if handler.unary_unary:
+        f = handler.unary_unary
+
+        def uu(request, context):
+            check(context)
+            return f(request, context)
+        return handler._replace(unary_unary=uu)
+    if handler.stream_unary:
+        f2 = handler.stream_unary
+
+        def su(requests, context):
+            check(context)
+            return f2(requests, context)
+        return handler._replace(stream_unary=su)
+    if handler.unary_stream:
+        f3 = handler.unary_stream
+
+        def us(request, context):
+            check(context)
+            yield from f3(request, context)
+        return handler._replace(unary_stream=us)
+    f4 = handler.stream_stream
+
+    def ss(requests, context):
+        check(context)
+        yield from f4(requests, context)
+    return handler._replace(stream_stream=ss)
 
 
 class TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

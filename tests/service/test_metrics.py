@@ -181,7 +181,7 @@ def test_metrics_endpoints_answer_while_silent_connections_are_open(tmp_path, se
     ctx = None
     if secure:
         make_dev_ca(tmp_path / "ca")
-        port = serve_metrics(reg, "127.0.0.1", 0, TLSFiles.from_dir(tmp_path / "ca" / "server"))
+        port = serve_metrics(reg, "127.0.0.1", 0, TLSFiles.from_dir(tmp_path / "ca" / "aggregator"))
         ctx = ssl.create_default_context(cafile=str(tmp_path / "ca" / "ca.crt"))
         ctx.load_cert_chain(str(tmp_path / "ca" / "admin" / "tls.crt"), str(tmp_path / "ca" / "admin" / "tls.key"))
     else:

@@ -36,7 +36,7 @@ def ca(tmp_path_factory):
 
 @pytest.fixture
 def secure_aggregator(tmp_path, ca):
-    agg = Aggregator(tmp_path / "state", tls=TLSFiles.from_dir(ca / "server"),
+    agg = Aggregator(tmp_path / "state", tls=TLSFiles.from_dir(ca / "aggregator"),
                      auth=Authenticator(ADMIN, EVALUATOR, TOKENS))
     yield agg
     agg.close()
@@ -150,7 +150,7 @@ def test_security_configuration_errors_name_the_problem(tmp_path, ca):
         TLSFiles.from_dir(tmp_path / "nope")
     half = tmp_path / "half"
     half.mkdir()
-    (half / "tls.crt").write_bytes((ca / "server" / "tls.crt").read_bytes())
+    (half / "tls.crt").write_bytes((ca / "aggregator" / "tls.crt").read_bytes())
     with pytest.raises(SecurityConfigError, match="go together"):
         TLSFiles.from_dir(half)
     a = Authenticator(ADMIN, EVALUATOR, TOKENS)
@@ -169,3 +169,80 @@ def test_every_rpc_of_the_contract_has_a_role_entry():
             for method in service.methods:
                 path = f"/{service.full_name}/{method.name}"
                 assert path in POLICY or f"/{service.full_name}/*" in POLICY, f"{path} has no role entry"
+
+
+def _fake_aggregator(cert: bytes, key: bytes, ca_pem: bytes):
+    """A server on 127.0.0.1 posing as the aggregator with someone else's certificate; it records
+    every call that reaches it (with the caller's metadata: a token would be in it)."""
+    from concurrent import futures
+
+    seen = []
+
+    def join(request, context):
+        seen.append(dict(context.invocation_metadata()))
+        return federation_pb2.JoinReply(agent_id="fake").SerializeToString()
+
+    srv = grpc.server(futures.ThreadPoolExecutor(2))
+    srv.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "fedrl.v1.Federation", {"Join": grpc.unary_unary_rpc_method_handler(join)})])
+    port = srv.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca_pem, require_client_auth=True))
+    srv.start()
+    return srv, f"127.0.0.1:{port}", seen
+
+
+@pytest.mark.parametrize("stolen", ["tls", "metrics"])
+def test_an_agents_certificate_cannot_pose_as_the_aggregator(ca, stolen):
+    """Another agent's certificate (its client one, or the one its metrics endpoint serves with)
+    on a server at 127.0.0.1: an agent dialling it completes no TLS handshake and sends no token."""
+    d = ca / "agent-1"
+    srv, target, seen = _fake_aggregator((d / f"{stolen}.crt").read_bytes(), (d / f"{stolen}.key").read_bytes(),
+                                         (ca / "ca.crt").read_bytes())
+    try:
+        ch, fed, _ = stubs(type("T", (), {"target": target}), ca, "agent-0", TOKENS["agent-0"])
+        with pytest.raises(grpc.RpcError) as ei:
+            fed.Join(join_req("agent-0"), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert seen == []  # the token never left the agent
+        ch.close()
+    finally:
+        srv.stop(0)
+
+
+def test_the_real_aggregators_certificate_is_taken_at_127_0_0_1(ca):
+    """The control for the test above: the same fake server with the aggregator's certificate is
+    reached (so what refused the others was their certificate, not the set-up)."""
+    d = ca / "aggregator"
+    srv, target, seen = _fake_aggregator((d / "tls.crt").read_bytes(), (d / "tls.key").read_bytes(),
+                                         (ca / "ca.crt").read_bytes())
+    try:
+        ch, fed, _ = stubs(type("T", (), {"target": target}), ca, "agent-0", TOKENS["agent-0"])
+        assert fed.Join(join_req("agent-0"), timeout=5).agent_id == "fake"
+        assert seen and seen[0]["authorization"] == f"Bearer {TOKENS['agent-0']}"
+        ch.close()
+    finally:
+        srv.stop(0)
+
+
+@pytest.mark.parametrize("cert,token,message", [
+    ("agent-0", TOKENS["agent-1"], "the token of agent 'agent-1' came with the certificate of agent 'agent-0'"),
+    ("admin", TOKENS["agent-0"], "the token of agent-0 (agent) came with the certificate of admin (admin)"),
+    ("agent-0", ADMIN, "the token of admin (admin) came with the certificate of agent-0 (agent)"),
+])
+def test_a_certificate_must_agree_with_the_token(secure_aggregator, ca, cert, token, message):
+    ch, fed, control = stubs(secure_aggregator, ca, cert, token)
+    call = ((lambda: control.GetStatus(control_pb2.StatusRequest(), timeout=5)) if token == ADMIN
+            else (lambda: fed.Join(join_req("agent-1" if token == TOKENS["agent-1"] else "agent-0"), timeout=5)))
+    assert_refused(call, grpc.StatusCode.PERMISSION_DENIED, message)
+    assert secure_aggregator.coord.status()["agents"] == []  # nobody joined
+    ch.close()
+
+
+def test_server_certificates_cannot_call(secure_aggregator, ca):
+    """The aggregator's certificate has server usage only: a client presenting it completes no handshake."""
+    ch, fed, _ = stubs(secure_aggregator, ca, "aggregator", TOKENS["agent-0"])
+    with pytest.raises(grpc.RpcError) as ei:
+        fed.Join(join_req("agent-0"), timeout=5)
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+    ch.close()
+
