@@ -10,8 +10,10 @@ deadline if at least ``min_agents`` have. The new global version is written to t
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
+import re
 import secrets
 import threading
 import time
@@ -124,6 +126,7 @@ def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[di
 
 # Agent records the aggregator keeps (each holds its shard's observation moments): a Join past
 # them first drops the records of agents gone (not connected, not in the active run), oldest first.
+RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # what start_run names runs
 MAX_AGENTS = 1024
 AGENT_TTL = 3600.0  # a record not seen for this long, and not in the active run, is dropped
 
@@ -136,6 +139,7 @@ class Coordinator:
                  resume: bool = False, max_agents: int = MAX_AGENTS, agent_ttl: float = AGENT_TTL) -> None:
         self.store, self.eval_grace = store, eval_grace
         self.max_agents, self.agent_ttl = max_agents, agent_ttl
+        self._digests: dict[tuple[str, int, int], str] = {}  # stored versions' sha256, by file state
         self.metrics = metrics or AggregatorMetrics()
         self.metrics.bind(self.gauges)
         self.max_task_wait = max_task_wait
@@ -423,6 +427,74 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         with self.cond:
             return self._status()
+
+    # -- the state directory's runs and versions (files read outside the lock) -------------------
+    def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
+        limit = 100 if limit <= 0 else min(limit, 1000)
+        with self.cond:
+            active = {self.run.run_id: (self.run.state, self.run.message)} if self.run is not None else {}
+        out = []
+        for run_id in reversed(self.store.run_ids()[-limit:]):
+            try:
+                saved = self.store.read_run(run_id)
+                cfg = json.loads(saved["config_json"])
+            except (OSError, ValueError):
+                continue  # a run folder being written or damaged: not listed
+            events = saved["events"]
+            state, message = active.get(run_id, (None, ""))
+            if state is None:
+                ends = {"RUN_FINISHED": "finished", "RUN_STOPPED": "stopped", "RUN_FAILED": "failed"}
+                last = next((e for e in reversed(events) if e["kind"] in ends), None)
+                state = ends[last["kind"]] if last else "interrupted"
+                message = last.get("message", "") if last else ""
+            scores = {e["version"]: e["evaluation"].get("score_mean") for e in events
+                      if e["kind"] == "EVALUATED" and isinstance(e.get("evaluation"), dict)}
+            scores = {v: s for v, s in scores.items() if isinstance(s, (int, float))}
+            versions = self.store.versions(run_id)
+            best = max(scores, key=scores.get) if scores else None
+            out.append({"run_id": run_id, "state": state, "algo": cfg.get("algo", ""),
+                        "agents": int(cfg.get("agents", 0)), "rounds": int(cfg.get("rounds", 0)),
+                        "latest_version": versions[-1] if versions else -1,
+                        "started_unix": next((e["time_unix"] for e in events if e["kind"] == "RUN_STARTED"), 0.0),
+                        "best_score": scores[best] if best is not None else None, "best_version": best,
+                        "message": message})
+        return out
+
+    def list_versions(self, run_id: str = "") -> tuple[str, list[dict[str, Any]]]:
+        if not run_id:
+            run_id = self.store.latest_run() or ""
+            if not run_id:
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, "no run stored yet", "unknown_run")
+        if not RUN_ID.fullmatch(run_id) or run_id not in self.store.run_ids():
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id[:80]!r}", "unknown_run")
+        evals = {e["version"]: e["evaluation"] for e in self.store.read_run(run_id)["events"]
+                 if e["kind"] == "EVALUATED" and isinstance(e.get("evaluation"), dict)}
+        out = []
+        for v in self.store.versions(run_id):
+            path = self.store.version_path(run_id, v)
+            try:
+                st = path.stat()
+                digest = self._digest(path, st)
+            except OSError:
+                continue
+            ev = evals.get(v) or {}
+            out.append({"version": v, "time_unix": st.st_mtime, "size_bytes": st.st_size, "sha256": digest,
+                        "evaluated": bool(ev), "score_mean": ev.get("score_mean", 0.0),
+                        "return_mean": ev.get("return_mean", 0.0), "episodes": len(ev.get("returns", []))})
+        return run_id, out
+
+    def _digest(self, path, st) -> str:
+        key = (str(path), st.st_mtime_ns, st.st_size)
+        d = self._digests.get(key)
+        if d is None:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            d = self._digests[key] = h.hexdigest()
+            if len(self._digests) > 10_000:
+                self._digests.clear()
+        return d
 
     def gauges(self) -> dict[str, float]:
         """The numbers the aggregator's state gauges show (read at scrape time)."""

@@ -244,6 +244,21 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         except ServiceError as e:
             _abort(context, e)
 
+    def ListRuns(self, request, context):
+        return control_pb2.RunList(runs=[control_pb2.RunSummary(
+            run_id=r["run_id"], state=r["state"], algo=r["algo"], agents=r["agents"], rounds=r["rounds"],
+            latest_version=r["latest_version"], started_unix=r["started_unix"],
+            has_score=r["best_score"] is not None, best_score=r["best_score"] or 0.0,
+            best_version=r["best_version"] if r["best_version"] is not None else -1, message=r["message"])
+            for r in self.coord.list_runs(request.limit)])
+
+    def ListVersions(self, request, context):
+        try:
+            run_id, versions = self.coord.list_versions(request.run_id)
+        except ServiceError as e:
+            _abort(context, e)
+        return control_pb2.VersionList(run_id=run_id, versions=[control_pb2.VersionInfo(**v) for v in versions])
+
     def ReportEvaluation(self, request, context):
         try:
             self.coord.report_evaluation(evaluation_from_proto(request))

@@ -81,6 +81,13 @@ class Store:
     def save_participants(self, run_id: str, data: Mapping[str, Any]) -> None:
         self._write_bytes(self.run_dir(run_id) / "participants.json", json.dumps(data).encode())
 
+    def run_ids(self) -> list[str]:
+        """Every stored run's id, oldest first (ids start with their creation time)."""
+        base = self.root / "runs"
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir() if (p / "config.json").exists())
+
     def latest_run(self) -> str | None:
         """The most recent run id (ids start with their creation time), or None."""
         runs = sorted(p.name for p in (self.root / "runs").iterdir() if (p / "config.json").exists())

@@ -337,31 +337,44 @@ def _cmd_up(a: argparse.Namespace) -> int:
               log=lambda m: print(m, flush=True))
 
 
+# What ``fedrl ctl start`` without --config runs: every agent joined now, the paper's 1,000 local
+# steps per round (a CQL-based learner scores visibly above zero after the first round on
+# Hopper data), 10 rounds, each evaluated. Each can be changed with --set.
+CTL_START_DEFAULTS = {"rounds": 10, "local_steps": 1000, "eval_episodes": 10}
+
+
 def _ctl_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, fetch, stop")
-    p.add_argument("--target", default="127.0.0.1:50051", help="aggregator HOST:PORT")
+    p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, runs, versions, fetch, stop")
+    p.add_argument("--target", default="127.0.0.1:50051", help="aggregator HOST:PORT (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of tables")
     p.add_argument("--connect-timeout", type=argtypes.positive_seconds, default=10.0,
-                   help="seconds to wait for the aggregator to answer (e.g. while its pod starts)")
+                   help="seconds to wait for the aggregator to answer (e.g. while its pod starts; default %(default)s)")
     from fedrl.wire.security import add_tls_arg
     add_tls_arg(p)
     p.epilog = 'The admin token, when the aggregator requires tokens, is read from $FEDRL_ADMIN_TOKEN.'
     csub = p.add_subparsers(dest="ctl_cmd", required=True)
-    st = csub.add_parser("start", help="start a run")
-    st.add_argument("--config", default=None, help="run config JSON file")
+    st = csub.add_parser("start", help="start a run", description=(
+        "Without --config: the agents joined now, " + ", ".join(f"{k}={v}" for k, v in CTL_START_DEFAULTS.items())
+        + ", the rest the run config's defaults (algo drpo); --set changes any of them."))
+    st.add_argument("--config", default=None, help="run config JSON file (default: see above)")
     st.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a field, e.g. --set rounds=10 --set 'drpo={\"lambda1\": 0.2}'")
     st.add_argument("--if-idle", action="store_true",
                     help="succeed without starting anything when a run is already active (idempotent jobs)")
     csub.add_parser("status", help="the run's state, round, agents and last evaluation")
-    w = csub.add_parser("watch", help="print round events until the run ends")
-    w.add_argument("--after-version", type=int, default=-1)
+    w = csub.add_parser("watch", help="print round events until the run ends, one line each")
+    w.add_argument("--after-version", type=int, default=-1, help="skip events up to this version (default: all)")
+    r = csub.add_parser("runs", help="the runs in the aggregator's state directory, newest first")
+    r.add_argument("--limit", type=int, default=20, help="at most this many (default %(default)s)")
+    v = csub.add_parser("versions", help="a run's stored versions: round, time, size, checksum, evaluated score")
+    v.add_argument("--run", default="", help="run id (default: the newest run)")
     f = csub.add_parser("fetch", help="save a global version of the run as a policy file (for fedrl evaluate)")
     f.add_argument("--version", type=int, default=-1, help="default: the latest")
     f.add_argument("--out", required=True, help="the .safetensors file to write (an existing file is kept "
                                                 "unless --force)")
     f.add_argument("--force", action="store_true", help="write over an existing --out file")
     sp = csub.add_parser("stop", help="stop the active run")
-    sp.add_argument("--reason", default="stopped by operator")
+    sp.add_argument("--reason", default="stopped by operator", help="recorded with the run (default: %(default)s)")
     p.set_defaults(func=_cmd_ctl)
 
 
@@ -370,6 +383,7 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
 
     import grpc
 
+    from fedrl.cli import show
     from fedrl.cli.client import ControlClient, dumps
     from fedrl.wire.security import SecurityConfigError, tls_from_args
 
@@ -379,7 +393,7 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
         print(f"fedrl ctl: {e}", file=sys.stderr)
         return 2
     if a.ctl_cmd == "start":  # the settings are read before any connection: a bad file is named at once
-        data = _settings_file(a.config)
+        data = _settings_file(a.config) if a.config else dict(CTL_START_DEFAULTS)
         for kv in a.set:
             k, sep, v = kv.partition("=")
             if not sep:
@@ -391,18 +405,34 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
     try:
         with ControlClient(a.target, connect_timeout=a.connect_timeout, tls=tls,
                            token=os.environ.get("FEDRL_ADMIN_TOKEN") or None) as c:
-            current = c.status() if a.ctl_cmd == "start" and a.if_idle else None
-            if current is not None and current["state"] in ("waiting_for_agents", "running"):
-                print(dumps(current))
+            current = c.status() if a.ctl_cmd == "start" else None
+            if current is not None and a.if_idle and current["state"] in ("waiting_for_agents", "running"):
+                print(dumps(current) if a.json else f"a run is already active\n{show.status(current)}")
             elif a.ctl_cmd == "start":
-                print(dumps(c.start(data)))
+                if not a.config and "agents" not in data:
+                    n = sum(x["connected"] for x in current["agents"])
+                    if n == 0:
+                        print("fedrl ctl: no agent has joined the aggregator; start agents first, or say how "
+                              "many to wait for with --set agents=N", file=sys.stderr)
+                        return 1
+                    data["agents"] = n
+                st = c.start(data)
+                print(dumps(st) if a.json else show.started(st, data))
             elif a.ctl_cmd == "status":
-                print(dumps(c.status()))
+                st = c.status()
+                print(dumps(st) if a.json else show.status(st))
             elif a.ctl_cmd == "watch":
                 for e in c.watch(a.after_version):
-                    print(json.dumps(e), flush=True)
+                    print(json.dumps(e) if a.json else show.event(e), flush=True)
+            elif a.ctl_cmd == "runs":
+                rs = c.runs(a.limit)
+                print(dumps(rs) if a.json else show.runs(rs))
+            elif a.ctl_cmd == "versions":
+                vs = c.versions(a.run)
+                print(dumps(vs) if a.json else show.versions(vs))
             elif a.ctl_cmd == "stop":
-                print(dumps(c.stop(a.reason)))
+                st = c.stop(a.reason)
+                print(dumps(st) if a.json else show.status(st))
             elif a.ctl_cmd == "fetch":
                 if Path(a.out).exists() and not a.force:
                     print(f"fedrl ctl: {a.out} exists; pass --force to write over it", file=sys.stderr)
@@ -412,7 +442,9 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
                 except (ValueError, OSError) as e:  # no run yet; the file cannot be written
                     print(f"fedrl ctl: {e}", file=sys.stderr)
                     return 1
-                print(dumps({"path": a.out, **{k: meta[k] for k in ("run_id", "version", "env_id", "algo")}}))
+                out = {"path": a.out, **{k: meta[k] for k in ("run_id", "version", "env_id", "algo")}}
+                print(dumps(out) if a.json else f"saved version {out['version']} of run {out['run_id']} "
+                      f"({out['algo']}, {out['env_id']}) to {a.out}")
     except grpc.RpcError as e:
         print(f"fedrl ctl: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

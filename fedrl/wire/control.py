@@ -56,6 +56,23 @@ class ControlCalls:
         return status_from_proto(self.control.StopRun(control_pb2.StopRunRequest(reason=reason),
                                                       timeout=self.timeout))
 
+    def runs(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The state directory's runs, newest first."""
+        reply = self.control.ListRuns(control_pb2.ListRunsRequest(limit=limit), timeout=self.timeout)
+        return [{"run_id": r.run_id, "state": r.state, "algo": r.algo, "agents": r.agents, "rounds": r.rounds,
+                 "latest_version": r.latest_version, "started_unix": r.started_unix,
+                 "best_score": r.best_score if r.has_score else None,
+                 "best_version": r.best_version if r.has_score else None, "message": r.message}
+                for r in reply.runs]
+
+    def versions(self, run_id: str = "") -> dict[str, Any]:
+        """A run's stored versions (default: the newest run's)."""
+        reply = self.control.ListVersions(control_pb2.ListVersionsRequest(run_id=run_id), timeout=self.timeout)
+        return {"run_id": reply.run_id, "versions": [
+            {"version": v.version, "time_unix": v.time_unix, "size_bytes": v.size_bytes, "sha256": v.sha256,
+             "score_mean": v.score_mean if v.evaluated else None, "return_mean": v.return_mean if v.evaluated else None,
+             "episodes": v.episodes} for v in reply.versions]}
+
     def watch(self, after_version: int = -1, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """Round events (dicts) of the current run until it ends."""
         for e in self.control.WatchRounds(control_pb2.WatchRequest(after_version=after_version), timeout=timeout):

@@ -47,6 +47,8 @@ POLICY: dict[str, frozenset[str]] = {
     "/fedrl.v1.Control/GetStatus": frozenset({ADMIN, EVALUATOR}),
     "/fedrl.v1.Control/WatchRounds": frozenset({ADMIN, EVALUATOR}),
     "/fedrl.v1.Control/ReportEvaluation": frozenset({ADMIN, EVALUATOR}),
+    "/fedrl.v1.Control/ListRuns": frozenset({ADMIN, EVALUATOR}),
+    "/fedrl.v1.Control/ListVersions": frozenset({ADMIN, EVALUATOR}),
     "/fedrl.v1.Evaluator/*": frozenset({ADMIN, EVALUATOR}),
     "/grpc.health.v1.Health/*": frozenset({OPEN}),
     "/grpc.reflection.v1alpha.ServerReflection/*": frozenset({AGENT, EVALUATOR, ADMIN}),

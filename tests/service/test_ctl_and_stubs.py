@@ -46,19 +46,39 @@ def test_ctl_command_line(aggregator):
     def ctl(*args):
         return _ctl(aggregator.target, *args)
 
-    p = ctl("status")
+    p = ctl("--json", "status")
     assert p.returncode == 0 and json.loads(p.stdout)["state"] == "idle"
+    p = ctl("status")  # for people: no JSON, no escaped config
+    assert p.returncode == 0 and p.stdout.startswith("no run yet") and "no agents joined" in p.stdout
+    p = ctl("start")  # the defaults take the agents joined now: none yet
+    assert p.returncode == 1 and "no agent has joined" in p.stderr and "--set agents=N" in p.stderr
     p = ctl("start", "--set", "agents=1", "--set", "rounds=1", "--set", "algo=ppo")
     assert p.returncode == 2 and "algo: 'ppo' is not one of" in p.stderr
-    p = ctl("start", "--set", "agents=3", "--set", 'drpo={"hidden": [16, 16]}')
+    p = ctl("--json", "start", "--set", "agents=3", "--set", 'drpo={"hidden": [16, 16]}')
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["state"] == "waiting_for_agents"
+    st = json.loads(p.stdout)
+    assert st["state"] == "waiting_for_agents"
+    cfg = json.loads(st["config_json"])  # ctl start's documented defaults, --set on top
+    assert (cfg["agents"], cfg["rounds"], cfg["local_steps"], cfg["eval_episodes"]) == (3, 10, 1000, 10)
     p = ctl("start", "--set", "agents=3")
     assert p.returncode == 1 and "FAILED_PRECONDITION" in p.stderr
-    p = ctl("stop", "--reason", "from the test")
+    p = ctl("status")
+    assert f"run {st['run_id']}: waiting_for_agents, round 0 of 10" in p.stdout, p.stdout
+    assert "drpo, 3 agents x 1000 local steps" in p.stdout and "{" not in p.stdout
+    p = ctl("--json", "stop", "--reason", "from the test")
     assert p.returncode == 0 and json.loads(p.stdout)["message"] == "from the test"
-    p = ctl("watch")
+    p = ctl("--json", "watch")
     assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["kind"] == "RUN_STOPPED"
+    p = ctl("watch")  # one readable line per event
+    lines = p.stdout.splitlines()
+    assert p.returncode == 0 and "run started" in lines[0] and lines[-1].endswith("run stopped: from the test")
+    p = ctl("runs")
+    assert p.returncode == 0 and st["run_id"] in p.stdout and "stopped" in p.stdout and "from the test" in p.stdout
+    p = ctl("--json", "versions")
+    vs = json.loads(p.stdout)
+    assert p.returncode == 0 and vs["run_id"] == st["run_id"] and vs["versions"] == []  # never began
+    p = ctl("versions", "--run", "../../etc")
+    assert p.returncode == 1 and "NOT_FOUND" in p.stderr
     p = _ctl("127.0.0.1:1", "status")
     assert p.returncode == 1 and "no aggregator answering at 127.0.0.1:1" in p.stderr
 
@@ -93,10 +113,18 @@ def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path)
         assert wait_for(lambda: c.status()["state"] == "running")
         served = c.fetch_global()
         run_id = c.status()["run_id"]
-    p = ctl("fetch", "--out", str(out))
+    p = ctl("--json", "fetch", "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == {"path": str(out), "run_id": run_id, "version": 0, "env_id": "Hopper-v5",
                                     "algo": "drpo"}
+    p = ctl("--json", "versions")  # version 0, stored, with its checksum
+    v0 = json.loads(p.stdout)["versions"][0]
+    import hashlib
+    path = aggregator.store.version_path(run_id, 0)
+    assert v0["version"] == 0 and v0["size_bytes"] == path.stat().st_size
+    assert v0["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and v0["score_mean"] is None
+    p = ctl("versions")
+    assert p.returncode == 0 and v0["sha256"][:16] in p.stdout and f"run {run_id}: 1 stored versions" in p.stdout
     policy, meta = load_policy(out)  # what `fedrl evaluate` reads
     assert (meta["run_id"], meta["version"], meta["algo"]) == (run_id, 0, "drpo")
     state = {f"policy.{k}": v for k, v in policy.state_dict().items()}

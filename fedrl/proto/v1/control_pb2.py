@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x65\x64rl/v1/control.proto\x12\x08\x66\x65\x64rl.v1\"&\n\x0fStartRunRequest\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\"\x0f\n\rStatusRequest\" \n\x0eStopRunRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb5\x01\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_index\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\x16\n\x0elast_seen_unix\x18\x05 \x01(\x01\x12\x18\n\x10rounds_submitted\x18\x06 \x01(\x03\x12\x12\n\nsteps_done\x18\x07 \x01(\x03\x12\x13\n\x0bsteps_total\x18\x08 \x01(\x03\"\x8d\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0e\n\x06rounds\x18\x04 \x01(\x03\x12\x16\n\x0eglobal_version\x18\x05 \x01(\x03\x12#\n\x06\x61gents\x18\x06 \x03(\x0b\x32\x13.fedrl.v1.AgentInfo\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x33\n\x0flast_evaluation\x18\x08 \x01(\x0b\x32\x1a.fedrl.v1.EvaluationReport\x12\x13\n\x0b\x63onfig_json\x18\t \x01(\t\x12\x0e\n\x06\x65nv_id\x18\n \x01(\t\x12\x1a\n\x12\x65valuated_versions\x18\x0b \x03(\x03\"%\n\x0cWatchRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x03\"\xe5\x03\n\nRoundEvent\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.fedrl.v1.RoundEvent.Kind\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06\x61gents\x18\x05 \x03(\t\x12\x32\n\x07metrics\x18\x06 \x03(\x0b\x32!.fedrl.v1.RoundEvent.MetricsEntry\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12.\n\nevaluation\x18\x08 \x01(\x0b\x32\x1a.fedrl.v1.EvaluationReport\x12\x0f\n\x07message\x18\t \x01(\t\x12\x11\n\ttime_unix\x18\n \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa4\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bRUN_STARTED\x10\x01\x12\x10\n\x0cROUND_OPENED\x10\x02\x12\x10\n\x0cROUND_CLOSED\x10\x03\x12\r\n\tEVALUATED\x10\x04\x12\x10\n\x0cRUN_FINISHED\x10\x05\x12\x0f\n\x0bRUN_STOPPED\x10\x06\x12\x0e\n\nRUN_FAILED\x10\x07\x12\x0f\n\x0bRUN_RESUMED\x10\x08\"\xc8\x01\n\x10\x45valuationReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x65nv_id\x18\x03 \x01(\t\x12\x0f\n\x07returns\x18\x04 \x03(\x01\x12\x13\n\x0breturn_mean\x18\x05 \x01(\x01\x12\x12\n\nreturn_std\x18\x06 \x01(\x01\x12\x12\n\nscore_mean\x18\x07 \x01(\x01\x12\x11\n\tscore_std\x18\x08 \x01(\x01\x12\x11\n\tenv_steps\x18\t \x01(\x03\x12\x0f\n\x07seconds\x18\n \x01(\x01\"\x0b\n\tReportAck2\xbe\x02\n\x07\x43ontrol\x12:\n\x08StartRun\x12\x19.fedrl.v1.StartRunRequest\x1a\x13.fedrl.v1.RunStatus\x12\x39\n\tGetStatus\x12\x17.fedrl.v1.StatusRequest\x1a\x13.fedrl.v1.RunStatus\x12=\n\x0bWatchRounds\x12\x16.fedrl.v1.WatchRequest\x1a\x14.fedrl.v1.RoundEvent0\x01\x12\x38\n\x07StopRun\x12\x18.fedrl.v1.StopRunRequest\x1a\x13.fedrl.v1.RunStatus\x12\x43\n\x10ReportEvaluation\x12\x1a.fedrl.v1.EvaluationReport\x1a\x13.fedrl.v1.ReportAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x65\x64rl/v1/control.proto\x12\x08\x66\x65\x64rl.v1\" \n\x0fListRunsRequest\x12\r\n\x05limit\x18\x01 \x01(\x03\"\xd5\x01\n\nRunSummary\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04\x61lgo\x18\x03 \x01(\t\x12\x0e\n\x06\x61gents\x18\x04 \x01(\x03\x12\x0e\n\x06rounds\x18\x05 \x01(\x03\x12\x16\n\x0elatest_version\x18\x06 \x01(\x03\x12\x14\n\x0cstarted_unix\x18\x07 \x01(\x01\x12\x11\n\thas_score\x18\x08 \x01(\x08\x12\x12\n\nbest_score\x18\t \x01(\x01\x12\x14\n\x0c\x62\x65st_version\x18\n \x01(\x03\x12\x0f\n\x07message\x18\x0b \x01(\t\"-\n\x07RunList\x12\"\n\x04runs\x18\x01 \x03(\x0b\x32\x14.fedrl.v1.RunSummary\"%\n\x13ListVersionsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa3\x01\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttime_unix\x18\x02 \x01(\x01\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x11\n\tevaluated\x18\x05 \x01(\x08\x12\x12\n\nscore_mean\x18\x06 \x01(\x01\x12\x13\n\x0breturn_mean\x18\x07 \x01(\x01\x12\x10\n\x08\x65pisodes\x18\x08 \x01(\x03\"F\n\x0bVersionList\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\'\n\x08versions\x18\x02 \x03(\x0b\x32\x15.fedrl.v1.VersionInfo\"&\n\x0fStartRunRequest\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\"\x0f\n\rStatusRequest\" \n\x0eStopRunRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb5\x01\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61gent_index\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\x16\n\x0elast_seen_unix\x18\x05 \x01(\x01\x12\x18\n\x10rounds_submitted\x18\x06 \x01(\x03\x12\x12\n\nsteps_done\x18\x07 \x01(\x03\x12\x13\n\x0bsteps_total\x18\x08 \x01(\x03\"\x8d\x02\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0e\n\x06rounds\x18\x04 \x01(\x03\x12\x16\n\x0eglobal_version\x18\x05 \x01(\x03\x12#\n\x06\x61gents\x18\x06 \x03(\x0b\x32\x13.fedrl.v1.AgentInfo\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x33\n\x0flast_evaluation\x18\x08 \x01(\x0b\x32\x1a.fedrl.v1.EvaluationReport\x12\x13\n\x0b\x63onfig_json\x18\t \x01(\t\x12\x0e\n\x06\x65nv_id\x18\n \x01(\t\x12\x1a\n\x12\x65valuated_versions\x18\x0b \x03(\x03\"%\n\x0cWatchRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x03\"\xe5\x03\n\nRoundEvent\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.fedrl.v1.RoundEvent.Kind\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06\x61gents\x18\x05 \x03(\t\x12\x32\n\x07metrics\x18\x06 \x03(\x0b\x32!.fedrl.v1.RoundEvent.MetricsEntry\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12.\n\nevaluation\x18\x08 \x01(\x0b\x32\x1a.fedrl.v1.EvaluationReport\x12\x0f\n\x07message\x18\t \x01(\t\x12\x11\n\ttime_unix\x18\n \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa4\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bRUN_STARTED\x10\x01\x12\x10\n\x0cROUND_OPENED\x10\x02\x12\x10\n\x0cROUND_CLOSED\x10\x03\x12\r\n\tEVALUATED\x10\x04\x12\x10\n\x0cRUN_FINISHED\x10\x05\x12\x0f\n\x0bRUN_STOPPED\x10\x06\x12\x0e\n\nRUN_FAILED\x10\x07\x12\x0f\n\x0bRUN_RESUMED\x10\x08\"\xc8\x01\n\x10\x45valuationReport\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x65nv_id\x18\x03 \x01(\t\x12\x0f\n\x07returns\x18\x04 \x03(\x01\x12\x13\n\x0breturn_mean\x18\x05 \x01(\x01\x12\x12\n\nreturn_std\x18\x06 \x01(\x01\x12\x12\n\nscore_mean\x18\x07 \x01(\x01\x12\x11\n\tscore_std\x18\x08 \x01(\x01\x12\x11\n\tenv_steps\x18\t \x01(\x03\x12\x0f\n\x07seconds\x18\n \x01(\x01\"\x0b\n\tReportAck2\xbe\x03\n\x07\x43ontrol\x12:\n\x08StartRun\x12\x19.fedrl.v1.StartRunRequest\x1a\x13.fedrl.v1.RunStatus\x12\x39\n\tGetStatus\x12\x17.fedrl.v1.StatusRequest\x1a\x13.fedrl.v1.RunStatus\x12=\n\x0bWatchRounds\x12\x16.fedrl.v1.WatchRequest\x1a\x14.fedrl.v1.RoundEvent0\x01\x12\x38\n\x07StopRun\x12\x18.fedrl.v1.StopRunRequest\x1a\x13.fedrl.v1.RunStatus\x12\x43\n\x10ReportEvaluation\x12\x1a.fedrl.v1.EvaluationReport\x1a\x13.fedrl.v1.ReportAck\x12\x38\n\x08ListRuns\x12\x19.fedrl.v1.ListRunsRequest\x1a\x11.fedrl.v1.RunList\x12\x44\n\x0cListVersions\x12\x1d.fedrl.v1.ListVersionsRequest\x1a\x15.fedrl.v1.VersionListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,28 +34,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ROUNDEVENT_METRICSENTRY']._loaded_options = None
   _globals['_ROUNDEVENT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_STARTRUNREQUEST']._serialized_start=36
-  _globals['_STARTRUNREQUEST']._serialized_end=74
-  _globals['_STATUSREQUEST']._serialized_start=76
-  _globals['_STATUSREQUEST']._serialized_end=91
-  _globals['_STOPRUNREQUEST']._serialized_start=93
-  _globals['_STOPRUNREQUEST']._serialized_end=125
-  _globals['_AGENTINFO']._serialized_start=128
-  _globals['_AGENTINFO']._serialized_end=309
-  _globals['_RUNSTATUS']._serialized_start=312
-  _globals['_RUNSTATUS']._serialized_end=581
-  _globals['_WATCHREQUEST']._serialized_start=583
-  _globals['_WATCHREQUEST']._serialized_end=620
-  _globals['_ROUNDEVENT']._serialized_start=623
-  _globals['_ROUNDEVENT']._serialized_end=1108
-  _globals['_ROUNDEVENT_METRICSENTRY']._serialized_start=895
-  _globals['_ROUNDEVENT_METRICSENTRY']._serialized_end=941
-  _globals['_ROUNDEVENT_KIND']._serialized_start=944
-  _globals['_ROUNDEVENT_KIND']._serialized_end=1108
-  _globals['_EVALUATIONREPORT']._serialized_start=1111
-  _globals['_EVALUATIONREPORT']._serialized_end=1311
-  _globals['_REPORTACK']._serialized_start=1313
-  _globals['_REPORTACK']._serialized_end=1324
-  _globals['_CONTROL']._serialized_start=1327
-  _globals['_CONTROL']._serialized_end=1645
+  _globals['_LISTRUNSREQUEST']._serialized_start=36
+  _globals['_LISTRUNSREQUEST']._serialized_end=68
+  _globals['_RUNSUMMARY']._serialized_start=71
+  _globals['_RUNSUMMARY']._serialized_end=284
+  _globals['_RUNLIST']._serialized_start=286
+  _globals['_RUNLIST']._serialized_end=331
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=333
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=370
+  _globals['_VERSIONINFO']._serialized_start=373
+  _globals['_VERSIONINFO']._serialized_end=536
+  _globals['_VERSIONLIST']._serialized_start=538
+  _globals['_VERSIONLIST']._serialized_end=608
+  _globals['_STARTRUNREQUEST']._serialized_start=610
+  _globals['_STARTRUNREQUEST']._serialized_end=648
+  _globals['_STATUSREQUEST']._serialized_start=650
+  _globals['_STATUSREQUEST']._serialized_end=665
+  _globals['_STOPRUNREQUEST']._serialized_start=667
+  _globals['_STOPRUNREQUEST']._serialized_end=699
+  _globals['_AGENTINFO']._serialized_start=702
+  _globals['_AGENTINFO']._serialized_end=883
+  _globals['_RUNSTATUS']._serialized_start=886
+  _globals['_RUNSTATUS']._serialized_end=1155
+  _globals['_WATCHREQUEST']._serialized_start=1157
+  _globals['_WATCHREQUEST']._serialized_end=1194
+  _globals['_ROUNDEVENT']._serialized_start=1197
+  _globals['_ROUNDEVENT']._serialized_end=1682
+  _globals['_ROUNDEVENT_METRICSENTRY']._serialized_start=1469
+  _globals['_ROUNDEVENT_METRICSENTRY']._serialized_end=1515
+  _globals['_ROUNDEVENT_KIND']._serialized_start=1518
+  _globals['_ROUNDEVENT_KIND']._serialized_end=1682
+  _globals['_EVALUATIONREPORT']._serialized_start=1685
+  _globals['_EVALUATIONREPORT']._serialized_end=1885
+  _globals['_REPORTACK']._serialized_start=1887
+  _globals['_REPORTACK']._serialized_end=1898
+  _globals['_CONTROL']._serialized_start=1901
+  _globals['_CONTROL']._serialized_end=2347
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,78 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ListRunsRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class RunSummary(_message.Message):
+    __slots__ = ("run_id", "state", "algo", "agents", "rounds", "latest_version", "started_unix", "has_score", "best_score", "best_version", "message")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ALGO_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    HAS_SCORE_FIELD_NUMBER: _ClassVar[int]
+    BEST_SCORE_FIELD_NUMBER: _ClassVar[int]
+    BEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: str
+    algo: str
+    agents: int
+    rounds: int
+    latest_version: int
+    started_unix: float
+    has_score: bool
+    best_score: float
+    best_version: int
+    message: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., algo: _Optional[str] = ..., agents: _Optional[int] = ..., rounds: _Optional[int] = ..., latest_version: _Optional[int] = ..., started_unix: _Optional[float] = ..., has_score: _Optional[bool] = ..., best_score: _Optional[float] = ..., best_version: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RunList(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunSummary]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ...) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("version", "time_unix", "size_bytes", "sha256", "evaluated", "score_mean", "return_mean", "episodes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    EVALUATED_FIELD_NUMBER: _ClassVar[int]
+    SCORE_MEAN_FIELD_NUMBER: _ClassVar[int]
+    RETURN_MEAN_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    time_unix: float
+    size_bytes: int
+    sha256: str
+    evaluated: bool
+    score_mean: float
+    return_mean: float
+    episodes: int
+    def __init__(self, version: _Optional[int] = ..., time_unix: _Optional[float] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., evaluated: _Optional[bool] = ..., score_mean: _Optional[float] = ..., return_mean: _Optional[float] = ..., episodes: _Optional[int] = ...) -> None: ...
+
+class VersionList(_message.Message):
+    __slots__ = ("run_id", "versions")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
+    def __init__(self, run_id: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
+
 class StartRunRequest(_message.Message):
     __slots__ = ("config_json",)
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]

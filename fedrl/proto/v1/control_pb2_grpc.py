@@ -60,6 +60,16 @@ class ControlStub:
                 request_serializer=fedrl_dot_v1_dot_control__pb2.EvaluationReport.SerializeToString,
                 response_deserializer=fedrl_dot_v1_dot_control__pb2.ReportAck.FromString,
                 _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/fedrl.v1.Control/ListRuns',
+                request_serializer=fedrl_dot_v1_dot_control__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=fedrl_dot_v1_dot_control__pb2.RunList.FromString,
+                _registered_method=True)
+        self.ListVersions = channel.unary_unary(
+                '/fedrl.v1.Control/ListVersions',
+                request_serializer=fedrl_dot_v1_dot_control__pb2.ListVersionsRequest.SerializeToString,
+                response_deserializer=fedrl_dot_v1_dot_control__pb2.VersionList.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -97,6 +107,20 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRuns(self, request, context):
+        """Every run in the state directory, newest first (at most `limit`, default 100).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVersions(self, request, context):
+        """A run's stored global versions with their round, time, size, checksum and evaluated score.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +148,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ReportEvaluation,
                     request_deserializer=fedrl_dot_v1_dot_control__pb2.EvaluationReport.FromString,
                     response_serializer=fedrl_dot_v1_dot_control__pb2.ReportAck.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=fedrl_dot_v1_dot_control__pb2.ListRunsRequest.FromString,
+                    response_serializer=fedrl_dot_v1_dot_control__pb2.RunList.SerializeToString,
+            ),
+            'ListVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVersions,
+                    request_deserializer=fedrl_dot_v1_dot_control__pb2.ListVersionsRequest.FromString,
+                    response_serializer=fedrl_dot_v1_dot_control__pb2.VersionList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +295,60 @@ class Control:
             '/fedrl.v1.Control/ReportEvaluation',
             fedrl_dot_v1_dot_control__pb2.EvaluationReport.SerializeToString,
             fedrl_dot_v1_dot_control__pb2.ReportAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrl.v1.Control/ListRuns',
+            fedrl_dot_v1_dot_control__pb2.ListRunsRequest.SerializeToString,
+            fedrl_dot_v1_dot_control__pb2.RunList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrl.v1.Control/ListVersions',
+            fedrl_dot_v1_dot_control__pb2.ListVersionsRequest.SerializeToString,
+            fedrl_dot_v1_dot_control__pb2.VersionList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,107 @@
+"""What ``fedrl ctl`` prints for people: aligned tables and one line per event (``--json`` prints
+the same data as JSON for scripts)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns left-aligned to their widest cell, two spaces apart."""
+    cells = [[str(c) for c in header]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def evaluation(ev: dict[str, Any] | None) -> str:
+    if not ev:
+        return "not evaluated yet"
+    n = len(ev.get("returns", []))
+    return (f"version {ev.get('version', '?')}: return {ev.get('return_mean', 0):.1f} "
+            f"± {ev.get('return_std', 0):.1f}, score {ev.get('score_mean', 0):.1f} ({n} episodes)")
+
+
+def status(st: dict[str, Any]) -> str:
+    lines = []
+    if not st.get("run_id"):
+        lines.append("no run yet")
+    else:
+        cfg = json.loads(st["config_json"]) if st.get("config_json") else {}
+        lines.append(f"run {st['run_id']}: {st['state']}, round {st.get('round', 0)} of {st.get('rounds', 0)}, "
+                     f"global version {st.get('global_version', 0)}")
+        if cfg:
+            env = st.get("env_id") or cfg.get("env_id") or "that of the agents' data"
+            lines.append(f"{cfg.get('algo', '?')}, {cfg.get('agents', '?')} agents x {cfg.get('local_steps', '?')} "
+                         f"local steps, env {env}")
+        if st.get("message"):
+            lines.append(f"message: {st['message']}")
+        lines.append(f"last evaluation: {evaluation(st.get('last_evaluation'))}")
+    agents = st.get("agents", [])
+    if agents:
+        rows = []
+        for a in agents:
+            prog = f"{a.get('steps_done', 0)}/{a['steps_total']}" if a.get("steps_total") else "-"
+            rows.append([a["agent_id"], a["agent_index"], a["num_samples"], "yes" if a["connected"] else "no",
+                         a["rounds_submitted"], prog])
+        lines.append("")
+        lines.append(table(["agent", "index", "samples", "connected", "rounds", "local steps"], rows))
+    else:
+        lines.append("no agents joined")
+    return "\n".join(lines)
+
+
+def runs(rs: list[dict[str, Any]]) -> str:
+    if not rs:
+        return "no runs stored"
+    rows = [[r["run_id"], r["state"], r["algo"], r["agents"], r["rounds"],
+             r["latest_version"] if r["latest_version"] >= 0 else "-",
+             f"{r['best_score']:.1f} (v{r['best_version']})" if r.get("best_score") is not None else "-",
+             when(r["started_unix"]), r.get("message", "")] for r in rs]
+    return table(["run", "state", "algo", "agents", "rounds", "latest version", "best score", "started",
+                  "message"], rows)
+
+
+def versions(v: dict[str, Any]) -> str:
+    rows = [[x["version"], x["version"], when(x["time_unix"]), size(x["size_bytes"]), x["sha256"][:16],
+             f"{x['score_mean']:.1f}" if x.get("score_mean") is not None else "-",
+             f"{x['return_mean']:.1f}" if x.get("return_mean") is not None else "-"] for x in v["versions"]]
+    head = f"run {v['run_id']}: {len(rows)} stored versions (version v is the model after round v)"
+    return head + "\n\n" + table(["version", "round", "stored", "size", "sha256 (first 16)", "score", "return"], rows)
+
+
+def event(e: dict[str, Any]) -> str:
+    """One line per round event."""
+    t = time.strftime("%H:%M:%S", time.localtime(e.get("time_unix") or time.time()))
+    k = e["kind"]
+    if k == "ROUND_OPENED":
+        what = f"round {e['round']} opened ({len(e.get('agents', []))} agents)"
+    elif k == "ROUND_CLOSED":
+        m = e.get("metrics", {})
+        terms = ", ".join(f"{n}={m[n]:.3g}" for n in sorted(m)[:6])
+        what = (f"round {e['round']} closed: version {e['version']} from {len(e.get('agents', []))} agents "
+                f"in {e.get('seconds', 0):.1f}s" + (f"  [{terms}]" if terms else ""))
+    elif k == "EVALUATED":
+        what = evaluation(e.get("evaluation"))
+    else:
+        what = k.lower().replace("_", " ") + (f": {e['message']}" if e.get("message") else "")
+    return f"{t}  {e.get('run_id', '')}  {what}"
+
+
+def started(st: dict[str, Any], settings: dict[str, Any]) -> str:
+    shown = ", ".join(f"{k}={settings[k]}" for k in ("algo", "agents", "rounds", "local_steps") if k in settings)
+    return f"started run {st.get('run_id', '?')} ({shown}); follow it with: fedrl ctl watch\n" + status(st)
