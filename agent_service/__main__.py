@@ -12,6 +12,7 @@ import sys
 import torch
 
 from fedrl.common import argtypes
+from fedrl.ops.logs import add_log_args, setup_logging
 from fedrl.ops.metrics import add_metrics_args
 from fedrl.wire.security import add_tls_arg
 
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-seconds", type=argtypes.positive_seconds, default=10.0,
                    help="on a Session, report local-step progress while training at most this far apart "
                         "(keeps the stream inside the aggregator's --stream-idle-seconds)")
-    p.add_argument("--log-level", default="INFO")
+    add_log_args(p)
     add_tls_arg(p)
     p.epilog = ("Its bearer token, when the aggregator requires tokens: $FEDRL_AGENT_TOKEN, or its own "
                 "entry of $FEDRL_AGENT_TOKENS (AGENT_ID=TOKEN,...).")
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(a.log_level, a.log_format)
     from agent_service.client import Agent, AgentConfig
     from fedrl.common.device import resolve_device
     from fedrl.data.d4rl import to_transitions

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from fedrl.common import argtypes
+from fedrl.ops.logs import add_log_args, setup_logging
 from fedrl.ops.metrics import add_metrics_args
 from fedrl.wire.security import add_tls_arg
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=argtypes.at_least(1), default=1,
                    help="torch CPU threads; its tensor work is small, and more threads only contend "
                         "with agents sharing the machine")
-    p.add_argument("--log-level", default="INFO")
+    add_log_args(p)
     p.add_argument("--health-port", type=argtypes.port, default=None,
                    help="also serve plaintext gRPC health checking (only) here, for probes when the "
                         "main port needs TLS or tokens (0: a free port)")
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedrl.wire.memory import keep_heap_for_reuse
 
     keep_heap_for_reuse()  # before gRPC's and torch's threads allocate
-    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(a.log_level, a.log_format)
     import torch
 
     torch.set_num_threads(max(1, a.threads))

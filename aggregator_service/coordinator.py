@@ -217,7 +217,9 @@ class Coordinator:
                                        f"all connected or in the run (--max-agents {self.max_agents})",
                                        "too_many_agents")
             self.agents[rec.agent_id] = rec
-            log.info("agent %s joined (index %d, %d samples)", rec.agent_id, rec.index, rec.num_samples)
+            log.info("agent %s joined (index %d, %d samples)", rec.agent_id, rec.index, rec.num_samples,
+                     extra={"event": {"kind": "AGENT_JOINED", "agent_id": rec.agent_id, "agent_index": rec.index,
+                                      "num_samples": rec.num_samples}})
             self._maybe_begin()
             self.cond.notify_all()
             return run.run_id if run else ""
@@ -233,7 +235,8 @@ class Coordinator:
                 and (now - a.last_seen > self.agent_ttl or (make_room and not self._connected(a, now)))]
         for a in sorted(gone, key=lambda a: a.last_seen):
             del self.agents[a.agent_id]
-            log.info("agent %s forgotten (last seen %.0fs ago)", a.agent_id, now - a.last_seen)
+            log.info("agent %s forgotten (last seen %.0fs ago)", a.agent_id, now - a.last_seen,
+                     extra={"event": {"kind": "AGENT_FORGOTTEN", "agent_id": a.agent_id}})
 
     def last_accepted_round(self, agent_id: str, run_id: str) -> int:
         """The last round of ``run_id`` whose update from ``agent_id`` was accepted, 0 if none.
@@ -633,8 +636,36 @@ class Coordinator:
         return {"kind": kind, "run_id": run.run_id, "round": kw.pop("round", run.round),
                 "version": kw.pop("version", run.version), "time_unix": time.time(), **kw}
 
+    @staticmethod
+    def _log_event(run: Run, e: dict[str, Any]) -> None:
+        """The run's lifecycle in the log, one line per event (its fields in --log-format json)."""
+        k = e["kind"]
+        if k == "RUN_STARTED":
+            msg = f"run {run.run_id} started: {run.cfg.algo}, {run.cfg.agents} agents, {run.cfg.rounds} rounds x " \
+                  f"{run.cfg.local_steps} local steps; waiting for agents"
+        elif k == "ROUND_OPENED":
+            msg = f"run {run.run_id}: round {e['round']}/{run.cfg.rounds} opened for {len(e.get('agents', []))} agents " \
+                  f"(global version {e['version']})"
+        elif k == "ROUND_CLOSED":
+            msg = f"run {run.run_id}: round {e['round']}/{run.cfg.rounds} closed with {len(e.get('agents', []))} " \
+                  f"updates in {e.get('seconds', 0):.1f}s; version {e['version']} stored"
+        elif k == "EVALUATED":
+            ev = e.get("evaluation") or {}
+            msg = f"run {run.run_id}: version {e['version']} evaluated: return {ev.get('return_mean', 0):.1f}, " \
+                  f"score {ev.get('score_mean', 0):.1f}"
+        elif k == "RUN_FINISHED":
+            msg = f"run {run.run_id} finished after {run.round} rounds (version {e['version']})"
+        elif k == "RUN_RESUMED":
+            msg = f"run {run.run_id} resumed at version {e['version']}"
+        else:
+            msg = f"run {run.run_id} {k.lower().removeprefix('run_')}" + (f": {e['message']}" if e.get("message") else "")
+        fields = {k2: v for k2, v in e.items() if k2 not in ("metrics", "evaluation")}
+        level = {"RUN_FAILED": logging.ERROR, "RUN_STOPPED": logging.WARNING}.get(k, logging.INFO)
+        log.log(level, msg, extra={"event": fields})
+
     def _event(self, run: Run, kind: str, **kw: Any) -> None:
         e = self._new_event(run, kind, **kw)
+        self._log_event(run, e)
         run.events.append(e)
         try:
             self.store.append_event(run.run_id, e)
@@ -748,6 +779,7 @@ class Coordinator:
         run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
         run.encoded[v] = enc
         self.metrics.round_closed(seconds)
+        self._log_event(run, run.closing)
         run.events.append(run.closing)  # announced only now that the version is on disk
         run.closing = None
         if run.round >= run.cfg.rounds:
@@ -757,7 +789,6 @@ class Coordinator:
             self._open_round(run, run.round + 1)
 
     def _fail(self, run: Run, message: str) -> None:
-        log.error("run %s failed: %s", run.run_id, message)
         run.state, run.message = "failed", message
         self._event(run, "RUN_FAILED", message=message)
 

@@ -163,6 +163,15 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with its hello")
         agent_id, wait = first.hello.agent_id, max(first.hello.wait_seconds, SESSION_MIN_WAIT)
         self.auth.check_agent(context, agent_id)
+        log.info("agent %s connected (session from %s)", agent_id, context.peer(),
+                 extra={"event": {"kind": "AGENT_CONNECTED", "agent_id": agent_id}})
+        try:
+            yield from self._session(request_iterator, context, agent_id, wait)
+        finally:
+            log.info("agent %s left (its session ended)", agent_id,
+                     extra={"event": {"kind": "AGENT_LEFT", "agent_id": agent_id}})
+
+    def _session(self, request_iterator, context, agent_id: str, wait: float):
         while context.is_active() and not self.coord.closed:
             kind, task = self._task(context, agent_id, wait)
             yield task

@@ -9,6 +9,7 @@ import sys
 import threading
 
 from fedrl.common import argtypes
+from fedrl.ops.logs import add_log_args, setup_logging
 from fedrl.ops.metrics import add_metrics_args
 from fedrl.wire.security import add_tls_arg
 
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest policy an on-demand Evaluate accepts, in MiB; a larger declared size is "
                         "refused (RESOURCE_EXHAUSTED) before anything is allocated (default %(default)s)")
     p.add_argument("--threads", type=argtypes.at_least(0), default=0)
-    p.add_argument("--log-level", default="INFO")
+    add_log_args(p)
     p.add_argument("--health-port", type=argtypes.port, default=None,
                    help="also serve plaintext gRPC health checking (only) here, for probes")
     add_tls_arg(p)
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(a.log_level, a.log_format)
     import torch
 
     from evaluator_service.follower import Follower

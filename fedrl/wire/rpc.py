@@ -100,7 +100,7 @@ def create_server(
     for add, servicer, name in registrations:
         add(servicer, server)
         names.append(name)
-    hs = health.HealthServicer()
+    hs = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     if tls is not None:
@@ -299,6 +299,28 @@ class StreamGuard(grpc.ServerInterceptor):
         return handler._replace(unary_stream=server_stream)
 
 
+class HealthServicer(health.HealthServicer):
+    """grpc's health service with ``List`` answered (grpc's raises NotImplementedError: a
+    traceback in the log for each ``grpcurl ... grpc.health.v1.Health/List``)."""
+
+    def List(self, request, context):
+        with self._lock:
+            return health_pb2.HealthListResponse(statuses={
+                name: health_pb2.HealthCheckResponse(status=st) for name, st in self._server_status.items()})
+
+
+def _unimplemented_to_status(f, method: str):
+    """A handler call that raises NotImplementedError (a servicer base class's stub) ends with
+    UNIMPLEMENTED and one WARNING line, not grpc's ERROR traceback."""
+    def call(request, context):
+        try:
+            return f(request, context)
+        except NotImplementedError:
+            log.warning("%s is not implemented here (from %s)", method, context.peer())
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented by this server")
+    return call
+
+
 class ParseRequests(grpc.ServerInterceptor):
     """Parses each request itself, so that bytes which are not a valid message end the call with
     ``INVALID_ARGUMENT`` naming the method, and no log line; grpc's own parser answers
@@ -314,6 +336,9 @@ class ParseRequests(grpc.ServerInterceptor):
         if handler is None or handler.request_deserializer is None or handler_call_details.method in self.raw:
             return handler
         parse, method = handler.request_deserializer, handler_call_details.method
+        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            if getattr(handler, kind):
+                handler = handler._replace(**{kind: _unimplemented_to_status(getattr(handler, kind), method)})
 
         def parsed(data, context):
             try:

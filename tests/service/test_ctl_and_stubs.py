@@ -83,8 +83,13 @@ def test_ctl_command_line(aggregator):
     assert p.returncode == 1 and "no aggregator answering at 127.0.0.1:1" in p.stderr
 
 
-def test_health_and_reflection(aggregator):
+def test_health_and_reflection(aggregator, caplog):
     h = health_pb2_grpc.HealthStub(aggregator.channel)
+    with caplog.at_level("WARNING"):  # List (grpcurl's default) answers, and nothing is logged as an error
+        listed = h.List(health_pb2.HealthListRequest(), timeout=5).statuses
+    assert {"", "fedrl.v1.Federation", "fedrl.v1.Control"} <= set(listed)
+    assert all(s.status == health_pb2.HealthCheckResponse.SERVING for s in listed.values())
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
     for svc in ("", "fedrl.v1.Federation", "fedrl.v1.Control"):
         assert h.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status == \
             health_pb2.HealthCheckResponse.SERVING
@@ -138,3 +143,26 @@ def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path)
     assert p.returncode == 1 and "exists; pass --force" in p.stderr and out.read_bytes() == before
     p = ctl("fetch", "--out", str(out), "--force")
     assert p.returncode == 0, p.stderr
+
+
+def test_services_write_json_logs_for_collectors(tmp_path):
+    import signal
+    import time
+
+    pf = tmp_path / "port"
+    p = subprocess.Popen([sys.executable, "-m", "aggregator_service", "--port", "0", "--port-file", str(pf),
+                          "--state-dir", str(tmp_path / "state"), "--log-format", "json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.monotonic() + 60
+        while not pf.exists() and p.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert pf.exists(), "the aggregator did not start"
+        assert _ctl(f"127.0.0.1:{pf.read_text()}", "start", "--set", "agents=1").returncode == 0
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    lines = [json.loads(x) for x in out.splitlines() if x.strip()]  # every line is one JSON object
+    assert any(x["message"].startswith("serving on 127.0.0.1:") for x in lines)
+    started = [x for x in lines if x.get("kind") == "RUN_STARTED"]
+    assert started and started[0]["level"] == "INFO" and started[0]["run_id"]

@@ -614,3 +614,28 @@ def test_a_new_run_selects_only_agents_connected_now(aggregator):
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
     wait_for(lambda: status(aggregator)["state"] == "running", 10, "the run to start")
     assert aggregator.coord.run.selected == ["a1", "a2"]
+
+
+def test_the_aggregator_logs_its_lifecycle_one_line_per_event(aggregator, agent_threads, stand_dataset, caplog):
+    import logging
+
+    from fedrl.ops.logs import JSONFormatter
+
+    with caplog.at_level(logging.INFO, logger="fedrl.aggregator"):
+        agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=1)
+        wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+        aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=10)
+        wait_for(lambda: status(aggregator)["state"] == "finished", what="the run to finish")
+        agent_threads.stop()
+        wait_for(lambda: sum(getattr(r, "event", {}).get("kind") == "AGENT_LEFT" for r in caplog.records) == 2,
+                 timeout=20, what="the agents' sessions to end")
+    kinds = [r.event["kind"] for r in caplog.records if isinstance(getattr(r, "event", None), dict)]
+    for k in ("AGENT_JOINED", "AGENT_CONNECTED", "RUN_STARTED", "ROUND_OPENED", "ROUND_CLOSED", "RUN_FINISHED",
+              "AGENT_LEFT"):
+        assert k in kinds, (k, kinds)
+    assert kinds.count("ROUND_CLOSED") == 2 and kinds.count("ROUND_OPENED") == 2
+    closed = next(r for r in caplog.records if getattr(r, "event", {}).get("kind") == "ROUND_CLOSED")
+    assert "round 1/2 closed with 2 updates" in closed.getMessage() and "version 1 stored" in closed.getMessage()
+    line = json.loads(JSONFormatter().format(closed))  # what --log-format json writes
+    assert line["kind"] == "ROUND_CLOSED" and line["version"] == 1 and line["level"] == "INFO"
+    assert line["message"] == closed.getMessage() and line["logger"] == "fedrl.aggregator"
