@@ -395,17 +395,28 @@ def cmd_run(a) -> int:
             report(r, reuse(p, r, src, root), 0, f", same configuration as {src.parent.name}/{src.stem}")
         else:
             pending.append(r)
+    from fedrl.common.progress import Progress
+
+    bar = Progress(len(pending), f"{p.name} {a.experiment}", "runs", every=60.0)
+    inner = report
+
+    def report(r, res, secs, note=""):  # noqa: F811 - the same report, then the bar
+        inner(r, res, secs, note)
+        bar.update(1)
+
     if jobs == 1:
-        for r in pending:
-            report(*_run_one(p.name, r, str(root), agent_threads, device))
+        with bar:
+            for r in pending:
+                report(*_run_one(p.name, r, str(root), agent_threads, device))
         return 0
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
         futs = [ex.submit(_run_one, p.name, r, str(root), agent_threads, device) for r in pending]
-        for fut in as_completed(futs):
-            report(*fut.result())
+        with bar:
+            for fut in as_completed(futs):
+                report(*fut.result())
     return 0
 
 

@@ -32,6 +32,7 @@ from fedrl.algos.config import config_to_dict
 from fedrl.algos.cql import td_loss, td_target, temperature_loss
 from fedrl.algos.nets import EnsembleCritic, TanhGaussianPolicy
 from fedrl.algos.policy_io import save_policy
+from fedrl.common.progress import Progress
 from fedrl.common.device import (
     make_generator,
     resolve_device,
@@ -235,6 +236,7 @@ def train(env_name: str, cfg: SACConfig, out: str | Path, device: str = "auto",
     obs, _ = env.reset(seed=cfg.seed + step)
     ep_ret, ep_len, recent = 0.0, 0, []
     t_seg, step_seg = time.perf_counter(), step
+    bar = Progress(cfg.total_steps, f"SAC on {info.gym_id}", "steps", initial=step, every=30.0)
     while step < cfg.total_steps:
         if step < cfg.start_steps:
             a = rng.uniform(-1.0, 1.0, info.act_dim).astype(np.float32)
@@ -248,6 +250,7 @@ def train(env_name: str, cfg: SACConfig, out: str | Path, device: str = "auto",
         ep_ret += float(r)
         ep_len += 1
         step += 1
+        bar.update(1)
         obs = nxt
         if term or trunc:
             recent = (recent + [ep_ret])[-10:]
@@ -269,6 +272,8 @@ def train(env_name: str, cfg: SACConfig, out: str | Path, device: str = "auto",
                 f"{rec['stochastic_return_mean']:8.1f})  train-episode {rec['train_return_recent']:8.1f}"
                 f"  {rec['steps_per_second']:5.0f} steps/s  {wall / 60:6.1f} min")
             t_seg, step_seg = time.perf_counter(), step
+            bar.note(f"eval {rec['return_mean']:.0f}")
+    bar.close()
     env.close()
     return records
 

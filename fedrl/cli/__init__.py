@@ -107,7 +107,7 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
     out = a.out or f"runs/{a.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not (a.checkpoint and (Path(out) / "checkpoint.safetensors").exists()):
         refuse_a_used_folder(out, ("config.json", "rounds.jsonl", "summary.json"))
-    summary = run(cfg, out, checkpoint=a.checkpoint, parallel_agents=a.parallel_agents)
+    summary = run(cfg, out, checkpoint=a.checkpoint, parallel_agents=a.parallel_agents, progress=True)
     if summary["final"]:
         f = summary["final"]
         print(json.dumps({"out": str(out), "final_return": round(f["return_mean"], 2),
@@ -176,7 +176,8 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
                                      "policies. Rerun the same command to resume after an interruption.")
     tb.add_argument("--env", required=True, help="Hopper-v5, HalfCheetah-v5, Walker2d-v5 or Ant-v5")
     tb.add_argument("--out", required=True, help="run folder (checkpoints/, progress.jsonl, state/)")
-    tb.add_argument("--steps", type=int, default=c.total_steps, help="total environment steps")
+    tb.add_argument("--steps", type=int, default=c.total_steps,
+                    help="total environment steps (the shipped sets ran with 1000000, stopped earlier)")
     tb.add_argument("--start-steps", type=int, default=c.start_steps)
     tb.add_argument("--eval-every", type=int, default=c.eval_every)
     tb.add_argument("--eval-episodes", type=int, default=c.eval_episodes)
@@ -334,7 +335,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
     return up(UpConfig(rc, datasets, a.trajectories, out, a.device, a.agent_threads,
                        prometheus=a.prometheus, prometheus_bin=a.prometheus_bin, linger=a.linger,
                        secure=a.secure, transitions=a.transitions),
-              log=lambda m: print(m, flush=True))
+              log=lambda m: print(m, flush=True), progress=True)
 
 
 # What ``fedrl ctl start`` without --config runs: every agent joined now, the paper's 1,000 local

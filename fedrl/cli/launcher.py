@@ -79,7 +79,8 @@ class ChildFailed(RuntimeError):
 
 
 class Launcher:
-    def __init__(self, cfg: UpConfig, log: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: UpConfig, log: Callable[[str], None] = print, progress: bool = False) -> None:
+        self.progress = progress  # a bar with an ETA (a terminal) or a line every 10 s (a pipe)
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.out)
         self.children: dict[str, subprocess.Popen] = {}
@@ -199,6 +200,7 @@ class Launcher:
                  f"{'an evaluator' if cfg.run.eval_episodes else 'no evaluator'} starting (logs in {self.out / 'logs'})")
         self._metrics_endpoints()
 
+        t_run = time.monotonic()
         with ControlClient(target, tls=self.client_tls, token=self.admin_token) as client:
             st = client.start(cfg.run)
             self.log(f"run {st['run_id']}: {cfg.run.algo}, {cfg.run.rounds} rounds x {cfg.run.local_steps} local steps")
@@ -207,9 +209,14 @@ class Launcher:
             ok = final["state"] == "finished"
             if final["global_version"] > 0:
                 client.save_policy(self.out / "global_policy.safetensors", final["global_version"])
-        self._write_results(rounds, final)
+        summary = self._write_results(rounds, final)
         if not ok:
             self.log(f"run {final.get('run_id')} {final['state']}: {final.get('message', '')}")
+        best, last = summary["best"], summary["final"]
+        scores = (f"best score {best['score_mean']:.1f} (round {best['round']}), final {last['score_mean']:.1f}; "
+                  if best else "")
+        self.log(f"run {final.get('run_id')} {final['state']} in {time.monotonic() - t_run:.0f}s: {scores}"
+                 f"run folder {self.out}")
         return 0 if ok else 1
 
     def _secure(self, n_agents: int) -> dict[str, tuple[str, ...]]:
@@ -277,26 +284,45 @@ class Launcher:
                 done.set()
 
         threading.Thread(target=pump, daemon=True).start()
-        seen = 0
+        from fedrl.common.progress import Progress
+
+        run = self.cfg.run
+        per_round = run.agents * run.local_steps
+        bar = Progress(run.rounds * per_round, f"run {run_id}", "steps", stream=sys.stdout,
+                       enabled=self.progress)
+        say = bar.write if bar.enabled else self.log
+        seen, polled = 0, 0.0
         while not done.is_set() or seen < len(events):
             if seen == len(events):
                 done.wait(0.2)
                 self._check_children()
+                if bar.enabled and time.monotonic() - polled > 1.0:  # the agents' steps inside the round
+                    polled = time.monotonic()
+                    try:
+                        st = client.status()
+                    except Exception:  # noqa: BLE001 - the bar is a nicety; the watch stream decides
+                        continue
+                    if st.get("run_id") == run_id and st.get("round", 0) >= 1:
+                        inside = sum(a.get("steps_done", 0) for a in st["agents"] if a.get("steps_total"))
+                        bar.set((st["round"] - 1) * per_round + inside)
+                        bar.note(f"round {st['round']}/{run.rounds}")
                 continue
             e = events[seen]
             seen += 1
             if e["kind"] == "ROUND_CLOSED":
                 rounds[e["version"]] = {"round": e["round"], "version": e["version"], "seconds": e["seconds"],
                                         "agents": e["agents"], **{f"loss_{k}": v for k, v in e["metrics"].items()}}
+                bar.set(e["round"] * per_round)
                 if not self.cfg.run.eval_episodes:
-                    self.log(self._line(rounds[e["version"]]))
+                    say(self._line(rounds[e["version"]]))
             elif e["kind"] == "EVALUATED" and e["version"] in rounds:
                 ev = e["evaluation"]
                 rounds[e["version"]].update(return_mean=ev["return_mean"], return_std=ev["return_std"],
                                             score_mean=ev["score_mean"], score_std=ev["score_std"])
-                self.log(self._line(rounds[e["version"]]))
+                say(self._line(rounds[e["version"]]))
             elif e["kind"] in ("RUN_FAILED", "RUN_STOPPED"):
-                self.log(f"run {e['kind'].split('_')[1].lower()}: {e.get('message', '')}")
+                say(f"run {e['kind'].split('_')[1].lower()}: {e.get('message', '')}")
+        bar.close()
         if errors:
             self._check_children()  # a dead aggregator explains a broken stream best
             raise errors[0]
@@ -335,18 +361,19 @@ class Launcher:
                    "env_id": env, "rounds": len(rows), "final": curve[-1] if curve else None,
                    "best": max(curve, key=lambda c: c["return_mean"]) if curve else None}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def up(cfg: UpConfig, log: Callable[[str], None] = print) -> int:
+def up(cfg: UpConfig, log: Callable[[str], None] = print, progress: bool = False) -> int:
     # Ctrl-C and SIGTERM both stop every child. Installed explicitly: a process started from a
     # non-interactive shell's background job inherits SIGINT ignored, and Python then never
     # raises KeyboardInterrupt.
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    launcher = Launcher(cfg, log)
+    launcher = Launcher(cfg, log, progress)
     try:
         rc = launcher.run()
         if cfg.linger > 0:

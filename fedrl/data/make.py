@@ -25,6 +25,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 
+from fedrl.common.progress import Progress
 from fedrl.data.d4rl import RawDataset, write_d4rl
 from fedrl.envs import env_info, route_mujoco_warnings
 from fedrl.envs.rollout import Policy, Segment, uniform_policy
@@ -34,11 +35,12 @@ D4RL_TRANSITIONS = 1_000_000
 
 
 def record(env_name: str, segments: Sequence[Segment], seed: int, max_episode_steps: int = 1000,
-           obs_dim: int | None = None) -> RawDataset:
+           obs_dim: int | None = None, progress: str | None = None) -> RawDataset:
     """Roll each segment's policy out in turn in one environment and record every step.
 
     A transitions-limited segment cuts its last episode and flags the cut as a timeout, as D4RL's
-    files do at their end; the environment is reset between segments.
+    files do at their end; the environment is reset between segments. ``progress``: a description
+    to show progress with an ETA under (steps, or episodes when a segment is counted in episodes).
     """
     info = env_info(env_name)
     route_mujoco_warnings()
@@ -46,6 +48,9 @@ def record(env_name: str, segments: Sequence[Segment], seed: int, max_episode_st
     rng = np.random.default_rng(seed)
     cols: dict[str, list] = {k: [] for k in ("obs", "act", "rew", "term", "trunc", "next")}
     obs, _ = env.reset(seed=seed)
+    episodic = any(s.episodes for s in segments)
+    bar = Progress(sum(max(0, s.amount) for s in segments), progress or "", "episodes" if episodic else "steps",
+                   enabled=progress is not None)
     try:
         for seg in segments:
             if seg.amount <= 0:
@@ -55,16 +60,21 @@ def record(env_name: str, segments: Sequence[Segment], seed: int, max_episode_st
                 a = seg.policy(obs, rng)
                 nxt, r, term, trunc, _ = env.step(a)
                 rows += 1
+                if not seg.episodes:
+                    bar.update(1)
                 cut = not seg.episodes and rows == seg.amount
                 trunc = bool(trunc or (cut and not term))
                 for k, v in zip(cols, (obs, a, r, term, trunc, nxt)):
                     cols[k].append(v)
                 if term or trunc:
                     done_eps += 1
+                    if seg.episodes:
+                        bar.update(1)
                     obs, _ = env.reset()
                 else:
                     obs = nxt
     finally:
+        bar.close()
         env.close()
     return RawDataset(
         observations=np.asarray(cols["obs"], np.float32).reshape(-1, env.observation_space.shape[0]),
@@ -115,7 +125,7 @@ def provenance(info, quality: str, seed: int, **extra) -> dict:
 
 def make_dataset(env_name: str, quality: str, seed: int, out: str | Path, *,
                  transitions: int | None = None, episodes: int | None = None,
-                 behavior_dir: str | Path | None = None) -> Path:
+                 behavior_dir: str | Path | None = None, progress: bool = True) -> Path:
     """Make a ``quality`` dataset for ``env_name`` and write it to ``out`` (atomically).
 
     Give at most one of ``transitions`` / ``episodes``; the default is D4RL's size (1M
@@ -131,11 +141,12 @@ def make_dataset(env_name: str, quality: str, seed: int, out: str | Path, *,
         if v is not None and v <= 0:
             raise ValueError(f"--{name} must be > 0, got {v}")
     info = env_info(env_name)
+    show = f"making {quality} {info.gym_id}" if progress else None
     by_episodes = episodes is not None
     amount = episodes if by_episodes else transitions
     if quality == "random":
         n = amount or D4RL_TRANSITIONS
-        raw = record(info.gym_id, [Segment(uniform_policy(info.act_dim), n, by_episodes)], seed)
+        raw = record(info.gym_id, [Segment(uniform_policy(info.act_dim), n, by_episodes)], seed, progress=show)
         meta = provenance(info, quality, seed, behavior="uniform random actions")
     else:
         from fedrl.behavior.shipped import behavior_set
@@ -143,17 +154,17 @@ def make_dataset(env_name: str, quality: str, seed: int, out: str | Path, *,
         bs = behavior_set(info.key, behavior_dir)
         if quality == "medium-replay":
             segs, desc = bs.replay_segments(amount, by_episodes)
-            raw = record(info.gym_id, segs, seed)
+            raw = record(info.gym_id, segs, seed, progress=show)
             meta = provenance(info, quality, seed, behavior=desc)
         elif quality == "medium-expert":
             n = amount or D4RL_TRANSITIONS
             half = [Segment(bs.policy("medium"), n // 2 + n % 2, by_episodes),
                     Segment(bs.policy("expert"), n // 2, by_episodes)]
-            raw = record(info.gym_id, half, seed)
+            raw = record(info.gym_id, half, seed, progress=show)
             meta = provenance(info, quality, seed, behavior=[bs.describe("medium"), bs.describe("expert")])
         else:
             n = amount or D4RL_TRANSITIONS
-            raw = record(info.gym_id, [Segment(bs.policy(quality), n, by_episodes)], seed)
+            raw = record(info.gym_id, [Segment(bs.policy(quality), n, by_episodes)], seed, progress=show)
             meta = provenance(info, quality, seed, behavior=bs.describe(quality))
     meta.update(return_stats(raw), transitions=len(raw))
     raw.metadata.clear()

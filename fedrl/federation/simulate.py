@@ -25,6 +25,7 @@ from fedrl.algos.config import config_to_dict
 from fedrl.algos.nets import TanhGaussianPolicy
 from fedrl.algos.policy_io import save_policy
 from fedrl.common.device import derive_seed, resolve_device, seed_everything
+from fedrl.common.progress import Progress
 from fedrl.data.d4rl import check_env_dims, to_transitions
 from fedrl.data.errors import DatasetError
 from fedrl.data.normalize import ObsStats, agent_normalizer, global_normalizer
@@ -136,7 +137,7 @@ CHECKPOINT = "checkpoint.safetensors"
 
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
         on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-        checkpoint: bool = False, parallel_agents: int = 1) -> dict[str, Any]:
+        checkpoint: bool = False, parallel_agents: int = 1, progress: bool = False) -> dict[str, Any]:
     """Run the federation; write ``config.json``, ``rounds.jsonl``, ``summary.json``,
     ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``.
     ``on_round(r, global_state)`` sees every new global model (the equivalence tests use it).
@@ -199,13 +200,20 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         return evaluate(eval_policy, env.gym_id, cfg.eval_episodes, eval_seed).as_dict()
 
     lines = (out / "rounds.jsonl").read_text().splitlines()[:done_rounds] if done_rounds else []
-    with open(out / "rounds.jsonl", "w") as jl:
+    per_round = len(trainers) * cfg.local_steps
+    bar = Progress(cfg.rounds * per_round, f"{cfg.algo}", "steps", initial=done_rounds * per_round, enabled=progress)
+
+    def step_done(_i: int, _n: int) -> None:
+        bar.update(1)
+
+    with bar, open(out / "rounds.jsonl", "w") as jl:
         jl.writelines(x + "\n" for x in lines)  # a round after the checkpoint's is done again
         for r in range(done_rounds + 1, cfg.rounds + 1):
             t0 = time.perf_counter()
 
             def train(i: int):
-                res = trainers[i].train_round(agent_states[i] if cfg.algo == "cql" else global_state, cfg.local_steps)
+                res = trainers[i].train_round(agent_states[i] if cfg.algo == "cql" else global_state, cfg.local_steps,
+                                              progress=step_done if progress else None)
                 if cfg.local_steps >= 200:
                     log(f"  round {r}: agent {i + 1}/{len(trainers)} done in {res.seconds:.1f}s")
                 return res
@@ -244,6 +252,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             if checkpoint:
                 _write_checkpoint(out, cfg, r, curve, global_state, agent_states, trainers)
             log(_round_line(r, cfg.rounds, rec))
+            bar.note(f"round {r}/{cfg.rounds}" + (f", score {curve[-1]['score_mean']:.1f}" if curve else ""))
 
     final_states = agent_states if cfg.algo == "cql" else [global_state]
     load_prefixed(eval_policy, final_states[0], POLICY)
@@ -266,7 +275,10 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         learning_curve(curve, out / "learning_curve.png",
                        f"{cfg.algo} on {', '.join(Path(parse_source(d, cfg.agents)[0]).name for d in cfg.datasets)}: {len(trainers)} agents x "
                        f"{cfg.local_steps} local steps", env.key, data_return)
-    log(f"done in {summary['wall_seconds']:.1f}s; results in {out}")
+    best, final = summary["best"], summary["final"]
+    scores = (f"; best score {best['score_mean']:.1f} (round {best['round']}), final {final['score_mean']:.1f}"
+              if curve else "")
+    log(f"done in {summary['wall_seconds']:.1f}s{scores}; results in {out}")
     return summary
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-RULES_FILE = REPO_DEPLOY / "components" / "monitoring" / "prometheusrule.yaml"
+RULES_FILE = REPO_DEPLOY / "components" / "monitoring" / "rules" / "fedrl.rules.yml"  # plain Prometheus rules
+PROMETHEUS_RULE = REPO_DEPLOY / "components" / "monitoring" / "prometheusrule.yaml"  # generated from it
 
 
 class PrometheusError(RuntimeError):
@@ -38,13 +39,55 @@ def find_prometheus(binary: str | None = None) -> str:
 
 
 def rule_groups(rules_file: Path = RULES_FILE) -> list[dict[str, Any]]:
-    """The rule groups of the deployment's PrometheusRule (what ``promtool`` and Prometheus read)."""
+    """The rule groups of a rules file (``groups:``) or of a PrometheusRule (``spec.groups``)."""
     import yaml
 
     doc = yaml.safe_load(Path(rules_file).read_text())
-    if not isinstance(doc, dict) or doc.get("kind") != "PrometheusRule":
-        raise PrometheusError(f"{rules_file}: not a PrometheusRule")
-    return doc["spec"]["groups"]
+    if isinstance(doc, dict) and doc.get("kind") == "PrometheusRule":
+        return doc["spec"]["groups"]
+    if not isinstance(doc, dict) or not isinstance(doc.get("groups"), list):
+        raise PrometheusError(f"{rules_file}: neither a Prometheus rules file (groups:) nor a PrometheusRule")
+    return doc["groups"]
+
+
+def prometheus_rule(rules_file: Path = RULES_FILE) -> str:
+    """The Prometheus Operator's PrometheusRule for the rules file: its ``groups`` under ``spec``."""
+    rel = Path(rules_file).relative_to(REPO_DEPLOY.parent) if Path(rules_file).is_relative_to(REPO_DEPLOY.parent) \
+        else Path(rules_file)
+    body = Path(rules_file).read_text().split("\ngroups:", 1)
+    if len(body) != 2:
+        raise PrometheusError(f"{rules_file}: no top-level 'groups:'")
+    groups = "\n".join(("  " + line) if line else line for line in ("groups:" + body[1]).splitlines())
+    return (f"# Generated from {rel} by python -m fedrl.ops.local_prometheus --write-prometheusrule;\n"
+            "# edit that file (promtool checks and tests it as it is), not this one.\n"
+            "apiVersion: monitoring.coreos.com/v1\nkind: PrometheusRule\nmetadata:\n  name: fedrl-alerts\n"
+            "  labels: {app.kubernetes.io/name: fedrl-alerts}\nspec:\n" + groups.rstrip() + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m fedrl.ops.local_prometheus")
+    ap.add_argument("--write-prometheusrule", action="store_true",
+                    help=f"rewrite {PROMETHEUS_RULE.relative_to(REPO_DEPLOY.parent)} from {RULES_FILE.name}")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the PrometheusRule is not what the rules give")
+    a = ap.parse_args(argv)
+    want = prometheus_rule()
+    if a.write_prometheusrule:
+        PROMETHEUS_RULE.write_text(want)
+        print(f"wrote {PROMETHEUS_RULE}")
+        return 0
+    if a.check:
+        ok = PROMETHEUS_RULE.exists() and PROMETHEUS_RULE.read_text() == want
+        print("the PrometheusRule matches the rules file" if ok else
+              f"{PROMETHEUS_RULE} is stale: run python -m fedrl.ops.local_prometheus --write-prometheusrule")
+        return 0 if ok else 1
+    ap.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
 
 
 def write_config(folder: Path, targets: Mapping[str, Sequence[tuple[str, str]]],

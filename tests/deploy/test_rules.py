@@ -1,4 +1,5 @@
-"""The alert rules: promtool accepts them and every alert passes its unit tests."""
+"""The alert rules: promtool accepts the shipped rules file and its unit tests as they are, every
+alert passes its tests, and the PrometheusRule is the one generated from the rules file."""
 
 from __future__ import annotations
 
@@ -7,27 +8,38 @@ import subprocess
 
 import yaml
 
-from fedrl.ops.local_prometheus import RULES_FILE, rule_groups
+from fedrl.ops.local_prometheus import PROMETHEUS_RULE, RULES_FILE, prometheus_rule, rule_groups
 from tests.conftest import require_tool
+
+TESTS_FILE = RULES_FILE.parent.parent / "tests" / "alerts.test.yaml"
 
 
 def write_rules(tmp_path):
-    shutil.copy(RULES_FILE.parent / "tests" / "alerts.test.yaml", tmp_path / "alerts.test.yaml")
-    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": rule_groups()}))
-    return tmp_path / "rules.yml", tmp_path / "alerts.test.yaml"
+    """A copy of the rules and their tests in the shipped layout (to break a rule in the copy)."""
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "tests").mkdir()
+    shutil.copy(TESTS_FILE, tmp_path / "tests" / "alerts.test.yaml")
+    shutil.copy(RULES_FILE, tmp_path / "rules" / RULES_FILE.name)
+    return tmp_path / "rules" / RULES_FILE.name, tmp_path / "tests" / "alerts.test.yaml"
 
 
-def test_promtool_checks_the_rules(tmp_path):
+def test_the_prometheusrule_is_generated_from_the_rules_file():
+    assert PROMETHEUS_RULE.read_text() == prometheus_rule(), \
+        "stale: python -m fedrl.ops.local_prometheus --write-prometheusrule"
+    assert rule_groups(PROMETHEUS_RULE) == rule_groups(RULES_FILE)
+
+
+def test_promtool_checks_the_rules_as_shipped():
     promtool = require_tool("promtool")
-    rules, _ = write_rules(tmp_path)
+    rules = RULES_FILE
     p = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "SUCCESS: 6 rules found" in p.stdout + p.stderr
 
 
-def test_every_alert_has_a_unit_test_and_they_pass(tmp_path):
+def test_every_alert_has_a_unit_test_and_they_pass_as_shipped():
     promtool = require_tool("promtool")
-    rules, tests = write_rules(tmp_path)
+    tests = TESTS_FILE
     alerts = {r["alert"] for g in rule_groups() for r in g["rules"] if "alert" in r}
     assert alerts == {"FedrlRoundStalled", "FedrlAgentMissing", "FedrlScoreRegression", "FedrlUpdatesRejected",
                       "FedrlAggregatorDown", "FedrlProcessDown"}
@@ -44,7 +56,7 @@ def test_every_alert_has_a_unit_test_and_they_pass(tmp_path):
 def test_a_broken_rule_makes_the_unit_tests_fail(tmp_path):
     promtool = require_tool("promtool")
     rules, tests = write_rules(tmp_path)
-    groups = rule_groups()
+    groups = rule_groups(rules)
     groups[0]["rules"][1]["expr"] = "fedrl_aggregator_agents_connected > fedrl_aggregator_agents_expected"
     rules.write_text(yaml.safe_dump({"groups": groups}))
     p = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)

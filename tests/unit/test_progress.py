@@ -1,0 +1,47 @@
+"""Progress of long jobs: plain periodic lines with an ETA when not on a terminal, a tqdm bar on one."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+
+from fedrl.common.progress import Progress
+
+
+def test_plain_lines_come_periodically_with_an_eta_and_a_last_line():
+    out = io.StringIO()
+    with Progress(40, "making x", "steps", stream=out, every=0.05, tty=False) as p:
+        for i in range(40):
+            time.sleep(0.005)
+            p.update(1)
+            if i == 20:
+                p.note("episode 3")
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 3  # some while running, one at the end
+    assert all(line.startswith("making x: ") for line in lines)
+    assert any(re.search(r"\(\d+%\), \d\d:\d\d elapsed, ETA \d\d:\d\d", line) for line in lines[:-1])
+    assert lines[-1].startswith("making x: 40/40 steps (100%)") and "ETA" not in lines[-1]
+    assert lines[-1].endswith("episode 3")
+
+
+def test_set_write_resume_and_disabled():
+    out = io.StringIO()
+    p = Progress(100, "run", "steps", stream=out, every=3600, tty=False, initial=50)
+    p.set(75)
+    p.set(60)  # never backwards
+    p.write("round 1/2 closed")
+    p.close()
+    text = out.getvalue()
+    assert "round 1/2 closed\n" in text and "run: 75/100 steps (75%)" in text
+    quiet = io.StringIO()
+    with Progress(10, "x", stream=quiet, tty=False, enabled=False) as q:
+        q.update(10)
+    assert quiet.getvalue() == ""
+
+
+def test_a_terminal_gets_a_tqdm_bar():
+    out = io.StringIO()
+    with Progress(10, "bar", "steps", stream=out, tty=True) as p:
+        p.update(10)
+    assert "bar: 100%" in out.getvalue() and "10/10" in out.getvalue()
