@@ -46,7 +46,7 @@ def agent_token(agent_id: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedrl-agent", description="A federated DRPO agent: trains on "
+    p = argparse.ArgumentParser(prog="fedrl-agent", formatter_class=argtypes.DefaultsHelp, description="A federated DRPO agent: trains on "
                                 "its private shard, exchanges only policy weights with the aggregator.")
     p.add_argument("--aggregator", required=True, metavar="HOST:PORT")
     p.add_argument("--dataset", action="append", required=True, metavar="PATH|NAME[:AGENTS]",

@@ -18,7 +18,7 @@ def _add_stream_args(p) -> None:
     add_stream_args(p)
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedrl-aggregator", description="The federation's aggregator: "
+    p = argparse.ArgumentParser(prog="fedrl-aggregator", formatter_class=argtypes.DefaultsHelp, description="The federation's aggregator: "
                                 "Federation (agents) and Control (operators) gRPC services.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
     p.add_argument("--port", type=argtypes.port, default=50051, help="0 picks a free port")

@@ -21,7 +21,7 @@ def _add_stream_args(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedrl-evaluator", description="Follows the aggregator's rounds, "
+    p = argparse.ArgumentParser(prog="fedrl-evaluator", formatter_class=argtypes.DefaultsHelp, description="Follows the aggregator's rounds, "
                                 "evaluates every new global policy and reports returns and scores.")
     p.add_argument("--aggregator", default=None, metavar="HOST:PORT",
                    help="follow this aggregator (omit to serve on-demand evaluation only)")

@@ -26,7 +26,7 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
 
     d, hp, bc = SimConfig(), DRPOConfig(), BCConfig()
     p = sub.add_parser("simulate", help="run a federation in one process (no network)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=argtypes.DefaultsHelp,
                        description="In-process federation with the same round logic as the services. "
                                    "Defaults are the paper's settings; the dataset default is made "
                                    "locally on first use.")
@@ -139,7 +139,8 @@ def _cmd_evaluate(a: argparse.Namespace) -> int:
 def _data_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="dataset tools")
     dsub = p.add_subparsers(dest="data_cmd", required=True)
-    info = dsub.add_parser("info", help="episodes, transitions, returns and provenance of a dataset")
+    info = dsub.add_parser("info", help="episodes, transitions (the file's rows, and those a learner trains on), "
+                                        "returns, normalised score and provenance of a dataset")
     info.add_argument("dataset", help="D4RL HDF5 file, Minari directory or dataset name")
     info.set_defaults(func=_cmd_data_info)
 
@@ -170,7 +171,7 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     sh.set_defaults(func=_cmd_ship_behavior)
 
     c = SACConfig()
-    tb = dsub.add_parser("train-behavior", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    tb = dsub.add_parser("train-behavior", formatter_class=argtypes.DefaultsHelp,
                          help="train an online SAC behaviour policy, checkpointing as it goes",
                          description="Online SAC in gymnasium MuJoCo, as D4RL trained its behaviour "
                                      "policies. Rerun the same command to resume after an interruption.")
@@ -198,7 +199,10 @@ def _cmd_data_info(a: argparse.Namespace) -> int:
 
     raw = load(a.dataset, progress=lambda m: print(m, file=sys.stderr))
     rets = raw.episode_returns()
-    out = {"source": raw.source, "rows": len(raw), "transitions": len(to_transitions(raw)),
+    out = {"source": raw.source, "transitions": len(raw),
+           # d4rl's qlearning_dataset drops rows flagged timeouts (no next observation to learn from)
+           # and the last row; that is what a learner trains on
+           "training_transitions": len(to_transitions(raw)),
            "episodes": int(len(rets)), "obs_dim": raw.obs_dim, "act_dim": raw.act_dim,
            "return_mean": float(rets.mean()), "return_min": float(rets.min()),
            "return_max": float(rets.max()), "metadata": raw.metadata}
@@ -491,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--version", action="version", version=f"fedrl {fedrl.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
+    argtypes.defaults_help(sub)  # every command's help shows the real defaults
     _simulate_parser(sub)
     _evaluate_parser(sub)
     _data_parser(sub)

@@ -55,3 +55,45 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+class DefaultsHelp(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each option's real default, ``(default: X)``, unless it has none (None,
+    False for a switch), is required, or its help already says it."""
+
+    @staticmethod
+    def _shows_default(action) -> bool:
+        d, h = action.default, action.help or ""
+        return not (d is None or d is argparse.SUPPRESS or d is False or action.required or "default" in h.lower()
+                    or not action.option_strings or isinstance(d, list) and not d
+                    or h == argparse.SUPPRESS)
+
+    def _format_action(self, action):
+        if action.help is None and self._shows_default(action):  # no help text: the default alone
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if not self._shows_default(action) or h.startswith("(default: "):
+            return h
+        return h + (" " if h else "") + "(default: %(default)s)"
+
+
+def defaults_help(sub) -> None:
+    """Make ``sub`` (an add_subparsers() action) give its parsers :class:`DefaultsHelp` unless
+    they name another formatter."""
+    add = sub.add_parser
+
+    def add_parser(name, **kw):
+        kw.setdefault("formatter_class", DefaultsHelp)
+        p = add(name, **kw)
+        inner = p.add_subparsers
+
+        def add_subparsers(**kw2):
+            s = inner(**kw2)
+            defaults_help(s)
+            return s
+        p.add_subparsers = add_subparsers
+        return p
+    sub.add_parser = add_parser

@@ -173,6 +173,8 @@ def test_cli_make_and_info(behavior_dir, tmp_path, capsys):
     assert main(["data", "info", str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["episodes"] == 2 and info["metadata"]["quality"] == "medium"
+    assert info["transitions"] == made["transitions"] == info["metadata"]["transitions"]  # the file's rows
+    assert 0 < info["training_transitions"] <= info["transitions"]
     assert info["env_id"] == "Hopper-v5" and "score_mean" in info
     assert main(["data", "make", "--env", "Hopper-v5", "--quality", "medium", "--out",
                  str(tmp_path / "z.hdf5"), "--behavior-dir", str(tmp_path / "none")]) == 2
