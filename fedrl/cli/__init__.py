@@ -427,8 +427,11 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
                 st = c.status()
                 print(dumps(st) if a.json else show.status(st))
             elif a.ctl_cmd == "watch":
-                for e in c.watch(a.after_version):
-                    print(json.dumps(e) if a.json else show.event(e), flush=True)
+                if a.json:
+                    for e in c.watch(a.after_version):
+                        print(json.dumps(e), flush=True)
+                else:
+                    show.follow(c, a.after_version)
             elif a.ctl_cmd == "runs":
                 rs = c.runs(a.limit)
                 print(dumps(rs) if a.json else show.runs(rs))

@@ -105,3 +105,52 @@ def event(e: dict[str, Any]) -> str:
 def started(st: dict[str, Any], settings: dict[str, Any]) -> str:
     shown = ", ".join(f"{k}={settings[k]}" for k in ("algo", "agents", "rounds", "local_steps") if k in settings)
     return f"started run {st.get('run_id', '?')} ({shown}); follow it with: fedrl ctl watch\n" + status(st)
+
+
+def progress_line(st: dict[str, Any]) -> str | None:
+    """The agents' local steps in the round in progress, or None when none reported any."""
+    parts = [f"{a['agent_id']} {a['steps_done']}/{a['steps_total']}" for a in st.get("agents", [])
+             if a.get("steps_total")]
+    if not parts or st.get("state") != "running":
+        return None
+    return f"{time.strftime('%H:%M:%S')}  {st.get('run_id', '')}  round {st.get('round')}: local steps " + \
+        ", ".join(parts)
+
+
+def follow(client, after_version: int = -1, every: float = 10.0, out=None) -> None:
+    """``ctl watch`` for people: each round event as one line, and between them, every ``every``
+    seconds, the agents' local steps in the round in progress (when they changed)."""
+    import queue
+    import sys
+    import threading
+
+    out = out or sys.stdout
+    events: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        try:
+            for e in client.watch(after_version):
+                events.put(e)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            events.put(e)
+        events.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    last = None
+    while True:
+        try:
+            e = events.get(timeout=every)
+        except queue.Empty:
+            try:
+                line = progress_line(client.status())
+            except Exception:  # noqa: BLE001 - a missed progress line; the stream decides
+                line = None
+            if line is not None and line.split("  ", 1)[1] != last:
+                last = line.split("  ", 1)[1]
+                print(line, file=out, flush=True)
+            continue
+        if e is None:
+            return
+        if isinstance(e, BaseException):
+            raise e
+        print(event(e), file=out, flush=True)

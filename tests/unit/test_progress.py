@@ -45,3 +45,31 @@ def test_a_terminal_gets_a_tqdm_bar():
     with Progress(10, "bar", "steps", stream=out, tty=True) as p:
         p.update(10)
     assert "bar: 100%" in out.getvalue() and "10/10" in out.getvalue()
+
+
+def test_ctl_watch_shows_local_steps_between_events():
+    import io
+    import threading
+
+    from fedrl.cli import show
+
+    release = threading.Event()
+
+    class Client:
+        def watch(self, after):
+            yield {"kind": "RUN_STARTED", "run_id": "r1", "round": 0, "version": 0, "time_unix": 0}
+            release.wait(5)
+            yield {"kind": "RUN_STOPPED", "run_id": "r1", "round": 1, "version": 0, "time_unix": 0,
+                   "message": "done"}
+
+        def status(self):
+            release.set()
+            return {"state": "running", "run_id": "r1", "round": 1,
+                    "agents": [{"agent_id": "a0", "steps_done": 640, "steps_total": 1000},
+                               {"agent_id": "a1", "steps_done": 0, "steps_total": 0}]}
+
+    out = io.StringIO()
+    show.follow(Client(), every=0.05, out=out)
+    lines = out.getvalue().splitlines()
+    assert "run started" in lines[0] and lines[-1].endswith("run stopped: done")
+    assert any(line.endswith("round 1: local steps a0 640/1000") for line in lines[1:-1]), lines
