@@ -342,7 +342,7 @@ def bench_transfer(agents: int, mb: int, rounds: int = TRANSFER_ROUNDS) -> dict:
            "cpu_per_round": {"federation_ms": fed_cpu, "raw_ms": raw_cpu, "raw_to_federation": raw_cpu / fed_cpu,
                              "what": "CPU seconds of all processes per round (federation: after its first "
                                      "rounds): the federation also verifies and hashes every payload "
-                                     "(31 sha256 passes over the model a round), averages and stores"}}
+                                     "(31 XXH3-128 passes over the model a round; sha256 before wire contract v2), averages and stores"}}
     print(json.dumps(out))
     return out
 

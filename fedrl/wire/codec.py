@@ -1,7 +1,8 @@
 """Weights on the wire: ``state_dict`` <-> a manifest plus ~1 MiB chunks of one safetensors file.
 
 No pickle anywhere: the payload is a safetensors file (a JSON header and raw little-endian
-tensor bytes). The decoder checks the declared size, the sha256, that the payload's tensors are
+tensor bytes). The decoder checks the declared size, the checksum (XXH3-128, since wire contract
+v2; v1 carried a sha256: see docs/PERFORMANCE.md), that the payload's tensors are
 exactly the manifest's (names, dtypes, shapes) and that every float is finite, before any tensor
 is used. Protobuf types stop at the servicers: this module knows plain Python only.
 """
@@ -9,7 +10,6 @@ is used. Protobuf types stop at the servicers: this module knows plain Python on
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -18,11 +18,20 @@ from itertools import groupby
 from typing import Any, NamedTuple
 
 import torch
+import xxhash
 
 from fedrl.wire.memory import BufferPool
 
 CHUNK_BYTES = 1 << 20
 ENCODING = "safetensors"
+# The payload's checksum (wire contract v2): XXH3-128, 32 hex digits. It guards against damage in
+# transit and in memory, not against a forger (TLS and tokens do that); sha256 cost a round ~3.5x
+# the CPU here (benchmarks in docs/PERFORMANCE.md).
+CHECKSUM = "xxh3-128"
+
+
+def checksum(data: bytes | bytearray | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
 # Message size limit set on every channel and server: a chunk plus headroom for the manifest.
 MAX_MESSAGE_BYTES = 8 << 20
 # Weights up to this size travel inside one message (a TRAIN task's base version, an inline update):
@@ -60,7 +69,7 @@ class Manifest:
     tensors: tuple[TensorSpec, ...]
     num_samples: int
     total_bytes: int
-    sha256: str
+    checksum: str  # XXH3-128 of the payload, hex
     encoding: str = ENCODING
 
     def spec(self) -> dict[str, TensorSpec]:
@@ -137,13 +146,13 @@ def encode(state: Mapping[str, torch.Tensor], run_id: str = "", round: int = 0,
            chunk_bytes: int = CHUNK_BYTES, metadata: Mapping[str, str] | None = None) -> Encoded:
     """Serialise ``state`` (CPU tensors) as safetensors and describe it in a manifest.
 
-    ``metadata`` is written into the file's header (covered by the sha256; decoders ignore it):
+    ``metadata`` is written into the file's header (covered by the checksum; decoders ignore it):
     the aggregator stores the very bytes it sends, with the version's provenance inside."""
     tensors = {k: v if _plain(v) else v.detach().to("cpu").contiguous() for k, v in state.items()}
     layout = _layout_of(tensors)
     payload = _write(tensors, layout, metadata)
     m = Manifest(run_id, int(round), int(base_version), _specs(layout), int(num_samples), len(payload),
-                 hashlib.sha256(payload).hexdigest())
+                 checksum(payload))
     return Encoded(m, payload, chunk_bytes)
 
 
@@ -166,7 +175,7 @@ def encoded_from_payload(payload: bytes, run_id: str = "", round: int = 0, base_
     tensors = parse_safetensors(payload)
     specs = tuple(TensorSpec(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in sorted(tensors.items()))
     m = Manifest(run_id, int(round), int(base_version), specs, int(num_samples), len(payload),
-                 hashlib.sha256(payload).hexdigest())
+                 checksum(payload))
     return Encoded(m, bytes(payload), chunk_bytes)
 
 
@@ -177,8 +186,8 @@ class Assembler:
     (an inline message) is copied once, with no zero-filled buffer first.
 
     Each chunk is hashed as it lands (the bytes in the buffer, which are what gets used), so
-    the sha256 is done when the last chunk is: hashing runs while the sender is still sending,
-    with the GIL released, instead of as one 20 ms pass per 30 MB after the stream ends."""
+    the checksum is done when the last chunk is: hashing runs while the sender is still sending,
+    instead of as one pass over the whole payload after the stream ends."""
 
     def __init__(self, manifest: Manifest, pool: BufferPool | None = None) -> None:
         check_manifest(manifest)
@@ -186,7 +195,7 @@ class Assembler:
         self.pool = pool  # where the buffer comes from, if anywhere (reused round after round)
         self.buf: bytearray | memoryview | None = None
         self.received = 0
-        self._sha = hashlib.sha256()
+        self._hash = xxhash.xxh3_128()
 
     def add(self, chunk: bytes | memoryview) -> None:
         n, total = len(chunk), self.manifest.total_bytes
@@ -195,17 +204,17 @@ class Assembler:
         if self.buf is None:
             if n == total and self.pool is None:
                 self.buf, self.received = bytearray(chunk), n
-                self._sha.update(self.buf)
+                self._hash.update(self.buf)
                 return
             self.buf = bytearray(total) if self.pool is None else self.pool.take(total)
         self.buf[self.received:self.received + n] = chunk
-        self._sha.update(memoryview(self.buf)[self.received:self.received + n])
+        self._hash.update(memoryview(self.buf)[self.received:self.received + n])
         self.received += n
 
     def finish(self) -> dict[str, torch.Tensor]:
         if self.received != self.manifest.total_bytes:
             raise CodecError("truncated", f"received {self.received} of {self.manifest.total_bytes} declared bytes")
-        return _decode(self.manifest, self.buf, self._sha.hexdigest())
+        return _decode(self.manifest, self.buf, self._hash.hexdigest())
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -217,8 +226,8 @@ def check_manifest(m: Manifest) -> None:
         raise CodecError("bad_encoding", f"encoding {m.encoding!r} is not accepted (only {ENCODING!r})")
     if not 0 < m.total_bytes <= MAX_PAYLOAD_BYTES:
         raise CodecError("bad_manifest", f"declared size {m.total_bytes} is outside (0, {MAX_PAYLOAD_BYTES}]")
-    if len(m.sha256) != 64 or not _HEX.issuperset(m.sha256):
-        raise CodecError("bad_manifest", "sha256 must be 64 lower-case hex digits")
+    if len(m.checksum) != 32 or not _HEX.issuperset(m.checksum):
+        raise CodecError("bad_manifest", f"the {CHECKSUM} checksum must be 32 lower-case hex digits")
     if m.num_samples < 0:
         raise CodecError("bad_manifest", f"num_samples must be >= 0, got {m.num_samples}")
     # A receiver sizes its buffer from total_bytes: it must be what the listed tensors take plus
@@ -412,14 +421,14 @@ def decode(m: Manifest, payload: bytes | bytearray | memoryview) -> dict[str, to
     """Verify ``payload`` against ``m`` and return its tensors."""
     if len(payload) != m.total_bytes:
         raise CodecError("truncated", f"received {len(payload)} of {m.total_bytes} declared bytes")
-    return _decode(m, payload if _writable(payload) else bytearray(payload), hashlib.sha256(payload).hexdigest())
+    return _decode(m, payload if _writable(payload) else bytearray(payload), checksum(payload))
 
 
-def _decode(m: Manifest, buf: bytearray | memoryview, sha256: str) -> dict[str, torch.Tensor]:
-    """:func:`decode` of a writable buffer of the declared size whose sha256 is known (computed
+def _decode(m: Manifest, buf: bytearray | memoryview, digest: str) -> dict[str, torch.Tensor]:
+    """:func:`decode` of a writable buffer of the declared size whose checksum is known (computed
     from these very bytes: :class:`Assembler` hashes each chunk where it landed)."""
-    if sha256 != m.sha256:
-        raise CodecError("sha256_mismatch", "payload sha256 does not match the manifest")
+    if digest != m.checksum:
+        raise CodecError("checksum_mismatch", f"payload {CHECKSUM} does not match the manifest")
     start, entries = _layout(buf)
     _check_entries(entries, tuple(m.tensors))
     bad = _first_non_finite(buf, start, entries)

@@ -79,7 +79,7 @@ class ControlCalls:
             yield event_from_proto(e)
 
     def fetch_global(self, run_id: str = "", version: int = -1) -> dict[str, torch.Tensor]:
-        """Tensors of a global version (verified: size, sha256, names, shapes, finiteness)."""
+        """Tensors of a global version (verified: size, checksum, names, shapes, finiteness)."""
         fetch, _ = weights_calls(self.channel)
         return assemble(*read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),
                                                     timeout=max(self.timeout, 120))))

@@ -493,8 +493,8 @@ def wait_ready(channel: grpc.Channel, timeout: float) -> None:
 
 # Codec refusals -> status codes: corruption is DATA_LOSS, an overlong stream OUT_OF_RANGE,
 # everything else (bad manifest, dtype, names, shapes, NaN) INVALID_ARGUMENT.
-_CODEC_STATUS = {"sha256_mismatch": grpc.StatusCode.DATA_LOSS, "truncated": grpc.StatusCode.DATA_LOSS,
-                 "oversize": grpc.StatusCode.OUT_OF_RANGE}
+_CODEC_STATUS = {"checksum_mismatch": grpc.StatusCode.DATA_LOSS, "truncated": grpc.StatusCode.DATA_LOSS,
+                 "oversize": grpc.StatusCode.OUT_OF_RANGE, "old_contract": grpc.StatusCode.FAILED_PRECONDITION}
 
 
 def codec_status(reason: str) -> grpc.StatusCode:

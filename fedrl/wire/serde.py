@@ -15,7 +15,7 @@ def manifest_to_proto(m: Manifest) -> weights_pb2.WeightsManifest:
     return weights_pb2.WeightsManifest(
         run_id=m.run_id, round=m.round, base_version=m.base_version,
         tensors=[weights_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in m.tensors],
-        num_samples=m.num_samples, total_bytes=m.total_bytes, sha256=m.sha256, encoding=m.encoding)
+        num_samples=m.num_samples, total_bytes=m.total_bytes, xxh3_128=m.checksum, encoding=m.encoding)
 
 
 def _field_key(number: int, length: int) -> bytes:
@@ -85,9 +85,12 @@ def chunk_in_part(data: bytes) -> memoryview | None:
 
 
 def manifest_from_proto(p: weights_pb2.WeightsManifest) -> Manifest:
+    if p.sha256 and not p.xxh3_128:
+        raise CodecError("old_contract", "the weights manifest carries a sha256 and no xxh3_128: the peer speaks "
+                                         "wire contract v1 (fedrl before 2026-11-26); upgrade it to v2")
     return Manifest(p.run_id, p.round, p.base_version,
                     tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in p.tensors),
-                    p.num_samples, p.total_bytes, p.sha256, p.encoding)
+                    p.num_samples, p.total_bytes, p.xxh3_128, p.encoding)
 
 
 def weight_parts(enc: Encoded) -> Iterator[weights_pb2.WeightsPart]:

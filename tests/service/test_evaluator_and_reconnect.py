@@ -233,7 +233,7 @@ def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, a
     refused = {a.cfg.agent_id: a.metrics.registry.get_sample_value(
         "fedrl_agent_downloads_rejected_total", {"agent": a.cfg.agent_id}) for a in agents}
     assert sum(refused.values()) == 2, refused
-    reason = "sha256_mismatch" if damage == "flipped byte" else "bad_manifest"
+    reason = "checksum_mismatch" if damage == "flipped byte" else "bad_manifest"
     assert sum(f"global model refused ({reason}:" in r.getMessage() for r in caplog.records) == 2
     assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
     assert all(t.is_alive() for t in agent_threads.threads)
@@ -295,7 +295,7 @@ def test_evaluate_refuses_a_declared_size_above_its_limit_before_allocating(eval
 
     assert build_parser().parse_args([]).max_policy_mb << 20 == MAX_POLICY_BYTES
     n = (2 << 30) // 4 - 64
-    m = Manifest("", 0, 0, (TensorSpec("policy.head.weight", "F32", (n,)),), 0, n * 4 + 128, "0" * 64)
+    m = Manifest("", 0, 0, (TensorSpec("policy.head.weight", "F32", (n,)),), 0, n * 4 + 128, "0" * 32)
 
     def parts():
         yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1))

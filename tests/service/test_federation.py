@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 
 from fedrl.algos import BCConfig, DRPOConfig
@@ -92,7 +93,7 @@ def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_
         manifest, chunks = read_weight_parts(aggregator.fed.FetchGlobal(
             federation_pb2.FetchRequest(run_id=done["run_id"], version=v), timeout=10))
         assert b"".join(chunks) == path.read_bytes()
-        assert manifest.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert manifest.checksum == xxhash.xxh3_128_hexdigest(path.read_bytes())  # an independent XXH3
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
         assert (meta["run_id"], meta["version"], meta["algo"]) == (done["run_id"], str(v), algo)
@@ -201,6 +202,12 @@ def assert_refused(call, code: grpc.StatusCode, text: str) -> None:
     assert text in ei.value.details(), ei.value.details()
 
 
+def _v1(m):
+    """A manifest as a wire contract v1 peer sends it: its sha256, no xxh3_128."""
+    m.sha256, m.xxh3_128 = "ab" * 32, ""
+    return m
+
+
 def assert_untouched(agg, run_id, g, digest) -> None:
     st = status(agg)
     assert st["global_version"] == 0 and st["round"] == 1 and st["state"] == "running"
@@ -231,8 +238,10 @@ def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, pa
          grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
         ("Inf", lambda: submit_(agg, "a0", with_(k0, torch.full_like(g[k0], float("inf"))), run_id),
          grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
-        ("sha256", lambda: submit_(agg, "a0", g, run_id, tamper=lambda m, c: (m, [bytes([c[0][0] ^ 1]) + c[0][1:], *c[1:]])),
-         grpc.StatusCode.DATA_LOSS, "sha256"),
+        ("checksum", lambda: submit_(agg, "a0", g, run_id, tamper=lambda m, c: (m, [bytes([c[0][0] ^ 1]) + c[0][1:], *c[1:]])),
+         grpc.StatusCode.DATA_LOSS, "xxh3-128 does not match"),
+        ("contract v1 (sha256)", lambda: submit_(agg, "a0", g, run_id, tamper=lambda m, c: (_v1(m), c)),
+         grpc.StatusCode.FAILED_PRECONDITION, "wire contract v1"),
         ("extra chunk", lambda: submit_(agg, "a0", g, run_id, extra_chunks=[b"x"]),
          grpc.StatusCode.OUT_OF_RANGE, "exceed the declared"),
         ("truncated", lambda: submit_(agg, "a0", g, run_id, chunk_bytes=1000, tamper=lambda m, c: (m, c[:-1])),

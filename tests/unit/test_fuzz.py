@@ -4,7 +4,6 @@ and the run config parser. Random, mutated and truncated inputs give a clean, sp
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import replace
 from datetime import timedelta
@@ -22,6 +21,7 @@ from fedrl.wire.codec import (
     Manifest,
     TensorSpec,
     assemble,
+    checksum,
     decode,
     encode,
 )
@@ -35,16 +35,16 @@ PAYLOAD = ENC.payload
 
 
 def redeclare(m: Manifest, payload: bytes) -> Manifest:
-    """The manifest an attacker would send with ``payload``: size and sha256 that match it."""
+    """The manifest an attacker would send with ``payload``: size and checksum that match it."""
     return Manifest(m.run_id, m.round, m.base_version, m.tensors, m.num_samples, len(payload),
-                    hashlib.sha256(payload).hexdigest(), m.encoding)
+                    checksum(payload), m.encoding)
 
 
 def decode_clean(m: Manifest, payload: bytes):
     try:
         out = decode(m, payload)
     except CodecError as e:
-        assert e.reason in {"truncated", "sha256_mismatch", "bad_payload", "tensor_mismatch", "non_finite"}
+        assert e.reason in {"truncated", "checksum_mismatch", "bad_payload", "tensor_mismatch", "non_finite"}
         return None
     spec = m.spec()
     assert set(out) == set(spec)
@@ -87,7 +87,7 @@ specs = st.lists(st.builds(TensorSpec, names, st.sampled_from(["F32", "F16", "I6
                            st.lists(st.integers(-3, 10**12), max_size=4).map(tuple)), max_size=4).map(tuple)
 manifests = st.builds(Manifest, names, st.integers(-5, 2**63 - 1), st.integers(-5, 2**63 - 1), specs,
                       st.integers(-5, 2**63 - 1), st.integers(-5, 2**40),
-                      st.one_of(st.text(max_size=70), st.just(ENC.manifest.sha256)),
+                      st.one_of(st.text(max_size=70), st.just(ENC.manifest.checksum)),
                       st.sampled_from(["safetensors", "pickle", ""]))
 
 
@@ -322,7 +322,7 @@ def test_checks_worked_out_once_per_layout_still_refuse_what_differs():
     a = encode({"w": torch.ones(2, 3), "b": torch.zeros(3)})
     assert torch.equal(decode(a.manifest, a.payload)["w"], torch.ones(2, 3))  # the layout is now known
     b = encode({"w": torch.ones(3, 2), "b": torch.zeros(3)})  # same names and size, another shape
-    m = replace(a.manifest, sha256=b.manifest.sha256)
+    m = replace(a.manifest, checksum=b.manifest.checksum)
     for _ in range(2):
         with pytest.raises(CodecError) as e:
             decode(m, b.payload)

@@ -25,17 +25,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x65\x64rl/v1/weights.proto\x12\x08\x66\x65\x64rl.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb9\x01\n\x0fWeightsManifest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.fedrl.v1.TensorSpec\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x08 \x01(\t\"U\n\x0bWeightsPart\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.fedrl.v1.WeightsManifestH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04partb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x65\x64rl/v1/weights.proto\x12\x08\x66\x65\x64rl.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xcf\x01\n\x0fWeightsManifest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.fedrl.v1.TensorSpec\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\x12\n\x06sha256\x18\x07 \x01(\tB\x02\x18\x01\x12\x10\n\x08\x65ncoding\x18\x08 \x01(\t\x12\x10\n\x08xxh3_128\x18\t \x01(\t\"U\n\x0bWeightsPart\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.fedrl.v1.WeightsManifestH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04partb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedrl.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_WEIGHTSMANIFEST'].fields_by_name['sha256']._loaded_options = None
+  _globals['_WEIGHTSMANIFEST'].fields_by_name['sha256']._serialized_options = b'\030\001'
   _globals['_TENSORSPEC']._serialized_start=36
   _globals['_TENSORSPEC']._serialized_end=92
   _globals['_WEIGHTSMANIFEST']._serialized_start=95
-  _globals['_WEIGHTSMANIFEST']._serialized_end=280
-  _globals['_WEIGHTSPART']._serialized_start=282
-  _globals['_WEIGHTSPART']._serialized_end=367
+  _globals['_WEIGHTSMANIFEST']._serialized_end=302
+  _globals['_WEIGHTSPART']._serialized_start=304
+  _globals['_WEIGHTSPART']._serialized_end=389
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WeightsManifest(_message.Message):
-    __slots__ = ("run_id", "round", "base_version", "tensors", "num_samples", "total_bytes", "sha256", "encoding")
+    __slots__ = ("run_id", "round", "base_version", "tensors", "num_samples", "total_bytes", "sha256", "encoding", "xxh3_128")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class WeightsManifest(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    XXH3_128_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     base_version: int
@@ -35,7 +36,8 @@ class WeightsManifest(_message.Message):
     total_bytes: int
     sha256: str
     encoding: str
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., encoding: _Optional[str] = ...) -> None: ...
+    xxh3_128: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_samples: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., encoding: _Optional[str] = ..., xxh3_128: _Optional[str] = ...) -> None: ...
 
 class WeightsPart(_message.Message):
     __slots__ = ("manifest", "chunk")
