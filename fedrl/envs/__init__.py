@@ -52,9 +52,16 @@ ENVS: dict[str, EnvInfo] = {
 
 
 def env_info(name: str) -> EnvInfo:
-    """Find a task by gymnasium id (``Hopper-v5``), d4rl prefix (``hopper``) or dataset name
-    (``hopper-medium-v2``); unknown names list the valid choices."""
+    """Find a task by gymnasium id (``Hopper-v5``), d4rl prefix (``hopper``), dataset name
+    (``hopper-medium-v2``) or Minari dataset id (``mujoco/walker2d/medium-v0``); unknown names
+    list the valid choices."""
     low = name.lower()
+    if "/" in low:  # a Minari id (namespace/env/quality-vN) or a path: the env is one of its parts
+        for part in low.split("/"):
+            try:
+                return env_info(part)
+            except ValueError:
+                continue
     m = re.match(r"^([a-z0-9]+?)(?:-v\d+)?$", low)
     if m and m.group(1) in ENVS:
         return ENVS[m.group(1)]
