@@ -101,7 +101,7 @@ def start_mps() -> bool:
     if exe is None:
         return False
     try:
-        return subprocess.run([exe, "-d"], timeout=20).returncode == 0
+        return subprocess.run([exe, "-d"], timeout=20, check=False).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -110,7 +110,7 @@ def stop_mps() -> None:
     exe = shutil.which("nvidia-cuda-mps-control")
     if exe:
         try:
-            subprocess.run([exe], input="quit\n", text=True, timeout=20)
+            subprocess.run([exe], input="quit\n", text=True, timeout=20, check=False)
         except (OSError, subprocess.TimeoutExpired):
             pass
         time.sleep(1)
@@ -143,7 +143,7 @@ def main_run(a) -> int:
     try:
         info["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
                                              "--format=csv,noheader"], capture_output=True, text=True,
-                                            timeout=20).stdout.strip()
+                                            timeout=20, check=False).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         info["nvidia_smi"] = "unavailable"
     import torch

@@ -38,13 +38,9 @@ RESULTS = HERE / "results"
 
 
 def ensure_flower() -> Path:
-    py = VENV / "bin" / "python"
-    ok = py.exists() and subprocess.run([str(py), "-c", "import flwr, numpy"], capture_output=True).returncode == 0
-    if not ok:
-        print(f"making {VENV} ({FLWR_PIN}; once, a minute or two)", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", FLWR_PIN, "numpy"], check=True)
-    return py
+    from benchmarks.venvs import ensure_venv
+
+    return ensure_venv(VENV, "flwr, numpy", [FLWR_PIN, "numpy"], FLWR_PIN)
 
 
 def _free_port() -> int:
@@ -83,7 +79,7 @@ def flower_rounds(py: Path, clients: int, rounds: int, n_params: int, tmp: Path)
     out = tmp / "flower.json"
     side = str(HERE / "flower_side.py")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR"}
-    log = open(tmp / "flower.log", "w")
+    log = open(tmp / "flower.log", "w")  # noqa: SIM115 - the processes' shared log, closed in finally
     server = subprocess.Popen([str(py), side, "server", "--address", addr, "--rounds", str(rounds),
                                "--params", str(n_params), "--clients", str(clients), "--out", str(out)],
                               stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -358,16 +358,12 @@ def _bytes_io(b: bytes = b""):
 # -- the driver (project environment) ---------------------------------------------------------
 def ensure_venv() -> Path:
     """The d3rlpy virtual environment (made once: this project's torch wheel + d3rlpy)."""
-    py = VENV / "bin" / "python"
-    ok = py.exists() and subprocess.run([str(py), "-c", "import d3rlpy, safetensors"], capture_output=True).returncode == 0
-    if not ok:
-        print(f"making {VENV} ({D3RLPY_PIN}; once, about a minute)", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        import torch
+    import torch
 
-        subprocess.run([str(py), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}",
-                        D3RLPY_PIN, "safetensors"], check=True)
-    return py
+    from benchmarks.venvs import ensure_venv
+
+    return ensure_venv(VENV, "d3rlpy, safetensors",
+                       [f"torch=={torch.__version__.split('+')[0]}", D3RLPY_PIN, "safetensors"], D3RLPY_PIN)
 
 
 def result_path(run: str, seed: int, results: Path = RESULTS) -> Path:

@@ -273,33 +273,24 @@ def _checking_certificate(handler, who: tuple[str, str]):
         if why is not None:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
-    if handler.unary_unary:
-        f = handler.unary_unary
-
-        def uu(request, context):
+    def answer(f):  # a handler that returns its reply
+        def call(request, context):
             check(context)
             return f(request, context)
-        return handler._replace(unary_unary=uu)
-    if handler.stream_unary:
-        f2 = handler.stream_unary
+        return call
 
-        def su(requests, context):
+    def stream(f):  # a handler that yields its replies
+        def call(request, context):
             check(context)
-            return f2(requests, context)
-        return handler._replace(stream_unary=su)
-    if handler.unary_stream:
-        f3 = handler.unary_stream
+            yield from f(request, context)
+        return call
 
-        def us(request, context):
-            check(context)
-            yield from f3(request, context)
-        return handler._replace(unary_stream=us)
-    f4 = handler.stream_stream
-
-    def ss(requests, context):
-        check(context)
-        yield from f4(requests, context)
-    return handler._replace(stream_stream=ss)
+    for kind, wrap in (("unary_unary", answer), ("stream_unary", answer), ("unary_stream", stream),
+                       ("stream_stream", stream)):
+        f = getattr(handler, kind)
+        if f is not None:
+            return handler._replace(**{kind: wrap(f)})
+    return handler
 
 
 class TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
