@@ -226,3 +226,17 @@ def test_device_claim_plans_by_measured_rates():
     assert dc.estimate([f"drpo-medium-s{i}" for i in range(15)], rates, 0.25, 50_000) == \
         pytest.approx(750_000 / 1500 * 1.15 + 60)
     assert dc.estimate(["drpo-medium-s0", "fed-bc-medium-s0"], rates, 0.25, 50_000) == pytest.approx(one)
+
+
+def test_peers_summary_medians_rates_and_skips_the_first_round():
+    from benchmarks.peers import summarise
+
+    runs = [{"round_seconds": [9.0, 0.1, 0.3], "cpu_ms_per_round": {"server": 10.0, "clients_total": 30.0},
+             "peak_rss_mb": {"server": 100.0, "client_max": 50.0}},
+            {"round_seconds": [8.0, 0.2, 0.2], "cpu_ms_per_round": {"server": 20.0, "clients_total": 50.0},
+             "peak_rss_mb": {"server": 90.0, "client_max": 70.0}}]
+    s = summarise(runs, model_bytes=1_000_000, clients=10, skip=1)
+    assert s["rounds_measured"] == 4 and s["round_ms_median"] == pytest.approx(200.0)
+    assert s["mb_per_s"] == pytest.approx(2 * 10 * 1.0 / 0.2)  # 10 downloads + 10 uploads of 1 MB
+    assert s["cpu_ms_per_round"] == {"server": 15.0, "clients_total": 40.0}
+    assert s["peak_rss_mb"] == {"server": 100.0, "client_max": 70.0}
