@@ -434,6 +434,7 @@ def drive(run: str, seed: int, steps: int, every: int, results: Path = RESULTS, 
             diffs = {k: (m[k], old[k]) for k in ("q_data", "nll_data", "return_mean") if not _close(m[k], old[k])}
             print(f"{run} s{seed} step {old['step']}: " + (f"DIFFERS from the recorded row {diffs}" if diffs
                                                           else "same as recorded"), flush=True)
+    t_start, step_start = time.monotonic(), step
     while step < steps:
         until = min(steps, step + every)
         m = chunk(until)
@@ -446,8 +447,10 @@ def drive(run: str, seed: int, steps: int, every: int, results: Path = RESULTS, 
         tmp.write_text(json.dumps(res, indent=1))
         tmp.replace(path)
         step = until
+        left = (time.monotonic() - t_start) / (step - step_start) * (steps - step)  # at this run's pace so far
+        eta = f", {step}/{steps} steps, ETA {int(left // 60)} min" if step < steps else f", {step}/{steps} steps"
         print(f"{run} s{seed} step {step}: Q on data {m['q_data']:.1f}, NLL {m['nll_data']:.2f}, "
-              f"return {m['return_mean']:.0f} (score {m['score_mean']:.1f}), {m['train_seconds']:.0f}s", flush=True)
+              f"return {m['return_mean']:.0f} (score {m['score_mean']:.1f}), {m['train_seconds']:.0f}s{eta}", flush=True)
     return res
 
 
