@@ -35,6 +35,9 @@ MESSAGE_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 CHANNEL_OPTIONS = MESSAGE_OPTIONS + [
+    # each channel its own connection: servers count streams per connection when a caller sends
+    # no token (StreamGuard), and agents run as threads of one process share nothing that way
+    ("grpc.use_local_subchannel_pool", 1),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
