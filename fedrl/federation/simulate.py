@@ -213,7 +213,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 
             def train(i: int):
                 res = trainers[i].train_round(agent_states[i] if cfg.algo == "cql" else global_state, cfg.local_steps,
-                                              progress=step_done if progress else None)
+                                              **({"progress": step_done} if progress else {}))
                 if cfg.local_steps >= 200:
                     log(f"  round {r}: agent {i + 1}/{len(trainers)} done in {res.seconds:.1f}s")
                 return res
