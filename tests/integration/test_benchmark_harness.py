@@ -57,6 +57,14 @@ def test_smoke_rerun_matches_the_committed_results(tmp_path):
     before = {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*.json")}
     assert paper.cmd_run(a) == 0
     assert {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*.json")} == before
+    # --only: just the named cells (unknown ones refused, naming them); what ran it is recorded
+    only = tmp_path / "only"
+    with pytest.raises(SystemExit, match="no cell drpo-expert-s9"):
+        paper.main(["run", "--preset", "smoke", "--only", "drpo-medium-s0,drpo-expert-s9", "--results", str(only)])
+    assert paper.main(["run", "--preset", "smoke", "--only", "fed-bc-medium-s0", "--results", str(only)]) == 0
+    assert sorted(p.name for p in (only / "paper-smoke" / "table").glob("*.json")) == ["fed-bc-medium-s0.json"]
+    res = json.loads((only / "paper-smoke" / "table" / "fed-bc-medium-s0.json").read_text())
+    assert res["config"]["device"] == "cpu" and res["device_name"]
 
 
 def test_benchmarks_md_tables_are_generated_from_the_committed_files():
@@ -202,16 +210,6 @@ def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path,
     assert resumed["resumed_after_round"] == 1 and "resumed_after_round" not in clean
     assert resumed["curve"] == clean["curve"] and resumed["losses_per_round"] == clean["losses_per_round"]
     assert not work.exists()  # a finished run leaves its result, not its work folder
-
-
-def test_only_runs_the_named_cells_and_refuses_unknown_ones(tmp_path, capsys):
-    with pytest.raises(SystemExit, match="no cell drpo-expert-s9"):
-        paper.main(["run", "--preset", "smoke", "--only", "drpo-medium-s0,drpo-expert-s9", "--results", str(tmp_path)])
-    assert paper.main(["run", "--preset", "smoke", "--only", "fed-bc-medium-s0", "--results", str(tmp_path)]) == 0
-    made = sorted(p.name for p in (tmp_path / "paper-smoke" / "table").glob("*.json"))
-    assert made == ["fed-bc-medium-s0.json"]
-    res = json.loads((tmp_path / "paper-smoke" / "table" / "fed-bc-medium-s0.json").read_text())
-    assert res["config"]["device"] == "cpu" and res["device_name"]  # what ran it is recorded
 
 
 def test_device_claim_plans_by_measured_rates():
