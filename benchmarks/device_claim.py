@@ -194,7 +194,7 @@ def main_run(a) -> int:
     from benchmarks.paper import PRESETS
 
     pre = PRESETS[a.preset]
-    by_key = {r.key: r for r in paper.plan(pre, "table", pre.seeds if a.preset != "claim" else (0, 1, 2))}
+    by_key = {r.key: r for r in paper.plan(pre, "table", pre.seeds)}
     steps_per_cell = pre.agents * pre.rounds * pre.local_steps
     left = a.budget - (time.time() - t_start) - 30  # packing
     chosen: list[str] = []
