@@ -13,8 +13,18 @@ both see the same moments of a shared machine.
 
 Flower runs in its own virtual environment, made on first use at ``benchmarks/.venv-flwr``
 (``flwr==1.42.0``: it needs protobuf < 7, this project pins 7), through its legacy gRPC path
-(``start_server`` / ``start_client``, ``benchmarks/flower_side.py``). Its current deployment
-engine (SuperLink + SuperNodes + ``flwr run``) is not measured here: see BENCHMARKS.md.
+(``start_server`` / ``start_client``, ``benchmarks/flower_side.py``) and through its current
+deployment engine: one ``flower-superlink`` and N ``flower-supernode`` processes started here,
+insecure, on 127.0.0.1, and ``flwr run`` submitting the Flower App in ``benchmarks/flower_app``
+(FedAvg over echo ClientApps, rounds timed inside the ServerApp like the legacy side's). In Flower
+1.42 that engine's Fleet, Control and runtime APIs are HTTP on one port, the ServerApp runs in a
+subprocess of the SuperLink and each message to a node in a fresh ``flwr-clientapp`` process of
+its SuperNode (the defaults); its CPU and memory are therefore measured over process trees: a
+side's CPU seconds are those of every process under its roots (exited children included, through
+the kernel's cutime/cstime), its peak RSS the largest sum of its processes' resident sets seen at
+one poll (the SuperLink with its SuperExec and ServerApp; the largest SuperNode with its
+children). Deployment rounds are slow, so
+that path runs ``--deployment-rounds`` rounds per repeat (``0`` skips it).
 """
 
 from __future__ import annotations
@@ -49,25 +59,67 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Watch:
-    """Polls the CPU seconds and peak RSS of processes while they live (both vanish at exit)."""
+def _stat(pid: int) -> tuple[int, float, float] | None:
+    """(parent pid, own CPU seconds, CPU seconds of its exited and reaped children) of a live process."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(f[1]), (int(f[11]) + int(f[12])) / tick, (int(f[13]) + int(f[14])) / tick
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+
+def _hwm_mb(pid: int, field: str = "VmHWM:") -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class Watch:
+    """Polls the CPU seconds and peak RSS of processes while they live (both vanish at exit).
+
+    With ``trees=True`` each process stands for its whole tree: CPU is the sum over the live
+    processes under it of their own and their reaped children's seconds (a child that exits is
+    counted once, in its parent's cutime/cstime), RSS the largest sum of the tree's processes'
+    resident sets seen at one poll (its processes come and go: a ClientApp per message). CPU only
+    grows, so its last reading stands when the tree is gone."""
+
+    def __init__(self, procs: list[subprocess.Popen], trees: bool = False) -> None:
         self.procs = procs
+        self.trees = trees
         self.cpu = {p.pid: 0.0 for p in procs}
         self.rss = {p.pid: 0.0 for p in procs}
 
+    @staticmethod
+    def _tree(root: int, parents: dict[int, int]) -> list[int]:
+        out, todo = [], [root]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo.extend(c for c, pp in parents.items() if pp == pid)
+        return out
+
     def poll(self) -> None:
-        tick = os.sysconf("SC_CLK_TCK")
+        if not self.trees:
+            for p in self.procs:
+                st = _stat(p.pid)
+                if st is not None:  # exited: its last readings stand
+                    self.cpu[p.pid] = st[1]
+                    self.rss[p.pid] = max(self.rss[p.pid], _hwm_mb(p.pid))
+            return
+        stats = {int(d.name): st for d in Path("/proc").iterdir() if d.name.isdigit()
+                 for st in [_stat(int(d.name))] if st is not None}
+        parents = {pid: st[0] for pid, st in stats.items()}
         for p in self.procs:
-            try:
-                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                self.cpu[p.pid] = (int(fields[11]) + int(fields[12])) / tick
-                for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
-                    if line.startswith("VmHWM:"):
-                        self.rss[p.pid] = max(self.rss[p.pid], int(line.split()[1]) / 1024)
-            except (OSError, IndexError, ValueError):
-                pass  # exited: its last readings stand
+            if p.pid not in stats:
+                continue
+            tree = self._tree(p.pid, parents)
+            self.cpu[p.pid] = max(self.cpu[p.pid], sum(stats[q][1] + stats[q][2] for q in tree if q in stats))
+            self.rss[p.pid] = max(self.rss[p.pid], sum(_hwm_mb(q, "VmRSS:") for q in tree))
 
     def snapshot(self) -> dict[int, float]:
         self.poll()
@@ -117,6 +169,98 @@ def flower_rounds(py: Path, clients: int, rounds: int, n_params: int, tmp: Path)
             "cpu_from": "after round 1" if at_first else "whole run (round 1 not seen)"}
 
 
+APP = HERE / "flower_app"
+
+
+def _wait_port(port: int, proc: subprocess.Popen, log: Path, limit: float = 120.0) -> None:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited ({proc.returncode}) before listening on {port}: " + log.read_text()[-2000:])
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing listened on {port} within {limit:.0f} s: " + log.read_text()[-2000:])
+
+
+def flower_deployment_rounds(py: Path, clients: int, rounds: int, n_params: int, tmp: Path) -> dict:
+    """Flower's deployment engine: a SuperLink, ``clients`` SuperNodes and ``flwr run`` of
+    ``benchmarks/flower_app``; every process is a child of this one and is ended on the way out."""
+    bin_dir = py.parent
+    home = tmp / "flwr-home"  # Flower's config (the SuperLink connection) and app cache, not ~/.flwr
+    home.mkdir()
+    # The SuperLink keeps its state in memory (its default): with a SQLite file (``--database``)
+    # ten nodes pushing replies at once hit "database is locked", the replies were lost and the
+    # round waited for them until its timeout (seen here, 2026-11-26).
+    link_port = _free_port()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\n'
+                                      f'address = "127.0.0.1:{link_port}"\ninsecure = true\n')
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_VERBOSITY": "ERROR", "FLWR_HOME": str(home),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}  # it starts flower-superexec by name
+    out = tmp / "flower-deployment.json"
+    logs = {n: tmp / f"{n}.log" for n in ("superlink", "supernodes", "run")}
+    files = {n: open(f, "w") for n, f in logs.items()}  # noqa: SIM115 - closed in finally
+    procs: list[subprocess.Popen] = []
+    try:
+        link = subprocess.Popen([str(bin_dir / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+                                 "--port", str(link_port), "--disable-runtime-dependency-installation"],
+                                stdout=files["superlink"], stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        procs.append(link)
+        _wait_port(link_port, link, logs["superlink"])
+        nodes = [subprocess.Popen([str(bin_dir / "flower-supernode"), "--insecure", "--superlink",
+                                   f"127.0.0.1:{link_port}", "--host", "127.0.0.1", "--port", str(_free_port())],
+                                  stdout=files["supernodes"], stderr=subprocess.STDOUT, env=env, cwd=tmp)
+                 for _ in range(clients)]
+        procs.extend(nodes)
+        cfg = f"num-server-rounds={rounds} params={n_params} nodes={clients} round-timeout=60 out='{out}'"
+        run = subprocess.Popen([str(bin_dir / "flwr"), "run", str(APP), "bench", "--stream", "--run-config", cfg],
+                               stdout=files["run"], stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        procs.append(run)
+        w = Watch([link, *nodes], trees=True)
+        end = time.monotonic() + 120 + 60 * rounds  # the ServerApp gives up on a round after 60 s
+        at_first = None
+        while not out.exists():
+            if run.poll() is not None and not out.exists():
+                time.sleep(1.0)  # the file is written just before the run ends
+                if not out.exists():
+                    raise RuntimeError(f"flwr run ended ({run.returncode}) without results: "
+                                       + logs["run"].read_text()[-3000:] + logs["superlink"].read_text()[-2000:])
+            assert time.monotonic() < end, "Flower's deployment run did not end"
+            w.poll()
+            if at_first is None and Path(f"{out}.progress").exists():
+                at_first = w.snapshot()
+            time.sleep(0.1)
+        w.poll()
+    finally:
+        parents = {int(d.name): st[0] for d in Path("/proc").iterdir() if d.name.isdigit()
+                   for st in [_stat(int(d.name))] if st is not None}
+        family = {q for p in procs for q in Watch._tree(p.pid, parents)}  # SuperExecs, apps
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for pid in family - {p.pid for p in procs}:  # detached children that outlived their parents
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        for f in files.values():
+            f.close()
+    res = json.loads(out.read_text())
+    steady = rounds - 1
+    base = at_first or {pid: 0.0 for pid in w.cpu}
+    return {"round_seconds": res["round_seconds"], "flwr": res["flwr"], "path": res["path"],
+            "cpu_ms_per_round": {"server": (w.cpu[link.pid] - base[link.pid]) / steady * 1e3,
+                                 "clients_total": sum(w.cpu[n.pid] - base[n.pid] for n in nodes) / steady * 1e3},
+            "peak_rss_mb": {"server": w.rss[link.pid], "client_max": max(w.rss[n.pid] for n in nodes)},
+            "cpu_from": "after round 1" if at_first else "whole run (round 1 not seen)"}
+
+
 def ours_rounds(clients: int, rounds: int, config: dict, tmp: Path) -> dict:
     from benchmarks.services import WARMUP_ROUNDS, federation_rounds
 
@@ -139,13 +283,42 @@ def summarise(runs: list[dict], model_bytes: int, clients: int, skip: int) -> di
             "runs": runs}
 
 
+SIDES = {"ours": "this federation", "flower": "Flower 1.42.0, legacy gRPC",
+         "flower_deployment": "Flower 1.42.0, deployment engine (SuperLink + SuperNodes)"}
+
+
+def table_md(res: dict) -> str:
+    """The BENCHMARKS.md table of a results file (``python -m benchmarks.peers table``)."""
+    head = ("| model | side | round ms (median) | p90 | MB/s moved | CPU ms/round server / clients "
+            "| peak RSS MB server / client | rounds |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for name, r in res["sizes"].items():
+        label = {"hopper_policy": "Hopper policy"}.get(name, name.replace("model_", "").replace("mb", " MB model"))
+        for side, title in SIDES.items():
+            if side not in r:
+                continue
+            x = r[side]
+            lines.append(f"| {label} ({r['model_bytes'] / 1e6:.2f} MB) | {title} | {x['round_ms_median']:.1f} | "
+                         f"{x['round_ms_p90']:.1f} | {x['mb_per_s']:.0f} | {x['cpu_ms_per_round']['server']:.0f} / "
+                         f"{x['cpu_ms_per_round']['clients_total']:.0f} | {x['peak_rss_mb']['server']:.0f} / "
+                         f"{x['peak_rss_mb']['client_max']:.0f} | {x['rounds_measured']} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.services import HOPPER_POLICY_BYTES
 
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["table"]:
+        print(table_md(json.loads(Path(argv[1] if len(argv) > 1 else RESULTS / "peers.json").read_text())))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--small-rounds", type=int, default=30)
     p.add_argument("--large-rounds", type=int, default=5)
+    p.add_argument("--deployment-rounds", type=int, default=4,
+                   help="rounds per repeat on Flower's deployment engine (seconds each; 0 skips it)")
     p.add_argument("--mb", type=int, default=30)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "peers.json"))
@@ -156,26 +329,42 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {"hopper_policy": (HOPPER_POLICY_BYTES, a.small_rounds, {"algo": "drpo"}),
              f"model_{a.mb}mb": (large_bytes, a.large_rounds, {"algo": "fed-bc", "bc": {"hidden": [h, h]}})}
     out = {"clients": a.clients, "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-           "machine_state": os.getloadavg(), "sizes": {}}
+           "machine_state_loadavg_at_start": os.getloadavg(), "sizes": {}}
     for name, (nbytes, rounds, cfg) in sizes.items():
-        ours, flower = [], []
-        for i in range(a.repeats):
+        runs: dict[str, list[dict]] = {"ours": [], "flower": [], "flower_deployment": []}
+        for i in range(a.repeats):  # ours, legacy, deployment, ours, ...: the same moments of a shared machine
             with tempfile.TemporaryDirectory() as d:
-                ours.append(ours_rounds(a.clients, rounds, cfg, Path(d)))
-                print(f"{name} ours #{i + 1}: median {np.median(ours[-1]['round_seconds']) * 1e3:.1f} ms", flush=True)
+                runs["ours"].append(ours_rounds(a.clients, rounds, cfg, Path(d)))
             with tempfile.TemporaryDirectory() as d:
-                flower.append(flower_rounds(py, a.clients, rounds + 1, nbytes // 4, Path(d)))
-                print(f"{name} Flower #{i + 1}: median {np.median(flower[-1]['round_seconds'][1:]) * 1e3:.1f} ms",
-                      flush=True)
-        o, f = summarise(ours, nbytes, a.clients, 0), summarise(flower, nbytes, a.clients, 1)
-        out["sizes"][name] = {"model_bytes": nbytes, "ours": o, "flower": f,
-                              "flower_over_ours_round_time": f["round_ms_median"] / o["round_ms_median"],
-                              "ours_over_flower_mb_per_s": o["mb_per_s"] / f["mb_per_s"]}
-        print(f"{name}: ours {o['round_ms_median']:.1f} ms, Flower {f['round_ms_median']:.1f} ms "
-              f"({out['sizes'][name]['flower_over_ours_round_time']:.2f}x)", flush=True)
-    out["flower"] = {"version": FLWR_PIN, "path": "legacy gRPC (start_server/start_client)",
-                     "not_measured": "the SuperLink/SuperNode deployment engine (see BENCHMARKS.md)"}
+                runs["flower"].append(flower_rounds(py, a.clients, rounds + 1, nbytes // 4, Path(d)))
+            if a.deployment_rounds > 1:
+                with tempfile.TemporaryDirectory() as d:
+                    runs["flower_deployment"].append(
+                        flower_deployment_rounds(py, a.clients, a.deployment_rounds, nbytes // 4, Path(d)))
+            for side, rs in runs.items():
+                if rs:
+                    skip = 0 if side == "ours" else 1
+                    print(f"{name} {side} #{i + 1}: median {np.median(rs[-1]['round_seconds'][skip:]) * 1e3:.1f} ms",
+                          flush=True)
+        r = {"model_bytes": nbytes}
+        for side, rs in runs.items():
+            if rs:
+                r[side] = summarise(rs, nbytes, a.clients, 0 if side == "ours" else 1)
+        fl = [s for s in ("flower", "flower_deployment") if s in r]
+        fastest = min(fl, key=lambda s: r[s]["round_ms_median"])
+        r |= {f"{s}_over_ours_round_time": r[s]["round_ms_median"] / r["ours"]["round_ms_median"] for s in fl}
+        r |= {f"ours_over_{s}_mb_per_s": r["ours"]["mb_per_s"] / r[s]["mb_per_s"] for s in fl}
+        r["flower_fastest_path"] = fastest
+        r["fastest_flower_over_ours_round_time"] = r[f"{fastest}_over_ours_round_time"]
+        out["sizes"][name] = r
+        print(f"{name}: ours {r['ours']['round_ms_median']:.1f} ms; "
+              + ", ".join(f"{s} {r[s]['round_ms_median']:.1f} ms ({r[f'{s}_over_ours_round_time']:.2f}x)" for s in fl),
+              flush=True)
+    out["machine_state_loadavg_at_end"] = os.getloadavg()
+    out["flower"] = {"version": FLWR_PIN, "paths": {s: SIDES[s] for s in ("flower", "flower_deployment")
+                                                    if any(s in r for r in out["sizes"].values())}}
     Path(a.out).write_text(json.dumps(out, indent=1))
+    print(table_md(out))
     print(f"wrote {a.out}")
     return 0
 

@@ -238,3 +238,48 @@ def test_peers_summary_medians_rates_and_skips_the_first_round():
     assert s["mb_per_s"] == pytest.approx(2 * 10 * 1.0 / 0.2)  # 10 downloads + 10 uploads of 1 MB
     assert s["cpu_ms_per_round"] == {"server": 15.0, "clients_total": 40.0}
     assert s["peak_rss_mb"] == {"server": 100.0, "client_max": 70.0}
+
+
+def test_peers_watch_counts_a_process_trees_cpu_including_children_that_exited():
+    """Flower's deployment engine runs a ClientApp per message in a child process that exits
+    at once: a side's CPU must include them (through the parent's cutime), not just the roots'."""
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.peers import Watch
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    # the root sleeps; its child burns ~0.4 s of CPU and exits (reaped by the root's wait)
+    script = ("import subprocess, sys, time\n"
+              f"subprocess.run([sys.executable, '-c', {burn!r}])\n"
+              "time.sleep(1.0)\n")
+    root = subprocess.Popen([sys.executable, "-c", script])
+    flat, tree = Watch([root]), Watch([root], trees=True)
+    try:
+        end = time.monotonic() + 30
+        while root.poll() is None:
+            assert time.monotonic() < end
+            flat.poll()
+            tree.poll()
+            time.sleep(0.05)
+    finally:
+        root.kill()
+    assert tree.cpu[root.pid] >= 0.35  # the child's seconds, counted once it exited
+    assert flat.cpu[root.pid] < 0.35  # the root alone mostly slept: what the flat view would report
+    assert tree.rss[root.pid] > 0
+
+
+def test_peers_table_lists_each_side_measured():
+    from benchmarks.peers import table_md
+
+    side = {"round_ms_median": 30.0, "round_ms_p90": 40.0, "mb_per_s": 170.0, "rounds_measured": 60,
+            "cpu_ms_per_round": {"server": 22.0, "clients_total": 33.0},
+            "peak_rss_mb": {"server": 300.0, "client_max": 270.0}}
+    res = {"sizes": {"hopper_policy": {"model_bytes": 282352, "ours": side, "flower": side},
+                     "model_30mb": {"model_bytes": 30194776, "ours": side, "flower": side,
+                                    "flower_deployment": side}}}
+    rows = table_md(res).splitlines()[2:]
+    assert len(rows) == 5  # the deployment engine was measured for one size only
+    assert rows[0].startswith("| Hopper policy (0.28 MB) | this federation | 30.0 | 40.0 | 170 | 22 / 33 | 300 / 270 | 60 |")
+    assert "deployment engine" in rows[-1] and rows[-1].startswith("| 30 MB model (30.19 MB)")
