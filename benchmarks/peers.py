@@ -69,6 +69,12 @@ def _stat(pid: int) -> tuple[int, float, float] | None:
     return int(f[1]), (int(f[11]) + int(f[12])) / tick, (int(f[13]) + int(f[14])) / tick
 
 
+def _all_stats() -> dict[int, tuple[int, float, float]]:
+    """:func:`_stat` of every live process."""
+    return {int(d.name): st for d in Path("/proc").iterdir() if d.name.isdigit()
+            for st in [_stat(int(d.name))] if st is not None}
+
+
 def _hwm_mb(pid: int, field: str = "VmHWM:") -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -111,8 +117,7 @@ class Watch:
                     self.cpu[p.pid] = st[1]
                     self.rss[p.pid] = max(self.rss[p.pid], _hwm_mb(p.pid))
             return
-        stats = {int(d.name): st for d in Path("/proc").iterdir() if d.name.isdigit()
-                 for st in [_stat(int(d.name))] if st is not None}
+        stats = _all_stats()
         parents = {pid: st[0] for pid, st in stats.items()}
         for p in self.procs:
             if p.pid not in stats:
@@ -233,8 +238,7 @@ def flower_deployment_rounds(py: Path, clients: int, rounds: int, n_params: int,
             time.sleep(0.1)
         w.poll()
     finally:
-        parents = {int(d.name): st[0] for d in Path("/proc").iterdir() if d.name.isdigit()
-                   for st in [_stat(int(d.name))] if st is not None}
+        parents = {pid: st[0] for pid, st in _all_stats().items()}
         family = {q for p in procs for q in Watch._tree(p.pid, parents)}  # SuperExecs, apps
         for p in procs:
             if p.poll() is None:
