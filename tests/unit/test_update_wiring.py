@@ -123,7 +123,8 @@ def reference_drpo_grads(ln, batch: Batch, gen: torch.Generator):
         next_a, next_lp = torch.tanh(nu), tanh_normal_log_prob(nm.unsqueeze(1), nls.unsqueeze(1), nu)
         a1 = torch.tanh(nm) if cfg.target_action == "mean" else next_a[:, 0]
         q_next = torch.minimum(q_member(tp, 0, nobs, a1), q_member(tp, 1, nobs, a1))
-        y = rew + cfg.gamma * (1 - done) * q_next
+        v = q_next - alpha * next_lp[:, 0] if cfg.backup_entropy else q_next  # the target action's own log-prob
+        y = rew + cfg.gamma * (1 - done) * v
         cu = mean.detach().unsqueeze(1) + log_std.detach().exp().unsqueeze(1) * torch.randn(B, n, A, generator=gen)
         cur_a, cur_lp = torch.tanh(cu), tanh_normal_log_prob(mean.detach().unsqueeze(1), log_std.detach().unsqueeze(1), cu)
         rand_a = torch.rand(B, n, A, generator=gen) * 2 - 1
@@ -152,6 +153,7 @@ CONFIGS = {
     "drpo-entropy-target": dataclasses.replace(CFG, target_entropy=-0.5),
     "cql": cql_config(CFG),
     "cql-mean-target": cql_config(dataclasses.replace(CFG, target_action="mean")),
+    "drpo-backup-entropy": dataclasses.replace(CFG, backup_entropy=True),
 }
 
 

@@ -1,0 +1,177 @@
+"""One-line mis-wirings of the learning code, each of which the test suite must notice.
+
+    python -m benchmarks.mutants [--only NAME,...] [--list] [--tests FILE,...]
+
+Each mutant is a single edit of one line of ``fedrl/`` (the kind of slip a reviewer would miss:
+max for min, the online critic for the target, s' for s, a sign, a coefficient, a gradient
+that leaks, a state that is not reset). For each, a clean copy of the committed tree at HEAD
+gets the edit and the learner tests run there; a mutant that every test passes *survived* and
+is a hole in the suite. Nothing in the working tree is touched. Prints one line per mutant and
+a summary; exit status 1 if any survived. About 15-60 s a mutant on one core here.
+
+The list is ours; the issue's reviewers keep their own. A mutant that changes nothing a
+program could observe (an equivalent mutant) does not belong here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ("tests/unit/test_update_wiring.py", "tests/unit/test_learning_closed_form.py",
+         "tests/unit/test_losses.py", "tests/unit/test_learners.py", "tests/unit/test_aggregate.py",
+         "tests/unit/test_optim.py")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...] = ()  # run instead of the default learner tests (the round logic's own)
+
+
+D, C, N, B, A, BASE = ("fedrl/algos/drpo.py", "fedrl/algos/cql.py", "fedrl/algos/nets.py", "fedrl/algos/bc.py",
+                       "fedrl/federation/aggregate.py", "fedrl/algos/base.py")
+SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/coordinator.py"
+SIM_TESTS = ("tests/integration/test_simulate.py",)
+SERVICE_TESTS = ("tests/service/test_federation.py",)
+MUTANTS = (
+    # DRPO / CQL update (drpo.py)
+    Mutant("actor-max-of-twins", D, "q_pi = self.critic(obs, pi_a).min(dim=0)", "q_pi = self.critic(obs, pi_a).max(dim=0)"),
+    Mutant("actor-q-reaches-critic", D, "        self.critic.requires_grad_(False)\n", "        pass\n"),
+    Mutant("target-uses-online-critic", D, "next_q = self.critic_target(next_obs, a_next)", "next_q = self.critic(next_obs, a_next)"),
+    Mutant("target-max-of-twins", D, "next_q = self.critic_target(next_obs, a_next).min(dim=0)",
+           "next_q = self.critic_target(next_obs, a_next).max(dim=0)"),
+    Mutant("target-policy-at-s", D, "n_mean, n_log_std = self.policy(next_obs)", "n_mean, n_log_std = self.policy(obs)"),
+    Mutant("target-critic-at-s", D, "next_q = self.critic_target(next_obs, a_next)", "next_q = self.critic_target(obs, a_next)"),
+    Mutant("pibar-is-pi", D, "g_mean, g_log_std = self.global_policy(obs)", "g_mean, g_log_std = self.policy(obs)"),
+    Mutant("pibar-at-s-prime", D, "g_mean, g_log_std = self.global_policy(obs)", "g_mean, g_log_std = self.global_policy(next_obs)"),
+    Mutant("cql-at-s-prime", D, "q_all = self.critic(obs.unsqueeze(1), all_a)", "q_all = self.critic(next_obs.unsqueeze(1), all_a)"),
+    Mutant("cql-proposals-swapped", D, "[act.unsqueeze(1), rand_a, cur_a, next_a[:, 1:]]",
+           "[act.unsqueeze(1), rand_a, next_a[:, 1:], cur_a]"),
+    Mutant("td-weight-dropped", D, "cfg.td_weight * c_td + cfg.cql_weight * c_cql", "c_td + cfg.cql_weight * c_cql"),
+    Mutant("cql-weight-dropped", D, "cfg.td_weight * c_td + cfg.cql_weight * c_cql", "cfg.td_weight * c_td + c_cql"),
+    Mutant("polyak-inverted", D, "soft_update_(self.critic_target, self.critic, cfg.tau)",
+           "soft_update_(self.critic_target, self.critic, 1 - cfg.tau)"),
+    Mutant("polyak-skipped", D, "        soft_update_(self.critic_target, self.critic, cfg.tau)\n", "        pass\n"),
+    Mutant("uniform-proposals-shifted", D, ".mul_(2.0).sub_(1.0)", ".mul_(2.0).sub_(0.5)"),
+    Mutant("pibar-not-reset", D, "load_prefixed((self.policy, self.global_policy), state, POLICY)",
+           "load_prefixed((self.policy,), state, POLICY)"),
+    Mutant("actor-adam-not-reset", D, "            self.actor_opt.state.clear()", "            pass"),
+    Mutant("alpha-gets-actor-gradient", D, "return self.log_alpha.detach().exp()", "return self.log_alpha.exp()"),
+    Mutant("entropy-backup-wrong-sample", D, "next_log_pi[:, 0] if cfg.backup_entropy", "next_log_pi[:, 1] if cfg.backup_entropy"),
+    Mutant("actor-sample-detached", D, "pi_a, log_pi = TanhGaussianPolicy.sample_from(mean, log_std, g)",
+           "pi_a, log_pi = TanhGaussianPolicy.sample_from(mean.detach(), log_std, g)"),
+    Mutant("nll-global-from-pibar", D, "mean.unsqueeze(-2), log_std.unsqueeze(-2), g_a, cfg.action_clip_eps",
+           "g_mean.unsqueeze(-2), g_log_std.unsqueeze(-2), g_a, cfg.action_clip_eps"),
+    Mutant("entropy-sign", D, "entropy_term = (alpha * log_pi).mean()", "entropy_term = -(alpha * log_pi).mean()"),
+    Mutant("lambdas-swapped", D, "lambda1 * reg_data + lambda2 * reg_global", "lambda2 * reg_data + lambda1 * reg_global"),
+    Mutant("q-term-sign", D, "        q_term = -q_mean\n", "        q_term = q_mean\n"),
+    # CQL losses (cql.py)
+    Mutant("td-ignores-done", C, "return rewards + gamma * (1.0 - dones) * v", "return rewards + gamma * v"),
+    Mutant("td-done-inverted", C, "return rewards + gamma * (1.0 - dones) * v", "return rewards + gamma * dones * v"),
+    Mutant("td-entropy-sign", C, "next_q - alpha * next_log_prob", "next_q + alpha * next_log_prob"),
+    Mutant("td-loss-factor", C, "return 0.5 * (q_data - target.detach())", "return 1.0 * (q_data - target.detach())"),
+    Mutant("cql-uniform-density-sign", C, "q_rand - log_uniform", "q_rand + log_uniform"),
+    Mutant("cql-mean-over-twins", C, "- q_data).mean(dim=-1).sum()", "- q_data).mean()"),
+    Mutant("cql-data-term-sign", C, "(torch.logsumexp(cat, dim=-1) - q_data)", "(torch.logsumexp(cat, dim=-1) + q_data)"),
+    Mutant("temperature-target-sign", C, "log_prob.detach() + target_entropy", "log_prob.detach() - target_entropy"),
+    # policy densities (nets.py)
+    Mutant("sample-jacobian-sign", N, "eps.pow(2) - log_std - 0.5 * LOG_2PI - tanh_log_det_jacobian(u)",
+           "eps.pow(2) - log_std - 0.5 * LOG_2PI + tanh_log_det_jacobian(u)"),
+    Mutant("logprob-scale-inverted", N, "z = (u - mean) * torch.exp(-log_std)", "z = (u - mean) * torch.exp(log_std)"),
+    Mutant("logprob-no-jacobian", N, "return (-0.5 * z.pow(2) - log_std - 0.5 * LOG_2PI - tanh_log_det_jacobian(u)).sum(-1)",
+           "return (-0.5 * z.pow(2) - log_std - 0.5 * LOG_2PI).sum(-1)"),
+    # BC (bc.py)
+    Mutant("bc-mse-mean-over-dims", B, "(torch.tanh(mean) - actions).pow(2).sum(-1).mean()",
+           "(torch.tanh(mean) - actions).pow(2).mean()"),
+    Mutant("bc-adam-not-reset", B, "            self.opt.state.clear()", "            pass"),
+    # Adam (base.py)
+    Mutant("adam-no-bias-correction1", BASE, "(self.lr / (1 - b1 ** float(s[\"step\"]))) * -1", "self.lr * -1"),
+    Mutant("adam-betas-swapped", BASE, "torch._foreach_lerp_(exp_avgs, grads, 1 - b1)", "torch._foreach_lerp_(exp_avgs, grads, 1 - b2)"),
+    # aggregation (aggregate.py)
+    Mutant("fedavg-not-normalised", A, "alphas = [wi / total for wi in w]", "alphas = [wi for wi in w]"),
+    Mutant("samples-weighting-ignored", A, "return [float(n) for n in num_samples]", "return [1.0] * len(num_samples)"),
+    Mutant("fedavg-first-agent-twice", A, "for x, alpha in zip(xs, alphas):", "for x, alpha in zip([xs[0]] + list(xs[1:-1]) + [xs[0]], alphas):"),
+    # the round logic: the simulation and the aggregator service
+    Mutant("agents-alone-restart-from-global", SIM, "train_round(agent_states[i] if cfg.algo == \"cql\" else global_state,",
+           "train_round(global_state,", SIM_TESTS),
+    Mutant("simulation-ignores-sample-counts", SIM, "agent_weights(cfg.weighting, [res.num_samples for res in results])",
+           "agent_weights(cfg.weighting, [1 for res in results])", SIM_TESTS),
+    Mutant("simulation-global-is-first-agent", SIM, "aggregate(cfg.aggregation, [res.state for res in results], w, cfg.trim_fraction)",
+           "results[0].state", SIM_TESTS),
+    Mutant("service-global-is-first-agent", COORD, "enc = self._encode(run, v, new)", "enc = self._encode(run, v, subs[0].state)",
+           SERVICE_TESTS),
+    Mutant("service-ignores-sample-counts", COORD, "agent_weights(run.cfg.weighting, [s.num_samples for s in subs])",
+           "agent_weights(run.cfg.weighting, [1 for s in subs])", SERVICE_TESTS),
+)
+
+
+def run_mutant(m: Mutant, tree: Path, tests: tuple[str, ...]) -> tuple[bool, float, str]:
+    """Apply ``m`` to ``tree``, run ``tests`` there, restore the file. (killed, seconds, detail)."""
+    f = tree / m.path
+    text = f.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"mutant {m.name}: its line occurs {text.count(m.old)} times in {m.path} "
+                         "(the code changed: update the mutant)")
+    f.write_text(text.replace(m.old, m.new))
+    t0 = time.monotonic()
+    try:
+        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                           cwd=tree, env=env, capture_output=True, text=True, timeout=900, check=False)
+    finally:
+        f.write_text(text)
+    out = (p.stdout + p.stderr).strip().splitlines()
+    failed = next((ln for ln in out if ln.startswith(("FAILED", "ERROR"))), out[-1] if out else "")
+    return p.returncode != 0, time.monotonic() - t0, failed[:160]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.mutants", description=__doc__.split("\n\n")[1])
+    p.add_argument("--only", default="", help="comma-separated mutant names (default: all)")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--tests", default=",".join(TESTS), help="comma-separated test files run against each mutant")
+    a = p.parse_args(argv)
+    chosen = [m for m in MUTANTS if not a.only or m.name in a.only.split(",")]
+    unknown = set(filter(None, a.only.split(","))) - {m.name for m in MUTANTS}
+    if unknown:
+        raise SystemExit(f"unknown mutants: {', '.join(sorted(unknown))} (see --list)")
+    if a.list:
+        for m in chosen:
+            print(f"{m.name:30s} {m.path}")
+        return 0
+    tests = tuple(a.tests.split(","))
+    with tempfile.TemporaryDirectory(prefix="fedrl-mutants-") as d:
+        tree = Path(d) / "tree"
+        # the committed tree, not the working one: a mutant must be judged against the tests that land
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), "HEAD"], check=True,
+                       capture_output=True)
+        try:
+            survived = []
+            for m in chosen:
+                killed, secs, detail = run_mutant(m, tree, m.tests or tests)
+                print(f"{'killed  ' if killed else 'SURVIVED'} {m.name:30s} {secs:5.0f}s  {detail}", flush=True)
+                if not killed:
+                    survived.append(m.name)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True,
+                           check=False)
+            shutil.rmtree(tree, ignore_errors=True)
+    print(f"{len(chosen) - len(survived)} of {len(chosen)} mutants killed"
+          + (f"; survived: {', '.join(survived)}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
