@@ -59,27 +59,34 @@ def status(agg) -> dict:
     return status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5, wait_for_ready=True))
 
 
-@pytest.mark.parametrize("algo,obs_norm,session", [("drpo", "pooled", True), ("drpo", "local", False),
-                                                   ("fed-bc", "local", True)])
-def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_dataset, tmp_path,
-                                               algo, obs_norm, session, one_thread):
+@pytest.mark.parametrize("algo,obs_norm,session,weighting", [
+    ("drpo", "pooled", True, "uniform"), ("drpo", "local", False, "uniform"), ("fed-bc", "local", True, "uniform"),
+    ("drpo", "pooled", True, "samples")])
+def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_dataset, random_dataset, tmp_path,
+                                               algo, obs_norm, session, weighting, one_thread):
     """Same config and seeds: the service run's stored global versions are bit-identical to
     the in-process simulator's global model after every round. (PyTorch's CPU kernels split
     work by thread count, so both sides use one thread per learner, as ``fedrl up`` does.)
     The drpo cases send their updates inline, on Session streams or as a call each; the fed-bc
     case streams them with SubmitUpdate (and answers its Session's tasks with done): every path
-    gives the same bits."""
+    gives the same bits. The sample-weighted case runs on episodes of uneven length, so that
+    its agents hold different numbers of transitions and the weights differ from uniform."""
+    data = random_dataset if weighting == "samples" else stand_dataset
     sim_states: dict[int, dict[str, torch.Tensor]] = {}
-    simulate(SimConfig(algo=algo, datasets=(str(stand_dataset),), agents=2, trajectories=2, rounds=2,
+    simulate(SimConfig(algo=algo, datasets=(str(data),), agents=2, trajectories=2, rounds=2,
                        local_steps=3, eval_episodes=0, seed=7, device="cpu", obs_norm=obs_norm,
-                       drpo=SMALL, bc=SMALL_BC),
+                       weighting=weighting, drpo=SMALL, bc=SMALL_BC),
              tmp_path / "sim", log=lambda m: None, on_round=lambda r, s: sim_states.__setitem__(r, s))
+    rows = [json.loads(x) for x in (tmp_path / "sim" / "rounds.jsonl").read_text().splitlines()]
+    if weighting == "samples":  # otherwise the case could not tell the weightings apart
+        assert len({a["num_samples"] for a in rows[0]["agents"]}) == 2, rows[0]["agents"]
 
-    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7, session=session,
+    agent_threads.start(aggregator.target, str(data), 2, 2, seed=7, session=session,
                         **({"inline_max_bytes": 0} if algo == "fed-bc" else {}))
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
     st = status_from_proto(aggregator.control.StartRun(
-        control_pb2.StartRunRequest(config_json=run_config(algo=algo, obs_norm=obs_norm)), timeout=10))
+        control_pb2.StartRunRequest(config_json=run_config(algo=algo, obs_norm=obs_norm, weighting=weighting)),
+        timeout=10))
     assert st["state"] == "running" and st["round"] == 1
     done = wait_for(lambda: (s := status(aggregator))["state"] == "finished" and s, what="run to finish")
     assert done["global_version"] == 2
