@@ -283,3 +283,17 @@ def test_peers_table_lists_each_side_measured():
     assert len(rows) == 5  # the deployment engine was measured for one size only
     assert rows[0].startswith("| Hopper policy (0.28 MB) | this federation | 30.0 | 40.0 | 170 | 22 / 33 | 300 / 270 | 60 |")
     assert "deployment engine" in rows[-1] and rows[-1].startswith("| 30 MB model (30.19 MB)")
+
+
+def test_every_mutant_still_names_one_line_of_the_code():
+    """``benchmarks.mutants`` edits lines by their text: each must occur exactly once in its file,
+    or the audit would stop (or, worse, mutate something else) after the code moved on."""
+    from benchmarks import mutants
+
+    assert len({m.name for m in mutants.MUTANTS}) == len(mutants.MUTANTS)
+    for m in mutants.MUTANTS:
+        text = (ROOT / m.path).read_text()
+        assert text.count(m.old) == 1, f"{m.name}: {text.count(m.old)} occurrences in {m.path}"
+        assert m.old != m.new
+        for t in m.tests:
+            assert (ROOT / t).exists(), f"{m.name}: no test file {t}"
