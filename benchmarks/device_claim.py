@@ -106,6 +106,21 @@ def start_mps() -> bool:
         return False
 
 
+def mps_client_works(device: str) -> bool:
+    """Whether a fresh process can put work on ``device`` through the MPS daemon just started: a
+    daemon that starts but refuses its clients would otherwise fail every cell at its first tensor."""
+    try:
+        return subprocess.run([sys.executable, "-c", f"import torch; torch.ones(2, device={device!r}).sum().item()"],
+                              timeout=90, check=False, capture_output=True).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def rates_no_mps_top(info: dict) -> float:
+    """The most DRPO steps per second measured without MPS, all processes together."""
+    return max(float(v) for v in info["rates_no_mps"].values())
+
+
 def stop_mps() -> None:
     exe = shutil.which("nvidia-cuda-mps-control")
     if exe:
@@ -151,8 +166,16 @@ def main_run(a) -> int:
     info["torch"] = torch.__version__
     info["cpus"] = os.cpu_count()
     log(f"device: {info['nvidia_smi']}, torch {info['torch']}, {info['cpus']} CPUs")
-    cells = a.cells.split(",") if a.cells else default_cells()
-    done = Path(a.results) / f"paper-{a.preset}" / "table"
+    if a.cells:
+        cells = a.cells.split(",")
+    elif a.experiment == "table":
+        cells = default_cells()
+    else:  # the experiment's own order (the paper harness's: every setting at seed 0 first)
+        from benchmarks import paper as _paper
+
+        _pre = _paper.PRESETS[a.preset]
+        cells = [r.key for r in _paper.plan(_pre, a.experiment, _pre.seeds)]
+    done = Path(a.results) / f"paper-{a.preset}" / a.experiment
     cells = [c for c in cells if not (done / f"{c}.json").exists()]  # finished ones are committed
     use_mps = False
     if a.rates:  # a previous run's measurements: the minutes go to the cells
@@ -162,7 +185,9 @@ def main_run(a) -> int:
         r1, bc1 = rates[1], prev["bc_steps_per_s_1proc"]
         info.update(rates_from=a.rates, rates_no_mps=prev["rates_no_mps"], bc_steps_per_s_1proc=bc1)
         if prev.get("mps") and a.mps:
-            use_mps = start_mps()
+            use_mps = start_mps() and mps_client_works(a.device)
+            if not use_mps:
+                stop_mps()
             info["rate_mps"] = prev.get("rate_mps")
         log(f"rates from {a.rates}: {rates}, MPS {use_mps}")
     else:
@@ -175,7 +200,13 @@ def main_run(a) -> int:
             log(f"{n} processes: DRPO {rates[n]:.0f} steps/s together")
         info["rates_no_mps"] = dict(rates)
         info["bc_steps_per_s_1proc"] = bc1
+    mps_ok = False
     if a.mps and not a.rates and start_mps():
+        mps_ok = mps_client_works(a.device)
+        if not mps_ok:
+            stop_mps()
+            log("MPS daemon started but a client could not use the GPU through it: without MPS")
+    if mps_ok:
         try:
             top = max(a.probe)
             with_mps = rate(top, "drpo", a.device)
@@ -194,14 +225,23 @@ def main_run(a) -> int:
     from benchmarks.paper import PRESETS
 
     pre = PRESETS[a.preset]
-    by_key = {r.key: r for r in paper.plan(pre, "table", pre.seeds)}
+    by_key = {r.key: r for r in paper.plan(pre, a.experiment, pre.seeds)}
+    unknown = [c for c in cells if c not in by_key]
+    if unknown:
+        raise SystemExit(f"not cells of the {a.preset} preset's {a.experiment}: {', '.join(unknown)}")
+    info["experiment"] = a.experiment
     steps_per_cell = pre.agents * pre.rounds * pre.local_steps
     left = a.budget - (time.time() - t_start) - 30  # packing
     chosen: list[str] = []
-    for j in range(min(len(cells), a.max_procs), 0, -1):
-        if estimate(cells[:j], rates, bc_ratio, steps_per_cell) <= left:
-            chosen = cells[:j]
-            break
+    if a.at_once:  # the operator's count, from an earlier run's round times (see the module's doc)
+        n = a.at_once if use_mps else max(1, int(rates_no_mps_top(info) / r1))
+        chosen = cells[:n]
+        log(f"--at-once {a.at_once}: {len(chosen)} cells" + ("" if use_mps else " (no MPS: what one GPU time-slices at full speed)"))
+    else:
+        for j in range(min(len(cells), a.max_procs), 0, -1):
+            if estimate(cells[:j], rates, bc_ratio, steps_per_cell) <= left:
+                chosen = cells[:j]
+                break
     if not chosen:
         chosen = cells[: min(3, len(cells))]
         log(f"no prefix fits {left:.0f}s by the estimate; running {len(chosen)} cells for their partial rows")
@@ -209,7 +249,7 @@ def main_run(a) -> int:
     info["estimated_s"] = estimate(chosen, rates, bc_ratio, steps_per_cell)
     log(f"running {len(chosen)} cells at once (estimated {info['estimated_s']:.0f}s of {left:.0f}s left): "
         + ", ".join(chosen))
-    cmd = [sys.executable, "-m", "benchmarks.paper", "run", "--preset", a.preset, "--experiment", "table",
+    cmd = [sys.executable, "-m", "benchmarks.paper", "run", "--preset", a.preset, "--experiment", a.experiment,
            "--only", ",".join(chosen), "--jobs", str(len(chosen)), "--device", a.device, "--results", str(a.results)]
     left = a.budget - (time.time() - t_start) - 25
     t0 = time.time()
@@ -224,7 +264,7 @@ def main_run(a) -> int:
     log(f"cells ended: {info['returncode']} after {info['run_seconds']}s")
     (out / "device.json").write_text(json.dumps(info, indent=1))
     with tarfile.open(out / "claim-device.tgz", "w:gz") as tar:
-        res = Path(a.results) / f"paper-{a.preset}" / "table"
+        res = Path(a.results) / f"paper-{a.preset}" / a.experiment
         packed_ck = 0
         for k in chosen:
             f = res / f"{k}.json"
@@ -251,18 +291,20 @@ def main_unpack(a) -> int:
     with tarfile.open(a.file) as tar:
         names = tar.getnames()
         dev = json.load(tar.extractfile("device.json"))
+        exp = dev.get("experiment", "table")
         (res / "device").mkdir(parents=True, exist_ok=True)
-        (res / "device" / "device.json").write_text(json.dumps(dev, indent=1))
+        name = "device.json" if exp == "table" else f"device-{exp}.json"  # the table's holds the rates --rates reads
+        (res / "device" / name).write_text(json.dumps(dev, indent=1))
         for n in names:
             if n.startswith("results/"):
-                dst = res / "table" / Path(n).name
+                dst = res / exp / Path(n).name
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 dst.write_bytes(tar.extractfile(n).read())
                 print(f"finished: {dst}")
         for n in names:
             if n.startswith("work/") and n.endswith("rounds.jsonl"):
                 key = n.split("/")[1]
-                if (res / "table" / f"{key}.json").exists():
+                if (res / exp / f"{key}.json").exists():
                     continue
                 dst = res / "partial-device" / f"{key}.rounds.jsonl"
                 dst.parent.mkdir(parents=True, exist_ok=True)
@@ -270,7 +312,7 @@ def main_unpack(a) -> int:
                 print(f"unfinished, rows kept: {dst}")
                 ck = f"work/{key}/checkpoint.safetensors"
                 if ck in names:  # the work folder a later --device cuda run resumes from (carry runs/)
-                    work = Path(a.runs) / "paper-claim" / "table" / key
+                    work = Path(a.runs) / "paper-claim" / exp / key
                     work.mkdir(parents=True, exist_ok=True)
                     for f in ("config.json", "rounds.jsonl", "progress.log", "checkpoint.safetensors"):
                         if f"work/{key}/{f}" in names:
@@ -284,13 +326,19 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=540, help="seconds for everything, packing included")
     ap.add_argument("--out", default="device-out")
-    ap.add_argument("--cells", default=None, help="comma-separated claim table cells, in priority order")
+    ap.add_argument("--cells", default=None, help="comma-separated cells of the experiment, in priority order")
+    ap.add_argument("--experiment", default="table", choices=("table", "lambdas"),
+                    help="the claim preset's experiment whose cells run (lambdas: the heterogeneous lambda2 sweep)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="claim", help="benchmarks.paper preset (smoke: to try this script)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--probe", type=lambda s: [int(x) for x in s.split(",")], default=[6, 15],
                     help="process counts whose shared rate is measured (default 6,15)")
     ap.add_argument("--max-procs", type=int, default=15)
+    ap.add_argument("--at-once", type=int, default=0,
+                    help="run the first N unfinished cells at once under MPS, skipping the estimate (which "
+                         "ignores that a process below the GPU's saturation keeps its own rate); without MPS, "
+                         "only as many as the measured time-sliced rate runs at full speed")
     ap.add_argument("--rates", default=None,
                     help="a previous run's device.json: use its measured rates instead of probing "
                          "(benchmarks/results/paper-claim/device/device.json)")

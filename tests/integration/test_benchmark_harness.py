@@ -226,6 +226,43 @@ def test_device_claim_plans_by_measured_rates():
     assert dc.estimate(["drpo-medium-s0", "fed-bc-medium-s0"], rates, 0.25, 50_000) == pytest.approx(one)
 
 
+def test_device_claim_runs_a_named_experiment_and_unpacks_it_there(tmp_path, random_dataset):
+    """``--experiment lambdas --at-once``: without MPS (none on this machine) it runs only what the
+    measured time-sliced rate keeps at full speed, packs the finished cells, and unpack puts them
+    in the lambdas folder, the run's record beside the table's rates rather than over them."""
+    import json
+    import shutil
+
+    from benchmarks import device_claim as dc
+    from fedrl.data.registry import cache_dir
+
+    (cache_dir() / "datasets").mkdir(parents=True)
+    for name in ("hopper-medium-v2", "hopper-expert-v2"):  # the test's own data under the names: nothing made
+        shutil.copy(random_dataset, cache_dir() / "datasets" / f"{name}.hdf5")
+
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps({"rates_no_mps": {"1": 100.0, "6": 210.0}, "bc_steps_per_s_1proc": 400.0,
+                                 "mps": False}))
+    res, out = tmp_path / "res", tmp_path / "out"
+    cells = "drpo-l1_0.1-l2_0.0-s0,drpo-l1_0.1-l2_1.0-s0,drpo-l1_0.0-l2_1.0-s0"
+    assert dc.main(["--preset", "smoke", "--experiment", "lambdas", "--device", "cpu", "--rates", str(rates),
+                    "--at-once", "3", "--cells", cells, "--budget", "240", "--out", str(out),
+                    "--results", str(res)]) == 0
+    info = json.loads((out / "device.json").read_text())
+    assert info["experiment"] == "lambdas" and info["mps"] is False
+    assert info["chosen"] == cells.split(",")[:2]  # 210 / 100 steps/s: two at full speed
+    assert info["returncode"] == 0
+    home = tmp_path / "home"
+    assert dc.main(["--results", str(home), "unpack", str(out / "claim-device.tgz"), "--runs", str(tmp_path / "runs")]) == 0
+    got = sorted(f.name for f in (home / "paper-claim" / "lambdas").iterdir())
+    assert got == sorted(f"{k}.json" for k in cells.split(",")[:2])
+    assert (home / "paper-claim" / "device" / "device-lambdas.json").exists()
+    assert not (home / "paper-claim" / "device" / "device.json").exists()
+    with pytest.raises(SystemExit, match="not cells of the smoke preset's lambdas: drpo-medium-s0"):
+        dc.main(["--preset", "smoke", "--experiment", "lambdas", "--device", "cpu", "--rates", str(rates),
+                 "--cells", "drpo-medium-s0", "--out", str(out), "--results", str(res)])
+
+
 def test_peers_summary_medians_rates_and_skips_the_first_round():
     from benchmarks.peers import summarise
 
