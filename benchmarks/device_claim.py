@@ -321,6 +321,53 @@ def main_unpack(a) -> int:
     return 0
 
 
+def main_check_cpu(a) -> int:
+    """Rerun the first rounds of a finished GPU cell on this machine's CPU, the same configuration
+    but the device, and set the two side by side: not bit-identical (other kernels, and the
+    minibatch sampler's generator lives on the device), so the question is whether the per-round
+    losses and scores agree as two seeds would, or a device-specific path moved them."""
+    import dataclasses
+    import tempfile
+
+    import torch
+
+    from benchmarks import paper
+    from fedrl.federation.simulate import run as simulate
+
+    res = Path(a.results) / f"paper-{a.preset}"
+    gpu = json.loads((res / a.experiment / f"{a.key}.json").read_text())
+    if gpu["config"].get("device", "cpu") == "cpu":
+        raise SystemExit(f"{a.key} ran on the CPU: nothing to check")
+    pre = paper.PRESETS[a.preset]
+    spec = {r.key: r for r in paper.plan(pre, a.experiment, pre.seeds)}[a.key]
+    cfg = dataclasses.replace(paper.sim_config(pre, spec, "cpu"), rounds=a.rounds)
+    torch.set_num_threads(1)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as d:
+        summary = simulate(cfg, Path(d), log=lambda m: log(m), checkpoint=False)
+        rounds = [json.loads(x) for x in (Path(d) / "rounds.jsonl").read_text().splitlines()]
+    rows = []
+    for i, rec in enumerate(rounds):
+        cpu_l = {k: float(sum(ag[k] for ag in rec["agents"]) / len(rec["agents"]))
+                 for k in gpu["losses_per_round"] if k in rec["agents"][0]}
+        rows.append({"round": rec["round"], "score_cpu": summary["curve"][i]["score_mean"],
+                     "score_gpu": gpu["curve"][i]["score_mean"],
+                     "losses_cpu": cpu_l, "losses_gpu": {k: v[i] for k, v in gpu["losses_per_round"].items()}})
+    out = {"key": a.key, "gpu_device_name": gpu.get("device_name"), "gpu_code_revision": gpu.get("code_revision"),
+           "cpu_code_revision": paper.code_revision(), "cpu_device_name": paper._device_name("cpu"),
+           "rounds": rows, "cpu_wall_seconds": round(time.time() - t0, 1)}
+    dst = res / "device" / f"cpu-check-{a.key}.json"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps(out, indent=1))
+    for r in rows:
+        print(f"round {r['round']}: score CPU {r['score_cpu']:.1f}, GPU {r['score_gpu']:.1f}")
+        for k in r["losses_gpu"]:
+            if k in r["losses_cpu"]:
+                print(f"  {k:14s} CPU {r['losses_cpu'][k]:9.3f}  GPU {r['losses_gpu'][k]:9.3f}")
+    print(f"wrote {dst}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.device_claim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -352,12 +399,18 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("unpack")
     u.add_argument("file")
     u.add_argument("--runs", default=str(ROOT / "runs"), help="where resumable work folders go")
+    c = sub.add_parser("check-cpu", help="rerun a GPU cell's first rounds on the CPU and compare")
+    c.add_argument("key")
+    c.add_argument("--rounds", type=int, default=1)
+    c.add_argument("--experiment", default="table", choices=("table", "lambdas"))
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         worker(a.algo, a.device, a.start, a.seconds)
         return 0
     if a.cmd == "unpack":
         return main_unpack(a)
+    if a.cmd == "check-cpu":
+        return main_check_cpu(a)
     return main_run(a)
 
 

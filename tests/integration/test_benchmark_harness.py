@@ -263,6 +263,36 @@ def test_device_claim_runs_a_named_experiment_and_unpacks_it_there(tmp_path, ran
                  "--cells", "drpo-medium-s0", "--out", str(out), "--results", str(res)])
 
 
+def test_device_claim_check_cpu_reruns_a_gpu_cells_first_rounds_beside_it(tmp_path, random_dataset, capsys):
+    """check-cpu reruns a GPU cell's first rounds on the CPU with the same configuration but the
+    device and writes both sides' per-round losses and scores; a CPU cell is refused."""
+    import json
+    import shutil
+
+    from benchmarks import device_claim as dc
+    from benchmarks import paper
+    from fedrl.data.registry import cache_dir
+
+    (cache_dir() / "datasets").mkdir(parents=True)
+    shutil.copy(random_dataset, cache_dir() / "datasets" / "hopper-medium-v2.hdf5")
+    p = paper.PRESETS["smoke"]
+    r = next(x for x in paper.plan(p, "table", p.seeds) if x.key == "drpo-medium-s0")
+    res = paper.execute(p, r, tmp_path)
+    path = paper.result_path(p, r, tmp_path)
+    args = ["--preset", "smoke", "--results", str(tmp_path), "check-cpu", "drpo-medium-s0", "--rounds", "2"]
+    with pytest.raises(SystemExit, match="ran on the CPU: nothing to check"):
+        dc.main(args)
+    on_gpu = dict(res, config={**res["config"], "device": "cuda"})  # as a GPU run records itself
+    path.write_text(json.dumps(on_gpu))
+    assert dc.main(args) == 0
+    out = json.loads((tmp_path / "paper-smoke" / "device" / "cpu-check-drpo-medium-s0.json").read_text())
+    assert [row["round"] for row in out["rounds"]] == [1, 2]
+    for i, row in enumerate(out["rounds"]):  # this CPU rerun is the very run the result came from
+        assert row["score_cpu"] == pytest.approx(res["curve"][i]["score_mean"])
+        assert row["losses_cpu"] == pytest.approx({k: v[i] for k, v in res["losses_per_round"].items()})
+    assert "round 2: score CPU" in capsys.readouterr().out
+
+
 def test_peers_summary_medians_rates_and_skips_the_first_round():
     from benchmarks.peers import summarise
 
