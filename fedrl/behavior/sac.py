@@ -232,7 +232,7 @@ def train(env_name: str, cfg: SACConfig, out: str | Path, device: str = "auto",
         log(f"resuming {out} at step {step} ({episodes} episodes, {wall / 60:.1f} min so far)")
 
     route_mujoco_warnings()
-    env = gym.make(info.gym_id, max_episode_steps=cfg.max_episode_steps)
+    env = gym.make(info.gym_id, max_episode_steps=cfg.max_episode_steps, **info.gym_kwargs())  # the env's own layout
     obs, _ = env.reset(seed=cfg.seed + step)
     ep_ret, ep_len, recent = 0.0, 0, []
     t_seg, step_seg = time.perf_counter(), step

@@ -46,8 +46,12 @@ ENVS: dict[str, EnvInfo] = {
     "hopper": EnvInfo("hopper", "Hopper-v5", 11, 3, -20.272305, 3234.3),
     "halfcheetah": EnvInfo("halfcheetah", "HalfCheetah-v5", 17, 6, -280.178953, 12135.0),
     "walker2d": EnvInfo("walker2d", "Walker2d-v5", 17, 6, 1.629008, 4592.3),
-    "ant": EnvInfo("ant", "Ant-v5", 105, 8, -325.6, 3879.7,
-                   layouts={27: {"include_cfrc_ext_in_observation": False}}),
+    # Ant: what this project trains and makes is the 27-dim layout (positions and velocities). D4RL's
+    # 111-dim files carried 84 contact-force entries that mujoco-py >= 2.0 left at zero, so the 27
+    # are what its data informed a learner with; v5's default 105 (with 78 real contact forces) is
+    # accepted for files made elsewhere (Minari's).
+    "ant": EnvInfo("ant", "Ant-v5", 27, 8, -325.6, 3879.7,
+                   layouts={27: {"include_cfrc_ext_in_observation": False}, 105: {}}),
 }
 
 

@@ -57,6 +57,17 @@ def test_sac_checkpoints_progress_and_resume(sac_run):
     assert [json.loads(x)["torch_threads"] for x in lines] == [1] * 3 + [torch.get_num_threads()] * 2
 
 
+def test_sac_and_random_data_on_ant_use_the_27_dim_layout(tmp_path):
+    """Ant-v5's default observation has 105 dims (78 contact forces); what SAC trains on, what its
+    checkpoints expect and what a made dataset holds is the 27-dim layout, the same for all three."""
+    train("Ant-v5", SACConfig(total_steps=100, **TINY), tmp_path / "ant", "cpu", lambda m: None)
+    pol, meta = load_policy(sorted((tmp_path / "ant" / "checkpoints").iterdir())[-1])
+    assert meta["env_id"] == "Ant-v5" and pol.obs_dim == 27
+    out = make_dataset("Ant-v5", "random", 0, tmp_path / "ant-random.hdf5", episodes=1, progress=False)
+    with h5py.File(out) as f:
+        assert f["observations"].shape[1] == 27 and f["actions"].shape[1] == 8
+
+
 def test_sac_resume_refuses_a_different_config(sac_run):
     out = sac_run[0]
     with pytest.raises(ValueError, match="different configuration"):

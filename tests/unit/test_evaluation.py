@@ -23,6 +23,8 @@ def test_env_lookup_and_layouts():
     assert env_info("hopper-medium-replay-v2").gym_id == "Hopper-v5"
     assert env_info("Walker2d-v5").obs_dim == 17
     assert env_info("ant").gym_kwargs(105) == {}
+    # what this project trains and makes for Ant: the 27 dims D4RL's files informed a learner with
+    assert env_info("ant").obs_dim == 27 and env_info("ant").gym_kwargs() == {"include_cfrc_ext_in_observation": False}
     assert env_info("ant").gym_kwargs(27) == {"include_cfrc_ext_in_observation": False}
     with pytest.raises(ValueError, match="mujoco-py's 111-dim layout"):
         env_info("ant").gym_kwargs(111)
