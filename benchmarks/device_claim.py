@@ -166,15 +166,15 @@ def main_run(a) -> int:
     info["torch"] = torch.__version__
     info["cpus"] = os.cpu_count()
     log(f"device: {info['nvidia_smi']}, torch {info['torch']}, {info['cpus']} CPUs")
+    from benchmarks import paper
+
+    pre = paper.PRESETS[a.preset]
     if a.cells:
         cells = a.cells.split(",")
     elif a.experiment == "table":
         cells = default_cells()
     else:  # the experiment's own order (the paper harness's: every setting at seed 0 first)
-        from benchmarks import paper as _paper
-
-        _pre = _paper.PRESETS[a.preset]
-        cells = [r.key for r in _paper.plan(_pre, a.experiment, _pre.seeds)]
+        cells = [r.key for r in paper.plan(pre, a.experiment, pre.seeds)]
     done = Path(a.results) / f"paper-{a.preset}" / a.experiment
     cells = [c for c in cells if not (done / f"{c}.json").exists()]  # finished ones are committed
     use_mps = False
@@ -221,10 +221,6 @@ def main_run(a) -> int:
             stop_mps()
     info["mps"] = use_mps
     bc_ratio = r1 / bc1  # a BC step's cost in DRPO steps
-    from benchmarks import paper
-    from benchmarks.paper import PRESETS
-
-    pre = PRESETS[a.preset]
     by_key = {r.key: r for r in paper.plan(pre, a.experiment, pre.seeds)}
     unknown = [c for c in cells if c not in by_key]
     if unknown:
