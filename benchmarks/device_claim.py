@@ -341,14 +341,11 @@ def main_check_cpu(a) -> int:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as d:
         summary = simulate(cfg, Path(d), log=lambda m: log(m), checkpoint=False)
-        rounds = [json.loads(x) for x in (Path(d) / "rounds.jsonl").read_text().splitlines()]
-    rows = []
-    for i, rec in enumerate(rounds):
-        cpu_l = {k: float(sum(ag[k] for ag in rec["agents"]) / len(rec["agents"]))
-                 for k in gpu["losses_per_round"] if k in rec["agents"][0]}
-        rows.append({"round": rec["round"], "score_cpu": summary["curve"][i]["score_mean"],
-                     "score_gpu": gpu["curve"][i]["score_mean"],
-                     "losses_cpu": cpu_l, "losses_gpu": {k: v[i] for k, v in gpu["losses_per_round"].items()}})
+        cpu_losses = paper.round_losses(Path(d) / "rounds.jsonl")  # as the result files compute them
+    rows = [{"round": i + 1, "score_cpu": summary["curve"][i]["score_mean"], "score_gpu": gpu["curve"][i]["score_mean"],
+             "losses_cpu": {k: v[i] for k, v in cpu_losses.items() if k in gpu["losses_per_round"]},
+             "losses_gpu": {k: v[i] for k, v in gpu["losses_per_round"].items()}}
+            for i in range(a.rounds)]
     out = {"key": a.key, "gpu_device_name": gpu.get("device_name"), "gpu_code_revision": gpu.get("code_revision"),
            "cpu_code_revision": paper.code_revision(), "cpu_device_name": paper._device_name("cpu"),
            "rounds": rows, "cpu_wall_seconds": round(time.time() - t0, 1)}

@@ -237,12 +237,7 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1,
     work.mkdir(parents=True, exist_ok=True)
     resumed_from = _rounds_done(work)
     summary = simulate(cfg, work, log=lambda m: _progress(work, m), checkpoint=True, parallel_agents=agent_threads)
-    rounds = [json.loads(x) for x in (work / "rounds.jsonl").read_text().splitlines()]
-    losses = {}
-    for rec in rounds:  # mean over agents of each round's mean losses
-        for k in rec["agents"][0]:
-            if k not in ("agent", "num_samples", "seconds"):
-                losses.setdefault(k, []).append(float(np.mean([a[k] for a in rec["agents"]])))
+    losses = round_losses(work / "rounds.jsonl")
     out = {"preset": p.name, "experiment": r.experiment, "key": r.key, "algo": r.algo, "datasets": list(r.datasets),
            "seed": r.seed, "agents": r.agents, "trajectories": r.trajectories, "local_steps": r.local_steps,
            "rounds": cfg.rounds, "variant": r.variant, "config": cfg.as_dict(),
@@ -255,6 +250,17 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1,
     res = _write_result(p, r, out, root)
     shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def round_losses(rounds_jsonl: Path) -> dict[str, list[float]]:
+    """Per loss, its mean over agents of each round's mean, from a run's ``rounds.jsonl``."""
+    losses: dict[str, list[float]] = {}
+    for line in rounds_jsonl.read_text().splitlines():
+        rec = json.loads(line)
+        for k in rec["agents"][0]:
+            if k not in ("agent", "num_samples", "seconds"):
+                losses.setdefault(k, []).append(float(np.mean([a[k] for a in rec["agents"]])))
+    return losses
 
 
 def _device_name(device: str) -> str:
