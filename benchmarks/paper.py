@@ -7,8 +7,8 @@
 Every run is the in-process federation (``fedrl.federation.simulate``: the same round logic as
 the services) with one torch thread, so a rerun on the same machine reproduces its numbers. A
 finished run writes ``benchmarks/results/paper-<preset>/<experiment>/<run>.json``; ``run``
-skips runs whose file exists, so an interrupted job resumes where it stopped (a run cut in the
-middle starts over). A run whose configuration equals a finished run of another experiment (the
+skips runs whose file exists, and every run checkpoints each round under ``runs/paper-<preset>/``,
+so an interrupted job resumes after the last round it finished. A run whose configuration equals a finished run of another experiment (the
 studies' point at the table's setting) is copied from it, marked ``reused_from``. ``--jobs N``
 runs N cells at once, one process each. ``render`` reads only those files.
 
