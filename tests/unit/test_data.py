@@ -235,8 +235,10 @@ def test_named_dataset_resolution(tmp_path, monkeypatch, random_dataset):
         resolve("hopper-great-v2")
     with pytest.raises(DatasetError, match="unknown environment 'pong'"):
         resolve("pong-medium-v2")
-    with pytest.raises(DatasetError, match="not found in"):
-        resolve("ant-expert-v2")  # no Ant behaviour set is shipped: nothing to make it from
+    import fedrl.behavior.shipped as shipped
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "no-sets")  # an install with no behaviour set
+    with pytest.raises(DatasetError, match="not found in.*can make only random"):
+        resolve("ant-expert-v2")  # nothing to make it from, and the message says what can be made
 
 
 def test_random_dataset_is_made_on_demand_once(monkeypatch):
