@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -511,11 +512,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a reader that went away is found here, not in the interpreter's exit
+        return rc
     except (DatasetError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"fedrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedrl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (``fedrl data info x | head``): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141
 

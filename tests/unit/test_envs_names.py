@@ -40,3 +40,23 @@ def test_data_info_scores_a_walker2d_file_made_elsewhere(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["env_id"] == "Walker2d-v5" and info["episodes"] == 2
     assert info["score_mean"] == pytest.approx(normalized_score("walker2d", 1000.0))
+
+
+def test_cli_output_into_a_closed_pipe_ends_quietly(random_dataset):
+    """``fedrl data info FILE | head -1``: when the reader has gone, the command stops without a
+    traceback, with the status of a process that wrote into a closed pipe (128 + SIGPIPE)."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import sys; from fedrl.cli import main; sys.exit(main())",
+                               "data", "info", str(random_dataset)],
+                              stdout=write_end, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    err = proc.stderr.decode()
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err
