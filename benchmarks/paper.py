@@ -517,8 +517,10 @@ def study_md(results: list[dict[str, Any]], key: str) -> str:
     return "\n".join(rows)
 
 
-def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1, 1.0)) -> str:
-    """The two sweeps of the paper's Figure 4(c): lambda1 with lambda2 fixed, lambda2 with lambda1 fixed."""
+def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1, 1.0),
+               sweeps: tuple[str, ...] = ("lambda1", "lambda2")) -> str:
+    """The paper's Figure 4(c) sweeps that ``sweeps`` names: lambda1 with lambda2 fixed, lambda2
+    with lambda1 fixed; each value's final score over its seeds, and how many seeds ran."""
     refs = [r for r in results if r["algo"] != "drpo" and r["final"]]
     results = [r for r in results if r["algo"] == "drpo"]
     if not results:
@@ -526,12 +528,15 @@ def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1,
     fix1, fix2 = fixed
     out = []
     for vary, hold, hold_value in (("lambda1", "lambda2", fix2), ("lambda2", "lambda1", fix1)):
+        if vary not in sweeps:
+            continue
         rs = [r for r in results if r["variant"][hold] == hold_value and r["final"]]
         values = sorted({r["variant"][vary] for r in rs})
+        per = {v: [r["final"]["score_mean"] for r in rs if r["variant"][vary] == v] for v in values}
         out += [f"| {vary} ({hold} = {hold_value:g}) | " + " | ".join(f"{v:g}" for v in values) + " |",
                 "| --- | " + " | ".join("---" for _ in values) + " |",
-                "| DRPO score | " + " | ".join(_ms([r["final"]["score_mean"] for r in rs if r["variant"][vary] == v])
-                                           for v in values) + " |", ""]
+                "| DRPO score | " + " | ".join(_ms(per[v]) for v in values) + " |",
+                "| seeds | " + " | ".join(str(len(per[v])) for v in values) + " |", ""]
     for a in sorted({r["algo"] for r in refs}):
         out.append(f"{ALGO_LABEL[a]} on the same agents, for reference: "
                    f"{_ms([r['final']['score_mean'] for r in refs if r['algo'] == a])}")
@@ -745,7 +750,8 @@ def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
         f"paper-{p.name}-agents": study_md(load_results(p, "agents", root), "agents"),
         f"paper-{p.name}-trajectories": study_md(load_results(p, "trajectories", root), "trajectories"),
         f"paper-{p.name}-local_steps": study_md(load_results(p, "local_steps", root), "local_steps"),
-        f"paper-{p.name}-lambdas": lambdas_md(load_results(p, "lambdas", root), p.lambda_fixed),
+        f"paper-{p.name}-lambdas": lambdas_md(load_results(p, "lambdas", root), p.lambda_fixed,
+                                                        p.lambda_sweeps),
         f"paper-{p.name}-q_scale": q_scale_md(table, load_results(p, "q_scale", root), p.datasets),
         f"paper-{p.name}-q_scale_long": q_scale_long_md(load_results(p, "q_scale_long", root)),
     }

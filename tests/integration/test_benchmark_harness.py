@@ -161,9 +161,14 @@ def test_lambdas_are_the_papers_two_sweeps_crossing_once():
     lines = paper.lambdas_md(res, p.lambda_fixed).splitlines()
     assert lines[0] == "| lambda1 (lambda2 = 1) | 0 | 0.1 | 1 | 5 | 20 |"
     assert lines[2] == "| DRPO score | 1.0 | 2.0 | 11.0 | 51.0 | 201.0 |"
-    assert lines[4] == "| lambda2 (lambda1 = 0.1) | 0 | 0.1 | 1 | 5 | 20 |"
-    assert lines[6] == "| DRPO score | 1.0 | 1.1 | 2.0 | 6.0 | 21.0 |"
-    assert lines[8] == "Fed-BC on the same agents, for reference: 7.5"
+    assert lines[3] == "| seeds | 1 | 1 | 1 | 1 | 1 |"
+    assert lines[5] == "| lambda2 (lambda1 = 0.1) | 0 | 0.1 | 1 | 5 | 20 |"
+    assert lines[7] == "| DRPO score | 1.0 | 1.1 | 2.0 | 6.0 | 21.0 |"
+    assert lines[10] == "Fed-BC on the same agents, for reference: 7.5"
+    # the claim preset sweeps lambda2 only: its (0.1, 1) cell is not shown as a one-value lambda1 sweep
+    only2 = paper.lambdas_md(res + [{**res[-2], "final": {"score_mean": 4.0}}], p.lambda_fixed, ("lambda2",))
+    assert only2.splitlines()[0].startswith("| lambda2 (lambda1 = 0.1) |") and "lambda1 (" not in only2
+    assert "| DRPO score | 1.0 | 1.1 | 2.0 | 6.0 | 12.5 ± 8.5 |" in only2 and "| seeds | 1 | 1 | 1 | 1 | 2 |" in only2
 
 
 def test_a_file_without_td_weight_ran_at_the_old_default_and_is_not_reused_for_the_new(tmp_path):
