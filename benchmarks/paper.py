@@ -642,6 +642,8 @@ def studies_png(p: Preset, root: Path, path: Path) -> bool:
         for vary, hold, v0 in (("lambda1", "lambda2", fix2), ("lambda2", "lambda1", fix1)):
             rs = [r for r in lam if r["variant"][hold] == v0]
             xs = sorted({r["variant"][vary] for r in rs})
+            if vary not in p.lambda_sweeps or not xs:  # a sweep the preset does not run, or none yet
+                continue
             series[f"{vary} ({hold} = {v0:g})"] = [(x, [r["final"]["score_mean"] for r in rs
                                                        if r["variant"][vary] == x]) for x in xs]
         panels.append(("lambdas, 4 expert + 1 medium agents", "lambda (0 drawn at the left edge)", series))
