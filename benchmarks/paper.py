@@ -517,6 +517,21 @@ def study_md(results: list[dict[str, Any]], key: str) -> str:
     return "\n".join(rows)
 
 
+def lambda_sweeps(results: list[dict[str, Any]], fixed: tuple[float, float],
+                  sweeps: tuple[str, ...]) -> list[tuple[str, str, float, dict[float, list[float]]]]:
+    """Each sweep in ``sweeps`` that has finished DRPO runs: (varied lambda, held lambda, its
+    value, {varied value: final scores}), values ascending; the table and the plot read this."""
+    fix1, fix2 = fixed
+    out = []
+    for vary, hold, hold_value in (("lambda1", "lambda2", fix2), ("lambda2", "lambda1", fix1)):
+        rs = [r for r in results if r["algo"] == "drpo" and r["final"] and r["variant"][hold] == hold_value]
+        values = sorted({r["variant"][vary] for r in rs})
+        if vary in sweeps and values:
+            out.append((vary, hold, hold_value,
+                        {v: [r["final"]["score_mean"] for r in rs if r["variant"][vary] == v] for v in values}))
+    return out
+
+
 def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1, 1.0),
                sweeps: tuple[str, ...] = ("lambda1", "lambda2")) -> str:
     """The paper's Figure 4(c) sweeps that ``sweeps`` names: lambda1 with lambda2 fixed, lambda2
@@ -525,14 +540,9 @@ def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1,
     results = [r for r in results if r["algo"] == "drpo"]
     if not results:
         return "not run yet"
-    fix1, fix2 = fixed
     out = []
-    for vary, hold, hold_value in (("lambda1", "lambda2", fix2), ("lambda2", "lambda1", fix1)):
-        if vary not in sweeps:
-            continue
-        rs = [r for r in results if r["variant"][hold] == hold_value and r["final"]]
-        values = sorted({r["variant"][vary] for r in rs})
-        per = {v: [r["final"]["score_mean"] for r in rs if r["variant"][vary] == v] for v in values}
+    for vary, hold, hold_value, per in lambda_sweeps(results, fixed, sweeps):
+        values = list(per)
         out += [f"| {vary} ({hold} = {hold_value:g}) | " + " | ".join(f"{v:g}" for v in values) + " |",
                 "| --- | " + " | ".join("---" for _ in values) + " |",
                 "| DRPO score | " + " | ".join(_ms(per[v]) for v in values) + " |",
@@ -637,15 +647,8 @@ def studies_png(p: Preset, root: Path, path: Path) -> bool:
             panels.append((e.replace("_", " "), e.replace("_", " "), series))
     lam = [r for r in load_results(p, "lambdas", root) if r["final"] and r["algo"] == "drpo"]
     if lam:
-        series = {}
-        fix1, fix2 = p.lambda_fixed
-        for vary, hold, v0 in (("lambda1", "lambda2", fix2), ("lambda2", "lambda1", fix1)):
-            rs = [r for r in lam if r["variant"][hold] == v0]
-            xs = sorted({r["variant"][vary] for r in rs})
-            if vary not in p.lambda_sweeps or not xs:  # a sweep the preset does not run, or none yet
-                continue
-            series[f"{vary} ({hold} = {v0:g})"] = [(x, [r["final"]["score_mean"] for r in rs
-                                                       if r["variant"][vary] == x]) for x in xs]
+        series = {f"{vary} ({hold} = {v0:g})": list(per.items())
+                  for vary, hold, v0, per in lambda_sweeps(lam, p.lambda_fixed, p.lambda_sweeps)}
         panels.append(("lambdas, 4 expert + 1 medium agents", "lambda (0 drawn at the left edge)", series))
     if not panels:
         return False
