@@ -494,10 +494,7 @@ def best_md(results: list[dict[str, Any]], datasets: tuple[str, ...], methods: t
         for a in methods:
             rs = sorted((r for r in results if method(r) == a and r["variant"]["dataset"] == short(d) and r["curve"]),
                         key=lambda r: r["seed"])
-            parts = []
-            for r in rs:
-                best = max(r["curve"], key=lambda c: c["score_mean"])
-                parts.append(f"{best['score_mean']:.1f} (r{best['round']}) -> {r['curve'][-1]['score_mean']:.1f}")
+            parts = [_best_then_final(r) for r in rs]
             cells.append("<br>".join(parts) if parts else "not run yet")
         rows.append(f"| {short(d)} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -518,9 +515,10 @@ def study_md(results: list[dict[str, Any]], key: str) -> str:
 
 
 def lambda_sweeps(results: list[dict[str, Any]], fixed: tuple[float, float],
-                  sweeps: tuple[str, ...]) -> list[tuple[str, str, float, dict[float, list[float]]]]:
+                  sweeps: tuple[str, ...]) -> list[tuple[str, str, float, dict[float, list[dict[str, Any]]]]]:
     """Each sweep in ``sweeps`` that has finished DRPO runs: (varied lambda, held lambda, its
-    value, {varied value: final scores}), values ascending; the table and the plot read this."""
+    value, {varied value: its finished runs, by seed}), values ascending; the table and the plot
+    read this."""
     fix1, fix2 = fixed
     out = []
     for vary, hold, hold_value in (("lambda1", "lambda2", fix2), ("lambda2", "lambda1", fix1)):
@@ -528,14 +526,22 @@ def lambda_sweeps(results: list[dict[str, Any]], fixed: tuple[float, float],
         values = sorted({r["variant"][vary] for r in rs})
         if vary in sweeps and values:
             out.append((vary, hold, hold_value,
-                        {v: [r["final"]["score_mean"] for r in rs if r["variant"][vary] == v] for v in values}))
+                        {v: sorted((r for r in rs if r["variant"][vary] == v), key=lambda r: r.get("seed", 0))
+                         for v in values}))
     return out
+
+
+def _best_then_final(r: dict[str, Any]) -> str:
+    """A run's best evaluated score (its round) and its final one: ``51.6 (r7) -> 28.4``."""
+    best = max(r["curve"], key=lambda c: c["score_mean"])
+    return f"{best['score_mean']:.1f} (r{best['round']}) -> {r['curve'][-1]['score_mean']:.1f}"
 
 
 def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1, 1.0),
                sweeps: tuple[str, ...] = ("lambda1", "lambda2")) -> str:
     """The paper's Figure 4(c) sweeps that ``sweeps`` names: lambda1 with lambda2 fixed, lambda2
-    with lambda1 fixed; each value's final score over its seeds, and how many seeds ran."""
+    with lambda1 fixed; each value's final score over its seeds, how many seeds ran, and each
+    seed's best score (its round) and final score (whether a setting got there and lost it)."""
     refs = [r for r in results if r["algo"] != "drpo" and r["final"]]
     results = [r for r in results if r["algo"] == "drpo"]
     if not results:
@@ -545,8 +551,13 @@ def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1,
         values = list(per)
         out += [f"| {vary} ({hold} = {hold_value:g}) | " + " | ".join(f"{v:g}" for v in values) + " |",
                 "| --- | " + " | ".join("---" for _ in values) + " |",
-                "| DRPO score | " + " | ".join(_ms(per[v]) for v in values) + " |",
-                "| seeds | " + " | ".join(str(len(per[v])) for v in values) + " |", ""]
+                "| DRPO score | " + " | ".join(_ms([r["final"]["score_mean"] for r in per[v]]) for v in values) + " |",
+                "| seeds | " + " | ".join(str(len(per[v])) for v in values) + " |"]
+        if any(r.get("curve") for v in values for r in per[v]):
+            out.append("| best (round) -> final, by seed | " + " | ".join(
+                "<br>".join(f"s{r['seed']}: {_best_then_final(r)}" for r in per[v] if r.get("curve"))
+                for v in values) + " |")
+        out.append("")
     for a in sorted({r["algo"] for r in refs}):
         out.append(f"{ALGO_LABEL[a]} on the same agents, for reference: "
                    f"{_ms([r['final']['score_mean'] for r in refs if r['algo'] == a])}")
@@ -647,7 +658,7 @@ def studies_png(p: Preset, root: Path, path: Path) -> bool:
             panels.append((e.replace("_", " "), e.replace("_", " "), series))
     lam = [r for r in load_results(p, "lambdas", root) if r["final"] and r["algo"] == "drpo"]
     if lam:
-        series = {f"{vary} ({hold} = {v0:g})": list(per.items())
+        series = {f"{vary} ({hold} = {v0:g})": [(v, [r["final"]["score_mean"] for r in rs]) for v, rs in per.items()]
                   for vary, hold, v0, per in lambda_sweeps(lam, p.lambda_fixed, p.lambda_sweeps)}
         panels.append(("lambdas, 4 expert + 1 medium agents", "lambda (0 drawn at the left edge)", series))
     if not panels:

@@ -169,6 +169,19 @@ def test_lambdas_are_the_papers_two_sweeps_crossing_once():
     only2 = paper.lambdas_md(res + [{**res[-2], "final": {"score_mean": 4.0}}], p.lambda_fixed, ("lambda2",))
     assert only2.splitlines()[0].startswith("| lambda2 (lambda1 = 0.1) |") and "lambda1 (" not in only2
     assert "| DRPO score | 1.0 | 1.1 | 2.0 | 6.0 | 12.5 ± 8.5 |" in only2 and "| seeds | 1 | 1 | 1 | 1 | 2 |" in only2
+    assert "best (round)" not in only2  # runs without curves: no per-seed row
+    # with curves: each seed's best score and its round, then its final score, seeds in order
+    curve = lambda *xs: [{"round": i + 1, "score_mean": x} for i, x in enumerate(xs)]  # noqa: E731
+    runs = [{"algo": "drpo", "variant": {"lambda1": 0.1, "lambda2": 5.0}, "seed": 1, "curve": curve(10, 40, 20),
+             "final": {"score_mean": 20.0}},
+            {"algo": "drpo", "variant": {"lambda1": 0.1, "lambda2": 5.0}, "seed": 0, "curve": curve(5, 6, 90),
+             "final": {"score_mean": 90.0}},
+            {"algo": "drpo", "variant": {"lambda1": 0.1, "lambda2": 0.0}, "seed": 0, "curve": curve(3, 2, 1),
+             "final": {"score_mean": 1.0}}]
+    lines = paper.lambdas_md(runs, p.lambda_fixed, ("lambda2",)).splitlines()
+    assert lines[0] == "| lambda2 (lambda1 = 0.1) | 0 | 5 |"
+    assert lines[4] == ("| best (round) -> final, by seed | s0: 3.0 (r1) -> 1.0 | "
+                        "s0: 90.0 (r3) -> 90.0<br>s1: 40.0 (r2) -> 20.0 |")
 
 
 def test_a_file_without_td_weight_ran_at_the_old_default_and_is_not_reused_for_the_new(tmp_path):
