@@ -484,6 +484,12 @@ def table_md(results: list[dict[str, Any]], datasets: tuple[str, ...], methods: 
     return "\n".join(rows)
 
 
+def _best_then_final(r: dict[str, Any]) -> str:
+    """A run's best evaluated score (its round) and its final one: ``51.6 (r7) -> 28.4``."""
+    best = max(r["curve"], key=lambda c: c["score_mean"])
+    return f"{best['score_mean']:.1f} (r{best['round']}) -> {r['curve'][-1]['score_mean']:.1f}"
+
+
 def best_md(results: list[dict[str, Any]], datasets: tuple[str, ...], methods: tuple[str, ...] = ALGO_ORDER) -> str:
     """Per cell: the best evaluated score of each run's curve (its round) and how far the final
     score is below it, per seed: whether a method got there and then lost it."""
@@ -529,12 +535,6 @@ def lambda_sweeps(results: list[dict[str, Any]], fixed: tuple[float, float],
                         {v: sorted((r for r in rs if r["variant"][vary] == v), key=lambda r: r.get("seed", 0))
                          for v in values}))
     return out
-
-
-def _best_then_final(r: dict[str, Any]) -> str:
-    """A run's best evaluated score (its round) and its final one: ``51.6 (r7) -> 28.4``."""
-    best = max(r["curve"], key=lambda c: c["score_mean"])
-    return f"{best['score_mean']:.1f} (r{best['round']}) -> {r['curve'][-1]['score_mean']:.1f}"
 
 
 def lambdas_md(results: list[dict[str, Any]], fixed: tuple[float, float] = (0.1, 1.0),
