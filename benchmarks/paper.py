@@ -666,19 +666,66 @@ def studies_png(p: Preset, root: Path, path: Path) -> bool:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
     for ax, (title, xlabel, series) in zip(axes[0], panels):
         for label, pts in series.items():
-            xs = np.array([x for x, _ in pts], float)
-            if title.startswith("lambdas"):  # symlog-like: put 0 one step left of the smallest positive
-                pos = xs[xs > 0]
-                xs = np.where(xs > 0, xs, (pos.min() / 10) if len(pos) else 1.0)
+            xs = _lambda_x(pts) if title.startswith("lambdas") else np.array([x for x, _ in pts], float)
             m = np.array([np.mean(y) for _, y in pts])
             sd = np.array([np.std(y) for _, y in pts])
             ax.errorbar(xs, m, yerr=sd, marker="o", capsize=3, label=f"{label} (n={max(len(y) for _, y in pts)})")
         ax.set_xscale("log")
+        if title.startswith("lambdas"):  # ticks at the values run, 0 named as itself
+            ticks = sorted({(x, v) for pts in series.values() for (v, _), x in zip(pts, _lambda_x(pts))})
+            ax.set_xticks([x for x, _ in ticks], [f"{v:g}" for _, v in ticks])
+            ax.minorticks_off()
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("normalised score")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def _lambda_x(pts: list[tuple[float, Any]]) -> np.ndarray:
+    """Where a lambda sweep's values go on a log axis: 0 one decade left of the smallest positive."""
+    xs = np.array([x for x, _ in pts], float)
+    pos = xs[xs > 0]
+    return np.where(xs > 0, xs, (pos.min() / 10) if len(pos) else 1.0)
+
+
+def lambda_curves_png(results: list[dict[str, Any]], fixed: tuple[float, float], path: Path) -> bool:
+    """Score by round of the lambda2 sweep (lambda1 held at ``fixed[0]``): each seed thin, the
+    mean over seeds bold, one colour per lambda2; the Fed-BC reference's mean dashed. Shows what
+    a final score hides: a setting still rising at the last round, or one that peaked and fell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in results if r["final"] and r.get("curve")]
+    drpo = [r for r in runs if r["algo"] == "drpo" and r["variant"]["lambda1"] == fixed[0]]
+    if not drpo:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    groups = [(f"DRPO, lambda2 = {v:g}", [r for r in drpo if r["variant"]["lambda2"] == v], "-")
+              for v in sorted({r["variant"]["lambda2"] for r in drpo})]
+    refs = [r for r in runs if r["algo"] != "drpo"]
+    if refs:
+        groups.append(("Fed-BC (reference)", refs, "--"))
+    for (label, rs, style), colour in zip(groups, colours):
+        for r in rs:
+            ax.plot([c["round"] for c in r["curve"]], [c["score_mean"] for c in r["curve"]], style,
+                    color=colour, alpha=0.35, linewidth=0.9)
+        rounds = [c["round"] for c in rs[0]["curve"]]
+        full = np.array([[c["score_mean"] for c in r["curve"]] for r in rs if len(r["curve"]) == len(rounds)])
+        ax.plot(rounds, full.mean(0), style, color=colour, linewidth=2.2, label=f"{label} (n={len(full)})")
+    ax.set_xlabel("round")
+    ax.set_ylabel("normalised score")
+    ax.set_title(f"4 expert + 1 medium agents, lambda1 = {fixed[0]:g}: each seed thin, their mean bold", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90, metadata={"Software": None})
@@ -796,6 +843,9 @@ def cmd_render(a) -> int:
         print(f"wrote {out / 'learning_curves.png'}")
     if studies_png(p, root, out / "studies.png"):
         print(f"wrote {out / 'studies.png'}")
+    if "lambda2" in p.lambda_sweeps and lambda_curves_png(load_results(p, "lambdas", root), p.lambda_fixed,
+                                                          out / "lambda2_curves.png"):
+        print(f"wrote {out / 'lambda2_curves.png'}")
     if a.update_md and md_blocks(p, root):
         BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), md_blocks(p, root)))
         print(f"updated {BENCHMARKS_MD}")

@@ -382,3 +382,34 @@ def test_every_mutant_still_names_one_line_of_the_code():
         assert m.old != m.new
         for t in m.tests:
             assert (ROOT / t).exists(), f"{m.name}: no test file {t}"
+
+
+def test_lambda2_curves_draw_each_setting_and_the_reference(tmp_path, monkeypatch):
+    """One bold mean line per lambda2 value (lambda1 at the sweep's), its seeds thin, the Fed-BC
+    reference dashed; nothing drawn without a finished DRPO run of the sweep."""
+    import matplotlib.pyplot as plt
+
+    def curve(*xs):
+        return [{"round": i + 1, "score_mean": x} for i, x in enumerate(xs)]
+
+    def run(algo, l1, l2, seed, *xs):
+        return {"algo": algo, "variant": {"lambda1": l1, "lambda2": l2}, "seed": seed, "curve": curve(*xs),
+                "final": {"score_mean": xs[-1]}}
+
+    runs = [run("drpo", 0.1, 5.0, 0, 10, 20, 60), run("drpo", 0.1, 5.0, 1, 30, 20, 40),
+            run("drpo", 0.1, 0.0, 0, 5, 80, 90), run("drpo", 20.0, 1.0, 0, 1, 1, 1),  # not of this sweep
+            {"algo": "fed-bc", "variant": {"reference": "fed-bc"}, "seed": 0, "curve": curve(50, 70, 88),
+             "final": {"score_mean": 88.0}}]
+    drawn = []
+    real_savefig = plt.Figure.savefig
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), real_savefig(fig, *a, **k)))
+    png = tmp_path / "l2.png"
+    assert paper.lambda_curves_png(runs, (0.1, 1.0), png) and png.stat().st_size > 1000
+    lines = drawn[0].axes[0].get_lines()
+    bold = {ln.get_label(): ln for ln in lines if ln.get_linewidth() > 2}
+    assert set(bold) == {"DRPO, lambda2 = 0 (n=1)", "DRPO, lambda2 = 5 (n=2)", "Fed-BC (reference) (n=1)"}
+    assert list(bold["DRPO, lambda2 = 5 (n=2)"].get_ydata()) == [20.0, 20.0, 50.0]  # the mean of the two seeds
+    assert bold["Fed-BC (reference) (n=1)"].get_linestyle() == "--"
+    assert len(lines) == 3 + 4  # and the four runs' own curves, thin
+    assert not paper.lambda_curves_png(runs[-2:], (0.1, 1.0), tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
