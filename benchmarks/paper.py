@@ -299,6 +299,20 @@ def _rounds_done(work: Path) -> int:
         return int(json.loads(f.metadata()["fedrl_checkpoint"])["round"])
 
 
+def _agents_in_round(work: Path, r: int) -> int:
+    """Agents of round ``r`` that a stopped run has trained, each kept in its own file (a resumed
+    run does not train them again); files of another round are spent."""
+    from safetensors import safe_open
+
+    from fedrl.federation.simulate import AGENTS_IN_ROUND
+
+    n = 0
+    for path in (work / AGENTS_IN_ROUND).glob("agent-*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            n += json.loads(f.metadata()["fedrl_checkpoint"])["round"] == r
+    return n
+
+
 def _progress(work: Path, message: str) -> None:
     """A run's progress lines, appended to ``progress.log`` in its work folder as they come."""
     with open(work / "progress.log", "a") as f:
@@ -440,7 +454,10 @@ def cmd_status(a) -> int:
         going = [(r, _rounds_done(work_dir(p, r, root))) for r in todo
                  if not result_path(p, r, root).exists() and work_dir(p, r, root).exists()]
         print(f"{e:13s} {n:4d} / {len(todo)} runs done"
-              + "".join(f"; {r.key} at round {k}/{r.rounds or p.rounds}" for r, k in going))
+              + "".join(f"; {r.key} at round {k}/{r.rounds or p.rounds}"
+                        + (f" (+{m} of {r.agents} agents of round {k + 1})"
+                           if (m := _agents_in_round(work_dir(p, r, root), k + 1)) else "")
+                        for r, k in going))
         if e == "table" and n:
             revs = sorted({json.loads(result_path(p, r, root).read_text()).get("code_revision", "unknown")
                            for r in todo if result_path(p, r, root).exists()})

@@ -59,8 +59,9 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="agents trained at once, one thread each (with --threads 1: the same numbers as one "
                         "at a time, on as many cores)")
     p.add_argument("--checkpoint", action="store_true",
-                   help="write the whole state to OUT/checkpoint.safetensors after every round; the same "
-                        "command again continues a stopped run after its last finished round")
+                   help="write the whole state to OUT/checkpoint.safetensors after every round (and each "
+                        "agent's, as it finishes its local round, to OUT/agents-in-round/); the same command "
+                        "again continues a stopped run where it stopped, training no finished agent again")
     g = p.add_argument_group("DRPO / CQL hyperparameters (defaults: the paper's table)")
     g.add_argument("--lambda1", type=float, default=hp.lambda1)
     g.add_argument("--lambda2", type=float, default=hp.lambda2)
@@ -83,6 +84,7 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
     from fedrl.federation.simulate import (
         DEFAULT_DATASET,
         SimConfig,
+        has_checkpoint,
         refuse_a_used_folder,
         run,
     )
@@ -106,7 +108,7 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
                                batch_size=a.batch_size),
     )
     out = a.out or f"runs/{a.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not (a.checkpoint and (Path(out) / "checkpoint.safetensors").exists()):
+    if not (a.checkpoint and has_checkpoint(out)):
         refuse_a_used_folder(out, ("config.json", "rounds.jsonl", "summary.json"))
     summary = run(cfg, out, checkpoint=a.checkpoint, parallel_agents=a.parallel_agents, progress=True)
     if summary["final"]:

@@ -38,6 +38,7 @@ from fedrl.federation.options import FederationOptions
 from fedrl.federation.round import (
     SEED_EVAL,
     SEED_SHARDS,
+    LocalResult,
     LocalTrainer,
     algo_config,
     initial_global_state,
@@ -133,6 +134,17 @@ def load_shards(datasets: tuple[str, ...] | list[str], default_agents: int, traj
 
 
 CHECKPOINT = "checkpoint.safetensors"
+# Agents that finished their local round in the round a run was stopped in, one file each: a
+# resumed run takes them as they are and trains only the others (a DRPO agent's 1,000 local steps
+# at the paper's sizes are minutes on one core; a stop mid-round loses at most one agent's).
+AGENTS_IN_ROUND = "agents-in-round"
+
+
+def has_checkpoint(out: str | Path) -> bool:
+    """Whether ``out`` holds a stopped run's state to continue from: a round's checkpoint, or
+    agents already trained in its first round."""
+    out = Path(out)
+    return (out / CHECKPOINT).exists() or any((out / AGENTS_IN_ROUND).glob("agent-*.safetensors"))
 
 
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
@@ -175,11 +187,16 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     agent_states = [global_state] * len(trainers)  # the independent 'cql' baseline's own policies
     curve: list[dict[str, Any]] = []
     done_rounds = 0
-    if checkpoint and (out / CHECKPOINT).exists():
+    in_round: dict[int, LocalResult] = {}  # agents of round done_rounds + 1 already trained
+    if checkpoint and has_checkpoint(out):
         if (out / "summary.json").exists():
             raise ValueError(f"{out} holds a finished run (summary.json): nothing to resume")
-        done_rounds, curve, global_state, agent_states = _resume(out, cfg, trainers)
-        log(f"resuming {out} after round {done_rounds} of {cfg.rounds}")
+        if (out / CHECKPOINT).exists():
+            done_rounds, curve, global_state, agent_states = _resume(out, cfg, trainers)
+        in_round = _resume_agents(out, cfg, done_rounds + 1, trainers)
+        trained = f"; agents {', '.join(str(i + 1) for i in sorted(in_round))} of round {done_rounds + 1} " \
+                  "already trained" if in_round else ""
+        log(f"resuming {out} after round {done_rounds} of {cfg.rounds}{trained}")
 
     (out / "config.json").write_text(json.dumps({
         "sim": cfg.as_dict(), "algorithm_hparams": config_to_dict(hp), "env_id": env.gym_id,
@@ -212,8 +229,14 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             t0 = time.perf_counter()
 
             def train(i: int):
+                if i in in_round:  # trained before the run was stopped: its learner is restored
+                    if progress:
+                        bar.update(cfg.local_steps)
+                    return in_round.pop(i)
                 res = trainers[i].train_round(agent_states[i] if cfg.algo == "cql" else global_state, cfg.local_steps,
                                               **({"progress": step_done} if progress else {}))
+                if checkpoint:
+                    _write_agent_checkpoint(out, cfg, r, res, trainers[i])
                 if cfg.local_steps >= 200:
                     log(f"  round {r}: agent {i + 1}/{len(trainers)} done in {res.seconds:.1f}s")
                 return res
@@ -251,6 +274,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             jl.flush()
             if checkpoint:
                 _write_checkpoint(out, cfg, r, curve, global_state, agent_states, trainers)
+                _clear_agent_checkpoints(out)  # round r is in the checkpoint: its agents' files are spent
             log(_round_line(r, cfg.rounds, rec))
             bar.note(f"round {r}/{cfg.rounds}" + (f", score {curve[-1]['score_mean']:.1f}" if curve else ""))
 
@@ -268,6 +292,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: its results are the record
+    _clear_agent_checkpoints(out)
     if curve:
         from fedrl.ops.plotting import episode_return_mean, learning_curve
 
@@ -285,20 +310,70 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 def _write_checkpoint(out: Path, cfg: SimConfig, r: int, curve: list, global_state: dict[str, torch.Tensor],
                       agent_states: list[dict[str, torch.Tensor]], trainers: list[LocalTrainer]) -> None:
     """Everything round ``r + 1`` starts from, in one safetensors file written atomically."""
-    from safetensors.torch import save_file
-
     tensors = {f"global/{k}": v for k, v in global_state.items()}
     if cfg.algo == "cql":
         tensors |= {f"agent_state/{i}/{k}": v for i, st in enumerate(agent_states) for k, v in st.items()}
     for i, tr in enumerate(trainers):
         tensors |= {f"learner/{i}/{k}": v for k, v in tr.learner.checkpoint().items()}
     meta = {"round": r, "curve": curve, "sim": json.loads(json.dumps(cfg.as_dict()))}
-    tmp = out / (CHECKPOINT + ".tmp")
+    _atomic_save(tensors, meta, out / CHECKPOINT)
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
               {"fedrl_checkpoint": json.dumps(meta)})
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
-    tmp.replace(out / CHECKPOINT)
+    tmp.replace(path)
+
+
+def _write_agent_checkpoint(out: Path, cfg: SimConfig, r: int, res: LocalResult, trainer: LocalTrainer) -> None:
+    """Agent ``res.agent``'s finished local round ``r``: its learner (to continue from) and what
+    it returned (its update and metrics), in one file written atomically."""
+    folder = out / AGENTS_IN_ROUND
+    folder.mkdir(exist_ok=True)
+    tensors = {f"learner/{k}": v for k, v in trainer.learner.checkpoint().items()}
+    tensors |= {f"state/{k}": v for k, v in res.state.items()}
+    meta = {"round": r, "agent": res.agent, "num_samples": res.num_samples, "metrics": res.metrics,
+            "seconds": res.seconds, "sim": json.loads(json.dumps(cfg.as_dict()))}
+    _atomic_save(tensors, meta, folder / f"agent-{res.agent}.safetensors")
+
+
+def _clear_agent_checkpoints(out: Path) -> None:
+    folder = out / AGENTS_IN_ROUND
+    if folder.is_dir():
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+
+
+def _resume_agents(out: Path, cfg: SimConfig, r: int, trainers: list[LocalTrainer]) -> dict[int, LocalResult]:
+    """The agents whose local round ``r`` finished before the run stopped: each one's learner
+    restored into ``trainers`` and its result, by agent. Files of another round (left by a stop
+    between a round's checkpoint and their removal) are ignored; one of other settings is refused."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    want = json.loads(json.dumps(cfg.as_dict()))
+    done: dict[int, LocalResult] = {}
+    by_agent = {tr.agent: tr for tr in trainers}
+    for path in sorted((out / AGENTS_IN_ROUND).glob("agent-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["fedrl_checkpoint"])
+        if meta["sim"] != want:
+            raise ValueError(f"{path} is a checkpoint of another configuration (differs in "
+                             f"{', '.join(_differences(meta['sim'], want))}); pass another --out or the same settings")
+        if meta["round"] != r or meta["agent"] not in by_agent:
+            continue
+        tensors = load_file(str(path))
+        learner = {k.removeprefix("learner/"): v for k, v in tensors.items() if k.startswith("learner/")}
+        state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
+        by_agent[meta["agent"]].learner.restore(learner)
+        done[meta["agent"]] = LocalResult(meta["agent"], state, meta["num_samples"], meta["metrics"], meta["seconds"])
+    return done
 
 
 def _resume(out: Path, cfg: SimConfig, trainers: list[LocalTrainer]) -> tuple[int, list, dict, list]:

@@ -230,6 +230,32 @@ def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path,
     assert not work.exists()  # a finished run leaves its result, not its work folder
 
 
+def test_status_counts_the_agents_a_stopped_round_has_trained(tmp_path, monkeypatch, capsys):
+    """Stopped as the second agent of round 2 starts: `status` shows round 1 done and one agent of
+    round 2, and the resumed run trains only the other agent of that round."""
+    from fedrl.federation import round as round_mod
+
+    p = paper.PRESETS["smoke"]
+    r = next(x for x in paper.plan(p, "table", p.seeds) if x.algo == "drpo")
+    assert r.agents == 2
+    real, calls = round_mod.LocalTrainer.train_round, []
+
+    def train_round(self, *a, **k):
+        calls.append(self.agent)
+        if len(calls) == 4:
+            raise _Stopped
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(round_mod.LocalTrainer, "train_round", train_round)
+    with pytest.raises(_Stopped):
+        paper.execute(p, r, tmp_path)
+    paper.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path)}))
+    assert f"{r.key} at round 1/2 (+1 of 2 agents of round 2)" in capsys.readouterr().out
+    calls.clear()
+    assert paper.execute(p, r, tmp_path)["resumed_after_round"] == 1
+    assert calls == [1]
+
+
 def test_device_claim_plans_by_measured_rates():
     from benchmarks import device_claim as dc
 

@@ -206,6 +206,92 @@ def _raise_on(text):
     return log
 
 
+def _count_rounds_and_kill_at(monkeypatch, call: int | None):
+    """LocalTrainer.train_round counted; the ``call``-th one (1-based) raises _Killed before it trains."""
+    from fedrl.federation import round as round_mod
+
+    real, calls = round_mod.LocalTrainer.train_round, []
+
+    def train_round(self, *a, **k):
+        calls.append(self.agent)
+        if len(calls) == call:
+            raise _Killed
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(round_mod.LocalTrainer, "train_round", train_round)
+    return calls
+
+
+@pytest.mark.parametrize("algo", ["drpo", "cql"])
+@pytest.mark.parametrize("kill_at, trained_before", [(2, [0]), (6, [0, 1])])
+def test_a_run_stopped_mid_round_trains_only_the_agents_that_had_not_finished(
+        tmp_path, random_dataset, monkeypatch, algo, kill_at, trained_before):
+    """3 agents x 3 rounds, stopped as an agent starts its local round (in round 1, before any
+    round's checkpoint; in round 2): the agents that had finished that round are not trained
+    again, and the run ends with the same rounds and policy, bit for bit, as one never stopped."""
+    from fedrl.federation.simulate import AGENTS_IN_ROUND, has_checkpoint
+
+    cfg = tiny(random_dataset, algo=algo, agents=3, rounds=3)
+    whole = run(cfg, tmp_path / "whole", log=lambda m: None, checkpoint=True)
+    cut = tmp_path / "cut"
+    _count_rounds_and_kill_at(monkeypatch, kill_at)
+    with pytest.raises(_Killed):
+        run(cfg, cut, log=lambda m: None, checkpoint=True)
+    stopped_in = 1 + (kill_at - 1) // 3
+    assert sorted(p.name for p in (cut / AGENTS_IN_ROUND).iterdir()) == [f"agent-{i}.safetensors" for i in trained_before]
+    assert has_checkpoint(cut) and (cut / "checkpoint.safetensors").exists() == (stopped_in > 1)
+    calls, logs = _count_rounds_and_kill_at(monkeypatch, None), []
+    resumed = run(cfg, cut, log=logs.append, checkpoint=True)
+    assert calls[:3 - len(trained_before)] == [i for i in range(3) if i not in trained_before]
+    assert len(calls) == 3 * (4 - stopped_in) - len(trained_before)  # no finished agent trained again
+    agents = ", ".join(str(i + 1) for i in trained_before)
+    assert any(m.endswith(f"after round {stopped_in - 1} of 3; agents {agents} of round {stopped_in} already trained")
+               for m in logs), logs
+    assert resumed["curve"] == whole["curve"]
+
+    def losses(d):
+        rs = [json.loads(x) for x in (d / "rounds.jsonl").read_text().splitlines()]
+        return [(r["round"], [{k: v for k, v in a.items() if k != "seconds"} for a in r["agents"]]) for r in rs]
+
+    assert losses(cut) == losses(tmp_path / "whole")
+    a, b = load_file(tmp_path / "whole" / "global_policy.safetensors"), load_file(cut / "global_policy.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (cut / AGENTS_IN_ROUND).exists() and not has_checkpoint(cut)
+
+
+def test_agents_files_of_a_round_already_checkpointed_are_not_taken_again(tmp_path, random_dataset, monkeypatch):
+    """Stopped between round 1's checkpoint and the removal of its agents' files: the resumed run
+    trains all three agents in round 2 (the files hold round 1's) and matches the whole run."""
+    from fedrl.federation import simulate
+
+    cfg = tiny(random_dataset, agents=3, rounds=2)
+    whole = run(cfg, tmp_path / "whole", log=lambda m: None, checkpoint=True)
+
+    def stop(out):
+        raise _Killed
+
+    monkeypatch.setattr(simulate, "_clear_agent_checkpoints", stop)
+    cut = tmp_path / "cut"
+    with pytest.raises(_Killed):
+        run(cfg, cut, log=lambda m: None, checkpoint=True)
+    assert len(list((cut / simulate.AGENTS_IN_ROUND).iterdir())) == 3
+    monkeypatch.undo()
+    calls = _count_rounds_and_kill_at(monkeypatch, None)
+    resumed = run(cfg, cut, log=lambda m: None, checkpoint=True)
+    assert calls == [0, 1, 2] and resumed["curve"] == whole["curve"]
+    a, b = load_file(tmp_path / "whole" / "global_policy.safetensors"), load_file(cut / "global_policy.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_an_agents_file_of_other_settings(tmp_path, random_dataset, monkeypatch):
+    _count_rounds_and_kill_at(monkeypatch, 2)
+    with pytest.raises(_Killed):
+        run(tiny(random_dataset, rounds=2), tmp_path, log=lambda m: None, checkpoint=True)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"agent-0.safetensors is a checkpoint of another configuration .*local_steps"):
+        run(tiny(random_dataset, rounds=2, local_steps=4), tmp_path, log=lambda m: None, checkpoint=True)
+
+
 def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, random_dataset):
     cfg = tiny(random_dataset, rounds=2)
     with pytest.raises(_Killed):
