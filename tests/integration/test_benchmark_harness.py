@@ -203,41 +203,15 @@ class _Stopped(Exception):
 
 
 def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path, monkeypatch, capsys):
-    """A harness run killed after round 1 of 2 keeps its checkpoint in its work folder; `status`
-    names it with its round; running again finishes it with what an uninterrupted run computes."""
-    p = paper.PRESETS["smoke"]
-    r = next(x for x in paper.plan(p, "table", p.seeds) if x.algo == "drpo")
-    clean = paper.execute(p, r, tmp_path / "clean")
-    real = paper._progress
-
-    def stop_after_round_one(work, message):
-        real(work, message)
-        if "round   1/2" in message:
-            raise _Stopped
-
-    monkeypatch.setattr(paper, "_progress", stop_after_round_one)
-    with pytest.raises(_Stopped):
-        paper.execute(p, r, tmp_path / "cut")
-    work = paper.work_dir(p, r, tmp_path / "cut")
-    assert (work / "checkpoint.safetensors").exists() and not paper.result_path(p, r, tmp_path / "cut").exists()
-    assert "round   1/2" in (work / "progress.log").read_text()
-    paper.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path / "cut")}))
-    assert f"{r.key} at round 1/2" in capsys.readouterr().out
-    monkeypatch.setattr(paper, "_progress", real)
-    resumed = paper.execute(p, r, tmp_path / "cut")
-    assert resumed["resumed_after_round"] == 1 and "resumed_after_round" not in clean
-    assert resumed["curve"] == clean["curve"] and resumed["losses_per_round"] == clean["losses_per_round"]
-    assert not work.exists()  # a finished run leaves its result, not its work folder
-
-
-def test_status_counts_the_agents_a_stopped_round_has_trained(tmp_path, monkeypatch, capsys):
-    """Stopped as the second agent of round 2 starts: `status` shows round 1 done and one agent of
-    round 2, and the resumed run trains only the other agent of that round."""
+    """A harness run stopped as the second agent of round 2 starts keeps round 1's checkpoint and
+    the first agent's round 2 in its work folder; `status` names the run with both; running again
+    trains only that second agent in round 2 and finishes with what an uninterrupted run computes."""
     from fedrl.federation import round as round_mod
 
     p = paper.PRESETS["smoke"]
     r = next(x for x in paper.plan(p, "table", p.seeds) if x.algo == "drpo")
     assert r.agents == 2
+    clean = paper.execute(p, r, tmp_path / "clean")
     real, calls = round_mod.LocalTrainer.train_round, []
 
     def train_round(self, *a, **k):
@@ -248,12 +222,18 @@ def test_status_counts_the_agents_a_stopped_round_has_trained(tmp_path, monkeypa
 
     monkeypatch.setattr(round_mod.LocalTrainer, "train_round", train_round)
     with pytest.raises(_Stopped):
-        paper.execute(p, r, tmp_path)
-    paper.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path)}))
+        paper.execute(p, r, tmp_path / "cut")
+    work = paper.work_dir(p, r, tmp_path / "cut")
+    assert (work / "checkpoint.safetensors").exists() and not paper.result_path(p, r, tmp_path / "cut").exists()
+    assert "round   1/2" in (work / "progress.log").read_text()
+    paper.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path / "cut")}))
     assert f"{r.key} at round 1/2 (+1 of 2 agents of round 2)" in capsys.readouterr().out
     calls.clear()
-    assert paper.execute(p, r, tmp_path)["resumed_after_round"] == 1
-    assert calls == [1]
+    resumed = paper.execute(p, r, tmp_path / "cut")
+    assert calls == [1]  # round 2's first agent was not trained again
+    assert resumed["resumed_after_round"] == 1 and "resumed_after_round" not in clean
+    assert resumed["curve"] == clean["curve"] and resumed["losses_per_round"] == clean["losses_per_round"]
+    assert not work.exists()  # a finished run leaves its result, not its work folder
 
 
 def test_device_claim_plans_by_measured_rates():
