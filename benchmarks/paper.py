@@ -711,10 +711,13 @@ def _lambda_x(pts: list[tuple[float, Any]]) -> np.ndarray:
     return np.where(xs > 0, xs, (pos.min() / 10) if len(pos) else 1.0)
 
 
-def lambda_curves_png(results: list[dict[str, Any]], fixed: tuple[float, float], path: Path) -> bool:
+def lambda_curves_png(results: list[dict[str, Any]], fixed: tuple[float, float], path: Path,
+                      values: tuple[float, ...] = ()) -> bool:
     """Score by round of the lambda2 sweep (lambda1 held at ``fixed[0]``): each seed thin, the
-    mean over seeds bold, one colour per lambda2; the Fed-BC reference's mean dashed. Shows what
-    a final score hides: a setting still rising at the last round, or one that peaked and fell."""
+    mean over seeds bold, one colour per lambda2 (its place in ``values``, the preset's, so a
+    setting keeps its colour as others arrive); the Fed-BC reference's mean dashed, in black.
+    Shows what a final score hides: a setting still rising at the last round, or one that peaked
+    and fell."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -725,13 +728,15 @@ def lambda_curves_png(results: list[dict[str, Any]], fixed: tuple[float, float],
     if not drpo:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    groups = [(f"DRPO, lambda2 = {v:g}", [r for r in drpo if r["variant"]["lambda2"] == v], "-")
-              for v in sorted({r["variant"]["lambda2"] for r in drpo})]
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    present = sorted({r["variant"]["lambda2"] for r in drpo})
+    order = [*values, *(v for v in present if v not in values)]
+    groups = [(f"DRPO, lambda2 = {v:g}", [r for r in drpo if r["variant"]["lambda2"] == v], "-",
+               palette[order.index(v) % len(palette)]) for v in present]
     refs = [r for r in runs if r["algo"] != "drpo"]
     if refs:
-        groups.append(("Fed-BC (reference)", refs, "--"))
-    for (label, rs, style), colour in zip(groups, colours):
+        groups.append(("Fed-BC (reference)", refs, "--", "black"))
+    for label, rs, style, colour in groups:
         for r in rs:
             ax.plot([c["round"] for c in r["curve"]], [c["score_mean"] for c in r["curve"]], style,
                     color=colour, alpha=0.35, linewidth=0.9)
@@ -861,7 +866,7 @@ def cmd_render(a) -> int:
     if studies_png(p, root, out / "studies.png"):
         print(f"wrote {out / 'studies.png'}")
     if "lambda2" in p.lambda_sweeps and lambda_curves_png(load_results(p, "lambdas", root), p.lambda_fixed,
-                                                          out / "lambda2_curves.png"):
+                                                          out / "lambda2_curves.png", p.lambda_values):
         print(f"wrote {out / 'lambda2_curves.png'}")
     if a.update_md and md_blocks(p, root):
         BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), md_blocks(p, root)))

@@ -410,9 +410,12 @@ def test_lambda2_curves_draw_each_setting_and_the_reference(tmp_path, monkeypatc
     real_savefig = plt.Figure.savefig
     monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), real_savefig(fig, *a, **k)))
     png = tmp_path / "l2.png"
-    assert paper.lambda_curves_png(runs, (0.1, 1.0), png) and png.stat().st_size > 1000
+    assert paper.lambda_curves_png(runs, (0.1, 1.0), png, (0.0, 0.2, 1.0, 5.0)) and png.stat().st_size > 1000
     lines = drawn[0].axes[0].get_lines()
     bold = {ln.get_label(): ln for ln in lines if ln.get_linewidth() > 2}
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # a setting's colour: its place in the preset
+    assert bold["DRPO, lambda2 = 5 (n=2)"].get_color() == palette[3]
+    assert bold["DRPO, lambda2 = 0 (n=1)"].get_color() == palette[0]
     assert set(bold) == {"DRPO, lambda2 = 0 (n=1)", "DRPO, lambda2 = 5 (n=2)", "Fed-BC (reference) (n=1)"}
     assert list(bold["DRPO, lambda2 = 5 (n=2)"].get_ydata()) == [20.0, 20.0, 50.0]  # the mean of the two seeds
     assert bold["Fed-BC (reference) (n=1)"].get_linestyle() == "--"
