@@ -621,6 +621,16 @@ def q_scale_long_md(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _save(fig, path: Path) -> None:
+    """Lay out, write (no software tag: the same results draw the same bytes) and close a figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+
+
 def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: Path,
                methods: tuple[str, ...] = ALGO_ORDER) -> bool:
     import matplotlib
@@ -648,10 +658,7 @@ def curves_png(results: list[dict[str, Any]], datasets: tuple[str, ...], path: P
         ax.set_ylabel("normalised score")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90, metadata={"Software": None})
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -697,10 +704,7 @@ def studies_png(p: Preset, root: Path, path: Path) -> bool:
         ax.set_ylabel("normalised score")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90, metadata={"Software": None})
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -748,10 +752,7 @@ def lambda_curves_png(results: list[dict[str, Any]], fixed: tuple[float, float],
     ax.set_title(f"4 expert + 1 medium agents, lambda1 = {fixed[0]:g}: each seed thin, their mean bold", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90, metadata={"Software": None})
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
