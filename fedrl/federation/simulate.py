@@ -315,8 +315,13 @@ def _write_checkpoint(out: Path, cfg: SimConfig, r: int, curve: list, global_sta
         tensors |= {f"agent_state/{i}/{k}": v for i, st in enumerate(agent_states) for k, v in st.items()}
     for i, tr in enumerate(trainers):
         tensors |= {f"learner/{i}/{k}": v for k, v in tr.learner.checkpoint().items()}
-    meta = {"round": r, "curve": curve, "sim": json.loads(json.dumps(cfg.as_dict()))}
+    meta = {"round": r, "curve": curve, "sim": _settings(cfg)}
     _atomic_save(tensors, meta, out / CHECKPOINT)
+
+
+def _settings(cfg: SimConfig) -> dict[str, Any]:
+    """``cfg`` as a checkpoint records it (JSON types), to compare with the settings of a resume."""
+    return json.loads(json.dumps(cfg.as_dict()))
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path) -> None:
@@ -338,7 +343,7 @@ def _write_agent_checkpoint(out: Path, cfg: SimConfig, r: int, res: LocalResult,
     tensors = {f"learner/{k}": v for k, v in trainer.learner.checkpoint().items()}
     tensors |= {f"state/{k}": v for k, v in res.state.items()}
     meta = {"round": r, "agent": res.agent, "num_samples": res.num_samples, "metrics": res.metrics,
-            "seconds": res.seconds, "sim": json.loads(json.dumps(cfg.as_dict()))}
+            "seconds": res.seconds, "sim": _settings(cfg)}
     _atomic_save(tensors, meta, folder / f"agent-{res.agent}.safetensors")
 
 
@@ -357,7 +362,7 @@ def _resume_agents(out: Path, cfg: SimConfig, r: int, trainers: list[LocalTraine
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    want = json.loads(json.dumps(cfg.as_dict()))
+    want = _settings(cfg)
     done: dict[int, LocalResult] = {}
     by_agent = {tr.agent: tr for tr in trainers}
     for path in sorted((out / AGENTS_IN_ROUND).glob("agent-*.safetensors")):
@@ -384,7 +389,7 @@ def _resume(out: Path, cfg: SimConfig, trainers: list[LocalTrainer]) -> tuple[in
     path = out / CHECKPOINT
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["fedrl_checkpoint"])
-    want = json.loads(json.dumps(cfg.as_dict()))
+    want = _settings(cfg)
     if meta["sim"] != want:
         diff = _differences(meta["sim"], want)
         raise ValueError(f"{path} is a checkpoint of another configuration (differs in {', '.join(diff)}); "
