@@ -708,7 +708,7 @@ class Coordinator:
         run.env_id = cfg.env or (envs.pop() if envs else "")
         enc = self._encode(run, 0, state)
         try:
-            self.store.save_version(run.run_id, 0, enc.payload)
+            self.store.save_version(run.run_id, 0, enc.pieces())
         except OSError as e:
             self._fail(run, f"cannot write version 0 to the state directory: {e}")
             return
@@ -767,7 +767,7 @@ class Coordinator:
                                           metrics=metrics, seconds=seconds)
                 self.store.append_event(run.run_id, closing, durable=True)
                 run.closing = closing
-            self.store.save_version(run.run_id, v, enc.payload)
+            self.store.save_version(run.run_id, v, enc.pieces())
         except OSError as e:
             msg = f"cannot persist version {v}; round {run.round} stays open: {e}"
             if run.message != msg:

@@ -117,7 +117,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             if base is not None:  # a task with weights inline: worth keeping for the next agent
                 self._task_cache = cached
         if base is not None:
-            self.coord.metrics.bytes_sent.inc(len(base.payload))
+            self.coord.metrics.bytes_sent.inc(base.manifest.total_bytes)
         return kind, cached[1]
 
     def FetchGlobal(self, request, context):

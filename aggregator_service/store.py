@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +65,10 @@ class Store:
             shutil.rmtree(d, ignore_errors=True)
             raise
 
-    def save_version(self, run_id: str, version: int, payload: bytes) -> Path:
-        """Write a version's safetensors bytes (what the aggregator also sends: one serialisation)."""
+    def save_version(self, run_id: str, version: int, payload: bytes | Sequence[bytes | memoryview]) -> Path:
+        """Write a version's safetensors bytes (what the aggregator also sends: one serialisation),
+        given whole or as its pieces in order (``Encoded.pieces``: written from the tensors, with
+        no joined copy of the payload first)."""
         path = self.version_path(run_id, version)
         self._write_bytes(path, payload)
         _fsync_dir(path.parent)
@@ -118,12 +120,14 @@ class Store:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def _write_bytes(self, path: Path, data: bytes) -> None:
+    def _write_bytes(self, path: Path, data: bytes | Sequence[bytes | memoryview]) -> None:
         tmp = path.with_name(path.name + ".tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
+            with open(tmp, "wb", buffering=0) as f:  # unbuffered: large pieces go straight to the file
+                for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                    mv = memoryview(piece).cast("B")
+                    while len(mv):  # a raw write may take less than it is given
+                        mv = mv[f.write(mv):]
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:

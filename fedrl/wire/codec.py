@@ -76,17 +76,62 @@ class Manifest:
         return {t.name: t for t in self.tensors}
 
 
-@dataclass
 class Encoded:
-    manifest: Manifest
-    payload: bytes
-    chunk_bytes: int = CHUNK_BYTES
+    """A payload ready to send, and its manifest.
+
+    :func:`encode` keeps the payload as the pieces it is made of (its header, then each tensor's
+    bytes: views of the tensors, not copies), so a payload sent as chunks is copied once, into
+    the chunk messages (:meth:`chunk_views`), instead of into a whole payload first and then again
+    into each chunk (a 30 MB model's update: one 30 MB copy less per agent a round). ``payload``
+    joins the pieces on first use (an inline message, a stored version) and keeps the result.
+    The tensors must not change until the payload is sent or joined: the checksum, taken when it
+    was encoded, would then refuse it on the other side."""
+
+    __slots__ = ("_payload", "_pieces", "chunk_bytes", "manifest")
+
+    def __init__(self, manifest: Manifest, payload: bytes | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 *, pieces: Sequence[bytes | memoryview] | None = None) -> None:
+        if (payload is None) == (pieces is None):
+            raise TypeError("Encoded takes a payload or its pieces")
+        self.manifest = manifest
+        self.chunk_bytes = chunk_bytes
+        self._payload = payload
+        self._pieces = None if pieces is None else tuple(memoryview(x).cast("B") for x in pieces)
+
+    @property
+    def payload(self) -> bytes:
+        """The whole payload (joined from its pieces once, then kept)."""
+        if self._payload is None:
+            self._payload = b"".join(self._pieces or ())
+            self._pieces = None  # the tensors are no longer needed
+        return self._payload
+
+    def pieces(self) -> tuple[memoryview, ...]:
+        """The payload's bytes in order, as views (no copies): of the payload once it is joined,
+        of the header and the tensors before (a stored version is written from these)."""
+        return (memoryview(self._payload),) if self._pieces is None else self._pieces
+
+    def chunk_views(self) -> Iterator[list[memoryview]]:
+        """Each ``chunk_bytes`` span of the payload as the views that make it up (no copies)."""
+        pieces = self.pieces()
+        out: list[memoryview] = []
+        room = self.chunk_bytes
+        for mv in pieces:
+            while len(mv):
+                take = mv[:room]
+                out.append(take)
+                mv = mv[len(take):]
+                room -= len(take)
+                if room == 0:
+                    yield out
+                    out, room = [], self.chunk_bytes
+        if out:
+            yield out
 
     def chunks(self) -> Iterator[bytes]:
         """The payload in ``chunk_bytes`` pieces."""
-        mv = memoryview(self.payload)
-        for i in range(0, len(mv), self.chunk_bytes):
-            yield bytes(mv[i:i + self.chunk_bytes])
+        for views in self.chunk_views():
+            yield b"".join(views)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -115,11 +160,17 @@ def _layout_of(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, torch.dt
 
 def _write(tensors: Mapping[str, torch.Tensor], layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
            metadata: Mapping[str, str] | None) -> bytes:
+    return b"".join(_pieces(tensors, layout, metadata))
+
+
+def _pieces(tensors: Mapping[str, torch.Tensor], layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
+            metadata: Mapping[str, str] | None) -> list:
+    """A safetensors file of ``tensors`` as its pieces, in order: the header, then each tensor's
+    bytes (views of the tensors)."""
     if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("safetensors metadata must map strings to strings")
     head, order = _header(layout, tuple(metadata.items()) if metadata else ())
-    parts = [tensors[k].reshape(-1).view(torch.uint8).numpy() for k in order if tensors[k].numel()]
-    return b"".join([head, *parts])
+    return [head, *(tensors[k].reshape(-1).view(torch.uint8).numpy() for k in order if tensors[k].numel())]
 
 
 @functools.lru_cache(maxsize=16)
@@ -144,16 +195,20 @@ def _header(layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
 def encode(state: Mapping[str, torch.Tensor], run_id: str = "", round: int = 0,
            base_version: int = 0, num_samples: int = 0,
            chunk_bytes: int = CHUNK_BYTES, metadata: Mapping[str, str] | None = None) -> Encoded:
-    """Serialise ``state`` (CPU tensors) as safetensors and describe it in a manifest.
+    """Serialise ``state`` (CPU tensors) as safetensors and describe it in a manifest (the
+    payload kept as views of the tensors until it is sent or joined: see :class:`Encoded`).
 
     ``metadata`` is written into the file's header (covered by the checksum; decoders ignore it):
     the aggregator stores the very bytes it sends, with the version's provenance inside."""
     tensors = {k: v if _plain(v) else v.detach().to("cpu").contiguous() for k, v in state.items()}
     layout = _layout_of(tensors)
-    payload = _write(tensors, layout, metadata)
-    m = Manifest(run_id, int(round), int(base_version), _specs(layout), int(num_samples), len(payload),
-                 checksum(payload))
-    return Encoded(m, payload, chunk_bytes)
+    pieces = _pieces(tensors, layout, metadata)
+    h = xxhash.xxh3_128()
+    for x in pieces:  # the same digest as one pass over the joined payload
+        h.update(x)
+    m = Manifest(run_id, int(round), int(base_version), _specs(layout), int(num_samples),
+                 sum(x.nbytes if hasattr(x, "nbytes") else len(x) for x in pieces), h.hexdigest())
+    return Encoded(m, chunk_bytes=chunk_bytes, pieces=pieces)
 
 
 @functools.lru_cache(maxsize=16)

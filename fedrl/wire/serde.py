@@ -61,11 +61,10 @@ def weight_part_bytes(enc: Encoded) -> list[bytes]:
 
 
 def _chunk_parts(enc: Encoded) -> Iterator[bytes]:
-    """Each chunk of ``enc``'s payload as a serialised chunk part (field 2), copied once."""
-    mv = memoryview(enc.payload)
-    for i in range(0, len(mv), enc.chunk_bytes):
-        c = mv[i:i + enc.chunk_bytes]
-        yield b"".join((_field_key(CHUNK_FIELD, len(c)), c))
+    """Each chunk of ``enc``'s payload as a serialised chunk part (field 2), copied once (from
+    its tensors when it was encoded from them and not joined)."""
+    for views in enc.chunk_views():
+        yield b"".join((_field_key(CHUNK_FIELD, sum(len(v) for v in views)), *views))
 
 
 def chunk_in_part(data: bytes) -> memoryview | None:

@@ -111,3 +111,34 @@ def test_safetensors_headers_that_nest_or_count_absurdly_are_refused_specificall
                          (b'{"a": ' + b"9" * 5000 + b"}", "not JSON")):
         with pytest.raises(CodecError, match=says):
             parse_safetensors(struct.pack("<Q", len(header)) + header)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 5, 96, 1000, 1 << 20])
+def test_chunks_cut_from_the_tensors_are_the_payloads_own(chunk_bytes):
+    """An encoded update is sent as chunks cut straight from its tensors (header, then each
+    tensor's bytes): every chunk, its message and the checksum must be what the joined payload
+    gives, across tensor boundaries, mixed dtypes and an empty tensor."""
+    from fedrl.wire.codec import checksum, encoded_from_payload
+
+    state = {"w": torch.randn(13, 7), "b": torch.randn(5).double(), "n": torch.arange(3, dtype=torch.int32),
+             "e": torch.empty(0), "m": torch.tensor([True, False, True])}
+    enc = encode(state, "run", 4, 3, 20, chunk_bytes=chunk_bytes)
+    sent = list(update_messages(federation_pb2.UpdateHeader(agent_id="a"), enc))  # before any join
+    whole = encoded_from_payload(enc.payload, "run", 4, 3, 20, chunk_bytes=chunk_bytes)
+    assert enc.manifest.checksum == checksum(enc.payload) == whole.manifest.checksum
+    assert enc.manifest.total_bytes == len(enc.payload)
+    assert sent[1:] == [federation_pb2.UpdatePart(chunk=c).SerializeToString() for c in whole.chunks()]
+    assert all(len(c) == chunk_bytes for c in list(whole.chunks())[:-1])
+    got = assemble(enc.manifest, [bytes(chunk_in_part(m)) for m in sent[1:]])
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_a_tensor_changed_after_encoding_is_refused_not_sent_silently():
+    """The chunks are cut from the live tensors: one changed between encoding and sending no
+    longer matches the checksum taken at encoding, and the receiver refuses it."""
+    state = {"w": torch.zeros(64)}
+    enc = encode(state, "run", 1, 0, 1, chunk_bytes=100)
+    state["w"][3] = 1.0
+    with pytest.raises(CodecError) as e:
+        assemble(enc.manifest, list(enc.chunks()))
+    assert e.value.reason == "checksum_mismatch"
