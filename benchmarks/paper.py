@@ -38,6 +38,7 @@ import json
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -313,6 +314,24 @@ def _agents_in_round(work: Path, r: int) -> int:
     return n
 
 
+_AGENT_DONE = re.compile(r"round \d+: agent \d+/\d+ done in ([0-9.]+)s$")
+_ROUND_DONE = re.compile(r"round +\d+/\d+ .*\[([0-9.]+)s\]$")
+
+
+def _minutes_left(work: Path, agents_left: int, agents: int) -> float | None:
+    """Minutes a run in progress has left: its agents still to train, at the median pace of its
+    last ``agents`` trained (from ``progress.log``; runs of under 200 local steps log no agent
+    lines, so their last round's time shared among its agents); None before the first."""
+    try:
+        lines = (work / "progress.log").read_text().splitlines()
+    except OSError:
+        return None
+    took = [float(m.group(1)) for line in lines if (m := _AGENT_DONE.search(line))][-agents:]
+    if not took:
+        took = [float(m.group(1)) / agents for line in lines if (m := _ROUND_DONE.search(line))][-1:]
+    return agents_left * statistics.median(took) / 60 if took else None
+
+
 def _progress(work: Path, message: str) -> None:
     """A run's progress lines, appended to ``progress.log`` in its work folder as they come."""
     with open(work / "progress.log", "a") as f:
@@ -453,16 +472,21 @@ def cmd_status(a) -> int:
         n = sum(result_path(p, r, root).exists() for r in todo)
         going = [(r, _rounds_done(work_dir(p, r, root))) for r in todo
                  if not result_path(p, r, root).exists() and work_dir(p, r, root).exists()]
-        print(f"{e:13s} {n:4d} / {len(todo)} runs done"
-              + "".join(f"; {r.key} at round {k}/{r.rounds or p.rounds}"
-                        + (f" (+{m} of {r.agents} agents of round {k + 1})"
-                           if (m := _agents_in_round(work_dir(p, r, root), k + 1)) else "")
-                        for r, k in going))
+        print(f"{e:13s} {n:4d} / {len(todo)} runs done" + "".join(_going(p, r, k, root) for r, k in going))
         if e == "table" and n:
             revs = sorted({json.loads(result_path(p, r, root).read_text()).get("code_revision", "unknown")
                            for r in todo if result_path(p, r, root).exists()})
             print(f"{'':13s} code revisions of the finished runs: {', '.join(revs)}")
     return 0
+
+
+def _going(p: Preset, r: RunSpec, k: int, root: Path) -> str:
+    """``; KEY at round k/n (+m of a agents of round k+1), ~T min left`` for a run in progress."""
+    work, rounds = work_dir(p, r, root), r.rounds or p.rounds
+    m = _agents_in_round(work, k + 1)
+    left = _minutes_left(work, (rounds - k) * r.agents - m, r.agents)
+    return (f"; {r.key} at round {k}/{rounds}" + (f" (+{m} of {r.agents} agents of round {k + 1})" if m else "")
+            + (f", ~{left:.0f} min left at its last agents' pace" if left is not None else ""))
 
 
 # -- rendering -------------------------------------------------------------------------------

@@ -227,7 +227,8 @@ def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path,
     assert (work / "checkpoint.safetensors").exists() and not paper.result_path(p, r, tmp_path / "cut").exists()
     assert "round   1/2" in (work / "progress.log").read_text()
     paper.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path / "cut")}))
-    assert f"{r.key} at round 1/2 (+1 of 2 agents of round 2)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"{r.key} at round 1/2 (+1 of 2 agents of round 2), ~" in said and " min left at its last agents' pace" in said
     calls.clear()
     resumed = paper.execute(p, r, tmp_path / "cut")
     assert calls == [1]  # round 2's first agent was not trained again
@@ -422,3 +423,21 @@ def test_lambda2_curves_draw_each_setting_and_the_reference(tmp_path, monkeypatc
     assert len(lines) == 3 + 4  # and the four runs' own curves, thin
     assert not paper.lambda_curves_png(runs[-2:], (0.1, 1.0), tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_minutes_left_are_the_agents_to_train_at_the_median_of_the_last_ones(tmp_path):
+    """`status`'s estimate: agents still to train x the median time of the last `agents` of them
+    in progress.log (a run slowed for a while, or resumed, is read at its latest pace)."""
+    (tmp_path / "progress.log").write_text("\n".join([
+        "10:00:00 drpo: 2 agents ...",
+        "10:01:00   round 1: agent 1/2 done in 600.0s",  # older than the last two: not counted
+        "10:02:00   round 1: agent 2/2 done in 60.0s",
+        "10:02:01 round   1/3  return 1.0 score 2.0  [120.0s]",
+        "10:03:00   round 2: agent 1/2 done in 180.0s"]) + "\n")
+    assert paper._minutes_left(tmp_path, 3, 2) == pytest.approx(3 * 120 / 60)
+    assert paper._minutes_left(tmp_path / "none", 3, 2) is None
+    (tmp_path / "progress.log").write_text("10:00:00 drpo: 2 agents ...\n")
+    assert paper._minutes_left(tmp_path, 3, 2) is None
+    with open(tmp_path / "progress.log", "a") as f:  # short rounds log no agent lines: the round's time
+        f.write("10:02:01 round   1/3  return 1.0 score 2.0  [120.0s]\n")
+    assert paper._minutes_left(tmp_path, 3, 2) == pytest.approx(3 * 60 / 60)
