@@ -428,12 +428,12 @@ def test_lambda2_curves_draw_each_setting_and_the_reference(tmp_path, monkeypatc
 def test_minutes_left_are_the_agents_to_train_at_the_median_of_the_last_ones(tmp_path):
     """`status`'s estimate: agents still to train x the median time of the last `agents` of them
     in progress.log (a run slowed for a while, or resumed, is read at its latest pace)."""
-    (tmp_path / "progress.log").write_text("\n".join([
-        "10:00:00 drpo: 2 agents ...",
-        "10:01:00   round 1: agent 1/2 done in 600.0s",  # older than the last two: not counted
-        "10:02:00   round 1: agent 2/2 done in 60.0s",
-        "10:02:01 round   1/3  return 1.0 score 2.0  [120.0s]",
-        "10:03:00   round 2: agent 1/2 done in 180.0s"]) + "\n")
+    (tmp_path / "progress.log").write_text(  # the first agent line is older than the last two: not counted
+        "10:00:00 drpo: 2 agents ...\n"
+        "10:01:00   round 1: agent 1/2 done in 600.0s\n"
+        "10:02:00   round 1: agent 2/2 done in 60.0s\n"
+        "10:02:01 round   1/3  return 1.0 score 2.0  [120.0s]\n"
+        "10:03:00   round 2: agent 1/2 done in 180.0s\n")
     assert paper._minutes_left(tmp_path, 3, 2) == pytest.approx(3 * 120 / 60)
     assert paper._minutes_left(tmp_path / "none", 3, 2) is None
     (tmp_path / "progress.log").write_text("10:00:00 drpo: 2 agents ...\n")
