@@ -202,12 +202,12 @@ def encode(state: Mapping[str, torch.Tensor], run_id: str = "", round: int = 0,
     the aggregator stores the very bytes it sends, with the version's provenance inside."""
     tensors = {k: v if _plain(v) else v.detach().to("cpu").contiguous() for k, v in state.items()}
     layout = _layout_of(tensors)
-    pieces = _pieces(tensors, layout, metadata)
+    pieces = [memoryview(x).cast("B") for x in _pieces(tensors, layout, metadata)]
     h = xxhash.xxh3_128()
     for x in pieces:  # the same digest as one pass over the joined payload
         h.update(x)
     m = Manifest(run_id, int(round), int(base_version), _specs(layout), int(num_samples),
-                 sum(x.nbytes if hasattr(x, "nbytes") else len(x) for x in pieces), h.hexdigest())
+                 sum(map(len, pieces)), h.hexdigest())
     return Encoded(m, chunk_bytes=chunk_bytes, pieces=pieces)
 
 
