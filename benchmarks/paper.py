@@ -87,6 +87,9 @@ class Preset:
     # ``dataset_first``): the head-to-head first, so the first answer comes early
     methods: tuple[str, ...] = ALGO_ORDER
     dataset_first: bool = False
+    # the experiments this preset is meant to run (None: all); ``run --experiment all`` runs
+    # these and ``status`` marks the others as outside the plan
+    planned: tuple[str, ...] | None = None
 
 
 PRESETS = {
@@ -104,7 +107,8 @@ PRESETS = {
     "claim": Preset("claim", 5, 5, 1000, 10, 10, 1, (0, 1, 2),
                     datasets=("hopper-medium-v2", "hopper-medium-replay-v2"), transitions=5000,
                     lambda_values=(0.0, 0.2, 1.0, 5.0), lambda_fixed=(0.1, 1.0), lambda_sweeps=("lambda2",),
-                    methods=("drpo", "fed-cql", "cql", "fed-bc", "fed-bc-3e-4"), dataset_first=True),
+                    methods=("drpo", "fed-cql", "cql", "fed-bc", "fed-bc-3e-4"), dataset_first=True,
+                    planned=("table", "lambdas")),
     "smoke": Preset("smoke", 2, 2, 5, 2, 2, 1, (0,), datasets=("hopper-medium-v2",),
                     drpo={"hidden": [32, 32], "batch_size": 32, "cql_n_actions": 2},
                     bc={"hidden": [32, 32], "batch_size": 32},
@@ -400,7 +404,7 @@ def _run_one(preset: str, r: RunSpec, root: str, agent_threads: int = 1,
 def cmd_run(a) -> int:
     p = PRESETS[a.preset]
     seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else p.seeds
-    exps = EXPERIMENTS if a.experiment == "all" else (a.experiment,)
+    exps = (p.planned or EXPERIMENTS) if a.experiment == "all" else (a.experiment,)
     root = Path(a.results)
     jobs, agent_threads = getattr(a, "jobs", 1), getattr(a, "agent_threads", 1)
     if jobs < 1 or agent_threads < 1:
@@ -472,7 +476,9 @@ def cmd_status(a) -> int:
         n = sum(result_path(p, r, root).exists() for r in todo)
         going = [(r, _rounds_done(work_dir(p, r, root))) for r in todo
                  if not result_path(p, r, root).exists() and work_dir(p, r, root).exists()]
-        print(f"{e:13s} {n:4d} / {len(todo)} runs done" + "".join(_going(p, r, k, root) for r, k in going))
+        off_plan = p.planned is not None and e not in p.planned
+        print(f"{e:13s} {n:4d} / {len(todo)} runs done" + "".join(_going(p, r, k, root) for r, k in going)
+              + (f" (not in the {p.name} preset's plan: runs only when asked for by name)" if off_plan else ""))
         if e == "table" and n:
             revs = sorted({json.loads(result_path(p, r, root).read_text()).get("code_revision", "unknown")
                            for r in todo if result_path(p, r, root).exists()})

@@ -441,3 +441,23 @@ def test_minutes_left_are_the_agents_to_train_at_the_median_of_the_last_ones(tmp
     with open(tmp_path / "progress.log", "a") as f:  # short rounds log no agent lines: the round's time
         f.write("10:02:01 round   1/3  return 1.0 score 2.0  [120.0s]\n")
     assert paper._minutes_left(tmp_path, 3, 2) == pytest.approx(3 * 60 / 60)
+
+
+def test_the_claim_preset_runs_and_reports_its_plan_and_marks_the_rest(tmp_path, monkeypatch, capsys):
+    """`status` of the claim preset marks the experiments outside its plan (the paper's studies at
+    10k steps, ~90 h of one core) and `run --experiment all` runs exactly its plan's cells."""
+    p = paper.PRESETS["claim"]
+    assert p.planned == ("table", "lambdas")
+    paper.cmd_status(type("A", (), {"preset": "claim", "results": str(tmp_path)}))
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.strip()}
+    for e in paper.EXPERIMENTS:
+        assert ("not in the claim preset's plan" in lines[e]) == (e not in p.planned), lines[e]
+    ran = []
+    monkeypatch.setattr(paper, "_run_one", lambda name, r, *a: (ran.append(r), (r, {"final": None}, 0.0))[1])
+    monkeypatch.setattr(paper, "find_identical", lambda *a: None)
+    args = type("A", (), {"preset": "claim", "seeds": "", "experiment": "all", "results": str(tmp_path), "only": None})
+    assert paper.cmd_run(args) == 0
+    want = [r.key for e in p.planned for r in paper.plan(p, e, p.seeds)]
+    assert [r.key for r in ran] == want and {r.experiment for r in ran} == set(p.planned)
+    # a preset without a plan runs every experiment
+    assert paper.PRESETS["smoke"].planned is None
