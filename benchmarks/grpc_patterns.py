@@ -11,7 +11,9 @@ pattern stands on. Patterns:
 - ``one-call``: a submit answered with the next round's task (one call per agent per round:
   ``agent_service --transport calls``);
 - ``session``: one bidirectional stream per agent for the whole run, a message each way per round
-  (the agents' default, the Session RPC).
+  (the agents' default, the Session RPC);
+- ``session-aio``: the same stream from a ``grpc.aio`` client (one event loop, messages written
+  with ``call.write``: no thread consuming a request iterator), against the same server.
 
 The server closes a round when all N updates are in and releases the waiting clients.
 """
@@ -28,7 +30,7 @@ from concurrent import futures
 
 import numpy as np
 
-PATTERNS = ("two-calls", "one-call", "session")
+PATTERNS = ("two-calls", "one-call", "session", "session-aio")
 WARMUP_ROUNDS = 3  # the first rounds include connection set-up
 
 
@@ -120,7 +122,19 @@ def _client(port: int, pattern: str, rounds: int, cpu_q) -> None:
         if r == WARMUP_ROUNDS + 1:
             cpu_at = _cpu()
 
-    if pattern == "session":
+    if pattern == "session-aio":
+        import asyncio
+
+        async def session() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ach:
+                call = ach.stream_stream("/bare.Round/Session")(timeout=600)
+                await call.write(b"join")
+                while (msg := await call.read()) not in (b"stop", grpc.aio.EOF):
+                    seen(int(msg[:8]))
+                    await call.write(msg[8:])  # the update: as many bytes as the global payload
+                await call.done_writing()
+        asyncio.run(session())
+    elif pattern == "session":
         out: queue.Queue = queue.Queue()
 
         def requests():
