@@ -479,7 +479,7 @@ def cmd_status(a) -> int:
         off_plan = p.planned is not None and e not in p.planned
         print(f"{e:13s} {n:4d} / {len(todo)} runs done" + "".join(_going(p, r, k, root) for r, k in going)
               + (f" (not in the {p.name} preset's plan: runs only when asked for by name)" if off_plan else ""))
-        if e == "table" and n:
+        if n:
             revs = sorted({json.loads(result_path(p, r, root).read_text()).get("code_revision", "unknown")
                            for r in todo if result_path(p, r, root).exists()})
             print(f"{'':13s} code revisions of the finished runs: {', '.join(revs)}")
