@@ -459,5 +459,5 @@ def test_the_claim_preset_runs_and_reports_its_plan_and_marks_the_rest(tmp_path,
     assert paper.cmd_run(args) == 0
     want = [r.key for e in p.planned for r in paper.plan(p, e, p.seeds)]
     assert [r.key for r in ran] == want and {r.experiment for r in ran} == set(p.planned)
-    # a preset without a plan runs every experiment
+    # the smoke preset names no plan: `--experiment all` there is every experiment
     assert paper.PRESETS["smoke"].planned is None
