@@ -170,7 +170,19 @@ def _pieces(tensors: Mapping[str, torch.Tensor], layout: tuple[tuple[str, torch.
     if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError("safetensors metadata must map strings to strings")
     head, order = _header(layout, tuple(metadata.items()) if metadata else ())
-    return [head, *(tensors[k].reshape(-1).view(torch.uint8).numpy() for k in order if tensors[k].numel())]
+    return [head, *(_bytes_of(tensors[k]) for k in order if tensors[k].numel())]
+
+
+def _bytes_of(t: torch.Tensor):
+    """A contiguous CPU tensor's bytes, as an array over its memory (no copy): one torch call
+    where numpy has the dtype (a policy's tensors), three for the rest (bfloat16, 0-d)."""
+    if t.ndim and t.dtype in _NUMPY_DTYPES:
+        return t.numpy()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+                           torch.uint8, torch.bool})
 
 
 @functools.lru_cache(maxsize=16)
@@ -251,6 +263,7 @@ class Assembler:
         self.buf: bytearray | memoryview | None = None
         self.received = 0
         self._hash = xxhash.xxh3_128()
+        self.flat: Flat | None = None  # set by finish() where the tensors are one span
 
     def add(self, chunk: bytes | memoryview) -> None:
         n, total = len(chunk), self.manifest.total_bytes
@@ -267,9 +280,12 @@ class Assembler:
         self.received += n
 
     def finish(self) -> dict[str, torch.Tensor]:
+        """The verified tensors (views of the buffer). Where they are one run of one dtype (a
+        policy, a policy and its critics), :attr:`flat` is then that run as one tensor too."""
         if self.received != self.manifest.total_bytes:
             raise CodecError("truncated", f"received {self.received} of {self.manifest.total_bytes} declared bytes")
-        return _decode(self.manifest, self.buf, self._hash.hexdigest())
+        out, self.flat = _decode(self.manifest, self.buf, self._hash.hexdigest())
+        return out
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -383,8 +399,40 @@ def _layout(buf: bytearray) -> tuple[int, tuple[_Entry, ...]]:
     n = int.from_bytes(bytes(buf[:8]), "little")
     if n > min(len(buf) - 8, MAX_HEADER_BYTES):
         raise _bad(f"header length {n} exceeds the payload")
-    parse = _parse_header_cached if n <= CACHED_HEADER_BYTES else _parse_header
-    return 8 + n, parse(bytes(buf[8:8 + n]), len(buf) - 8 - n)
+    raw, end_of_data = bytes(buf[8:8 + n]), len(buf) - 8 - n
+    if n > CACHED_HEADER_BYTES:
+        return 8 + n, _parse_header(raw, end_of_data)
+    if raw.startswith(_META_OPEN):
+        rest = _without_metadata(raw)
+        if rest is not None:
+            return 8 + n, _parse_header_cached(rest, end_of_data)
+    return 8 + n, _parse_header_cached(raw, end_of_data)
+
+
+# How this module's writer opens a header with metadata. A global version's metadata names the
+# version, so its header differs from the last one's only there: the tensors' entries after it
+# are parsed once per layout (below), not once per version.
+_META_OPEN = b'{"__metadata__":'
+_SCAN = json.JSONDecoder()
+
+
+def _without_metadata(raw: bytes) -> bytes | None:
+    """A header that opens with ``__metadata__`` without it, once its value is found sound
+    (strings to strings; else a ``bad_payload`` CodecError, as a full parse would raise); None
+    where it cannot be split here (the full parse then reads it)."""
+    try:
+        text = raw.decode()
+        meta, end = _SCAN.raw_decode(text, len(_META_OPEN))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None  # the full parse names the problem
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _bad("__metadata__ must map strings to strings")
+    tail = text[end:].lstrip(" \t\n\r")  # JSON's whitespace, no other
+    if tail.startswith(","):
+        return ("{" + tail[1:]).encode()
+    if tail.startswith("}"):
+        return ("{" + tail).encode()  # the metadata alone: no tensors
+    return None
 
 
 def _parse_header(raw: bytes, end_of_data: int) -> tuple[_Entry, ...]:
@@ -476,20 +524,66 @@ def decode(m: Manifest, payload: bytes | bytearray | memoryview) -> dict[str, to
     """Verify ``payload`` against ``m`` and return its tensors."""
     if len(payload) != m.total_bytes:
         raise CodecError("truncated", f"received {len(payload)} of {m.total_bytes} declared bytes")
-    return _decode(m, payload if _writable(payload) else bytearray(payload), checksum(payload))
+    return _decode(m, payload if _writable(payload) else bytearray(payload), checksum(payload))[0]
 
 
-def _decode(m: Manifest, buf: bytearray | memoryview, digest: str) -> dict[str, torch.Tensor]:
+def _decode(m: Manifest, buf: bytearray | memoryview, digest: str) -> tuple[dict[str, torch.Tensor], Flat | None]:
     """:func:`decode` of a writable buffer of the declared size whose checksum is known (computed
-    from these very bytes: :class:`Assembler` hashes each chunk where it landed)."""
+    from these very bytes: :class:`Assembler` hashes each chunk where it landed), and the
+    tensors as one :class:`Flat` where they are one span."""
     if digest != m.checksum:
         raise CodecError("checksum_mismatch", f"payload {CHECKSUM} does not match the manifest")
     start, entries = _layout(buf)
     _check_entries(entries, tuple(m.tensors))
+    plan = _one_span(entries)
+    if plan is not None and start % plan.dtype.itemsize == 0:
+        # The usual payload (a policy, a policy and its critics): one dtype, every tensor
+        # non-empty and aligned. Checked as one flat tensor over the data area and cut into
+        # the tensors in one call: a few torch calls instead of a few per tensor.
+        flat = torch.frombuffer(buf, dtype=plan.dtype, count=plan.count, offset=start)
+        if not all_finite(flat):
+            bad = _first_non_finite(buf, start, entries)
+            raise CodecError("non_finite", f"tensor {bad!r} contains NaN or Inf")
+        return plan.cut(flat), Flat(plan, flat)
     bad = _first_non_finite(buf, start, entries)
     if bad is not None:
         raise CodecError("non_finite", f"tensor {bad!r} contains NaN or Inf")
-    return _views(buf, start, entries)
+    return _views(buf, start, entries), None
+
+
+class Span(NamedTuple):
+    """A data area that is one run of tensors of one dtype (see :func:`_one_span`)."""
+
+    dtype: torch.dtype
+    count: int  # elements in all
+    names: tuple[str, ...]  # in the order of their bytes
+    sizes: tuple[int, ...]  # each tensor's elements
+    shapes: tuple[tuple[int, ...], ...]
+
+    def cut(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors of a flat tensor of this span (views of it), in the span's order."""
+        return dict(zip(self.names, [t if len(shape) == 1 else t.view(shape) for t, shape in
+                                     zip(torch.split_with_sizes(flat, self.sizes), self.shapes)]))
+
+
+class Flat(NamedTuple):
+    """A payload's tensors as one flat tensor over their bytes (one dtype, in the payload's
+    order: ``span.names``), beside the dict of views :func:`decode` returns. Two payloads whose
+    spans are equal hold the same tensors at the same positions, so their flat tensors can be
+    combined element by element (FedAvg does)."""
+
+    span: Span
+    tensor: torch.Tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _one_span(entries: tuple[_Entry, ...]) -> Span | None:
+    """The entries (sorted, tiling the data area) as one span of a single dtype where every
+    tensor is non-empty; None otherwise (mixed dtypes, an empty tensor: taken one by one)."""
+    if not entries or len({e.dtype for e in entries}) != 1 or any(e.numel == 0 for e in entries):
+        return None
+    return Span(entries[0].dtype, sum(e.numel for e in entries), tuple(e.name for e in entries),
+                 tuple(e.numel for e in entries), tuple(e.shape for e in entries))
 
 
 @functools.lru_cache(maxsize=64)
@@ -521,6 +615,12 @@ def _check_specs(have: Mapping[str, tuple[str, tuple[int, ...]]], reference: Map
         if dtype != dtype_name(r.dtype) or tuple(shape) != tuple(r.shape):
             raise CodecError("tensor_mismatch", f"{says}tensor {k!r} is {dtype}{list(shape)}, "
                                                 f"the global model has {dtype_name(r.dtype)}{list(r.shape)}")
+
+
+def specs_of(state: Mapping[str, torch.Tensor]) -> tuple[TensorSpec, ...]:
+    """The tensor list a manifest of ``state`` carries (as :func:`encode` writes it): a receiver
+    that keeps it compares a manifest's list with it in one tuple comparison."""
+    return _specs(_layout_of(state))
 
 
 def check_manifest_matches(m: Manifest, reference: Mapping[str, torch.Tensor]) -> None:

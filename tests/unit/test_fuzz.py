@@ -227,6 +227,27 @@ def test_decode_names_the_tensor_holding_a_non_finite_value(name, pos, bad):
     assert e.value.reason == "non_finite"
 
 
+ONE_DTYPE = {"policy.w0": torch.randn(16, 11), "policy.b0": torch.randn(16), "policy.head": torch.randn(6, 16),
+             "policy.mean": torch.randn(11)}
+
+
+@FUZZ
+@given(st.sampled_from(sorted(ONE_DTYPE)), st.integers(0, 1000), st.sampled_from([float("nan"), float("inf"),
+                                                                                   -float("inf")]))
+def test_a_one_dtype_payload_checked_as_one_span_still_names_the_bad_tensor(name, pos, bad):
+    """A payload of one dtype (a policy) is checked and cut as one flat span: a bad value
+    anywhere is found and named; a good one decodes to exactly its tensors."""
+    good = encode(ONE_DTYPE)
+    out = decode(good.manifest, good.payload)
+    assert out.keys() == ONE_DTYPE.keys() and all(torch.equal(v, ONE_DTYPE[k]) for k, v in out.items())
+    state = {k: v.clone() for k, v in ONE_DTYPE.items()}
+    state[name].view(-1)[pos % state[name].numel()] = bad
+    enc = encode(state, "run", 1, 0)
+    with pytest.raises(CodecError, match=f"tensor '{name}' contains NaN or Inf") as e:
+        decode(enc.manifest, enc.payload)
+    assert e.value.reason == "non_finite"
+
+
 def test_decode_returns_exactly_what_was_encoded():
     enc = encode(MIXED, "run", 1, 0)
     out = decode(enc.manifest, enc.payload)
@@ -332,3 +353,49 @@ def test_checks_worked_out_once_per_layout_still_refuse_what_differs():
         with pytest.raises(CodecError, match="twice"):
             Assembler(twice)
     assert torch.equal(decode(a.manifest, a.payload)["b"], torch.zeros(3))
+
+
+def _layout_or_reason(buf: bytearray):
+    from fedrl.wire.codec import _layout
+
+    try:
+        return _layout(buf)
+    except CodecError as e:
+        return e.reason
+
+
+def _full_parse_or_reason(buf: bytearray):
+    """What parsing the whole header, with no cache and no split, makes of ``buf``."""
+    from fedrl.wire.codec import _parse_header
+
+    n = int.from_bytes(bytes(buf[:8]), "little")
+    try:
+        return 8 + n, _parse_header(bytes(buf[8:8 + n]), len(buf) - 8 - n)
+    except CodecError as e:
+        return e.reason
+
+
+@FUZZ
+@given(st.dictionaries(st.text(max_size=8), st.text(max_size=12), max_size=4),
+       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3))
+def test_a_header_read_past_its_metadata_reads_as_the_whole_header_does(meta, flips):
+    """A global version's header is read in two parts (its metadata, then its tensors' entries,
+    parsed once per layout): for any metadata (quotes, braces, backslashes, any text) and any
+    damage to the header, the answer is the whole header's parse: the same entries, or a
+    bad_payload refusal."""
+    buf = bytearray(encode(STATE, "r", 0, 0, metadata=meta).payload)
+    n = int.from_bytes(bytes(buf[:8]), "little")
+    for pos, byte in flips:
+        buf[8 + pos % n] = byte
+    full = _full_parse_or_reason(buf)
+    assert _layout_or_reason(buf) == full
+    assert _layout_or_reason(buf) == full  # and again, now from the cache
+
+
+def test_a_header_whose_metadata_is_not_strings_is_refused_though_its_entries_are_known():
+    good = bytearray(encode(STATE, "r", 0, 0, metadata={"version": "1"}).payload)
+    assert isinstance(_layout_or_reason(good), tuple)  # the entries are now cached
+    bad = bytearray(encode(STATE, "r", 0, 0, metadata={"version": "22"}).payload)
+    i = bad.index(b'"22"')
+    bad[i:i + 4] = b"22  "  # a number, padded to keep every offset
+    assert _layout_or_reason(bad) == "bad_payload" == _full_parse_or_reason(bad)
