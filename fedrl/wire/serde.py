@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -12,10 +13,18 @@ from fedrl.wire.codec import CodecError, Encoded, Manifest, TensorSpec
 
 
 def manifest_to_proto(m: Manifest) -> weights_pb2.WeightsManifest:
+    p = weights_pb2.WeightsManifest(run_id=m.run_id, round=m.round, base_version=m.base_version,
+                                    num_samples=m.num_samples, total_bytes=m.total_bytes, xxh3_128=m.checksum,
+                                    encoding=m.encoding)
+    p.MergeFrom(_tensor_list_proto(m.tensors))  # one C-level copy of the list, not a message per tensor
+    return p
+
+
+@functools.lru_cache(maxsize=16)
+def _tensor_list_proto(tensors: tuple[TensorSpec, ...]) -> weights_pb2.WeightsManifest:
+    """A manifest holding just ``tensors`` (every update of a run lists the same; read only)."""
     return weights_pb2.WeightsManifest(
-        run_id=m.run_id, round=m.round, base_version=m.base_version,
-        tensors=[weights_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in m.tensors],
-        num_samples=m.num_samples, total_bytes=m.total_bytes, xxh3_128=m.checksum, encoding=m.encoding)
+        tensors=[weights_pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in tensors])
 
 
 def _field_key(number: int, length: int) -> bytes:
@@ -87,9 +96,26 @@ def manifest_from_proto(p: weights_pb2.WeightsManifest) -> Manifest:
     if p.sha256 and not p.xxh3_128:
         raise CodecError("old_contract", "the weights manifest carries a sha256 and no xxh3_128: the peer speaks "
                                          "wire contract v1 (fedrl before 2026-11-26); upgrade it to v2")
-    return Manifest(p.run_id, p.round, p.base_version,
-                    tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in p.tensors),
+    return Manifest(p.run_id, p.round, p.base_version, _tensor_list(p.tensors),
                     p.num_samples, p.total_bytes, p.xxh3_128, p.encoding)
+
+
+# The tensor list read last, as protobuf and as TensorSpecs: every manifest of a run lists the same
+# tensors, and comparing the lists (in C) costs a fraction of building the tuple again. One slot,
+# replaced whole (threads read it without a lock).
+_last_list: tuple[Any, tuple[TensorSpec, ...]] | None = None
+
+
+def _tensor_list(listed) -> tuple[TensorSpec, ...]:
+    global _last_list
+    last = _last_list
+    if last is not None and listed == last[0].tensors:
+        return last[1]
+    specs = tuple(TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in listed)
+    kept = weights_pb2.WeightsManifest()
+    kept.tensors.extend(listed)  # a copy: the message it came from may change or go
+    _last_list = (kept, specs)
+    return specs
 
 
 def weight_parts(enc: Encoded) -> Iterator[weights_pb2.WeightsPart]:

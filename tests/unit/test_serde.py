@@ -7,6 +7,7 @@ from fedrl.proto.v1 import federation_pb2, weights_pb2
 from fedrl.wire.codec import CodecError, assemble, encode
 from fedrl.wire.serde import (
     chunk_in_part,
+    manifest_from_proto,
     manifest_to_proto,
     read_weight_messages,
     read_weight_parts,
@@ -142,3 +143,21 @@ def test_a_tensor_changed_after_encoding_is_refused_not_sent_silently():
     with pytest.raises(CodecError) as e:
         assemble(enc.manifest, list(enc.chunks()))
     assert e.value.reason == "checksum_mismatch"
+
+
+def test_manifests_read_and_written_with_a_remembered_tensor_list_are_exactly_their_own():
+    """The tensor list read or written last is remembered (serde caches it): a manifest listing
+    other tensors, even one shape apart, reads and writes as itself, and changing the message a
+    list was read from afterwards changes nothing remembered."""
+    a = encode({"w": torch.ones(2, 3), "b": torch.zeros(3)}, "run", 1, 0, 5).manifest
+    b = encode({"w": torch.ones(3, 2), "b": torch.zeros(3)}, "run", 2, 1, 5).manifest
+    c = encode({"w": torch.ones(3, 2), "b": torch.zeros(3), "c": torch.zeros(1)}, "run", 2, 1, 5).manifest
+    for m in (a, b, a, a, c, b):
+        p = manifest_to_proto(m)
+        assert [(t.name, t.dtype, tuple(t.shape)) for t in p.tensors] == [tuple(t) for t in m.tensors]
+        assert (p.run_id, p.round, p.base_version, p.total_bytes, p.xxh3_128) == (
+            m.run_id, m.round, m.base_version, m.total_bytes, m.checksum)
+        assert manifest_from_proto(p) == m
+        p.tensors[0].shape[0] = 99  # the message read from changes afterwards
+        assert manifest_from_proto(manifest_to_proto(m)) == m
+        assert manifest_from_proto(p).tensors[0].shape[0] == 99
