@@ -63,6 +63,14 @@ def prefixed_state(prefix: str, module: nn.Module, copy: bool = True) -> dict[st
     return {f"{prefix}.{k}": v.detach().to("cpu", copy=copy) for k, v in module_tensors(module).items()}
 
 
+def on_device(state: Mapping[str, torch.Tensor], device: torch.device) -> Mapping[str, torch.Tensor]:
+    """``state`` moved to ``device``; as it is for the CPU, where the tensors a learner adopts
+    come from (decoded from the wire, averaged): no call per tensor every round."""
+    if device.type == "cpu":
+        return state
+    return {k: v.to(device) for k, v in state.items()}
+
+
 @torch.no_grad()
 def load_prefixed(module: nn.Module | Sequence[nn.Module], state: Mapping[str, torch.Tensor], prefix: str) -> bool:
     """Load the ``prefix.*`` entries of ``state`` into ``module`` (or into each of several

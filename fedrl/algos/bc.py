@@ -17,6 +17,7 @@ from fedrl.algos.base import (
     generator_tensor,
     load_optimizer_tensors,
     load_prefixed,
+    on_device,
     optimizer_tensors,
     prefixed_state,
 )
@@ -48,7 +49,7 @@ class BCLearner:
 
     def begin_round(self, global_state: Mapping[str, torch.Tensor]) -> None:
         """Adopt the global policy."""
-        state = {k: v.to(self.device) for k, v in global_state.items()}
+        state = on_device(global_state, self.device)
         if not load_prefixed(self.policy, state, POLICY):
             raise KeyError("global state has no 'policy.*' tensors")
         if self.cfg.reset_actor_optimizer:

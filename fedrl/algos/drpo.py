@@ -25,6 +25,7 @@ from fedrl.algos.base import (
     generator_tensor,
     load_optimizer_tensors,
     load_prefixed,
+    on_device,
     optimizer_tensors,
     prefixed_state,
     soft_update_,
@@ -114,7 +115,7 @@ class DRPOLearner:
     # -- federation interface -------------------------------------------------------------
     def begin_round(self, global_state: Mapping[str, torch.Tensor]) -> None:
         """Set pi and the frozen pi_bar to the global policy (and critics if they are federated)."""
-        state = {k: v.to(self.device) for k, v in global_state.items()}
+        state = on_device(global_state, self.device)
         # pi and the frozen pi_bar take the same values: one fused copy for both
         if not load_prefixed((self.policy, self.global_policy), state, POLICY):
             raise KeyError("global state has no 'policy.*' tensors")
