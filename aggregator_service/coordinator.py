@@ -41,6 +41,7 @@ from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
     CodecError,
     Encoded,
+    Flat,
     Manifest,
     check_manifest_matches,
     encode,
@@ -76,6 +77,7 @@ class Submission:
     num_samples: int
     metrics: dict[str, float]
     seconds: float
+    flat: Flat | None = None  # the state as its one flat tensor, where the decoder had one
 
 
 @dataclass
@@ -357,14 +359,15 @@ class Coordinator:
         return run
 
     def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor],
-               metrics: Mapping[str, float], seconds: float) -> int:
-        """Accept a verified update (``state`` decoded from a payload checked against ``m``);
-        closes the round when it completes. Returns the round."""
+               metrics: Mapping[str, float], seconds: float, flat: Flat | None = None) -> int:
+        """Accept a verified update (``state`` decoded from a payload checked against ``m``,
+        and ``flat``, its decoder's flat tensor, where it had one); closes the round when it
+        completes. Returns the round."""
         with self.cond:
             run = self._check_submission(agent_id, m)
             self._check_tensors(run, m)
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
-            run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds)
+            run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds, flat)
             rec = self.agents[agent_id]
             rec.rounds_submitted += 1
             rec.last_accepted = (run.run_id, run.round)
@@ -746,7 +749,8 @@ class Coordinator:
         subs = [run.submissions[a] for a in order]
         try:
             w = agent_weights(run.cfg.weighting, [s.num_samples for s in subs])
-            new = aggregate(run.cfg.aggregation, [s.state for s in subs], w, run.cfg.trim_fraction)
+            new = aggregate(run.cfg.aggregation, [s.state for s in subs], w, run.cfg.trim_fraction,
+                            [s.flat for s in subs])
         except AggregationError as e:
             self._fail(run, f"aggregation failed in round {run.round}: {e}")
             return

@@ -219,7 +219,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 metrics.bytes_received.inc(len(c))
                 asm.add(c)
             state = asm.finish()
-            r = self.coord.submit(h.agent_id, manifest, state, dict(h.metrics), h.train_seconds)
+            r = self.coord.submit(h.agent_id, manifest, state, dict(h.metrics), h.train_seconds, asm.flat)
         except (ServiceError, CodecError) as e:
             log.warning("update refused: %s", e)
             metrics.reject(e.reason)

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedrl.wire.codec import all_finite
+from fedrl.wire.codec import Flat, all_finite
 
 WEIGHTINGS = ("uniform", "samples")
 AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
@@ -51,20 +51,27 @@ def agent_weights(weighting: str, num_samples: Sequence[int]) -> list[float]:
 
 
 def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
-           weights: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+           weights: Sequence[float] | None = None,
+           flats: Sequence[Flat | None] | None = None) -> dict[str, torch.Tensor]:
     """Weighted parameter average ``sum_i w_i theta_i / sum_i w_i`` (FedAvg; uniform by default).
 
     Accumulates in float64 in the given order, so the result is deterministic and independent
     of the transport; returns tensors of the input dtype.
+
+    ``flats``, when given, are the states as their decoder laid them out
+    (:attr:`fedrl.wire.codec.Assembler.flat`, one per state, each the flat tensor the state's
+    tensors are views of): where all are there with one span (the same tensors in the same
+    order), the average is taken over them directly, with no check of each tensor (their
+    decoding checked them, and equal spans are compatible by construction).
     """
+    if flats is not None and len(flats) == len(states) and states and _one_layout(flats):
+        spans = [f.tensor for f in flats]
+        mean, finite = _weighted_mean(spans, _alphas(weights, len(states)))
+        if not finite:
+            check_compatible(states)  # names the update at fault
+        return flats[0].span.cut(mean)
     check_compatible(states, finite=False)  # finiteness is checked once, on the sum (below)
-    w = [1.0] * len(states) if weights is None else [float(x) for x in weights]
-    if len(w) != len(states):
-        raise AggregationError(f"{len(w)} weights for {len(states)} updates")
-    if any(not x >= 0 for x in w) or sum(w) <= 0:
-        raise AggregationError(f"weights must be non-negative with a positive sum, got {w}")
-    total = sum(w)
-    alphas = [wi / total for wi in w]
+    alphas = _alphas(weights, len(states))
     # Accumulate in float64 with in-place mixed-dtype adds: the float32 operand is widened
     # element by element inside the add (no float64 copy of any update), in the same order as
     # the plain formula, so the bits are those of sum_i (w_i / W) * theta_i in float64.
@@ -95,6 +102,24 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
             check_compatible(states)
         out[k] = mean.view(states[0][k].shape)
     return out
+
+
+def _alphas(weights: Sequence[float] | None, n: int) -> list[float]:
+    """Each update's share of the average: its weight over their sum (uniform by default)."""
+    w = [1.0] * n if weights is None else [float(x) for x in weights]
+    if len(w) != n:
+        raise AggregationError(f"{len(w)} weights for {n} updates")
+    if any(not x >= 0 for x in w) or sum(w) <= 0:
+        raise AggregationError(f"weights must be non-negative with a positive sum, got {w}")
+    total = sum(w)
+    return [wi / total for wi in w]
+
+
+def _one_layout(flats: Sequence[Flat | None]) -> bool:
+    """Every update came with its flat tensor, all of one span (the same names, shapes, order)."""
+    first = flats[0]
+    return first is not None and all(f is not None and (f.span is first.span or f.span == first.span)
+                                     for f in flats)
 
 
 # FedAvg sums in blocks of this many elements: each update's block is added into one float64
@@ -220,13 +245,15 @@ def trimmed_mean(states: Sequence[Mapping[str, torch.Tensor]], trim: float = 0.1
 
 
 def aggregate(method: str, states: Sequence[Mapping[str, torch.Tensor]],
-              weights: Sequence[float] | None = None, trim: float = 0.1) -> dict[str, torch.Tensor]:
+              weights: Sequence[float] | None = None, trim: float = 0.1,
+              flats: Sequence[Flat | None] | None = None) -> dict[str, torch.Tensor]:
     """The next global parameters by ``method`` (one of :data:`AGGREGATIONS`).
 
-    ``fedavg`` uses ``weights``; the robust methods (``median``, ``trimmed-mean``) do not.
+    ``fedavg`` uses ``weights`` (and ``flats``, see :func:`fedavg`); the robust methods
+    (``median``, ``trimmed-mean``) do not.
     """
     if method == "fedavg":
-        return fedavg(states, weights)
+        return fedavg(states, weights, flats)
     if method == "median":
         return coordinate_median(states)
     if method == "trimmed-mean":

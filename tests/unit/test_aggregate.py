@@ -1,10 +1,12 @@
 """Aggregation as a pure function: table tests."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from fedrl.federation.aggregate import AggregationError, _spans, agent_weights, fedavg
-from fedrl.wire.codec import assemble, encode
+from fedrl.wire.codec import Assembler, assemble, checksum, encode
 
 
 def s(*vals, dtype=torch.float32):
@@ -153,3 +155,62 @@ def test_fedavg_in_blocks_has_the_bits_of_whole_update_sums(monkeypatch):
     plain[2]["b"][30] = float("nan")
     with pytest.raises(AggregationError, match="update 2: 'b' contains NaN or Inf"):
         fedavg(plain, w)
+
+
+def _received(state):
+    """``state`` as the aggregator receives it: its decoded tensors and the decoder's flat tensor."""
+    enc = encode(state, "run", 1, 0, 10)
+    a = Assembler(enc.manifest)
+    a.add(enc.payload)
+    return a.finish(), a.flat
+
+
+def _reordered(state):
+    """``state`` decoded from a payload another writer laid out: the same tensors, their bytes
+    in reverse name order (a valid safetensors file; the decoder's span then differs)."""
+    import json
+
+    names = sorted(state, reverse=True)
+    header, pos = {}, 0
+    for k in names:
+        n = state[k].numel() * 4
+        header[k] = {"dtype": "F32", "shape": list(state[k].shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    payload = len(h).to_bytes(8, "little") + h + b"".join(state[k].numpy().tobytes() for k in names)
+    m = encode(state, "run", 1, 0, 10).manifest
+    m = replace(m, total_bytes=len(payload), checksum=checksum(payload))
+    a = Assembler(m)
+    a.add(payload)
+    return a.finish(), a.flat
+
+
+def test_fedavg_over_the_decoders_flat_tensors_is_the_plain_average_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    shapes = {"policy.l0.weight": (64, 11), "policy.l0.bias": (64,), "policy.head.weight": (6, 64),
+              "policy.head.bias": (6,), "policy.mean": (11,), "policy.scalar": ()}
+    plain = [{k: torch.randn(sh, generator=g) * (i + 1) for k, sh in shapes.items()} for i in range(5)]
+    got = [_received(x) for x in plain]
+    assert all(f is not None for _, f in got)
+    for w in (None, [1, 2, 3, 4, 5], [0.5, 0, 2, 7, 1e-3]):
+        want = fedavg(plain, w)
+        out = fedavg([st for st, _ in got], w, [f for _, f in got])
+        assert out.keys() == want.keys()
+        assert all(torch.equal(out[k], want[k]) and out[k].shape == want[k].shape for k in want)
+    # another writer's byte order (or a missing flat): the spans differ, so tensor by tensor
+    mixed = [*got[:4], _reordered(plain[4])]
+    assert mixed[4][1] is not None and mixed[4][1].span != got[0][1].span
+    for states, flats in (([st for st, _ in mixed], [f for _, f in mixed]),
+                          ([st for st, _ in got], [f for _, f in got[:4]] + [None])):
+        out = fedavg(states, [1, 2, 3, 4, 5], flats)
+        want = fedavg(plain, [1, 2, 3, 4, 5])
+        assert all(torch.equal(out[k], want[k]) for k in want)
+
+
+def test_a_non_finite_update_among_flat_tensors_is_named():
+    x = {"a": torch.ones(3, 4), "b": torch.zeros(5)}
+    got = [_received(x) for _ in range(3)]
+    got[2][0]["a"][1, 1] = float("inf")  # after decoding: in the flat tensor too (the same memory)
+    with pytest.raises(AggregationError, match="update 2: 'a' contains NaN or Inf"):
+        fedavg([st for st, _ in got], None, [f for _, f in got])
