@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"clients": a.clients, "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
            "machine_state_loadavg_at_start": os.getloadavg(), "sizes": {}}
     for name, (nbytes, rounds, cfg) in sizes.items():
+        if rounds < 1:  # --small-rounds 0 / --large-rounds 0: that size is left out
+            continue
         runs: dict[str, list[dict]] = {"ours": [], "flower": [], "flower_deployment": []}
         for i in range(a.repeats):  # ours, legacy, deployment, ours, ...: the same moments of a shared machine
             with tempfile.TemporaryDirectory() as d:
