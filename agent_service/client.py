@@ -33,6 +33,7 @@ from fedrl.wire.security import TLSFiles
 from fedrl.wire.serde import (
     manifest_from_proto,
     manifest_to_proto,
+    read_task,
     read_weight_stream,
     session_update,
     update_messages,
@@ -209,7 +210,7 @@ class Agent:
                 if update is not None:
                     self._unacked = current
                     reply = stub.SubmitUpdateInline(
-                        federation_pb2.InlineUpdate(header=update[0], payload=update[1],
+                        federation_pb2.InlineUpdate(header=update[0], payload=update[1].payload,
                                                     next_task_wait_seconds=self.cfg.task_wait),
                         timeout=self.cfg.rpc_timeout + self.cfg.task_wait)
                     self._submitted(current)
@@ -228,21 +229,23 @@ class Agent:
             while (m := answers.get()) is not None:
                 yield m
 
-        session = channel.stream_stream(SESSION_METHOD, request_serializer=None,
-                                         response_deserializer=federation_pb2.Task.FromString)
+        # Tasks come as bytes: a TRAIN task's weights are read in place (read_task), not copied
+        # out of a parsed message.
+        session = channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
         call = self._session_call = session(messages())
         sent = None  # the task whose update went inline and is not yet acknowledged
         try:
             self._awaited_since = time.monotonic()
-            for task in call:
+            for data in call:
                 self._awaited_since = None
+                task, weights = read_task(data)
                 if sent is not None:
                     self._submitted(sent)
                     sent = None
                 if task.kind == federation_pb2.Task.TRAIN:
                     self._progress_to = (answers, task.round, time.monotonic())
                     try:
-                        update = self._train(stub, task)
+                        update = self._train(stub, task, weights)
                     finally:
                         self._progress_to = None
                     if update is None:
@@ -298,13 +301,15 @@ class Agent:
             self._base_specs = specs_of(self.base_reference)  # what a base version's manifest lists
         return self.trainer
 
-    def _train(self, stub, task):
-        """Train on ``task``. A small update is returned as (header, payload) for the caller to
-        send in one message; a large one is streamed here with SubmitUpdate (None returned)."""
+    def _train(self, stub, task, weights: bytes | memoryview | None = None):
+        """Train on ``task``. A small update is returned as (header, its Encoded payload) for the
+        caller to send in one message; a large one is streamed here with SubmitUpdate (None returned).
+        ``weights``: the task's inline weights where they were read from its bytes (read_task)."""
         trainer = self._trainer_for(task)
         stream = None
         if task.HasField("base_manifest"):  # small model: the base version came with the task
-            manifest, chunks = manifest_from_proto(task.base_manifest), [task.base_payload]
+            manifest = manifest_from_proto(task.base_manifest)
+            chunks = [task.base_payload if weights is None else weights]
             if (manifest.run_id, manifest.base_version) != (task.run_id, task.base_version):
                 raise CodecError("bad_manifest", "the task's inline weights are not its base version")
         else:
@@ -329,7 +334,7 @@ class Agent:
         header = federation_pb2.UpdateHeader(agent_id=self.cfg.agent_id, weights=manifest_to_proto(enc.manifest),
                                              metrics=res.metrics, train_seconds=res.seconds)
         if enc.manifest.total_bytes <= self.cfg.inline_max_bytes:
-            return header, enc.payload
+            return header, enc  # its pieces are copied once, into the message that carries them
 
         try:
             self._unacked = task

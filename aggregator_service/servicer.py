@@ -7,6 +7,7 @@ import threading
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from aggregator_service.coordinator import AgentRecord, Coordinator
 from fedrl.data.normalize import ObsStats
@@ -22,16 +23,19 @@ from fedrl.wire.security import Authenticator
 from fedrl.wire.serde import (
     evaluation_from_proto,
     event_to_proto,
+    inline_update_in_session,
     length_delimited_field,
     manifest_from_proto,
     manifest_to_proto,
     read_raw_parts,
     status_to_proto,
     weight_part_bytes,
+    with_leading_bytes_field,
 )
 
 log = logging.getLogger("fedrl.aggregator")
 SESSION_MIN_WAIT = 1.0  # seconds: an idle session's WAIT heartbeats come no more often than this
+SESSION = "/fedrl.v1.Federation/Session"
 RESERVED_THREADS = 16  # RPC threads left for control calls, watchers and evaluators beside the agents' streams
 
 
@@ -43,6 +47,35 @@ def _abort(context: grpc.ServicerContext, e: Exception) -> None:
     raise e
 
 
+def _parsed(kind, data, context):
+    """``data`` parsed as a ``kind`` message of a Session; bytes that are not one end the call
+    with INVALID_ARGUMENT, as any other RPC's do (fedrl.wire.rpc.ParseRequests)."""
+    try:
+        return kind.FromString(data)
+    except DecodeError:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{SESSION}: the request is not a valid message")
+
+
+def _session_message(data, context) -> federation_pb2.SessionMessage:
+    return _parsed(federation_pb2.SessionMessage, data, context)
+
+
+def session_answer(data: bytes, context) -> tuple[str | None, object, object]:
+    """A Session message after the hello, received as bytes: its kind, then for an update its
+    header (None where it has none) and payload, for another kind its message. An update as
+    agents write it is read in place: its payload is a view of ``data``, copied once, into the
+    buffer it is assembled in (fedrl.wire.serde.inline_update_in_session)."""
+    inline = inline_update_in_session(data)
+    if inline is not None:
+        return "update", _parsed(federation_pb2.UpdateHeader, inline[0], context), inline[1]
+    msg = _session_message(data, context)
+    which = msg.WhichOneof("kind")
+    if which == "update":
+        u = msg.update
+        return which, (u.header if u.HasField("header") else None), u.payload
+    return which, (getattr(msg, which) if which else None), None
+
+
 class FederationServicer(federation_pb2_grpc.FederationServicer):
     # These answer with bytes: a Task (alone, or as the next_task of a SubmitReply), which is the
     # same for every agent of a round, weights included, is serialised once per round instead of
@@ -52,7 +85,10 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                      "/fedrl.v1.Federation/Session", "/fedrl.v1.Federation/FetchGlobal")
     # SubmitUpdate's chunk messages are read in place (fedrl.wire.serde.read_raw_parts), not parsed
     # into a message whose chunk is then copied out again.
-    RAW_REQUESTS = ("/fedrl.v1.Federation/SubmitUpdate",)
+    # A Session's messages are read as bytes too: an update's payload is then assembled from the
+    # bytes received (fedrl.wire.serde.inline_update_in_session), not from a parsed message's
+    # copy of it, copied out again; its other messages are parsed as they come.
+    RAW_REQUESTS = ("/fedrl.v1.Federation/SubmitUpdate", SESSION)
 
     def __init__(self, coord: Coordinator, auth: Authenticator | None = None, max_workers: int | None = None) -> None:
         self.coord = coord
@@ -112,8 +148,11 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         if cached is None or cached[0] != key:
             t["kind"] = federation_pb2.Task.Kind.Value(kind)
             if base is not None:
-                t["base_manifest"], t["base_payload"] = manifest_to_proto(base.manifest), base.payload
-            cached = (key, federation_pb2.Task(**t).SerializeToString())
+                t["base_manifest"] = manifest_to_proto(base.manifest)
+            wire = federation_pb2.Task(**t).SerializeToString()
+            if base is not None:  # the weights first: an agent reads them in place (serde.leading_bytes_field)
+                wire = with_leading_bytes_field(federation_pb2.Task.BASE_PAYLOAD_FIELD_NUMBER, base.pieces(), wire)
+            cached = (key, wire)
             if base is not None:  # a task with weights inline: worth keeping for the next agent
                 self._task_cache = cached
         if base is not None:
@@ -147,7 +186,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         return self._submit(context, parts)
 
     def SubmitUpdateInline(self, request, context):
-        reply = self._submit_inline(context, request).SerializeToString()
+        reply = self._submit_inline(context, request.header if request.HasField("header") else None,
+                                    request.payload).SerializeToString()
         if request.next_task_wait_seconds > 0:  # accepted: answer with the next task (one call a round)
             reply = length_delimited_field(federation_pb2.SubmitReply.NEXT_TASK_FIELD_NUMBER,
                                            self._task(context, request.header.agent_id,
@@ -159,6 +199,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         tasks in, each update checked as SubmitUpdateInline checks it; a refusal ends the stream
         with that call's status (see federation.proto)."""
         first = next(request_iterator, None)
+        first = None if first is None else _session_message(first, context)
         if first is None or first.WhichOneof("kind") != "hello":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with its hello")
         agent_id, wait = first.hello.agent_id, max(first.hello.wait_seconds, SESSION_MIN_WAIT)
@@ -177,32 +218,33 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             yield task
             if kind != "TRAIN":
                 continue
-            msg = next(request_iterator, None)  # the answer to the task, after any progress
-            while msg is not None and msg.WhichOneof("kind") == "progress":
-                p = msg.progress
+            while True:  # the answer to the task, after any progress
+                data = next(request_iterator, None)
+                if data is None:  # the agent closed its side of the stream
+                    return
+                which, header, payload = session_answer(data, context)
+                if which != "progress":
+                    break
                 try:
-                    self.coord.progress(agent_id, p.round, p.steps_done, p.steps_total)
+                    self.coord.progress(agent_id, header.round, header.steps_done, header.steps_total)
                 except ServiceError as e:
                     _abort(context, e)
-                msg = next(request_iterator, None)
-            if msg is None:  # the agent closed its side of the stream
-                return
-            which = msg.WhichOneof("kind")
             if which == "update":
-                if msg.update.HasField("header") and msg.update.header.agent_id != agent_id:
+                if header is not None and header.agent_id != agent_id:
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the session of agent {agent_id!r} "
-                                  f"carried an update of agent {msg.update.header.agent_id!r}")
-                self._submit_inline(context, msg.update)
+                                  f"carried an update of agent {header.agent_id!r}")
+                self._submit_inline(context, header, payload)
             elif which != "done":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"a session answers a TRAIN task with its update or done, not {which or 'nothing'}")
 
-    def _submit_inline(self, context, update) -> federation_pb2.SubmitReply:
+    def _submit_inline(self, context, header, payload) -> federation_pb2.SubmitReply:
+        """An update sent in one message: its header (None where the message had none) and payload."""
         def parts():
-            if not update.HasField("header"):
+            if header is None:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "an inline update needs its header",
                                    "bad_stream")
-            return update.header, (update.payload,)
+            return header, (payload,)
         with self._inline_lock:
             return self._submit(context, parts)
 

@@ -472,13 +472,13 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
 
     from agent_service.client import Agent, AgentConfig
     from aggregator_service.coordinator import Coordinator
-    from aggregator_service.servicer import FederationServicer
+    from aggregator_service.servicer import FederationServicer, session_answer
     from aggregator_service.store import Store
     from fedrl.federation.simulate import load_shards
     from fedrl.ops.metrics import AggregatorMetrics
     from fedrl.proto.v1 import federation_pb2
     from fedrl.wire.security import Authenticator
-    from fedrl.wire.serde import session_update
+    from fedrl.wire.serde import read_task, session_update
 
     torch.set_num_threads(1)
     ctx = _LocalContext()
@@ -506,9 +506,10 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
                 t0 = time.process_time()
                 _, task = svc._task(ctx, a.cfg.agent_id, 1.0)
                 t1 = time.process_time()
-                up = session_update(*a._train(None, federation_pb2.Task.FromString(task)))
+                up = session_update(*a._train(None, *read_task(task)))
                 t2 = time.process_time()
-                svc._submit_inline(ctx, federation_pb2.SessionMessage.FromString(up).update)
+                _, header, payload = session_answer(up, ctx)
+                svc._submit_inline(ctx, header, payload)
                 t3 = time.process_time()
                 split["aggregator"] += (t1 - t0) + (t3 - t2)
                 split["agents"] += t2 - t1
@@ -526,8 +527,8 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
         best = min(blocks)
         a = members[0]
         _, task_bytes = svc._task(ctx, a.cfg.agent_id, 1.0)
-        task = federation_pb2.Task.FromString(task_bytes)
-        train_us = min(timeit.repeat(lambda: a._train(None, task), number=200, repeat=3)) / 200 * 1e6
+        task = read_task(task_bytes)
+        train_us = min(timeit.repeat(lambda: a._train(None, *task), number=200, repeat=3)) / 200 * 1e6
         closed = coord.status()["global_version"]
         coord.close()
     return {"agents": agents, "rounds_per_block": block, "rounds_closed": closed,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -45,14 +45,94 @@ def length_delimited_field(number: int, data: bytes, prefix: bytes = b"") -> byt
     return b"".join((prefix, _field_key(number, len(data)), data))
 
 
-def session_update(header: federation_pb2.UpdateHeader, payload: bytes) -> bytes:
+def session_update(header: federation_pb2.UpdateHeader, payload: bytes | Encoded) -> bytes:
     """``SessionMessage(update=InlineUpdate(header=header, payload=payload))`` serialised, with
-    one copy of the payload (building the message and serialising it copies it twice)."""
+    one copy of the payload (building the message and serialising it copies it twice). An
+    :class:`Encoded` payload is copied from its pieces (the tensors), never joined first."""
+    pieces = payload.pieces() if isinstance(payload, Encoded) else (payload,)
+    size = sum(map(len, pieces))
     head = header.SerializeToString()
     inner = b"".join((_field_key(federation_pb2.InlineUpdate.HEADER_FIELD_NUMBER, len(head)), head,
-                      _field_key(federation_pb2.InlineUpdate.PAYLOAD_FIELD_NUMBER, len(payload))))
-    return b"".join((_field_key(federation_pb2.SessionMessage.UPDATE_FIELD_NUMBER, len(inner) + len(payload)),
-                     inner, payload))
+                      _field_key(federation_pb2.InlineUpdate.PAYLOAD_FIELD_NUMBER, size)))
+    return b"".join((_field_key(federation_pb2.SessionMessage.UPDATE_FIELD_NUMBER, len(inner) + size),
+                     inner, *pieces))
+
+
+def _varint(data: bytes | memoryview, i: int) -> tuple[int, int] | None:
+    """The varint at ``data[i]`` and the position after it; None if it runs past the end or
+    past 10 bytes."""
+    n, shift, end = 0, 0, min(len(data), i + 10)
+    while i < end:
+        b = data[i]
+        n |= (b & 0x7F) << shift
+        i += 1
+        if b < 0x80:
+            return n, i
+        shift += 7
+    return None
+
+
+def _bytes_field_at(data: memoryview, i: int, number: int) -> tuple[memoryview, int] | None:
+    """The value of length-delimited field ``number`` whose key is at ``data[i]`` (a key of one
+    byte: fields 1-15), and the position after it; None if another key is there, or the length
+    runs past the end."""
+    if i >= len(data) or data[i] != (number << 3) | 2:
+        return None
+    got = _varint(data, i + 1)
+    if got is None or got[1] + got[0] > len(data):
+        return None
+    n, start = got
+    return data[start:start + n], start + n
+
+
+def with_leading_bytes_field(number: int, pieces: Sequence[bytes | memoryview], rest: bytes) -> bytes:
+    """A serialised message (``rest``) with length-delimited field ``number`` (the joined
+    ``pieces``) written first, in one copy of the pieces. Parsers take fields in any order;
+    a receiver that finds the field first reads it in place (:func:`leading_bytes_field`)."""
+    return b"".join((_field_key(number, sum(map(len, pieces))), *pieces, rest))
+
+
+def leading_bytes_field(data: bytes, number: int) -> tuple[memoryview, memoryview] | None:
+    """For a serialised message that opens with length-delimited field ``number`` (fields 1-15):
+    that field's bytes and the rest of the message, as views of ``data`` (no copy); None for
+    any other message (parse it whole then)."""
+    got = _bytes_field_at(memoryview(data), 0, number)
+    return None if got is None else (got[0], memoryview(data)[got[1]:])
+
+
+def read_task(data: bytes) -> tuple[federation_pb2.Task, memoryview | None]:
+    """A serialised Task, and its inline weights (``base_payload``) as a view of ``data`` where
+    they come first (as the aggregator writes them): no copy of them into a parsed message and
+    out again. Else (None): the task's own ``base_payload`` holds them, if any."""
+    split = leading_bytes_field(data, federation_pb2.Task.BASE_PAYLOAD_FIELD_NUMBER)
+    if split is None:
+        return federation_pb2.Task.FromString(data), None
+    weights, rest = split
+    task = federation_pb2.Task.FromString(rest)
+    if task.base_payload:  # the field again later: the last one is the value (protobuf's rule)
+        return task, None
+    return task, weights
+
+
+_UPDATE = federation_pb2.SessionMessage.UPDATE_FIELD_NUMBER
+_HEADER = federation_pb2.InlineUpdate.HEADER_FIELD_NUMBER
+_PAYLOAD = federation_pb2.InlineUpdate.PAYLOAD_FIELD_NUMBER
+
+
+def inline_update_in_session(data: bytes) -> tuple[memoryview, memoryview] | None:
+    """The header (serialised) and payload of a serialised SessionMessage that is exactly one
+    InlineUpdate holding a header, then a payload (as :func:`session_update` writes it), as views
+    of ``data`` (no copy); None for any other message, which is then parsed whole."""
+    mv = memoryview(data)
+    update = _bytes_field_at(mv, 0, _UPDATE)
+    if update is None or update[1] != len(mv):
+        return None
+    inner = update[0]
+    header = _bytes_field_at(inner, 0, _HEADER)
+    payload = None if header is None else _bytes_field_at(inner, header[1], _PAYLOAD)
+    if payload is None or payload[1] != len(inner):
+        return None
+    return header[0], payload[0]
 
 
 # WeightsPart (FetchGlobal's stream) and UpdatePart (SubmitUpdate's) carry a chunk as field 2.

@@ -246,10 +246,10 @@ class LosesTheFirstAnswer(FederationServicer):
         super().__init__(*a, **kw)
         self.lost: list[tuple[str, int]] = []
 
-    def _submit_inline(self, context, update):
-        reply = super()._submit_inline(context, update)
+    def _submit_inline(self, context, header, payload):
+        reply = super()._submit_inline(context, header, payload)
         if not self.lost:
-            self.lost.append((update.header.agent_id, reply.round))
+            self.lost.append((header.agent_id, reply.round))
             context.abort(grpc.StatusCode.UNAVAILABLE, "connection lost after the update was taken (test)")
         return reply
 

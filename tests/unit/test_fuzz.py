@@ -335,6 +335,10 @@ def test_a_session_update_built_by_hand_parses_as_the_message(payload, big, agen
     assert federation_pb2.SessionMessage.FromString(wire) == expected
     if payload and len(metrics) <= 1:  # (an empty payload is written, where protobuf would leave
         assert wire == expected.SerializeToString()  # it out; a map's order on the wire is free)
+    # an encoded update, copied from its pieces (header, then each tensor): the same bytes
+    enc = encode({"w": torch.arange(len(payload) % 97 + 1, dtype=torch.float32), "b": torch.ones(3)})
+    assert session_update(header, enc) == session_update(header, b"".join(enc.pieces())) == \
+        session_update(header, enc.payload)
 
 
 def test_checks_worked_out_once_per_layout_still_refuse_what_differs():
@@ -399,3 +403,71 @@ def test_a_header_whose_metadata_is_not_strings_is_refused_though_its_entries_ar
     i = bad.index(b'"22"')
     bad[i:i + 4] = b"22  "  # a number, padded to keep every offset
     assert _layout_or_reason(bad) == "bad_payload" == _full_parse_or_reason(bad)
+
+
+def _task_with_weights(payload: bytes) -> federation_pb2.Task:
+    enc = encode({"w": torch.ones(3)}, "run", 2, 1)
+    from fedrl.wire.serde import manifest_to_proto
+
+    return federation_pb2.Task(kind=federation_pb2.Task.TRAIN, run_id="run", round=2, base_version=1,
+                               obs_mean=[0.5, 1.5], deadline_unix=7.0,
+                               base_manifest=manifest_to_proto(enc.manifest), base_payload=payload)
+
+
+@FUZZ
+@given(st.binary(max_size=3000), st.integers(0, 2))
+def test_a_task_with_its_weights_first_reads_them_in_place_and_the_rest_as_the_message(payload, big):
+    """The aggregator writes a task's weights first (fedrl.wire.serde.with_leading_bytes_field);
+    agents read them as a view of the bytes received (read_task). Any order a protobuf writer
+    may use reads as the same task and weights."""
+    from fedrl.wire.serde import read_task, with_leading_bytes_field
+
+    payload *= 10 ** big
+    task = _task_with_weights(payload)
+    without = federation_pb2.Task()
+    without.CopyFrom(task)
+    without.base_payload = b""
+    first = with_leading_bytes_field(federation_pb2.Task.BASE_PAYLOAD_FIELD_NUMBER, [payload[:7], payload[7:]],
+                                     without.SerializeToString())
+    assert federation_pb2.Task.FromString(first) == task  # what any protobuf reader sees
+    for wire in (first, task.SerializeToString()):  # weights first (read in place), or last
+        got, weights = read_task(wire)
+        assert (got.base_payload if weights is None else bytes(weights)) == payload
+        got.base_payload = payload
+        assert got == task
+    # the field twice (the last one is the value), and a bare task without weights
+    twice = with_leading_bytes_field(federation_pb2.Task.BASE_PAYLOAD_FIELD_NUMBER, [b"old"], task.SerializeToString())
+    got, weights = read_task(twice)
+    assert (got.base_payload if weights is None else bytes(weights)) == (payload or b"old")
+    assert read_task(federation_pb2.Task(kind=federation_pb2.Task.WAIT).SerializeToString())[1] is None
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_an_update_read_in_place_from_a_session_message_is_what_the_parser_reads(data):
+    """Random bytes, and session_update's own: the in-place reader of a Session update either
+    declines (None: the message is then parsed whole) or finds exactly the header and payload
+    protobuf reads (or bytes that neither can parse)."""
+    from google.protobuf.message import DecodeError
+
+    from fedrl.wire.serde import inline_update_in_session, session_update
+
+    header = federation_pb2.UpdateHeader(agent_id="a1", train_seconds=2.0)
+    for wire in (data, session_update(header, data), session_update(header, b"") + data[:3]):
+        got = inline_update_in_session(wire)
+        if got is None:
+            continue
+        try:
+            want = federation_pb2.SessionMessage.FromString(wire).update
+        except DecodeError:
+            with pytest.raises(DecodeError):
+                federation_pb2.UpdateHeader.FromString(got[0])
+            continue
+        assert federation_pb2.UpdateHeader.FromString(got[0]) == want.header and bytes(got[1]) == want.payload
+    got = inline_update_in_session(session_update(header, data))
+    assert got is not None and bytes(got[1]) == data
+    for other in (federation_pb2.SessionMessage(done=federation_pb2.TaskDone(round=3)),
+                  federation_pb2.SessionMessage(update=federation_pb2.InlineUpdate(payload=b"no header")),
+                  federation_pb2.SessionMessage(update=federation_pb2.InlineUpdate(
+                      header=header, payload=b"x", next_task_wait_seconds=1.0))):
+        assert inline_update_in_session(other.SerializeToString()) is None
