@@ -476,7 +476,6 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
     from aggregator_service.store import Store
     from fedrl.federation.simulate import load_shards
     from fedrl.ops.metrics import AggregatorMetrics
-    from fedrl.proto.v1 import federation_pb2
     from fedrl.wire.security import Authenticator
     from fedrl.wire.serde import read_task, session_update
 
