@@ -203,15 +203,20 @@ def bare_rounds(agents: int, rounds: int, payload_bytes: int) -> dict:
 RAW_WARMUP_ROUNDS = 1
 
 
-def _raw_server(port_q, payload_mb: int, go, stop, result_q) -> None:
+def _message_sizes(total: int, chunk_bytes: int) -> list[int]:
+    """``total`` bytes as messages of ``chunk_bytes``, the last one what is left (as the federation cuts a payload)."""
+    return [min(chunk_bytes, total - i) for i in range(0, total, chunk_bytes)]
+
+
+def _raw_server(port_q, payload_mb: int, go, stop, result_q, chunk_bytes: int = 1 << 20) -> None:
     import grpc
 
     from fedrl.wire.rpc import SERVER_OPTIONS
-    chunk = b"\x01" * (1 << 20)
+    messages = [b"\x01" * n for n in sorted(set(_message_sizes(payload_mb << 20, chunk_bytes)))]
+    send = [messages[0] if n == len(messages[0]) else messages[-1] for n in _message_sizes(payload_mb << 20, chunk_bytes)]
 
     def down(request, context):
-        for _ in range(payload_mb):
-            yield chunk
+        yield from send
 
     received = [0]  # bytes of the uploads begun once the clock runs (under the lock)
     lock = threading.Lock()
@@ -241,14 +246,15 @@ def _raw_server(port_q, payload_mb: int, go, stop, result_q) -> None:
     server.stop(0)
 
 
-def _raw_client(port: int, payload_mb: int, rounds: int, ready_q, start, go, result_q) -> None:
+def _raw_client(port: int, payload_mb: int, rounds: int, ready_q, start, go, result_q,
+                chunk_bytes: int = 1 << 20) -> None:
     import grpc
 
     from fedrl.wire.rpc import CHANNEL_OPTIONS
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     down = ch.unary_stream("/raw.Bytes/Down")
     up = ch.stream_unary("/raw.Bytes/Up")
-    chunk = b"\x02" * (1 << 20)
+    upload = [b"\x02" * n for n in _message_sizes(payload_mb << 20, chunk_bytes)]
     buf = bytearray(payload_mb << 20)
 
     def one_round() -> None:
@@ -257,7 +263,7 @@ def _raw_client(port: int, payload_mb: int, rounds: int, ready_q, start, go, res
             buf[got:got + len(c)] = c
             got += len(c)
         assert got == payload_mb << 20
-        n = int.from_bytes(up(iter([chunk] * payload_mb)), "little")
+        n = int.from_bytes(up(iter(upload)), "little")
         assert n == payload_mb << 20
 
     grpc.channel_ready_future(ch).result(timeout=60)
@@ -274,14 +280,19 @@ def _raw_client(port: int, payload_mb: int, rounds: int, ready_q, start, go, res
     ch.close()
 
 
-def raw_grpc(agents: int, payload_mb: int, rounds: int) -> dict:
+def raw_grpc(agents: int, payload_mb: int, rounds: int, chunk_bytes: int | None = None) -> dict:
+    """Raw gRPC moving ``payload_mb`` MiB down and up per client per round, in messages of the
+    federation's chunk size by default (the same message pattern, minus all the federation does)."""
+    if chunk_bytes is None:
+        from fedrl.wire.codec import CHUNK_BYTES as chunk_bytes
     ctx = mp.get_context("spawn")
     port_q, ready_q, result_q, server_q = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     stop, start, go = ctx.Event(), ctx.Event(), ctx.Event()
-    srv = ctx.Process(target=_raw_server, args=(port_q, payload_mb, go, stop, server_q))
+    srv = ctx.Process(target=_raw_server, args=(port_q, payload_mb, go, stop, server_q, chunk_bytes))
     srv.start()
     port = port_q.get(timeout=60)
-    clients = [ctx.Process(target=_raw_client, args=(port, payload_mb, rounds, ready_q, start, go, result_q))
+    clients = [ctx.Process(target=_raw_client, args=(port, payload_mb, rounds, ready_q, start, go, result_q,
+                                                     chunk_bytes))
                for _ in range(agents)]
     for c in clients:
         c.start()
@@ -347,12 +358,13 @@ def bench_transfer(agents: int, mb: int, rounds: int = TRANSFER_ROUNDS) -> dict:
            "peak_rss_mb": r["peak_rss_mb"], "minor_faults_per_round": r["minor_faults_per_round_steady"],
            "cpu_ms_per_round": {"aggregator": steady.get("aggregator"), "agents_total": steady.get("agents_total")}}
     raw_mb_s = float(np.mean([x["mb_per_s"] for x in raw]))
+    from fedrl.wire.codec import CHUNK_BYTES
     fed_cpu = sum(v for v in fed["cpu_ms_per_round"].values() if v is not None)
     raw_cpu = float(np.mean([sum(x["cpu_ms_per_round"].values()) for x in raw]))
     out = {"agents": agents, "federation": fed,
            "raw_grpc": {"mb_per_s": raw_mb_s, "runs": raw,
-                        "what": "the same bytes in 1 MiB messages with identity serialisers, as many client "
-                                "processes, each downloading then uploading the payload per round, timed "
+                        "what": f"the same bytes in messages of the federation's chunk size ({CHUNK_BYTES >> 20} MiB) "
+                                "with identity serialisers, as many client processes, each downloading then uploading the payload per round, timed "
                                 "after a warm-up round; measured before and after the federation, the mean "
                                 "of the two"},
            "ratio_to_raw": fed["mb_per_s"] / raw_mb_s, "ratio_to_raw_cycle": fed["mb_per_s_cycle"] / raw_mb_s,
