@@ -41,6 +41,10 @@ from fedrl.wire.serde import (
 
 log = logging.getLogger("fedrl.agent")
 SESSION_METHOD = "/fedrl.v1.Federation/Session"
+# From this size a learner adopts the global model's decoded tensors instead of copying them (30 MB:
+# ~2.6 ms of an agent's CPU a round). Below it a copy of one fused call is cheaper than a call per
+# tensor to adopt them.
+ADOPT_MIN_BYTES = 1 << 20
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 
@@ -325,9 +329,11 @@ class Agent:
             if stream is not None:
                 stream.cancel()  # a refused stream is not read to its end
             raise
-        # the trained tensors themselves, not copies: they are encoded (copied) before the next round
+        # the trained tensors themselves, not copies: they are encoded (copied) before the next round.
+        # A large model's learner takes the decoded tensors as its own (their buffer is this
+        # agent's, and the pool hands out another next round while the learner still holds it).
         res = trainer.train_round(state, task.local_steps, stop=self._stop.is_set, copy=False,
-                                  progress=self._progress)
+                                  progress=self._progress, adopt=manifest.total_bytes >= ADOPT_MIN_BYTES)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         self._train_seconds = res.seconds
         enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples)

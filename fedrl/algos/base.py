@@ -72,12 +72,17 @@ def on_device(state: Mapping[str, torch.Tensor], device: torch.device) -> Mappin
 
 
 @torch.no_grad()
-def load_prefixed(module: nn.Module | Sequence[nn.Module], state: Mapping[str, torch.Tensor], prefix: str) -> bool:
+def load_prefixed(module: nn.Module | Sequence[nn.Module], state: Mapping[str, torch.Tensor], prefix: str,
+                  adopt: bool = False) -> bool:
     """Load the ``prefix.*`` entries of ``state`` into ``module`` (or into each of several
     modules of one architecture) (strict); False if none exist.
 
     Strict as ``load_state_dict``: exactly the module's names, each with its shape. The copy is
-    one fused call for all the modules (this runs every round, for every agent)."""
+    one fused call for all the modules (this runs every round, for every agent).
+
+    ``adopt`` (one module): its tensors become the entries themselves (their memory; no copy)
+    wherever dtype and device allow. Only for entries the caller hands over: the module then
+    writes into them as it trains, and holds their memory until its next load."""
     head = prefix + "."
     n = len(head)
     sub = {k[n:]: v for k, v in state.items() if k.startswith(head)}
@@ -85,9 +90,24 @@ def load_prefixed(module: nn.Module | Sequence[nn.Module], state: Mapping[str, t
         return False
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    for m in (module,) if isinstance(module, nn.Module) else module:
+    modules = (module,) if isinstance(module, nn.Module) else module
+    for m in modules:
         _pair_up(m, sub, dst, src)
-    torch._foreach_copy_(dst, src)
+    if adopt:
+        if len(modules) != 1:
+            raise ValueError("adopt loads one module: two cannot share the same memory")
+        rest = [(d, s) for d, s in zip(dst, src) if not _adopt(d, s)]
+        dst, src = [d for d, _ in rest], [s for _, s in rest]
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return True
+
+
+def _adopt(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Make ``dst`` (a parameter or buffer) a tensor over ``src``'s memory, where it can be one."""
+    if src.dtype != dst.dtype or src.device != dst.device or src.requires_grad or not src.is_contiguous():
+        return False
+    dst.set_(src)
     return True
 
 

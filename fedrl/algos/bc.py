@@ -47,10 +47,10 @@ class BCLearner:
         ).to(device)
         self.opt = adam(self.policy.parameters(), cfg.lr)
 
-    def begin_round(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        """Adopt the global policy."""
+    def begin_round(self, global_state: Mapping[str, torch.Tensor], adopt: bool = False) -> None:
+        """Adopt the global policy (with ``adopt``, its very tensors: see ``load_prefixed``)."""
         state = on_device(global_state, self.device)
-        if not load_prefixed(self.policy, state, POLICY):
+        if not load_prefixed(self.policy, state, POLICY, adopt=adopt):
             raise KeyError("global state has no 'policy.*' tensors")
         if self.cfg.reset_actor_optimizer:
             self.opt.state.clear()  # a fresh Adam: moments and step counts start over

@@ -113,14 +113,22 @@ class DRPOLearner:
         self.critic_opt = adam(self.critic.parameters(), cfg.critic_lr)
 
     # -- federation interface -------------------------------------------------------------
-    def begin_round(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        """Set pi and the frozen pi_bar to the global policy (and critics if they are federated)."""
+    def begin_round(self, global_state: Mapping[str, torch.Tensor], adopt: bool = False) -> None:
+        """Set pi and the frozen pi_bar to the global policy (and critics if they are federated).
+
+        ``adopt``: the caller hands ``global_state`` over (see ``load_prefixed``): pi_bar and
+        the critics take its tensors themselves, and only pi, which trains while pi_bar must
+        keep the global values, gets a copy."""
         state = on_device(global_state, self.device)
+        if adopt:
+            if not load_prefixed(self.policy, state, POLICY):
+                raise KeyError("global state has no 'policy.*' tensors")
+            load_prefixed(self.global_policy, state, POLICY, adopt=True)
         # pi and the frozen pi_bar take the same values: one fused copy for both
-        if not load_prefixed((self.policy, self.global_policy), state, POLICY):
+        elif not load_prefixed((self.policy, self.global_policy), state, POLICY):
             raise KeyError("global state has no 'policy.*' tensors")
-        load_prefixed(self.critic, state, CRITIC)
-        load_prefixed(self.critic_target, state, CRITIC_TARGET)
+        load_prefixed(self.critic, state, CRITIC, adopt=adopt)
+        load_prefixed(self.critic_target, state, CRITIC_TARGET, adopt=adopt)
         if self.cfg.reset_actor_optimizer:
             self.actor_opt.state.clear()  # a fresh Adam: moments and step counts start over
 

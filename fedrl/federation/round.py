@@ -93,16 +93,18 @@ class LocalTrainer:
 
     def train_round(self, global_state: Mapping[str, torch.Tensor], steps: int,
                     stop: Callable[[], bool] | None = None, copy: bool = True,
-                    progress: Callable[[int, int], None] | None = None) -> LocalResult:
+                    progress: Callable[[int, int], None] | None = None, adopt: bool = False) -> LocalResult:
         """Adopt ``global_state``, run ``steps`` local updates, return the shared parameters
         (copies; with ``copy=False`` on CPU, the learner's own tensors, valid until its next round).
 
         ``stop`` is asked before every step; when it answers True the round is abandoned
         (:class:`RoundInterrupted`): a service asked to shut down does not finish minutes of
         local training first. ``progress(steps_done, steps)`` is called before every step (a
-        Session agent reports it, rate-limited, to keep its stream alive while it trains)."""
+        Session agent reports it, rate-limited, to keep its stream alive while it trains).
+        ``adopt``: ``global_state`` is handed over (decoded into a buffer of the caller's own):
+        the learner takes its tensors instead of copying them (see ``load_prefixed``)."""
         t0 = time.perf_counter()
-        self.learner.begin_round(global_state)
+        self.learner.begin_round(global_state, adopt=adopt)
         if self.local_normalizer:
             self.learner.policy.set_normalizer(torch.from_numpy(self.obs_mean),
                                                torch.from_numpy(self.obs_std))

@@ -281,3 +281,41 @@ def test_td_weight_changes_the_critic_step_and_must_be_positive():
     assert not all(torch.equal(p, q) for p, q in zip(a.critic.parameters(), b.critic.parameters()))
     with pytest.raises(ValueError, match="td_weight"):
         dataclasses.replace(TINY, td_weight=0.0)
+
+
+@pytest.mark.parametrize("kind", ["drpo", "drpo+critic", "bc"])
+def test_a_learner_adopting_the_global_tensors_learns_exactly_as_one_copying_them(kind):
+    """An agent hands a large global model's decoded tensors over (begin_round(adopt=True)):
+    the learner takes them instead of copying. Its steps are then bit for bit those of a learner
+    that copied; DRPO's pi, which trains, is never one of them, so pi_bar keeps the global
+    values; what trains in place (BC's policy, federated critics) writes into the handed-over
+    memory, and the next round's adoption lets it go."""
+    critic = kind == "drpo+critic"
+    make = (lambda s: BCLearner(5, 2, BCConfig(hidden=(32, 32), batch_size=16), CPU, make_generator(s, CPU))) \
+        if kind == "bc" else (lambda s: learner(seed=s))
+    torch.manual_seed(3)
+    donor = make(7)
+    g = {k: v.clone() for k, v in donor.shared_state(federate_critic=critic).items()}
+    a, b = make(0), make(0)
+    handed = {k: v.clone() for k, v in g.items()}
+    a.begin_round(handed, adopt=True)
+    b.begin_round({k: v.clone() for k, v in g.items()})
+    mem = {t.data_ptr() for t in handed.values()}
+    own = {t.data_ptr() for t in a.policy.parameters()}
+    if kind == "bc":
+        assert own <= mem  # the policy is the handed-over memory itself
+    else:
+        assert not own & mem  # pi trains: always a copy
+        assert {t.data_ptr() for t in a.global_policy.parameters()} <= mem
+    for i in range(4):
+        a.update(batch(i))
+        b.update(batch(i))
+    sa, sb = a.shared_state(federate_critic=critic), b.shared_state(federate_critic=critic)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    if kind != "bc":
+        assert all(torch.equal(handed[k], g[k]) for k in g if k.startswith("policy."))  # pi_bar's values kept
+        assert all(torch.equal(v, b.global_policy.state_dict()[k]) for k, v in a.global_policy.state_dict().items())
+    # the next round: another global, adopted again; nothing of the last one is still in use
+    g2 = {k: v + 1 for k, v in g.items()}
+    a.begin_round(g2, adopt=True)
+    assert not {t.data_ptr() for m in (a.policy, getattr(a, "global_policy", a.policy)) for t in m.parameters()} & mem

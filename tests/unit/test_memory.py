@@ -163,3 +163,28 @@ def test_a_pool_keeps_at_most_keep_buffers_of_the_size_taken_last():
     v = pool.take(10)
     del v
     assert pool.free_buffers() == 0 and pool.reused == 0
+
+
+def test_a_learner_holding_an_adopted_download_rotates_two_pooled_buffers():
+    """As an agent does with a large model: each round's global is assembled in a pooled buffer
+    and adopted by the learner (no copy), which holds it until the next round's adoption. The
+    agent's pool (keep=1) then settles on two buffers taken in turn: none mapped afresh after
+    the second round, none leaked."""
+    import torch
+
+    from fedrl.algos import BCConfig, BCLearner
+    from fedrl.common.device import make_generator
+    from fedrl.wire.codec import assemble, encode
+    from fedrl.wire.memory import BufferPool
+
+    cpu = torch.device("cpu")
+    learner = BCLearner(5, 2, BCConfig(hidden=(32, 32)), cpu, make_generator(0, cpu))
+    pool = BufferPool(keep=1)
+    for r in range(6):
+        g = {k: v + r for k, v in learner.shared_state().items()}
+        enc = encode(g, "run", r, r)
+        state = assemble(enc.manifest, [enc.payload[:100], enc.payload[100:]], pool)
+        learner.begin_round(state, adopt=True)
+        del state
+        assert all(torch.equal(v, g[k]) for k, v in learner.shared_state().items())
+    assert pool.mapped == 2 and pool.reused == 4
