@@ -461,3 +461,23 @@ def test_the_claim_preset_runs_and_reports_its_plan_and_marks_the_rest(tmp_path,
     assert [r.key for r in ran] == want and {r.experiment for r in ran} == set(p.planned)
     # the smoke preset names no plan: `--experiment all` there is every experiment
     assert paper.PRESETS["smoke"].planned is None
+
+
+def test_inplace_times_each_piece_inside_the_real_processes_of_both_sides(tmp_path, capsys):
+    """benchmarks/inplace.py: a short real federation whose processes time their own pieces
+    (thread CPU); every agent piece is seen once a round in each agent, the aggregator's
+    submission ten times a round, and nothing of the wrappers is left in this process."""
+    import os
+
+    from benchmarks import inplace
+
+    out = tmp_path / "inplace.json"
+    assert inplace.main(["--agents", "3", "--rounds", "12", "--skip", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    pieces = res["pieces"]
+    train = pieces["agent | agent: _train (all of the above but session_update, read_task)"]
+    assert train["processes"] == 3 and 0.9 <= train["calls_per_round"] <= 1.1 and train["us_per_call_median"] > 0
+    assert pieces["aggregator | aggregator: _submit (one update, and the close in the last)"]["calls_per_round"] >= 2.5
+    assert pieces["aggregator | aggregator: aggregate"]["processes"] == 1
+    assert "agent | agent: read_task" in pieces and "agent | both: Assembler.add" in pieces
+    assert "FEDRL_INPLACE_OUT" not in os.environ and "sitecustomize" not in capsys.readouterr().err
