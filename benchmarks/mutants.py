@@ -100,7 +100,7 @@ MUTANTS = (
     Mutant("adam-no-bias-correction1", BASE, "(self.lr / (1 - b1 ** float(s[\"step\"]))) * -1", "self.lr * -1"),
     Mutant("adam-betas-swapped", BASE, "torch._foreach_lerp_(exp_avgs, grads, 1 - b1)", "torch._foreach_lerp_(exp_avgs, grads, 1 - b2)"),
     # aggregation (aggregate.py)
-    Mutant("fedavg-not-normalised", A, "alphas = [wi / total for wi in w]", "alphas = [wi for wi in w]"),
+    Mutant("fedavg-not-normalised", A, "return [wi / total for wi in w]", "return [wi for wi in w]"),
     Mutant("samples-weighting-ignored", A, "return [float(n) for n in num_samples]", "return [1.0] * len(num_samples)"),
     Mutant("fedavg-first-agent-twice", A, "for x, alpha in zip(xs, alphas):", "for x, alpha in zip([xs[0]] + list(xs[1:-1]) + [xs[0]], alphas):"),
     # the round logic: the simulation and the aggregator service

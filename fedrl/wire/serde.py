@@ -103,12 +103,16 @@ def leading_bytes_field(data: bytes, number: int) -> tuple[memoryview, memoryvie
 def read_task(data: bytes) -> tuple[federation_pb2.Task, memoryview | None]:
     """A serialised Task, and its inline weights (``base_payload``) as a view of ``data`` where
     they come first (as the aggregator writes them): no copy of them into a parsed message and
-    out again. Else (None): the task's own ``base_payload`` holds them, if any."""
+    out again. Else (None): the task's own ``base_payload`` holds them, if any. Bytes that are
+    not a Task are a :class:`CodecError` (``bad_task``)."""
     split = leading_bytes_field(data, federation_pb2.Task.BASE_PAYLOAD_FIELD_NUMBER)
-    if split is None:
-        return federation_pb2.Task.FromString(data), None
-    weights, rest = split
-    task = federation_pb2.Task.FromString(rest)
+    try:
+        if split is None:
+            return federation_pb2.Task.FromString(data), None
+        weights, rest = split
+        task = federation_pb2.Task.FromString(rest)
+    except DecodeError as e:  # refused like a damaged download: the agent asks again
+        raise CodecError("bad_task", f"a task that is not a valid message: {e}") from None
     if task.base_payload:  # the field again later: the last one is the value (protobuf's rule)
         return task, None
     return task, weights

@@ -429,6 +429,10 @@ def test_a_task_with_its_weights_first_reads_them_in_place_and_the_rest_as_the_m
     got, weights = read_task(twice)
     assert (got.base_payload if weights is None else bytes(weights)) == (payload or b"old")
     assert read_task(federation_pb2.Task(kind=federation_pb2.Task.WAIT).SerializeToString())[1] is None
+    for garbage in (b"\xff\xff\xff\xff\x0f", with_leading_bytes_field(11, [b"w"], b"\xff\xff")):
+        with pytest.raises(CodecError) as e:  # the agent refuses it as a damaged download, and asks again
+            read_task(garbage)
+        assert e.value.reason == "bad_task"
 
 
 @FUZZ
