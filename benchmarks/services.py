@@ -56,6 +56,19 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path, transpo
     procs = [subprocess.Popen([sys.executable, "-m", "aggregator_service", "--port", "0", "--port-file",
                                str(port_file), "--state-dir", str(tmp / "state"), "--log-level", "WARNING"],
                               env=env)]
+    # A process that exits before the run is over (an agent that cannot start) would leave the run
+    # waiting for it without end: the aggregator is then stopped too, and the error says who exited.
+    running, exited = threading.Event(), []
+
+    def watchdog() -> None:
+        while not running.wait(0.2):
+            gone = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
+            if gone:
+                exited.extend(gone)
+                procs[0].terminate()
+                return
+
+    threading.Thread(target=watchdog, daemon=True).start()
     try:
         end = time.monotonic() + 60
         while not port_file.exists():
@@ -84,6 +97,7 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path, transpo
             faults_end = [_minor_faults(p.pid) for p in procs]
             peak = [_peak_rss_mb(p.pid) for p in procs]
             st = c.status()
+            running.set()
         assert st["state"] == "finished", st
         opened = {e["round"]: e["time_unix"] for e in closed if e["kind"] == "ROUND_OPENED"}
         per_round = [e["time_unix"] - opened[e["round"]] for e in closed if e["kind"] == "ROUND_CLOSED"]
@@ -102,7 +116,14 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path, transpo
                 # pages touched for the first time (each one cleared by the kernel, ~4.6 us here)
                 "minor_faults_per_round_steady": {"aggregator": round(faults[0]),
                                                   "agents_total": round(sum(faults[1:]))} if faults else {}}
+    except Exception as e:
+        if exited:
+            who = ", ".join(("the aggregator" if i == 0 else f"agent {i - 1}") + f" (exit code {code})"
+                            for i, code in exited)
+            raise RuntimeError(f"a service process exited before the run finished: {who}") from e
+        raise
     finally:
+        running.set()
         for p in procs:
             p.terminate()
         for p in procs:
