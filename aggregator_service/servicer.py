@@ -225,8 +225,9 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 which, header, payload = session_answer(data, context)
                 if which != "progress":
                     break
+                progress = header  # (for a progress message, the message itself)
                 try:
-                    self.coord.progress(agent_id, header.round, header.steps_done, header.steps_total)
+                    self.coord.progress(agent_id, progress.round, progress.steps_done, progress.steps_total)
                 except ServiceError as e:
                     _abort(context, e)
             if which == "update":
