@@ -233,8 +233,9 @@ def _raw_server(port_q, payload_mb: int, go, stop, result_q, chunk_bytes: int = 
     import grpc
 
     from fedrl.wire.rpc import SERVER_OPTIONS
-    messages = [b"\x01" * n for n in sorted(set(_message_sizes(payload_mb << 20, chunk_bytes)))]
-    send = [messages[0] if n == len(messages[0]) else messages[-1] for n in _message_sizes(payload_mb << 20, chunk_bytes)]
+    sizes = _message_sizes(payload_mb << 20, chunk_bytes)
+    blocks = {n: b"\x01" * n for n in set(sizes)}  # one message of each size, sent as often as needed
+    send = [blocks[n] for n in sizes]
 
     def down(request, context):
         yield from send

@@ -96,8 +96,9 @@ def leading_bytes_field(data: bytes, number: int) -> tuple[memoryview, memoryvie
     """For a serialised message that opens with length-delimited field ``number`` (fields 1-15):
     that field's bytes and the rest of the message, as views of ``data`` (no copy); None for
     any other message (parse it whole then)."""
-    got = _bytes_field_at(memoryview(data), 0, number)
-    return None if got is None else (got[0], memoryview(data)[got[1]:])
+    mv = memoryview(data)
+    got = _bytes_field_at(mv, 0, number)
+    return None if got is None else (got[0], mv[got[1]:])
 
 
 def read_task(data: bytes) -> tuple[federation_pb2.Task, memoryview | None]:
@@ -142,7 +143,6 @@ def inline_update_in_session(data: bytes) -> tuple[memoryview, memoryview] | Non
 # WeightsPart (FetchGlobal's stream) and UpdatePart (SubmitUpdate's) carry a chunk as field 2.
 CHUNK_FIELD = weights_pb2.WeightsPart.CHUNK_FIELD_NUMBER
 assert federation_pb2.UpdatePart.CHUNK_FIELD_NUMBER == CHUNK_FIELD
-_CHUNK_KEY = (CHUNK_FIELD << 3) | 2  # the key byte of a length-delimited field 2
 
 
 def weight_part_bytes(enc: Encoded) -> list[bytes]:
@@ -163,17 +163,8 @@ def _chunk_parts(enc: Encoded) -> Iterator[bytes]:
 def chunk_in_part(data: bytes) -> memoryview | None:
     """The chunk of a serialised WeightsPart or UpdatePart that holds just its chunk, as a view
     of ``data`` (no copy); None for any other message, which is then parsed as one."""
-    if len(data) < 2 or data[0] != _CHUNK_KEY:
-        return None
-    n, shift, i = 0, 0, 1
-    while i < len(data) and i <= 10:  # the chunk's length: a varint of at most 10 bytes
-        b = data[i]
-        n |= (b & 0x7F) << shift
-        i += 1
-        if b < 0x80:
-            return memoryview(data)[i:] if i + n == len(data) else None
-        shift += 7
-    return None
+    got = _bytes_field_at(memoryview(data), 0, CHUNK_FIELD)
+    return got[0] if got is not None and got[1] == len(data) else None
 
 
 def manifest_from_proto(p: weights_pb2.WeightsManifest) -> Manifest:
