@@ -52,6 +52,10 @@ from fedrl.wire.rpc import ServiceError
 
 log = logging.getLogger("fedrl.aggregator")
 ACTIVE = ("waiting_for_agents", "running")
+# Free average buffers kept while a run is active: a close writes the new average while the
+# current version and the one before are still held, and the one before that comes back once
+# its last reader is gone; a second spare covers a fetcher that holds a version a little longer.
+AVERAGES_KEPT = 2
 
 
 @dataclass
@@ -153,6 +157,11 @@ class Coordinator:
         # round instead of being faulted in afresh. Kept only while a run is active (the ticker
         # sets how many), one per agent of the run.
         self.buffers = BufferPool()
+        # Where each round's average is written: the buffer of a version no longer held (neither
+        # current, nor the one before, which late agents may still fetch, nor cached for
+        # FetchGlobal) serves the next, instead of 30 MB of fresh pages faulted in at the close,
+        # where every agent waits. Kept only while a run is active (the ticker sets it).
+        self.averages = BufferPool()
         if resume:
             self._resume()
         self._ticker = threading.Thread(target=self._tick_loop, args=(tick,), daemon=True,
@@ -738,6 +747,10 @@ class Coordinator:
                 "env_id": run.env_id, "hparams": run.hparams_json}
         return encode(state, run.run_id, version, version, metadata=meta)
 
+    def _average_memory(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor for a round's average, in a buffer from :attr:`averages`."""
+        return torch.frombuffer(self.averages.take(numel * dtype.itemsize), dtype=dtype)
+
     def _open_round(self, run: Run, r: int) -> None:
         run.round, run.submissions = r, {}
         run.round_opened = time.time()
@@ -750,7 +763,7 @@ class Coordinator:
         try:
             w = agent_weights(run.cfg.weighting, [s.num_samples for s in subs])
             new = aggregate(run.cfg.aggregation, [s.state for s in subs], w, run.cfg.trim_fraction,
-                            [s.flat for s in subs])
+                            [s.flat for s in subs], self._average_memory)
         except AggregationError as e:
             self._fail(run, f"aggregation failed in round {run.round}: {e}")
             return
@@ -806,6 +819,7 @@ class Coordinator:
             # (malloc arenas are few, see aggregator_service.__main__, so it does not climb).
             # Once it ends, both go back to the OS.
             self.buffers.keep = run.cfg.agents if active else 0
+            self.averages.keep = AVERAGES_KEPT if active else 0
             if was_active and not active:
                 release_free_memory()
             was_active = active

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -50,9 +50,14 @@ def agent_weights(weighting: str, num_samples: Sequence[int]) -> list[float]:
     raise AggregationError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
 
 
+# Where an average's memory comes from: (elements, dtype) -> a flat tensor to write it into.
+Allocator = Callable[[int, torch.dtype], torch.Tensor]
+
+
 def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
            weights: Sequence[float] | None = None,
-           flats: Sequence[Flat | None] | None = None) -> dict[str, torch.Tensor]:
+           flats: Sequence[Flat | None] | None = None,
+           alloc: Allocator | None = None) -> dict[str, torch.Tensor]:
     """Weighted parameter average ``sum_i w_i theta_i / sum_i w_i`` (FedAvg; uniform by default).
 
     Accumulates in float64 in the given order, so the result is deterministic and independent
@@ -63,10 +68,14 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
     tensors are views of): where all are there with one span (the same tensors in the same
     order), the average is taken over them directly, with no check of each tensor (their
     decoding checked them, and equal spans are compatible by construction).
+
+    ``alloc``, when given, provides the memory of an average taken as one span (the usual
+    case: updates decoded from the wire): the aggregator hands out buffers that earlier
+    versions used, so the average is not written into freshly faulted pages every round.
     """
     if flats is not None and len(flats) == len(states) and states and _one_layout(flats):
         spans = [f.tensor for f in flats]
-        mean, finite = _weighted_mean(spans, _alphas(weights, len(states)))
+        mean, finite = _weighted_mean(spans, _alphas(weights, len(states)), alloc)
         if not finite:
             check_compatible(states)  # names the update at fault
         return flats[0].span.cut(mean)
@@ -86,7 +95,7 @@ def fedavg(states: Sequence[Mapping[str, torch.Tensor]],
         # Updates decoded from the wire hold their tensors back to back in one buffer: each is
         # summed as one span (the same adds element by element, so the same bits; a Hopper
         # policy's round: 10 adds instead of ~100).
-        mean, finite = _weighted_mean(spans, alphas)
+        mean, finite = _weighted_mean(spans, alphas, alloc)
         if not finite:
             check_compatible(states)
         out, pos = {}, 0
@@ -140,11 +149,18 @@ FEDAVG_THREADS = max(1, min(4, os.cpu_count() or 1))
 FEDAVG_PARALLEL_BLOCKS = 8
 
 
-def _weighted_mean(xs: Sequence[torch.Tensor], alphas: Sequence[float]) -> tuple[torch.Tensor, bool]:
+def _weighted_mean(xs: Sequence[torch.Tensor], alphas: Sequence[float],
+                   alloc: Allocator | None = None) -> tuple[torch.Tensor, bool]:
     """``sum_i alphas[i] * xs[i]`` accumulated in float64, returned in the inputs' dtype (flat,
-    equal-length ``xs``), and whether every coordinate of the float64 sum is finite."""
+    equal-length ``xs``; in memory from ``alloc`` where given, for CPU tensors), and whether
+    every coordinate of the float64 sum is finite."""
     numel = xs[0].numel()
-    out = torch.empty(numel, dtype=xs[0].dtype, device=xs[0].device)
+    if alloc is not None and xs[0].device.type == "cpu":
+        out = alloc(numel, xs[0].dtype)
+        if out.shape != (numel,) or out.dtype != xs[0].dtype:
+            raise ValueError(f"the allocator gave {out.dtype}{list(out.shape)} for {numel} x {xs[0].dtype}")
+    else:
+        out = torch.empty(numel, dtype=xs[0].dtype, device=xs[0].device)
     blocks = -(-numel // FEDAVG_BLOCK)
     workers = FEDAVG_THREADS if blocks >= FEDAVG_PARALLEL_BLOCKS and xs[0].device.type == "cpu" else 1
     finite = [True] * workers
@@ -246,14 +262,14 @@ def trimmed_mean(states: Sequence[Mapping[str, torch.Tensor]], trim: float = 0.1
 
 def aggregate(method: str, states: Sequence[Mapping[str, torch.Tensor]],
               weights: Sequence[float] | None = None, trim: float = 0.1,
-              flats: Sequence[Flat | None] | None = None) -> dict[str, torch.Tensor]:
+              flats: Sequence[Flat | None] | None = None, alloc: Allocator | None = None) -> dict[str, torch.Tensor]:
     """The next global parameters by ``method`` (one of :data:`AGGREGATIONS`).
 
-    ``fedavg`` uses ``weights`` (and ``flats``, see :func:`fedavg`); the robust methods
-    (``median``, ``trimmed-mean``) do not.
+    ``fedavg`` uses ``weights`` (and ``flats`` and ``alloc``, see :func:`fedavg`); the robust
+    methods (``median``, ``trimmed-mean``) do not.
     """
     if method == "fedavg":
-        return fedavg(states, weights, flats)
+        return fedavg(states, weights, flats, alloc)
     if method == "median":
         return coordinate_median(states)
     if method == "trimmed-mean":

@@ -513,6 +513,37 @@ def test_one_byzantine_agent_corrupts_fedavg_but_not_robust_aggregation(aggregat
         assert torch.equal(v1[w], g[w])
 
 
+def test_averages_are_written_into_the_buffers_of_versions_no_longer_held(aggregator):
+    """Each round's average goes into a pooled buffer: one that a version still held (the
+    current one, the one before, a version a caller keeps) never receives it, and the rounds
+    settle on a few buffers in rotation instead of fresh memory every round."""
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    rounds = 8
+    st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(rounds=rounds)), timeout=5))
+    run_id = st["run_id"]
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=run_id, version=0), timeout=5)))
+    held = None  # version 2 as the aggregator holds it, kept here as a late reader would
+    for r in range(1, rounds + 1):
+        for i, aid in enumerate(("a0", "a1")):
+            submit(aggregator, aid, {k: v + r + i if v.is_floating_point() else v for k, v in g.items()},
+                   run_id, round=r, base=r - 1)
+        wait_for(lambda r=r: status(aggregator)["global_version"] == r, what=f"round {r} to close")
+        if r == 2:
+            held = {k: v for k, v in aggregator.coord.run.global_state.items()}
+            expected = {k: v.clone() for k, v in held.items()}
+    pool = aggregator.coord.averages
+    assert pool.reused >= rounds - 4 and pool.mapped <= 4, (pool.mapped, pool.reused)
+    assert all(torch.equal(held[k], expected[k]) for k in held), "a held version's memory was written again"
+    assert all(torch.equal(held[k], v) for k, v in aggregator.store.load_version(run_id, 2).items())
+    last = aggregator.store.load_version(run_id, rounds)
+    w = "policy.head.weight"
+    torch.testing.assert_close(last[w], g[w] + rounds + 0.5)  # the mean of (g + r) and (g + r + 1)
+    wait_for(lambda: pool.free_buffers() == 0, what="the run's spare buffers to be let go once it ended")
+
+
 def test_an_inline_update_can_bring_back_the_next_task(open_round):
     """One call per agent per round: an update that asks for it is answered, once its round has
     closed, with the agent's next task (the new version inline), as NextTask would answer."""
