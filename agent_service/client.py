@@ -31,6 +31,7 @@ from fedrl.wire.memory import BufferPool
 from fedrl.wire.rpc import StopFlag, create_channel, weights_calls
 from fedrl.wire.security import TLSFiles
 from fedrl.wire.serde import (
+    chunk_frame,
     manifest_from_proto,
     manifest_to_proto,
     read_task,
@@ -336,7 +337,11 @@ class Agent:
                                   progress=self._progress, adopt=manifest.total_bytes >= ADOPT_MIN_BYTES)
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         self._train_seconds = res.seconds
-        enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples)
+        # An update too large for one message is streamed as chunk messages: they are built as it
+        # is encoded, each chunk hashed in its message (one pass over the model, not two).
+        streamed = sum(t.nbytes for t in res.state.values()) > self.cfg.inline_max_bytes
+        enc = encode(res.state, task.run_id, task.round, task.base_version, res.num_samples,
+                     frame=chunk_frame if streamed else None)
         header = federation_pb2.UpdateHeader(agent_id=self.cfg.agent_id, weights=manifest_to_proto(enc.manifest),
                                              metrics=res.metrics, train_seconds=res.seconds)
         if enc.manifest.total_bytes <= self.cfg.inline_max_bytes:

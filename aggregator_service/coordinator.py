@@ -49,6 +49,7 @@ from fedrl.wire.codec import (
 )
 from fedrl.wire.memory import BufferPool, release_free_memory
 from fedrl.wire.rpc import ServiceError
+from fedrl.wire.serde import chunk_frame
 
 log = logging.getLogger("fedrl.aggregator")
 ACTIVE = ("waiting_for_agents", "running")
@@ -745,7 +746,10 @@ class Coordinator:
             run.hparams_json = json.dumps(config_to_dict(algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)))
         meta = {"run_id": run.run_id, "version": str(version), "algo": run.cfg.algo,
                 "env_id": run.env_id, "hparams": run.hparams_json}
-        return encode(state, run.run_id, version, version, metadata=meta)
+        # A version too large to go inline in tasks is fetched as chunk messages: they are built
+        # here, each chunk hashed in its message (one pass over the average, not two).
+        fetched = sum(t.nbytes for t in state.values()) > INLINE_MAX_BYTES
+        return encode(state, run.run_id, version, version, metadata=meta, frame=chunk_frame if fetched else None)
 
     def _average_memory(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat tensor for a round's average, in a buffer from :attr:`averages`."""

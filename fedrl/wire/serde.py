@@ -153,9 +153,19 @@ def weight_part_bytes(enc: Encoded) -> list[bytes]:
             *_chunk_parts(enc)]
 
 
+def chunk_frame(n: int) -> bytes:
+    """What opens a serialised chunk part (WeightsPart or UpdatePart) of a chunk of ``n``
+    bytes: pass it to ``codec.encode(frame=...)`` to have the parts built as the payload is
+    encoded and hashed (:func:`update_messages` then sends those)."""
+    return _field_key(CHUNK_FIELD, n)
+
+
 def _chunk_parts(enc: Encoded) -> Iterator[bytes]:
     """Each chunk of ``enc``'s payload as a serialised chunk part (field 2), copied once (from
-    its tensors when it was encoded from them and not joined)."""
+    its tensors when it was encoded from them and not joined), or as encode() built them."""
+    if enc.framed is not None and enc.frame is chunk_frame:
+        yield from enc.framed
+        return
     for views in enc.chunk_views():
         yield b"".join((_field_key(CHUNK_FIELD, sum(len(v) for v in views)), *views))
 

@@ -114,17 +114,23 @@ def test_safetensors_headers_that_nest_or_count_absurdly_are_refused_specificall
             parse_safetensors(struct.pack("<Q", len(header)) + header)
 
 
+@pytest.mark.parametrize("framed", [False, True])
 @pytest.mark.parametrize("chunk_bytes", [1, 5, 96, 1000, 1 << 20])
-def test_chunks_cut_from_the_tensors_are_the_payloads_own(chunk_bytes):
+def test_chunks_cut_from_the_tensors_are_the_payloads_own(chunk_bytes, framed):
     """An encoded update is sent as chunks cut straight from its tensors (header, then each
     tensor's bytes): every chunk, its message and the checksum must be what the joined payload
-    gives, across tensor boundaries, mixed dtypes and an empty tensor."""
+    gives, across tensor boundaries, mixed dtypes and an empty tensor. ``framed``: the messages
+    built, and their chunks hashed, as the update is encoded (what an agent streams)."""
     from fedrl.wire.codec import checksum, encoded_from_payload
+    from fedrl.wire.serde import chunk_frame
 
     state = {"w": torch.randn(13, 7), "b": torch.randn(5).double(), "n": torch.arange(3, dtype=torch.int32),
              "e": torch.empty(0), "m": torch.tensor([True, False, True])}
-    enc = encode(state, "run", 4, 3, 20, chunk_bytes=chunk_bytes)
+    enc = encode(state, "run", 4, 3, 20, chunk_bytes=chunk_bytes, frame=chunk_frame if framed else None)
+    assert (enc.framed is not None) == framed
     sent = list(update_messages(federation_pb2.UpdateHeader(agent_id="a"), enc))  # before any join
+    if framed:
+        assert all(a is b for a, b in zip(sent[1:], enc.framed, strict=True))  # the ones built at encoding
     whole = encoded_from_payload(enc.payload, "run", 4, 3, 20, chunk_bytes=chunk_bytes)
     assert enc.manifest.checksum == checksum(enc.payload) == whole.manifest.checksum
     assert enc.manifest.total_bytes == len(enc.payload)
