@@ -50,6 +50,7 @@ if _OUT:
         import agent_service.client as client
         import aggregator_service.coordinator as coord
         import aggregator_service.servicer as servicer
+        import aggregator_service.store as store
         import fedrl.algos.bc as bc
         import fedrl.algos.drpo as drpo
         import fedrl.federation.round as round_
@@ -70,6 +71,8 @@ if _OUT:
         _timed(coord.Coordinator, "_close_round", "aggregator: _close_round (journal and version write included)")
         _timed(coord, "aggregate", "aggregator: aggregate")
         _timed(coord.Coordinator, "_encode", "aggregator: encode the new version")
+        _timed(store.Store, "save_version", "aggregator: save_version (write, fsync, directory fsync)")
+        _timed(store.Store, "append_event", "aggregator: append_event (a journal line; a close's is fsynced)")
 
     def _dump():
         main = os.path.basename(os.path.dirname(os.path.abspath(sys.argv[0]))) if sys.argv and sys.argv[0] else "?"
