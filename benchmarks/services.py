@@ -343,11 +343,13 @@ def raw_grpc(agents: int, payload_mb: int, rounds: int, chunk_bytes: int | None 
                                  "clients_total": round(clients_cpu / rounds * 1e3, 1)}}
 
 
-# measured, after a first round that also sets up connections. 16, not 5: the federation's 30 MB
-# rounds keep falling through about the first six while its processes' heaps grow to their
-# high-water marks (2026-11-27, quiet: 0.63, 0.60, 0.59, 0.46, 0.38 s in a 5-round run, 55% of
-# raw; 16 rounds 67%), and the median of 5 measured that warm-up, not the steady round
-TRANSFER_ROUNDS = 16
+# Rounds measured on each side. The federation's are those after its first WARMUP_ROUNDS (as its
+# CPU figure always was), raw gRPC's those after its warm-up round: each side in its steady state.
+# History: 5 rounds after one until 2026-11-27 measured the federation's warm-up (its 30 MB
+# rounds fall through about the first four while its processes' pools and heaps grow to their
+# high-water marks: 0.99-1.19, 0.48-0.55, 0.38-0.40 s, then ~0.33-0.36 s), then 16 after one,
+# whose median still took in three of those; since 2026-11-27 (evening) 20 after three.
+TRANSFER_ROUNDS = 20
 
 
 def bench_transfer(agents: int, mb: int, rounds: int = TRANSFER_ROUNDS) -> dict:
@@ -361,17 +363,20 @@ def bench_transfer(agents: int, mb: int, rounds: int = TRANSFER_ROUNDS) -> dict:
     bytes_model = params * 4
     payload_mb = round(bytes_model / (1 << 20))
     raw = [raw_grpc(agents, payload_mb, rounds)]
+    w = WARMUP_ROUNDS
     with tempfile.TemporaryDirectory() as d:
-        # rounds 2..rounds+1 measured; one more so that the last measured round's cycle (its
+        # rounds w+1..w+rounds measured; one more so that the last measured round's cycle (its
         # close's journal fsync and 30 MB version write, up to the next opening) is seen too
-        r = federation_rounds(agents, rounds + 2, {"algo": "fed-bc", "bc": {"hidden": [h, h]}}, Path(d))
+        r = federation_rounds(agents, w + rounds + 1, {"algo": "fed-bc", "bc": {"hidden": [h, h]}}, Path(d))
     raw.append(raw_grpc(agents, payload_mb, rounds))
-    s = np.array(r["per_round_seconds"][1:rounds + 1])
-    cyc = np.array(r["cycle_seconds"][1:rounds + 1])
+    s = np.array(r["per_round_seconds"][w:w + rounds])
+    cyc = np.array(r["cycle_seconds"][w:w + rounds])
     moved = 2 * agents * bytes_model
     steady = r["cpu_ms_per_round_steady"]
     fed = {"model_mb": bytes_model / 1e6, "hidden": [h, h], "rounds_measured": len(s),
            "round_seconds_median": float(np.median(s)), "round_seconds_each": s.round(3).tolist(),
+           "warmup_round_seconds": np.round(r["per_round_seconds"][:w], 3).tolist(),
+           "warmup_what": f"the first {w} rounds, not measured (connections, pools and heaps growing)",
            "mb_per_s": float(moved / np.median(s) / 1e6),
            "cycle_seconds_median": float(np.median(cyc)), "cycle_seconds_each": cyc.round(3).tolist(),
            "mb_per_s_cycle": float(moved / np.median(cyc) / 1e6),
@@ -579,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=10)
     p.add_argument("--rounds", type=int, default=None,
                    help=f"overhead rounds (default 100; the first 3 are not measured), transfer rounds "
-                        f"(default {TRANSFER_ROUNDS}, after one not measured)")
+                        f"(default {TRANSFER_ROUNDS}, after {WARMUP_ROUNDS} not measured; raw gRPC's after one)")
     p.add_argument("--mb", type=int, default=30)
     p.add_argument("--env", default="Hopper-v5")
     p.add_argument("--episodes", type=int, default=400)
