@@ -57,6 +57,7 @@ ACTIVE = ("waiting_for_agents", "running")
 # current version and the one before are still held, and the one before that comes back once
 # its last reader is gone; a second spare covers a fetcher that holds a version a little longer.
 AVERAGES_KEPT = 2
+AVERAGE_POOL_MIN_BYTES = 1 << 20  # smaller averages (a Hopper policy: 280 KB) are malloc's
 
 
 @dataclass
@@ -752,8 +753,13 @@ class Coordinator:
         return encode(state, run.run_id, version, version, metadata=meta, frame=chunk_frame if fetched else None)
 
     def _average_memory(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat tensor for a round's average, in a buffer from :attr:`averages`."""
-        return torch.frombuffer(self.averages.take(numel * dtype.itemsize), dtype=dtype)
+        """A flat tensor for a round's average: in a buffer from :attr:`averages` from
+        AVERAGE_POOL_MIN_BYTES up; below, malloc's (a small block comes from memory malloc
+        already holds, and the pool's bookkeeping would cost more than it saves)."""
+        nbytes = numel * dtype.itemsize
+        if nbytes < AVERAGE_POOL_MIN_BYTES:
+            return torch.empty(numel, dtype=dtype)
+        return torch.frombuffer(self.averages.take(nbytes), dtype=dtype)
 
     def _open_round(self, run: Run, r: int) -> None:
         run.round, run.submissions = r, {}
