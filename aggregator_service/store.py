@@ -12,7 +12,9 @@ Layout::
 Every version (and the config and participants) is written to a temporary name, fsynced, then
 renamed: a reader never sees half a file. The event log is appended without fsync, except a
 round's close, which is fsynced before its version is written: a power cut cannot leave a version
-on disk whose close (who made it) is lost.
+on disk whose close (who made it) is lost. A version's pages leave the page cache once it is on
+disk: recent versions are served from the aggregator's memory, and each version's write then
+takes the pages the last one left instead of new ones (``Store._write_bytes``).
 """
 
 from __future__ import annotations
