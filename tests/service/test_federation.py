@@ -518,7 +518,7 @@ def test_averages_are_written_into_the_buffers_of_versions_no_longer_held(aggreg
     current one, the one before, a version a caller keeps) never receives it, and the rounds
     settle on a few buffers in rotation instead of fresh memory every round. (The pool takes
     averages of 1 MiB and more; this small policy's are let in.)"""
-    import aggregator_service.coordinator as coordinator
+    from aggregator_service import coordinator
 
     monkeypatch.setattr(coordinator, "AVERAGE_POOL_MIN_BYTES", 0)
     join(aggregator, "a0", 0)
@@ -536,7 +536,7 @@ def test_averages_are_written_into_the_buffers_of_versions_no_longer_held(aggreg
                    run_id, round=r, base=r - 1)
         wait_for(lambda r=r: status(aggregator)["global_version"] == r, what=f"round {r} to close")
         if r == 2:
-            held = {k: v for k, v in aggregator.coord.run.global_state.items()}
+            held = dict(aggregator.coord.run.global_state)
             expected = {k: v.clone() for k, v in held.items()}
     pool = aggregator.coord.averages
     assert pool.reused >= rounds - 4 and pool.mapped <= 4, (pool.mapped, pool.reused)
