@@ -68,6 +68,11 @@ LEARNERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "cql-ours-mean-target": ("cql", "ours", {"target_action": "mean"}),
     "cql-ours-orthogonal": ("cql", "ours", {"init": "orthogonal"}),
     "cql-d3rlpy": ("cql", "d3rlpy", {}),
+    # the temperature's learning rate (issue 53): 3e-5 is the default above (CORL's actor rate),
+    # 1e-4 d3rlpy's own CQL default, 3e-4 SAC's paper's rate for every optimiser
+    "cql-ours-alr1e-4": ("cql", "ours", {"alpha_lr": 1e-4}),
+    "cql-ours-alr3e-4": ("cql", "ours", {"alpha_lr": 3e-4}),
+    "cql-d3rlpy-alr1e-4": ("cql", "d3rlpy", {"alpha_lr": 1e-4}),
     "bc-ours": ("bc", "ours", {}),
     "bc-ours-mse": ("bc", "ours", {"loss": "mse"}),
     "bc-d3rlpy": ("bc", "d3rlpy", {}),
@@ -81,7 +86,9 @@ DEFAULT_RUNS = ("cql-ours-5traj", "cql-d3rlpy-5traj", "bc-ours-5traj", "bc-ours-
 LABEL = {"cql-ours": "CQL, fedrl", "cql-ours-td1": "CQL, fedrl, td_weight 1 (earlier default)",
          "cql-ours-mean-target": "CQL, fedrl, TD target at the mean action (d3rlpy's)",
          "cql-ours-orthogonal": "CQL, fedrl, CORL's orthogonal initialisation",
-         "cql-d3rlpy": "CQL, d3rlpy 2.8.1", "bc-ours": "BC, fedrl (NLL)", "bc-ours-mse": "BC, fedrl (MSE)",
+         "cql-d3rlpy": "CQL, d3rlpy 2.8.1", "cql-ours-alr1e-4": "CQL, fedrl, temperature lr 1e-4",
+         "cql-ours-alr3e-4": "CQL, fedrl, temperature lr 3e-4",
+         "cql-d3rlpy-alr1e-4": "CQL, d3rlpy 2.8.1, temperature lr 1e-4 (its default)", "bc-ours": "BC, fedrl (NLL)", "bc-ours-mse": "BC, fedrl (MSE)",
          "bc-d3rlpy": "BC, d3rlpy 2.8.1 (MSE)"}
 
 
@@ -228,7 +235,7 @@ class _D3rlpy:
         if algo == "cql":
             cfg = d3rlpy.algos.CQLConfig(
                 actor_learning_rate=s["actor_lr"], critic_learning_rate=s["critic_lr"],
-                temp_learning_rate=s["alpha_lr"], alpha_learning_rate=0.0, initial_alpha=1.0,
+                temp_learning_rate=over.get("alpha_lr", s["alpha_lr"]), alpha_learning_rate=0.0, initial_alpha=1.0,
                 conservative_weight=s["cql_weight"], n_action_samples=s["cql_n_actions"],
                 batch_size=s["batch_size"], gamma=s["gamma"], tau=s["tau"], n_critics=2,
                 initial_temperature=s["alpha_init"], actor_encoder_factory=enc, critic_encoder_factory=enc)
