@@ -166,6 +166,13 @@ class Adam:
         params = [p for p in self.params if p.grad is not None]
         if not params:
             return
+        states, exp_avgs, denom = self._advance(params)
+        step_size = [(self.lr / (1 - self.beta1 ** float(s["step"]))) * -1 for s in states]
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+    def _advance(self, params: list[torch.Tensor]) -> tuple[list[dict], list[torch.Tensor], list[torch.Tensor]]:
+        """One step's moments of ``params`` (updated in place) and the denominators
+        ``sqrt(v / (1 - b2^t)) + eps``: what every Adam here shares but the learning rate."""
         for p in params:
             if p not in self.state:
                 self.state[p] = {"step": 0, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
@@ -179,12 +186,11 @@ class Adam:
         torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
         torch._foreach_mul_(exp_avg_sqs, b2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - b2)
-        step_size = [(self.lr / (1 - b1 ** float(s["step"]))) * -1 for s in states]
         bias_correction2_sqrt = [(1 - b2 ** float(s["step"])) ** 0.5 for s in states]
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+        return states, exp_avgs, denom
 
     def state_dict(self) -> dict:
         """torch.optim's layout: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}}``, the
@@ -233,3 +239,28 @@ def generator_tensor(gen: torch.Generator) -> torch.Tensor:
 def adam(params, lr: float) -> Adam:
     """The learners' optimizer: :class:`Adam` (torch.optim.Adam's multi-tensor arithmetic)."""
     return Adam(params, lr)
+
+
+class StackedAdam(Adam):
+    """:class:`Adam` over stacked tensors whose leading axis holds independent learners, each with
+    its own learning rate: ``lrs[i]`` broadcasts against ``params[i]`` (``(L, 1, ...)``; a number
+    for all). Adam is elementwise, so each learner's moments are its own; every learner takes a
+    step together (one step count per tensor). The arithmetic is :class:`Adam`'s, op for op, but
+    for the learning rate, which multiplies as a tensor (``addcdiv`` takes only a number)."""
+
+    def __init__(self, params, lrs) -> None:
+        super().__init__(params, 1.0)
+        self.lrs = list(lrs)
+        if len(self.lrs) != len(self.params):
+            raise ValueError(f"{len(self.lrs)} learning rates for {len(self.params)} tensors")
+
+    @torch.no_grad()
+    def step(self) -> None:
+        live = [(p, lr) for p, lr in zip(self.params, self.lrs) if p.grad is not None]
+        if not live:
+            return
+        states, exp_avgs, denom = self._advance([p for p, _ in live])
+        ratio = torch._foreach_div(exp_avgs, denom)
+        for r, (_, lr), s in zip(ratio, live, states):
+            r.mul_(lr * (-1.0 / (1 - self.beta1 ** float(s["step"]))))
+        torch._foreach_add_([p for p, _ in live], ratio)

@@ -27,13 +27,13 @@ from fedrl.algos.nets import TanhGaussianPolicy
 
 def bc_nll_loss(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor,
                 eps: float = 1e-6) -> torch.Tensor:
-    """``E_D[-log pi(a_D|s)]`` for pre-tanh parameters ``(B, A)``."""
-    return -TanhGaussianPolicy.log_prob_from(mean, log_std, actions, eps).mean()
+    """``E_D[-log pi(a_D|s)]`` for pre-tanh parameters ``(..., B, A)``: one value per learner."""
+    return -TanhGaussianPolicy.log_prob_from(mean, log_std, actions, eps).mean(dim=-1)
 
 
 def bc_mse_loss(mean: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-    """``E_D[||tanh(mu(s)) - a_D||^2]``."""
-    return (torch.tanh(mean) - actions).pow(2).sum(-1).mean()
+    """``E_D[||tanh(mu(s)) - a_D||^2]`` for ``(..., B, A)``: one value per learner."""
+    return (torch.tanh(mean) - actions).pow(2).sum(-1).mean(dim=-1)
 
 
 class BCLearner:

@@ -1,5 +1,9 @@
 """CQL critic losses (Kumar et al. 2020, CQL(H)); the critic half of the DRPO local update.
 
+Every loss takes optional leading learner dimensions (``...``): one learner's inputs give a
+scalar, ``L`` learners' stacked inputs give ``(L,)`` (one value per learner), which the batched
+learners (:mod:`fedrl.algos.batched`) sum before one backward pass. One source of the maths.
+
 Source: the paper's eq. (cql) and CORL ``algorithms/offline/cql.py`` for the practical
 log-sum-exp estimate of the penalty. CQL itself is DRPO with lambda1 = lambda2 = 0
 (:func:`fedrl.algos.config.cql_config`); its learner is :class:`fedrl.algos.drpo.DRPOLearner`.
@@ -20,18 +24,25 @@ def td_target(
     next_log_prob: torch.Tensor | None = None,
     alpha: torch.Tensor | float = 0.0,
 ) -> torch.Tensor:
-    """``y = r + gamma (1 - done) (Q_targ(s', a') - alpha log pi(a'|s'))``, all ``(B,)``.
+    """``y = r + gamma (1 - done) (Q_targ(s', a') - alpha log pi(a'|s'))``, all ``(..., B)``.
 
     ``next_q`` is already the minimum over the target critics; pass ``next_log_prob`` only when
-    the entropy bonus is backed up (``DRPOConfig.backup_entropy``).
+    the entropy bonus is backed up (``DRPOConfig.backup_entropy``). ``gamma`` and ``alpha``: a
+    number, or one value per learner ``(...)``.
     """
-    v = next_q if next_log_prob is None else next_q - alpha * next_log_prob
-    return rewards + gamma * (1.0 - dones) * v
+    v = next_q if next_log_prob is None else next_q - per_sample(alpha) * next_log_prob
+    return rewards + per_sample(gamma) * (1.0 - dones) * v
+
+
+def per_sample(x):
+    """A per-learner value ``(L,)`` as ``(L, 1)``, to scale that learner's ``(L, B)`` samples; a
+    number or a 0-d tensor (one learner) as it is."""
+    return x.unsqueeze(-1) if isinstance(x, torch.Tensor) and x.ndim > 0 else x
 
 
 def td_loss(q_data: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``sum_e 1/2 E_D[(Q_e(s,a) - y)^2]`` for ``q_data (E, B)``, ``target (B,)`` (eq. cql)."""
-    return 0.5 * (q_data - target.detach()).pow(2).mean(dim=-1).sum()
+    """``sum_e 1/2 E_D[(Q_e(s,a) - y)^2]`` for ``q_data (..., E, B)``, ``target (..., B)`` (eq. cql)."""
+    return 0.5 * (q_data - target.detach().unsqueeze(-2)).pow(2).mean(dim=-1).sum(dim=-1)
 
 
 def cql_penalty(
@@ -47,18 +58,20 @@ def cql_penalty(
 
     The log-sum-exp over actions is estimated with importance sampling from three proposals, all
     evaluated at the current state ``s``: uniform actions (density ``0.5^|A|``), ``a ~ pi(.|s)``
-    and ``a ~ pi(.|s')``. Shapes: ``q_data (E, B)``, ``q_* (E, B, N)``, ``log_pi* (B, N)``.
-    The log-probabilities are proposal densities and carry no gradient.
+    and ``a ~ pi(.|s')``. Shapes: ``q_data (..., E, B)``, ``q_* (..., E, B, N)``, ``log_pi*
+    (..., B, N)``. The log-probabilities are proposal densities and carry no gradient.
     """
     log_uniform = act_dim * math.log(0.5)
     cat = torch.cat(
-        [q_rand - log_uniform, q_pi - log_pi.detach(), q_pi_next - log_pi_next.detach()], dim=-1
-    )  # (E, B, 3N)
-    return (torch.logsumexp(cat, dim=-1) - q_data).mean(dim=-1).sum()
+        [q_rand - log_uniform, q_pi - log_pi.detach().unsqueeze(-3),
+         q_pi_next - log_pi_next.detach().unsqueeze(-3)], dim=-1
+    )  # (..., E, B, 3N)
+    return (torch.logsumexp(cat, dim=-1) - q_data).mean(dim=-1).sum(dim=-1)
 
 
 def temperature_loss(
-    log_alpha: torch.Tensor, log_prob: torch.Tensor, target_entropy: float
+    log_alpha: torch.Tensor, log_prob: torch.Tensor, target_entropy: float | torch.Tensor
 ) -> torch.Tensor:
-    """SAC temperature loss ``-log_alpha * E[log pi(a|s) + H_target]`` (log-prob detached)."""
-    return -(log_alpha * (log_prob.detach() + target_entropy)).mean()
+    """SAC temperature loss ``-log_alpha * E[log pi(a|s) + H_target]`` (log-prob detached);
+    ``log_alpha`` and ``target_entropy`` one per learner ``(...)``, ``log_prob (..., B)``."""
+    return -(per_sample(log_alpha) * (log_prob.detach() + per_sample(target_entropy))).mean(dim=-1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,7 +32,7 @@ from fedrl.algos.base import (
     soft_update_,
 )
 from fedrl.algos.config import DRPOConfig
-from fedrl.algos.cql import cql_penalty, td_loss, td_target, temperature_loss
+from fedrl.algos.cql import cql_penalty, per_sample, td_loss, td_target, temperature_loss
 from fedrl.algos.nets import EnsembleCritic, TanhGaussianPolicy
 
 
@@ -57,24 +58,147 @@ def actor_loss(
     q_scale: str = "raw",
     q_norm: float = 2.5,
 ) -> ActorLoss:
-    """L_pi of eq. (local_updating_pi); all per-sample inputs ``(B,)``, ``None`` = term off.
+    """L_pi of eq. (local_updating_pi); all per-sample inputs ``(..., B)``, ``None`` = term off.
+    ``alpha``, ``lambda1`` and ``lambda2``: numbers, or one per learner ``(...)``; every term
+    comes out per learner ``(...)``.
 
     ``q_scale='raw'`` uses -E[Q] as written; ``'normalized'`` uses -(q_norm / E|Q|) E[Q] with
     E|Q| detached, so the Q term is O(q_norm) whatever the reward scale.
     """
-    q_mean = q_pi.mean()
+    q_mean = q_pi.mean(dim=-1)
     if q_scale == "normalized":
-        q_term = -(q_norm / q_pi.abs().mean().detach().clamp_min(1e-6)) * q_mean
+        q_term = -(q_norm / q_pi.abs().mean(dim=-1).detach().clamp_min(1e-6)) * q_mean
     elif q_scale == "raw":
         q_term = -q_mean
     else:
         raise ValueError(f"q_scale must be 'raw' or 'normalized', got {q_scale!r}")
-    zero = q_mean.new_zeros(())
-    entropy_term = (alpha * log_pi).mean()
-    reg_data = nll_data.mean() if nll_data is not None else zero
-    reg_global = nll_global.mean() if nll_global is not None else zero
+    zero = q_mean.new_zeros(q_mean.shape)
+    entropy_term = (per_sample(alpha) * log_pi).mean(dim=-1)
+    reg_data = nll_data.mean(dim=-1) if nll_data is not None else zero
+    reg_global = nll_global.mean(dim=-1) if nll_global is not None else zero
     total = q_term + entropy_term + lambda1 * reg_data + lambda2 * reg_global
     return ActorLoss(total, q_term, entropy_term, reg_data, reg_global)
+
+
+class Noise(NamedTuple):
+    """Every random number one DRPO step uses, drawn up front (leading learner dims ``...``)."""
+
+    pi: torch.Tensor  # (..., B, A) standard normal: the actor's sample a ~ pi(.|s)
+    glob: torch.Tensor | None  # (..., B, G, A) standard normal: a ~ pi_bar(.|s) for D(pi, pi_bar); None: term off
+    next: torch.Tensor  # (..., B, N+1, A) standard normal: a' ~ pi(.|s') (TD target, then N CQL proposals)
+    cur: torch.Tensor  # (..., B, N, A) standard normal: CQL proposals a ~ pi(.|s)
+    rand: torch.Tensor  # (..., B, N, A) uniform on [-1, 1): CQL's uniform proposals
+
+
+def draw_noise(gen: torch.Generator, lead: tuple[int, ...], batch: int, act_dim: int, cfg: DRPOConfig,
+               with_global: bool, device: torch.device, dtype: torch.dtype) -> Noise:
+    """One step's draws from ``gen``, each kind in one call for all ``lead`` learners, in the
+    order the single learner has always drawn them (its runs are unchanged by drawing up front)."""
+    n = cfg.cql_n_actions
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn((*lead, batch, *shape), generator=gen, device=device, dtype=dtype)
+
+    pi = normal(act_dim)
+    glob = normal(cfg.global_samples, act_dim) if with_global else None
+    nxt, cur = normal(n + 1, act_dim), normal(n, act_dim)
+    rand = torch.rand((*lead, batch, n, act_dim), generator=gen, device=device, dtype=dtype).mul_(2.0).sub_(1.0)
+    return Noise(pi, glob, nxt, cur, rand)
+
+
+@dataclass(frozen=True)
+class Coefs:
+    """The weights one DRPO step uses: numbers (one learner) or tensors ``(L,)`` (one per learner)."""
+
+    lambda1: float | torch.Tensor
+    lambda2: float | torch.Tensor
+    cql_weight: float | torch.Tensor
+    td_weight: float | torch.Tensor
+    gamma: float | torch.Tensor
+    target_entropy: float | torch.Tensor
+    q_norm: float | torch.Tensor
+
+
+def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, noise: Noise, cfg: DRPOConfig,
+                coefs: Coefs, log_alpha: torch.Tensor | None, alpha: torch.Tensor, act_dim: int,
+                twin_dim: int, data_reg: bool, global_reg: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The losses of one DRPO step (temperature, actor, critic; each one value per learner), and
+    its diagnostics. The single learner (``twin_dim=0``, its critics called as they are: ``(2, B)``)
+    and the batched one (``twin_dim=1``, :meth:`EnsembleCritic.grouped`: ``(L, 2, B)``) both run
+    exactly this.
+
+    ``cfg`` gives the structural settings (sample counts, the TD target's action, the Q scale, the
+    action clip); ``coefs`` the weights (``cfg``'s own are not read); ``data_reg`` / ``global_reg`` whether the lambda terms are
+    computed at all (a learner whose lambda is 0 in a batch that computes them multiplies by 0)."""
+    obs, act, rew, next_obs, done = batch
+    n = cfg.cql_n_actions
+    sample = TanhGaussianPolicy.sample_with
+    q, q_target = (critic.grouped, critic_target.grouped) if twin_dim else (critic, critic_target)
+
+    # pi(.|s): one forward serves the actor sample, both regularisers and the CQL proposals.
+    mean, log_std = policy(obs)  # (..., B, A) each
+    pi_a, log_pi = sample(mean, log_std, noise.pi)  # (..., B, A), (..., B)
+
+    losses = []
+    if log_alpha is not None:
+        losses.append(temperature_loss(log_alpha, log_pi, coefs.target_entropy))
+
+    nll_data = nll_global = None
+    if data_reg:
+        nll_data = -TanhGaussianPolicy.log_prob_from(mean, log_std, act, cfg.action_clip_eps)
+    if global_reg:
+        with torch.no_grad():
+            g_mean, g_log_std = global_policy(obs)
+            g_a, _ = sample(g_mean, g_log_std, noise.glob)
+        nll_global = -TanhGaussianPolicy.log_prob_from(
+            mean.unsqueeze(-2), log_std.unsqueeze(-2), g_a, cfg.action_clip_eps
+        ).mean(-1)  # (..., B)
+
+    # Q(s, a~pi) for the actor: gradients flow into the action only, not the critic weights.
+    critic.requires_grad_(False)
+    q_pi = q(obs, pi_a).min(dim=twin_dim).values  # (..., B)
+    critic.requires_grad_(True)
+    actor = actor_loss(q_pi, log_pi, alpha, nll_data, nll_global,
+                       coefs.lambda1, coefs.lambda2, cfg.q_scale, coefs.q_norm)
+    losses.append(actor.total)
+
+    # Critic: TD target from pi(.|s') and the target critics; CQL(H) proposals.
+    with torch.no_grad():
+        n_mean, n_log_std = policy(next_obs)
+        next_a, next_log_pi = sample(n_mean, n_log_std, noise.next)
+        a_next = torch.tanh(n_mean) if cfg.target_action == "mean" else next_a[..., 0, :]
+        next_q = q_target(next_obs, a_next).min(dim=twin_dim).values  # (..., B)
+        y = td_target(rew, done, next_q, coefs.gamma,
+                      next_log_pi[..., 0] if cfg.backup_entropy else None, alpha)
+        cur_a, cur_log_pi = sample(mean, log_std, noise.cur)  # (..., B, N, A)
+    # All critic evaluations at s in one ensemble call: data, uniform, pi(s), pi(s').
+    all_a = torch.cat([act.unsqueeze(-2), noise.rand, cur_a, next_a[..., 1:, :]], dim=-2)  # (..., B, 1+3N, A)
+    q_all = q(obs.unsqueeze(-2), all_a)  # (..., E, B, 1+3N)
+    q_data = q_all[..., 0]
+    q_rand, q_cur, q_next = q_all[..., 1:].split(n, dim=-1)
+    c_td = td_loss(q_data, y)
+    c_cql = cql_penalty(q_data, q_rand, q_cur, cur_log_pi, q_next, next_log_pi[..., 1:], act_dim)
+    losses.append(coefs.td_weight * c_td + coefs.cql_weight * c_cql)
+
+    with torch.no_grad():
+        q_data_mean = q_data.mean(dim=(-2, -1))
+        diag = {
+            "critic_td": c_td.detach(),
+            "cql_penalty": c_cql.detach(),
+            "actor_loss": actor.total.detach(),
+            "actor_q_term": actor.q_term.detach(),
+            "reg_data": actor.reg_data.detach(),
+            "reg_global": actor.reg_global.detach(),
+            "alpha": alpha,
+            "q_data": q_data_mean,
+            # where the critic's values come from (issue 53): the target's action values, the
+            # targets, and the penalty's pushed-down side (its log-sum-exp) beside q_data
+            "q_target_action": next_q.mean(dim=-1),
+            "td_target": y.mean(dim=-1),
+            "cql_logsumexp": c_cql.detach() / 2.0 + q_data_mean,
+            "entropy": -log_pi.detach().mean(dim=-1),
+        }
+    return losses, diag
 
 
 class DRPOLearner:
@@ -178,60 +302,21 @@ class DRPOLearner:
         return self.log_alpha.detach().exp()
 
     # -- one gradient step ----------------------------------------------------------------
-    def update(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """One DRPO step: temperature, actor and critic losses, one backward, one Polyak update."""
-        cfg, g = self.cfg, self.gen
-        obs, act, rew, next_obs, done = batch
-        n = cfg.cql_n_actions
+    def coefs(self) -> Coefs:
+        cfg = self.cfg
+        return Coefs(cfg.lambda1, cfg.lambda2, cfg.cql_weight, cfg.td_weight, cfg.gamma, self.target_entropy,
+                     cfg.q_norm)
 
-        # pi(.|s): one forward serves the actor sample, both regularisers and the CQL proposals.
-        mean, log_std = self.policy(obs)  # (B, A) each
-        pi_a, log_pi = TanhGaussianPolicy.sample_from(mean, log_std, g)  # (B, A), (B,)
-
-        losses = []
-        if self.log_alpha is not None:
-            losses.append(temperature_loss(self.log_alpha, log_pi, self.target_entropy))
-        alpha = self.alpha
-
-        nll_data = nll_global = None
-        if cfg.lambda1 > 0:
-            nll_data = -TanhGaussianPolicy.log_prob_from(mean, log_std, act, cfg.action_clip_eps)
-        if cfg.lambda2 > 0:
-            with torch.no_grad():
-                g_mean, g_log_std = self.global_policy(obs)
-                g_a, _ = TanhGaussianPolicy.sample_from(g_mean, g_log_std, g, n=cfg.global_samples)
-            nll_global = -TanhGaussianPolicy.log_prob_from(
-                mean.unsqueeze(-2), log_std.unsqueeze(-2), g_a, cfg.action_clip_eps
-            ).mean(-1)  # (B,)
-
-        # Q(s, a~pi) for the actor: gradients flow into the action only, not the critic weights.
-        self.critic.requires_grad_(False)
-        q_pi = self.critic(obs, pi_a).min(dim=0).values  # (B,)
-        self.critic.requires_grad_(True)
-        actor = actor_loss(q_pi, log_pi, alpha, nll_data, nll_global,
-                           cfg.lambda1, cfg.lambda2, cfg.q_scale, cfg.q_norm)
-        losses.append(actor.total)
-
-        # Critic: TD target from pi(.|s') and the target critics; CQL(H) proposals.
-        with torch.no_grad():
-            n_mean, n_log_std = self.policy(next_obs)
-            next_a, next_log_pi = TanhGaussianPolicy.sample_from(n_mean, n_log_std, g, n=n + 1)
-            a_next = torch.tanh(n_mean) if cfg.target_action == "mean" else next_a[:, 0]
-            next_q = self.critic_target(next_obs, a_next).min(dim=0).values  # (B,)
-            y = td_target(rew, done, next_q, cfg.gamma,
-                          next_log_pi[:, 0] if cfg.backup_entropy else None, alpha)
-            cur_a, cur_log_pi = TanhGaussianPolicy.sample_from(mean, log_std, g, n=n)  # (B, N, A)
-            rand_a = torch.rand(act.shape[0], n, self.act_dim, generator=g, device=act.device,
-                                dtype=act.dtype).mul_(2.0).sub_(1.0)
-        # All critic evaluations at s in one ensemble call: data, uniform, pi(s), pi(s').
-        all_a = torch.cat([act.unsqueeze(1), rand_a, cur_a, next_a[:, 1:]], dim=1)  # (B, 1+3N, A)
-        q_all = self.critic(obs.unsqueeze(1), all_a)  # (E, B, 1+3N)
-        q_data = q_all[..., 0]
-        q_rand, q_cur, q_next = q_all[..., 1:].split(n, dim=-1)
-        c_td = td_loss(q_data, y)
-        c_cql = cql_penalty(q_data, q_rand, q_cur, cur_log_pi, q_next, next_log_pi[:, 1:],
-                            self.act_dim)
-        losses.append(cfg.td_weight * c_td + cfg.cql_weight * c_cql)
+    def update(self, batch: Batch, noise: Noise | None = None) -> dict[str, torch.Tensor]:
+        """One DRPO step: temperature, actor and critic losses, one backward, one Polyak update.
+        ``noise``: the step's draws (default: drawn from the learner's generator)."""
+        cfg = self.cfg
+        if noise is None:
+            noise = draw_noise(self.gen, (), batch.obs.shape[0], self.act_dim, cfg, cfg.lambda2 > 0,
+                               batch.obs.device, batch.obs.dtype)
+        losses, diag = drpo_losses(self.policy, self.global_policy, self.critic, self.critic_target, batch, noise,
+                                   cfg, self.coefs(), self.log_alpha, self.alpha, self.act_dim, 0,
+                                   cfg.lambda1 > 0, cfg.lambda2 > 0)
 
         # The three losses touch disjoint parameters, so one backward serves all of them.
         opts = [self.actor_opt, self.critic_opt]
@@ -243,14 +328,4 @@ class DRPOLearner:
         for o in opts:
             o.step()
         soft_update_(self.critic_target, self.critic, cfg.tau)
-
-        return {
-            "critic_td": c_td.detach(),
-            "cql_penalty": c_cql.detach(),
-            "actor_loss": actor.total.detach(),
-            "actor_q_term": actor.q_term.detach(),
-            "reg_data": actor.reg_data.detach(),
-            "reg_global": actor.reg_global.detach(),
-            "alpha": alpha,
-            "q_data": q_data.detach().mean(),
-        }
+        return diag

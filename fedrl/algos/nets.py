@@ -69,10 +69,19 @@ class TanhGaussianPolicy(nn.Module):
         ``n=None``: one action per state, shapes ``(B, A)`` and ``(B,)``.
         ``n=k``: k actions per state, shapes ``(B, k, A)`` and ``(B, k)``.
         """
-        if n is not None:
-            mean = mean.unsqueeze(-2).expand(*mean.shape[:-1], n, mean.shape[-1])
-            log_std = log_std.unsqueeze(-2).expand_as(mean)
-        eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        shape = mean.shape if n is None else (*mean.shape[:-1], n, mean.shape[-1])
+        eps = torch.randn(shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        return TanhGaussianPolicy.sample_with(mean, log_std, eps)
+
+    @staticmethod
+    def sample_with(mean: torch.Tensor, log_std: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reparameterised sample ``tanh(mean + std * eps)`` and its log-prob for given
+        standard-normal noise: ``eps`` of ``mean``'s shape ``(..., A)`` (one action per state) or
+        ``(..., k, A)`` (k actions per state). The learners draw their noise up front
+        (:func:`fedrl.algos.drpo.draw_noise`), so a batched learner and single ones can be fed
+        the same draws."""
+        if eps.ndim == mean.ndim + 1:
+            mean, log_std = mean.unsqueeze(-2), log_std.unsqueeze(-2)
         u = mean + log_std.exp() * eps
         log_prob = (-0.5 * eps.pow(2) - log_std - 0.5 * LOG_2PI - tanh_log_det_jacobian(u)).sum(-1)
         return torch.tanh(u), log_prob
@@ -244,3 +253,75 @@ class EnsembleCritic(nn.Module):
         x = x.expand(self.ensemble, -1, -1)
         params = [t for layer in (*self.hidden, self.out) for t in (layer.weight, layer.bias)]
         return _EnsembleReluMLP.apply(x, *params).reshape(self.ensemble, *batch_shape)
+
+    def grouped(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        """``G`` learners' critics in one call: ``obs (G, ..., O)``, ``act (G, ..., A)`` ->
+        ``(G, E/G, ...)``. Members ``[g*k, (g+1)*k)`` (``k = E/G``, a twin: 2) see group g's
+        inputs only, so learner g's twin critic is exactly its own two members."""
+        groups, batch_shape = act.shape[0], act.shape[1:-1]
+        k = self.ensemble // groups
+        if k * groups != self.ensemble:
+            raise ValueError(f"{self.ensemble} members do not split into {groups} groups")
+        if obs.shape[:-1] != act.shape[:-1]:
+            obs = obs.expand(*act.shape[:-1], obs.shape[-1])
+        x = torch.cat([obs, act], dim=-1).reshape(groups, 1, -1, obs.shape[-1] + act.shape[-1])
+        x = x.expand(groups, k, *x.shape[2:]).reshape(self.ensemble, *x.shape[2:])
+        params = [t for layer in (*self.hidden, self.out) for t in (layer.weight, layer.bias)]
+        return _EnsembleReluMLP.apply(x, *params).reshape(groups, k, *batch_shape)
+
+
+class EnsemblePolicy(nn.Module):
+    """``L`` tanh-Gaussian policies (:class:`TanhGaussianPolicy`'s network, one per learner) as one
+    batched ensemble: ``forward(obs (L, ..., O)) -> (mean, log_std)``, each ``(L, ..., A)``.
+
+    Layer ``i``'s weights are stacked ``(L, in, out)`` (the transpose of ``nn.Linear``'s; see
+    :func:`policy_to_members` / :func:`members_to_policy`); ``obs_mean`` / ``obs_std`` are ``(L, O)``.
+    """
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: Sequence[int], members: int,
+                 log_std_min: float = -5.0, log_std_max: float = 2.0) -> None:
+        super().__init__()
+        self.obs_dim, self.act_dim, self.members = obs_dim, act_dim, members
+        self.log_std_min, self.log_std_max = log_std_min, log_std_max
+        dims = [obs_dim, *hidden, 2 * act_dim]
+        self.layers = nn.ModuleList(VectorizedLinear(i, o, members) for i, o in zip(dims[:-1], dims[1:]))
+        self.register_buffer("obs_mean", torch.zeros(members, obs_dim))
+        self.register_buffer("obs_std", torch.ones(members, obs_dim))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lead = obs.shape[:-1]
+        x = obs.reshape(self.members, -1, self.obs_dim)
+        params = [t for layer in self.layers for t in (layer.weight, layer.bias)]
+        out = _EnsembleReluMLP.apply(x, *params).reshape(*lead, 2 * self.act_dim)
+        mean, log_std = out.chunk(2, dim=-1)
+        return mean, log_std.clamp(self.log_std_min, self.log_std_max)
+
+    @torch.inference_mode()
+    def act(self, raw_obs: torch.Tensor) -> torch.Tensor:
+        """Deterministic actions ``tanh(mu(s))`` of every member for raw observations ``(L, N, O)``."""
+        mean, _ = self((raw_obs - self.obs_mean.unsqueeze(1)) / self.obs_std.unsqueeze(1))
+        return torch.tanh(mean)
+
+
+def policy_to_members(state: dict[str, torch.Tensor], hidden: Sequence[int]) -> dict[str, torch.Tensor]:
+    """One :class:`TanhGaussianPolicy` state dict as member tensors of an :class:`EnsemblePolicy`
+    (each with a leading axis of 1; ``torch.cat`` of several such makes the ensemble's)."""
+    names = [f"trunk.{2 * i}" for i in range(len(hidden))] + ["head"]
+    out = {}
+    for i, name in enumerate(names):
+        out[f"layers.{i}.weight"] = state[f"{name}.weight"].T.unsqueeze(0)
+        out[f"layers.{i}.bias"] = state[f"{name}.bias"].reshape(1, 1, -1)
+    out["obs_mean"], out["obs_std"] = state["obs_mean"].unsqueeze(0), state["obs_std"].unsqueeze(0)
+    return out
+
+
+def members_to_policy(state: dict[str, torch.Tensor], member: int, hidden: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Member ``member`` of an :class:`EnsemblePolicy` state dict as a :class:`TanhGaussianPolicy`
+    state dict (contiguous copies)."""
+    names = [f"trunk.{2 * i}" for i in range(len(hidden))] + ["head"]
+    out = {}
+    for i, name in enumerate(names):
+        out[f"{name}.weight"] = state[f"layers.{i}.weight"][member].T.contiguous()
+        out[f"{name}.bias"] = state[f"layers.{i}.bias"][member, 0].clone()
+    out["obs_mean"], out["obs_std"] = state["obs_mean"][member].clone(), state["obs_std"][member].clone()
+    return out

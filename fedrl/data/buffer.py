@@ -35,3 +35,36 @@ class TensorBuffer:
         idx = torch.randint(self.size, (batch_size,), generator=generator, device=self.device)
         return Batch(self.obs[idx], self.actions[idx], self.rewards[idx], self.next_obs[idx],
                      self.dones[idx])
+
+
+class StackedBuffer:
+    """Several agents' shards (of any sizes) in one set of device tensors, each sampled from its
+    own rows: :meth:`sample` gives a ``(L, B, ...)`` batch whose row l comes from shard l only.
+
+    The shards are concatenated; shard l occupies rows ``[offsets[l], offsets[l] + sizes[l])``.
+    One uniform draw ``(L, B)`` in float64 from the batch's generator picks every learner's rows
+    at once (``floor(u * size)``; float64 keeps each of a shard's rows equally likely for any
+    shard smaller than 2^40 rows)."""
+
+    def __init__(self, buffers: list[TensorBuffer]) -> None:
+        if not buffers:
+            raise ValueError("a stacked buffer needs at least one shard")
+        device = buffers[0].device
+        self.device = device
+        for name in ("obs", "next_obs", "actions", "rewards", "dones"):
+            setattr(self, name, torch.cat([getattr(b, name) for b in buffers]))
+        sizes = [len(b) for b in buffers]
+        self.sizes = torch.tensor(sizes, device=device, dtype=torch.float64)
+        self.offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes)[:-1]]), device=device, dtype=torch.int64)
+        self.max_index = torch.tensor(sizes, device=device, dtype=torch.int64) - 1
+        self.members = len(buffers)
+
+    def indices(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        """Rows ``(L, B)`` into the concatenated tensors, row l within shard l."""
+        u = torch.rand((self.members, batch_size), generator=generator, device=self.device, dtype=torch.float64)
+        local = (u * self.sizes.unsqueeze(1)).long()
+        return self.offsets.unsqueeze(1) + torch.minimum(local, self.max_index.unsqueeze(1))
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
+        idx = self.indices(batch_size, generator)
+        return Batch(self.obs[idx], self.actions[idx], self.rewards[idx], self.next_obs[idx], self.dones[idx])
