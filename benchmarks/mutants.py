@@ -116,7 +116,7 @@ MUTANTS = (
     Mutant("batched-critic-members-mixed", N, "x = x.expand(groups, k, *x.shape[2:]).reshape(self.ensemble, *x.shape[2:])",
            "x = x.expand(groups, k, *x.shape[2:]).transpose(0, 1).reshape(self.ensemble, *x.shape[2:])", BATCHED_TESTS),
     Mutant("batched-temperature-of-another", BAT, "self.log_alpha.copy_(torch.stack([ln.log_alpha.detach() for ln in learners]))",
-           "self.log_alpha.copy_(torch.stack([ln.log_alpha.detach() for ln in learners]).flip(0))", BATCHED_TESTS),
+           "self.log_alpha.copy_(torch.stack([ln.log_alpha.detach() for ln in learners]).roll(1, 0))", BATCHED_TESTS),
     # aggregation (aggregate.py)
     Mutant("fedavg-not-normalised", A, "return [wi / total for wi in w]", "return [wi for wi in w]"),
     Mutant("samples-weighting-ignored", A, "return [float(n) for n in num_samples]", "return [1.0] * len(num_samples)"),

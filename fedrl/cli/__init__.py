@@ -23,7 +23,7 @@ from fedrl.federation.aggregate import AGGREGATIONS, WEIGHTINGS
 
 def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     from fedrl.federation.aggregate import FEDERATE_CHOICES
-    from fedrl.federation.simulate import DEFAULT_DATASET, SimConfig
+    from fedrl.federation.simulate import DEFAULT_DATASET, ENGINES, SimConfig
 
     d, hp, bc = SimConfig(), DRPOConfig(), BCConfig()
     p = sub.add_parser("simulate", help="run a federation in one process (no network)",
@@ -58,6 +58,10 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--parallel-agents", type=argtypes.at_least(1), default=1,
                    help="agents trained at once, one thread each (with --threads 1: the same numbers as one "
                         "at a time, on as many cores)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="per-agent: one learner per agent (the services' path); batched: every agent as one "
+                        "batched model (each its own data, draws and moments); auto: batched on a GPU, "
+                        "per-agent on the CPU, where batching is slower (BENCHMARKS.md, batched throughput)")
     p.add_argument("--checkpoint", action="store_true",
                    help="write the whole state to OUT/checkpoint.safetensors after every round (and each "
                         "agent's, as it finishes its local round, to OUT/agents-in-round/); the same command "
@@ -110,7 +114,8 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
     out = a.out or f"runs/{a.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not (a.checkpoint and has_checkpoint(out)):
         refuse_a_used_folder(out, ("config.json", "rounds.jsonl", "summary.json"))
-    summary = run(cfg, out, checkpoint=a.checkpoint, parallel_agents=a.parallel_agents, progress=True)
+    summary = run(cfg, out, checkpoint=a.checkpoint, parallel_agents=a.parallel_agents, progress=True,
+                  engine=a.engine)
     if summary["final"]:
         f = summary["final"]
         print(json.dumps({"out": str(out), "final_return": round(f["return_mean"], 2),

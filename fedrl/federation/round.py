@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +23,7 @@ from fedrl.data.d4rl import Transitions
 _INIT_LOCK = threading.Lock()
 
 # Seed streams derived from the run seed; keeping them apart keeps runs reproducible.
-SEED_GLOBAL_INIT, SEED_AGENT_INIT, SEED_AGENT_RNG, SEED_EVAL, SEED_SHARDS = range(5)
+SEED_GLOBAL_INIT, SEED_AGENT_INIT, SEED_AGENT_RNG, SEED_EVAL, SEED_SHARDS, SEED_BATCH_RNG = range(6)
 
 
 class RoundInterrupted(Exception):
@@ -119,3 +119,55 @@ class LocalTrainer:
         metrics = {k: float(torch.stack(v).float().mean()) for k, v in logs.items()}
         return LocalResult(self.agent, self.learner.shared_state(self.federate_critic, copy),
                            len(self.buffer), metrics, time.perf_counter() - t0)
+
+
+class BatchedTrainer:
+    """A run's agents as one batched model (:mod:`fedrl.algos.batched`): every agent's round of
+    :class:`LocalTrainer` in one sequence of batched steps.
+
+    Agent i starts from exactly the weights its :class:`LocalTrainer` would have (the same seeds);
+    its minibatches come from its own shard and its draws from the batch's generator (seeded from
+    the run seed: a batched run is reproducible from it, and is not the per-agent run's draw for
+    draw). ``cfgs``: one config per agent (per-agent hyperparameters; see ``DRPO_PER_LEARNER``)."""
+
+    def __init__(self, agents: Sequence[int], cfgs: Sequence[DRPOConfig | BCConfig], shards: Sequence[Transitions],
+                 norms: Sequence[tuple[np.ndarray, np.ndarray]], seed: int, device: torch.device,
+                 federate_critic: bool = False, local_normalizer: bool = False, rng_stream: int = 0) -> None:
+        from fedrl.algos.batched import build_batched
+        from fedrl.data.buffer import StackedBuffer
+
+        if not (len(agents) == len(cfgs) == len(shards) == len(norms)):
+            raise ValueError("one agent, config, shard and normaliser each")
+        self.agents, self.cfgs, self.device = list(agents), list(cfgs), device
+        self.federate_critic, self.local_normalizer, self.norms = federate_critic, local_normalizer, list(norms)
+        self.buffer = StackedBuffer([TensorBuffer(tr, m, sd, device) for tr, (m, sd) in zip(shards, norms)])
+        self.sizes = [len(tr) for tr in shards]
+        obs_dim, act_dim = shards[0].obs.shape[1], shards[0].actions.shape[1]
+        self.gen = make_generator(derive_seed(seed, SEED_BATCH_RNG, rng_stream), device)
+        self.learner = build_batched(self.cfgs, obs_dim, act_dim, device, self.gen)
+        # each agent's initial weights exactly as its LocalTrainer's (built on the CPU, then stacked)
+        singles = [build_learner(c, obs_dim, act_dim, torch.device("cpu"), derive_seed(seed, SEED_AGENT_INIT, a),
+                                 derive_seed(seed, SEED_AGENT_RNG, a)) for a, c in zip(self.agents, self.cfgs)]
+        self.learner.load_members(singles)
+
+    def train_round(self, global_states: Sequence[Mapping[str, torch.Tensor]], steps: int,
+                    progress: Callable[[int, int], None] | None = None) -> list[LocalResult]:
+        """Every agent adopts its ``global_states[i]`` and takes ``steps`` local steps."""
+        t0 = time.perf_counter()
+        self.learner.begin_round(global_states)
+        if self.local_normalizer:
+            with torch.no_grad():
+                self.learner.policy.obs_mean.copy_(torch.as_tensor(np.stack([m for m, _ in self.norms])))
+                self.learner.policy.obs_std.copy_(torch.as_tensor(np.stack([s for _, s in self.norms])))
+        sums: dict[str, torch.Tensor] = {}
+        batch = self.cfgs[0].batch_size
+        for i in range(steps):
+            if progress is not None:
+                progress(i, steps)
+            for k, v in self.learner.update(self.buffer.sample(batch, self.gen)).items():
+                sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
+        metrics = {k: (v.double() / max(steps, 1)).cpu().tolist() for k, v in sums.items()}
+        states = self.learner.shared_states(self.federate_critic)
+        secs = time.perf_counter() - t0
+        return [LocalResult(a, st, n, {k: float(v[i]) for k, v in metrics.items()}, secs)
+                for i, (a, st, n) in enumerate(zip(self.agents, states, self.sizes))]

@@ -38,11 +38,25 @@ from fedrl.federation.options import FederationOptions
 from fedrl.federation.round import (
     SEED_EVAL,
     SEED_SHARDS,
+    BatchedTrainer,
     LocalResult,
     LocalTrainer,
     algo_config,
     initial_global_state,
 )
+
+ENGINES = ("auto", "batched", "per-agent")
+
+
+def resolve_engine(engine: str, device: torch.device) -> str:
+    """``auto``: the batched model on a GPU, where one learner leaves the device idle (1.4% of an
+    H200's FP32 rate) and a batch fills it; one learner at a time on the CPU, where batching does
+    not pay (``python -m benchmarks.throughput batched``: BENCHMARKS.md)."""
+    if engine not in ENGINES:
+        raise ValueError(f"--engine: choose {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "auto":
+        return "batched" if device.type == "cuda" else "per-agent"
+    return engine
 
 DEFAULT_DATASET = "hopper-random-v2"
 
@@ -149,7 +163,8 @@ def has_checkpoint(out: str | Path) -> bool:
 
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
         on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-        checkpoint: bool = False, parallel_agents: int = 1, progress: bool = False) -> dict[str, Any]:
+        checkpoint: bool = False, parallel_agents: int = 1, progress: bool = False,
+        engine: str = "auto") -> dict[str, Any]:
     """Run the federation; write ``config.json``, ``rounds.jsonl``, ``summary.json``,
     ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``.
     ``on_round(r, global_state)`` sees every new global model (the equivalence tests use it).
@@ -161,13 +176,22 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 
     ``parallel_agents`` trains that many agents at once, one thread each (with one torch thread
     per process, as the benchmarks run, the agents' computations are independent: the results are
-    bit-identical to one agent at a time, tested); two on two cores take ~0.56 of the time."""
+    bit-identical to one agent at a time, tested); two on two cores take ~0.56 of the time.
+
+    ``engine``: ``per-agent`` trains each agent's own learner (the services' path, and the
+    reference); ``batched`` trains every agent as one batched model (:class:`BatchedTrainer`: the
+    same losses, each agent's own data and hyperparameters, its draws from the batch's generator);
+    ``auto`` picks :func:`resolve_engine`'s."""
     if parallel_agents < 1:
         raise ValueError(f"parallel agents must be >= 1, got {parallel_agents}")
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
+    engine = resolve_engine(engine, device)
+    if engine == "batched" and parallel_agents > 1:
+        raise ValueError("--parallel-agents runs the per-agent engine's agents in threads; the batched engine "
+                         "trains them all in one model (pass --engine per-agent, or leave --parallel-agents out)")
     seed_everything(cfg.seed)
     t_start = time.perf_counter()
 
@@ -178,13 +202,22 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     obs_dim, act_dim = shards[0].transitions.obs.shape[1], shards[0].transitions.actions.shape[1]
     hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
     federate_critic = cfg.federate == "policy+critic"
-    trainers = [
-        LocalTrainer(s.agent, hp, s.transitions, m, sd, cfg.seed, device, federate_critic,
-                     local_normalizer=cfg.obs_norm == "local")
-        for s, (m, sd) in zip(shards, norms)
-    ]
+    batched: BatchedTrainer | None = None
+    trainers: list[LocalTrainer] = []
+    if engine == "batched":
+        batched = BatchedTrainer([s.agent for s in shards], [hp] * len(shards), [s.transitions for s in shards],
+                                 norms, cfg.seed, device, federate_critic, local_normalizer=cfg.obs_norm == "local")
+        learners = {"batched/": batched.learner}
+    else:
+        trainers = [
+            LocalTrainer(s.agent, hp, s.transitions, m, sd, cfg.seed, device, federate_critic,
+                         local_normalizer=cfg.obs_norm == "local")
+            for s, (m, sd) in zip(shards, norms)
+        ]
+        learners = {f"learner/{i}/": tr.learner for i, tr in enumerate(trainers)}
+    n_agents = len(shards)
     global_state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, *g_norm, federate_critic)
-    agent_states = [global_state] * len(trainers)  # the independent 'cql' baseline's own policies
+    agent_states = [global_state] * n_agents  # the independent 'cql' baseline's own policies
     curve: list[dict[str, Any]] = []
     done_rounds = 0
     in_round: dict[int, LocalResult] = {}  # agents of round done_rounds + 1 already trained
@@ -192,22 +225,23 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         if (out / "summary.json").exists():
             raise ValueError(f"{out} holds a finished run (summary.json): nothing to resume")
         if (out / CHECKPOINT).exists():
-            done_rounds, curve, global_state, agent_states = _resume(out, cfg, trainers)
-        in_round = _resume_agents(out, cfg, done_rounds + 1, trainers)
+            done_rounds, curve, global_state, agent_states = _resume(out, cfg, learners, n_agents, engine)
+        if engine == "per-agent":
+            in_round = _resume_agents(out, cfg, done_rounds + 1, trainers)
         trained = f"; agents {', '.join(str(i + 1) for i in sorted(in_round))} of round {done_rounds + 1} " \
                   "already trained" if in_round else ""
         log(f"resuming {out} after round {done_rounds} of {cfg.rounds}{trained}")
 
     (out / "config.json").write_text(json.dumps({
         "sim": cfg.as_dict(), "algorithm_hparams": config_to_dict(hp), "env_id": env.gym_id,
-        "device": str(device),
+        "device": str(device), "engine": engine,
         "shards": [{"agent": s.agent, "source": s.source, "episodes": list(s.episodes),
                     "transitions": len(s.transitions)} for s in shards],
     }, indent=2))
-    log(f"{cfg.algo}: {len(trainers)} agents x {cfg.trajectories} trajectories"
+    log(f"{cfg.algo}: {n_agents} agents x {cfg.trajectories} trajectories"
         f"{f' (at least {cfg.transitions} transitions each)' if cfg.transitions else ''} "
         f"({sum(len(s.transitions) for s in shards)} transitions) on {env.gym_id}, "
-        f"{cfg.rounds} rounds x {cfg.local_steps} local steps, device {device}")
+        f"{cfg.rounds} rounds x {cfg.local_steps} local steps, device {device}, {engine} engine")
 
     eval_policy = TanhGaussianPolicy(obs_dim, act_dim, hp.hidden, hp.log_std_min, hp.log_std_max)
     eval_seed = derive_seed(cfg.seed, SEED_EVAL) % 2**31
@@ -217,7 +251,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         return evaluate(eval_policy, env.gym_id, cfg.eval_episodes, eval_seed).as_dict()
 
     lines = (out / "rounds.jsonl").read_text().splitlines()[:done_rounds] if done_rounds else []
-    per_round = len(trainers) * cfg.local_steps
+    per_round = n_agents * cfg.local_steps
     bar = Progress(cfg.rounds * per_round, f"{cfg.algo}", "steps", initial=done_rounds * per_round, enabled=progress)
 
     def step_done(_i: int, _n: int) -> None:
@@ -241,11 +275,15 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                     log(f"  round {r}: agent {i + 1}/{len(trainers)} done in {res.seconds:.1f}s")
                 return res
 
-            if parallel_agents > 1:
+            if batched is not None:
+                results = batched.train_round(agent_states if cfg.algo == "cql" else [global_state] * n_agents,
+                                              cfg.local_steps, progress=(lambda _i, _n: bar.update(n_agents))
+                                              if progress else None)
+            elif parallel_agents > 1:
                 with ThreadPoolExecutor(parallel_agents, thread_name_prefix="agent") as pool:
-                    results = list(pool.map(train, range(len(trainers))))
+                    results = list(pool.map(train, range(n_agents)))
             else:
-                results = [train(i) for i in range(len(trainers))]
+                results = [train(i) for i in range(n_agents)]
             if cfg.algo == "cql":
                 agent_states = [res.state for res in results]
             else:
@@ -273,7 +311,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             jl.write(json.dumps(rec) + "\n")
             jl.flush()
             if checkpoint:
-                _write_checkpoint(out, cfg, r, curve, global_state, agent_states, trainers)
+                _write_checkpoint(out, cfg, r, curve, global_state, agent_states, learners, engine)
                 _clear_agent_checkpoints(out)  # round r is in the checkpoint: its agents' files are spent
             log(_round_line(r, cfg.rounds, rec))
             bar.note(f"round {r}/{cfg.rounds}" + (f", score {curve[-1]['score_mean']:.1f}" if curve else ""))
@@ -284,7 +322,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 {"algo": cfg.algo, "env_id": env.gym_id, "hparams": config_to_dict(hp),
                  "note": "agent 0's policy (no global policy in 'cql')" if cfg.algo == "cql" else "global"})
     summary = {
-        "algo": cfg.algo, "env_id": env.gym_id, "agents": len(trainers), "rounds": cfg.rounds,
+        "algo": cfg.algo, "env_id": env.gym_id, "agents": n_agents, "rounds": cfg.rounds, "engine": engine,
         "wall_seconds": time.perf_counter() - t_start,
         "final": curve[-1] if curve else None,
         "best": max(curve, key=lambda c: c["return_mean"]) if curve else None,
@@ -298,7 +336,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 
         data_return = float(np.mean([episode_return_mean(s.transitions.rewards, s.transitions.episode) for s in shards]))
         learning_curve(curve, out / "learning_curve.png",
-                       f"{cfg.algo} on {', '.join(Path(parse_source(d, cfg.agents)[0]).name for d in cfg.datasets)}: {len(trainers)} agents x "
+                       f"{cfg.algo} on {', '.join(Path(parse_source(d, cfg.agents)[0]).name for d in cfg.datasets)}: {n_agents} agents x "
                        f"{cfg.local_steps} local steps", env.key, data_return)
     best, final = summary["best"], summary["final"]
     scores = (f"; best score {best['score_mean']:.1f} (round {best['round']}), final {final['score_mean']:.1f}"
@@ -308,14 +346,15 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 
 
 def _write_checkpoint(out: Path, cfg: SimConfig, r: int, curve: list, global_state: dict[str, torch.Tensor],
-                      agent_states: list[dict[str, torch.Tensor]], trainers: list[LocalTrainer]) -> None:
-    """Everything round ``r + 1`` starts from, in one safetensors file written atomically."""
+                      agent_states: list[dict[str, torch.Tensor]], learners: dict[str, Any], engine: str) -> None:
+    """Everything round ``r + 1`` starts from, in one safetensors file written atomically
+    (``learners``: prefix -> a learner, each agent's or the whole batch's)."""
     tensors = {f"global/{k}": v for k, v in global_state.items()}
     if cfg.algo == "cql":
         tensors |= {f"agent_state/{i}/{k}": v for i, st in enumerate(agent_states) for k, v in st.items()}
-    for i, tr in enumerate(trainers):
-        tensors |= {f"learner/{i}/{k}": v for k, v in tr.learner.checkpoint().items()}
-    meta = {"round": r, "curve": curve, "sim": _settings(cfg)}
+    for prefix, learner in learners.items():
+        tensors |= {f"{prefix}{k}": v for k, v in learner.checkpoint().items()}
+    meta = {"round": r, "curve": curve, "sim": _settings(cfg), "engine": engine}
     _atomic_save(tensors, meta, out / CHECKPOINT)
 
 
@@ -381,8 +420,9 @@ def _resume_agents(out: Path, cfg: SimConfig, r: int, trainers: list[LocalTraine
     return done
 
 
-def _resume(out: Path, cfg: SimConfig, trainers: list[LocalTrainer]) -> tuple[int, list, dict, list]:
-    """Read ``out``'s checkpoint into ``trainers``; (rounds done, curve, global state, agent states)."""
+def _resume(out: Path, cfg: SimConfig, learners: dict[str, Any], n_agents: int,
+            engine: str) -> tuple[int, list, dict, list]:
+    """Read ``out``'s checkpoint into ``learners``; (rounds done, curve, global state, agent states)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -394,16 +434,19 @@ def _resume(out: Path, cfg: SimConfig, trainers: list[LocalTrainer]) -> tuple[in
         diff = _differences(meta["sim"], want)
         raise ValueError(f"{path} is a checkpoint of another configuration (differs in {', '.join(diff)}); "
                          "pass another --out or the same settings")
+    if meta.get("engine", "per-agent") != engine:
+        raise ValueError(f"{path} is a checkpoint of the {meta.get('engine', 'per-agent')} engine; this run uses the "
+                         f"{engine} engine: pass --engine {meta.get('engine', 'per-agent')} to continue it")
     tensors = load_file(str(path))
 
     def part(prefix: str) -> dict[str, torch.Tensor]:
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
     global_state = part("global/")
-    agent_states = ([part(f"agent_state/{i}/") for i in range(len(trainers))] if cfg.algo == "cql"
-                    else [global_state] * len(trainers))
-    for i, tr in enumerate(trainers):
-        tr.learner.restore(part(f"learner/{i}/"))
+    agent_states = ([part(f"agent_state/{i}/") for i in range(n_agents)] if cfg.algo == "cql"
+                    else [global_state] * n_agents)
+    for prefix, learner in learners.items():
+        learner.restore(part(prefix))
     return int(meta["round"]), list(meta["curve"]), global_state, agent_states
 
 

@@ -168,19 +168,23 @@ class _Killed(Exception):
     pass
 
 
-@pytest.mark.parametrize("algo", ["drpo", "cql", "fed-bc"])
-def test_an_interrupted_run_resumes_from_its_last_round_exactly(tmp_path, random_dataset, algo):
+@pytest.mark.parametrize("algo,engine", [("drpo", "per-agent"), ("cql", "per-agent"), ("fed-bc", "per-agent"),
+                                         ("drpo", "batched"), ("cql", "batched"), ("fed-bc", "batched")])
+def test_an_interrupted_run_resumes_from_its_last_round_exactly(tmp_path, random_dataset, algo, engine):
     """Killed after round 2 of 3 (its checkpoint on disk, nothing after it), then run again on
     the same folder: the same rounds and the same final policy, bit for bit, as the run that was
-    never stopped; rounds 1-2 are not trained again."""
+    never stopped; rounds 1-2 are not trained again. Either engine."""
     cfg = tiny(random_dataset, algo=algo, rounds=3)
-    whole = run(cfg, tmp_path / "whole", log=lambda m: None, checkpoint=True)
+    whole = run(cfg, tmp_path / "whole", log=lambda m: None, checkpoint=True, engine=engine)
     cut = tmp_path / "cut"
     with pytest.raises(_Killed):
-        run(cfg, cut, log=_raise_on("round   2/3"), checkpoint=True)
+        run(cfg, cut, log=_raise_on("round   2/3"), checkpoint=True, engine=engine)
     assert (cut / "checkpoint.safetensors").exists() and not (cut / "summary.json").exists()
+    other = "batched" if engine == "per-agent" else "per-agent"
+    with pytest.raises(ValueError, match=f"checkpoint of the {engine} engine"):
+        run(cfg, cut, log=lambda m: None, checkpoint=True, engine=other)
     logs = []
-    resumed = run(cfg, cut, log=logs.append, checkpoint=True)
+    resumed = run(cfg, cut, log=logs.append, checkpoint=True, engine=engine)
     assert any(m.startswith("resuming") and m.endswith("after round 2 of 3") for m in logs), logs
     assert sum("round   3/3" in m for m in logs) == 1 and not any("round   2/3" in m for m in logs)
     assert resumed["curve"] == whole["curve"]
@@ -195,7 +199,7 @@ def test_an_interrupted_run_resumes_from_its_last_round_exactly(tmp_path, random
     assert not (cut / "checkpoint.safetensors").exists()  # a finished run keeps its results, not its state
     (cut / "checkpoint.safetensors").write_bytes(b"x")
     with pytest.raises(ValueError, match="finished run"):
-        run(cfg, cut, log=lambda m: None, checkpoint=True)
+        run(cfg, cut, log=lambda m: None, checkpoint=True, engine=engine)
 
 
 def _raise_on(text):
@@ -422,3 +426,73 @@ def test_learning_curve_has_integer_rounds_a_full_title_and_references(tmp_path)
     assert any(label.startswith("D4RL expert") for label in seen["labels"])
     assert any(label.startswith("D4RL random") for label in seen["labels"])
     assert plotting.episode_return_mean([1.0, 2.0, 3.0, 4.0], [7, 7, 9, 9]) == 5.0
+
+
+@pytest.mark.parametrize("algo", ["drpo", "fed-cql", "fed-bc", "cql"])
+def test_the_batched_engine_runs_the_federation_round_by_round(tmp_path, random_dataset, monkeypatch, algo):
+    """The batched engine: agents start from their per-agent engine's initial weights, each round
+    starts every agent from the FedAvg of the last (the CQL baseline: from its own last policy),
+    the agents' updates differ, and the run is reproducible from its seed, bit for bit."""
+    from fedrl.federation import round as round_mod
+
+    calls = []
+    real = round_mod.BatchedTrainer.train_round
+
+    def train_round(self, states, steps, progress=None):
+        res = real(self, states, steps, progress)
+        calls.append(([{k: v.clone() for k, v in st.items()} for st in states], [r.state for r in res]))
+        return res
+
+    monkeypatch.setattr(round_mod.BatchedTrainer, "train_round", train_round)
+    cfg = tiny(random_dataset, algo=algo, rounds=2, agents=3)
+    seen = []
+    a = run(cfg, tmp_path / "a", log=lambda m: None, engine="batched", on_round=lambda r, g: seen.append(g))
+    (given1, ret1), (given2, _) = calls
+    assert not torch.equal(ret1[0]["policy.head.weight"], ret1[1]["policy.head.weight"])
+    if algo == "cql":
+        for i in range(3):
+            assert all(torch.equal(given2[i][k], ret1[i][k]) for k in ret1[i])
+    else:
+        for k, v in given2[0].items():  # FedAvg (uniform, the default weighting) of round 1's updates
+            torch.testing.assert_close(v.double(), sum(st[k].double() for st in ret1) / 3, rtol=1e-6, atol=1e-7)
+            assert all(torch.equal(st[k], v) for st in given2)
+        assert len(seen) == 2
+    b = run(cfg, tmp_path / "b", log=lambda m: None, engine="batched")
+    assert a["curve"] == b["curve"]
+    pa, pb = load_file(tmp_path / "a" / "global_policy.safetensors"), load_file(tmp_path / "b" / "global_policy.safetensors")
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_the_batched_engine_starts_each_agent_from_its_per_agent_weights(tmp_path, random_dataset, monkeypatch):
+    """Agent i's critics in the batch at the first step are those its LocalTrainer builds."""
+    from fedrl.federation import round as round_mod
+
+    built = {}
+    real_batched, real_local = round_mod.BatchedTrainer.__init__, round_mod.LocalTrainer.__init__
+
+    def batched_init(self, *a, **k):
+        real_batched(self, *a, **k)
+        built["batched"] = [self.learner.member_critic(i) for i in range(self.learner.members)]
+
+    def local_init(self, *a, **k):
+        real_local(self, *a, **k)
+        built.setdefault("local", []).append({k: v.detach().clone() for k, v in self.learner.critic.state_dict().items()})
+
+    monkeypatch.setattr(round_mod.BatchedTrainer, "__init__", batched_init)
+    monkeypatch.setattr(round_mod.LocalTrainer, "__init__", local_init)
+    cfg = tiny(random_dataset, rounds=1, local_steps=0 + 1, eval_episodes=0)
+    run(cfg, tmp_path / "b", log=lambda m: None, engine="batched")
+    run(cfg, tmp_path / "p", log=lambda m: None, engine="per-agent")
+    for mine, theirs in zip(built["batched"], built["local"]):
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_engine_choice_is_checked_and_auto_keeps_the_cpu_per_agent(tmp_path, random_dataset):
+    from fedrl.federation.simulate import resolve_engine
+
+    assert resolve_engine("auto", torch.device("cpu")) == "per-agent"
+    assert resolve_engine("auto", torch.device("cuda")) == "batched"
+    with pytest.raises(ValueError, match="--engine"):
+        resolve_engine("fast", torch.device("cpu"))
+    with pytest.raises(ValueError, match="parallel-agents"):
+        run(tiny(random_dataset), tmp_path, log=lambda m: None, engine="batched", parallel_agents=2)
