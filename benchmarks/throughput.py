@@ -1,6 +1,13 @@
 """Gradient steps per second of the DRPO, CQL and BC updates vs the FLOP ceiling.
 
     python -m benchmarks.throughput [--device cpu] [--env Hopper-v5] [--seconds 30] [--out FILE]
+    python -m benchmarks.throughput --batched 1,5,10,30 [--device cpu] [--threads 1] [--tf32] [--out FILE]
+
+``--batched L1,L2,...``: DRPO agent-steps/s of ``L`` learners trained as one batched model
+(``fedrl.algos.batched``) for each ``L``, beside one single learner (today's per-agent path)
+measured before and after them in the same run, each with its share of the FP32 matmul ceiling
+(the peak GEMM rate measured in the same run). ``--tf32`` lets CUDA matmuls use TF32 (a GPU
+option; it changes results, so it is measured, not a default).
 
 FLOPs of one update are counted by torch's FlopCounterMode (matmuls, forward and backward, as
 the update actually runs them). Two matmul rates are measured in the same run, giving two
@@ -195,6 +202,81 @@ def bench(name: str, cfg, obs_dim: int, act_dim: int, device: torch.device, seco
             "matmuls_best_s": min(pass_s), "peak_interleaved_gflops": float(np.median(peak_rates)) / 1e9}
 
 
+def bench_batched(members: int, cfg: DRPOConfig, obs_dim: int, act_dim: int, device: torch.device,
+                  seconds: float, window: int = 3) -> dict:
+    """``members`` DRPO learners as one batched model: agent-steps/s (median over windows) and
+    FLOPs per agent-step (counted on one batched update)."""
+    from fedrl.algos.batched import BatchedDRPO
+    from fedrl.data.buffer import StackedBuffer
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    learner = BatchedDRPO(obs_dim, act_dim, [cfg] * members, device, gen)
+    one = TensorBuffer(synthetic_transitions(obs_dim, act_dim), np.zeros(obs_dim, np.float32),
+                       np.ones(obs_dim, np.float32), device)
+    buf = StackedBuffer([one] * members)
+    for _ in range(2):
+        learner.update(buf.sample(cfg.batch_size, gen))
+    with FlopCounterMode(display=False) as fc:
+        learner.update(buf.sample(cfg.batch_size, gen))
+    flops = fc.get_total_flops() / members
+    step_s: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(step_s) < 2 or time.perf_counter() < end:
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(window):
+            learner.update(buf.sample(cfg.batch_size, gen))
+        sync(device)
+        step_s.append((time.perf_counter() - t) / window)
+    step = float(np.median(step_s))
+    out = {"members": members, "agent_steps_per_s": members / step, "steps_per_s": 1.0 / step,
+           "gflop_per_agent_step": flops / 1e9, "windows": len(step_s)}
+    if device.type == "cuda":
+        out["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    del learner, buf
+    return out
+
+
+def main_batched(a, device: torch.device, env) -> int:
+    sizes = [int(x) for x in a.batched.split(",")]
+    if device.type == "cuda" and a.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    cfg = DRPOConfig()
+    rates_before = matmul_rate(device)
+    single_before = bench("drpo", cfg, env.obs_dim, env.act_dim, device, a.seconds)
+    rows = []
+    for m in sizes:
+        r = bench_batched(m, cfg, env.obs_dim, env.act_dim, device, a.seconds)
+        rows.append(r)
+        print(f"L={m:4d}: {r['agent_steps_per_s']:9.1f} agent-steps/s", flush=True)
+    single_after = bench("drpo", cfg, env.obs_dim, env.act_dim, device, a.seconds)
+    rates = {k: max(v, rates_before[k]) for k, v in matmul_rate(device).items()}
+    peak = max(rates.values()) / 1e9
+    single = (single_before["steps_per_s"] + single_after["steps_per_s"]) / 2
+    print(f"device {device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+          f"torch {torch.__version__}, env {env.gym_id}, paper sizes, tf32 {bool(a.tf32)}; "
+          f"FP32 GEMM peak {peak:.1f} GFLOP/s")
+    print(f"one learner (per-agent path): {single_before['steps_per_s']:.1f} steps/s before, "
+          f"{single_after['steps_per_s']:.1f} after")
+    print(f"{'L':>5s} {'agent-steps/s':>14s} {'vs one learner':>15s} {'of FP32 ceiling':>16s}")
+    for r in rows:
+        r["vs_single"] = r["agent_steps_per_s"] / single
+        r["fraction_of_peak"] = r["agent_steps_per_s"] * r["gflop_per_agent_step"] / peak
+        print(f"{r['members']:5d} {r['agent_steps_per_s']:14.1f} {r['vs_single']:14.2f}x "
+              f"{100 * r['fraction_of_peak']:15.1f}%")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": str(device), "device_name": torch.cuda.get_device_name(device)
+                       if device.type == "cuda" else platform.processor() or platform.machine(),
+                       "threads": torch.get_num_threads(), "torch": torch.__version__, "env": env.gym_id,
+                       "tf32": bool(a.tf32), "matmul_gflops": peak,
+                       "single": {"before": single_before, "after": single_after, "steps_per_s": single},
+                       "batched": rows, "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto")
@@ -202,11 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="timing per update kind (update and its matmuls alternating)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
+    p.add_argument("--batched", default=None, metavar="L1,L2,...",
+                   help="measure L learners as one batched model for each L (e.g. 1,5,10,30,90,270)")
+    p.add_argument("--tf32", action="store_true", help="with --batched on CUDA: allow TF32 matmuls")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     device = resolve_device(a.device)
     env = env_info(a.env)
+    if a.batched:
+        return main_batched(a, device, env)
     rates_before = matmul_rate(device)
     rows = [
         bench("drpo", DRPOConfig(), env.obs_dim, env.act_dim, device, a.seconds),

@@ -40,7 +40,12 @@ from fedrl.algos.base import (
 from fedrl.algos.bc import bc_mse_loss, bc_nll_loss
 from fedrl.algos.config import BCConfig, DRPOConfig
 from fedrl.algos.drpo import Coefs, Noise, draw_noise, drpo_losses
-from fedrl.algos.nets import EnsembleCritic, EnsemblePolicy, members_to_policy, policy_to_members
+from fedrl.algos.nets import (
+    EnsembleCritic,
+    EnsemblePolicy,
+    members_to_policy,
+    policy_to_members,
+)
 
 # Hyperparameters each learner of a batch may set for itself (a sweep's axes); every other field
 # is structure (shapes, sample counts, which terms exist) and must be the same across the batch.
@@ -139,7 +144,7 @@ class BatchedDRPO(_Stacked):
         self.global_policy = copy.deepcopy(self.policy).requires_grad_(False)
         self.critic = EnsembleCritic(obs_dim, act_dim, cfg.hidden, ensemble=2 * L).to(device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
-        v = lambda name: _values(cfgs, name, device)  # noqa: E731
+        v = lambda name: _values(cfgs, name, device)
         target_entropy = torch.tensor([-float(act_dim) if c.target_entropy is None else float(c.target_entropy)
                                        for c in cfgs], device=device)
         self.coefs = Coefs(v("lambda1"), v("lambda2"), v("cql_weight"), v("td_weight"), v("gamma"), target_entropy,
@@ -156,7 +161,7 @@ class BatchedDRPO(_Stacked):
             self.alpha_opt = StackedAdam([self.log_alpha], [v("alpha_lr")])
         else:
             self._fixed_alpha = v("alpha_init")
-        col = lambda t, p: t.reshape(-1, *[1] * (p.ndim - 1))  # noqa: E731
+        col = lambda t, p: t.reshape(-1, *[1] * (p.ndim - 1))
         self.actor_opt = StackedAdam(self.policy.parameters(), [col(v("actor_lr"), p) for p in self.policy.parameters()])
         self.critic_opt = StackedAdam(self.critic.parameters(),
                                       [col(v("critic_lr").repeat_interleave(2), p) for p in self.critic.parameters()])

@@ -32,7 +32,13 @@ from fedrl.algos.base import (
     soft_update_,
 )
 from fedrl.algos.config import DRPOConfig
-from fedrl.algos.cql import cql_penalty, per_sample, td_loss, td_target, temperature_loss
+from fedrl.algos.cql import (
+    cql_penalty,
+    per_sample,
+    td_loss,
+    td_target,
+    temperature_loss,
+)
 from fedrl.algos.nets import EnsembleCritic, TanhGaussianPolicy
 
 

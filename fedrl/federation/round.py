@@ -131,8 +131,11 @@ class BatchedTrainer:
     draw). ``cfgs``: one config per agent (per-agent hyperparameters; see ``DRPO_PER_LEARNER``)."""
 
     def __init__(self, agents: Sequence[int], cfgs: Sequence[DRPOConfig | BCConfig], shards: Sequence[Transitions],
-                 norms: Sequence[tuple[np.ndarray, np.ndarray]], seed: int, device: torch.device,
+                 norms: Sequence[tuple[np.ndarray, np.ndarray]], seed: int | Sequence[int], device: torch.device,
                  federate_critic: bool = False, local_normalizer: bool = False, rng_stream: int = 0) -> None:
+        """``seed``: the run's seed, or one per agent (agents of several runs, e.g. a paper cell
+        each: agent i's initial weights are those of agent ``agents[i]`` of a run seeded
+        ``seed[i]``); the batch's own draws come from the first seed and ``rng_stream``."""
         from fedrl.algos.batched import build_batched
         from fedrl.data.buffer import StackedBuffer
 
@@ -143,11 +146,12 @@ class BatchedTrainer:
         self.buffer = StackedBuffer([TensorBuffer(tr, m, sd, device) for tr, (m, sd) in zip(shards, norms)])
         self.sizes = [len(tr) for tr in shards]
         obs_dim, act_dim = shards[0].obs.shape[1], shards[0].actions.shape[1]
-        self.gen = make_generator(derive_seed(seed, SEED_BATCH_RNG, rng_stream), device)
+        seeds = [seed] * len(self.agents) if isinstance(seed, int) else list(seed)
+        self.gen = make_generator(derive_seed(seeds[0], SEED_BATCH_RNG, rng_stream), device)
         self.learner = build_batched(self.cfgs, obs_dim, act_dim, device, self.gen)
         # each agent's initial weights exactly as its LocalTrainer's (built on the CPU, then stacked)
-        singles = [build_learner(c, obs_dim, act_dim, torch.device("cpu"), derive_seed(seed, SEED_AGENT_INIT, a),
-                                 derive_seed(seed, SEED_AGENT_RNG, a)) for a, c in zip(self.agents, self.cfgs)]
+        singles = [build_learner(c, obs_dim, act_dim, torch.device("cpu"), derive_seed(s, SEED_AGENT_INIT, a),
+                                 derive_seed(s, SEED_AGENT_RNG, a)) for a, c, s in zip(self.agents, self.cfgs, seeds)]
         self.learner.load_members(singles)
 
     def train_round(self, global_states: Sequence[Mapping[str, torch.Tensor]], steps: int,
