@@ -481,3 +481,43 @@ def test_inplace_times_each_piece_inside_the_real_processes_of_both_sides(tmp_pa
     assert pieces["aggregator | aggregator: aggregate"]["processes"] == 1
     assert "agent | agent: read_task" in pieces and "agent | both: Assembler.add" in pieces
     assert "FEDRL_INPLACE_OUT" not in os.environ and "sitecustomize" not in capsys.readouterr().err
+
+
+def test_device_paper_runs_the_column_as_one_batch_packs_and_unpacks_it(tmp_path, random_dataset):
+    """``benchmarks.device_paper`` end to end at a tiny scale on the CPU (2 agents, 2 rounds, 5
+    steps): it measures, fits every method of the seed, runs them as one batched process, packs
+    the harness's result files, and unpack puts them in the paper preset's table folder. With a
+    budget nothing fits in, it says so and stops before a round it could not finish."""
+    import json
+    import shutil
+    import tarfile
+
+    from benchmarks import device_paper as dp
+    from fedrl.data.registry import cache_dir
+
+    (cache_dir() / "datasets").mkdir(parents=True, exist_ok=True)
+    shutil.copy(random_dataset, cache_dir() / "datasets" / "hopper-medium-v2.hdf5")
+    out = tmp_path / "out"
+    assert dp.main(["run", "--tiny", "--device", "cpu", "--out", str(out), "--seeds", "0",
+                    "--measure-seconds", "0.2", "--eval-workers", "1"]) == 0
+    info = json.loads((out / "device.json").read_text())
+    assert info["fits"] and info["seeds_run"] == [0] and info["rates"]["drpo"]["members"] == 6
+    assert sorted(info["cells"]) == ["cql-medium-s0", "drpo-medium-s0", "fed-bc-medium-s0", "fed-cql-medium-s0"]
+    assert all(c["finished"] for c in info["cells"].values())
+    with tarfile.open(out / "paper-device.tgz") as tar:
+        names = tar.getnames()
+    assert "results/paper-smoke/table/drpo-medium-s0.json" in names and "rounds/cql-medium-s0.rounds.jsonl" in names
+    home = tmp_path / "home"
+    assert dp.main(["unpack", str(out / "paper-device.tgz"), "--dest", str(home)]) == 0
+    res = json.loads((home / "paper-smoke" / "table" / "drpo-medium-s0.json").read_text())
+    assert res["key"] == "drpo-medium-s0" and [c["round"] for c in res["curve"]] == [1, 2]
+    assert res["config"]["local_steps"] == 5 and res["config"]["agents"] == 2
+    assert len(res["losses_per_round"]["critic_td"]) == 2
+    assert (home / "paper-smoke" / "device-paper.json").exists()
+
+    late = tmp_path / "late"
+    assert dp.main(["run", "--tiny", "--device", "cpu", "--out", str(late), "--seeds", "0,1", "--budget", "1",
+                    "--measure-seconds", "0.1", "--eval-workers", "1"]) == 0
+    info = json.loads((late / "device.json").read_text())
+    assert not info["fits"] and info["seeds_run"] == [0]
+    assert all(c["rounds_done"] == 0 and not c["finished"] for c in info["cells"].values())
