@@ -12,6 +12,7 @@ import sys
 import torch
 
 from fedrl.common import argtypes
+from fedrl.common.threads import THREADS_RULE, set_threads
 from fedrl.ops.logs import add_log_args, setup_logging
 from fedrl.ops.metrics import add_metrics_args
 from fedrl.wire.security import add_tls_arg
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-id", default=None, help="default: agent-<shard or index>")
     p.add_argument("--env", default=None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
-    p.add_argument("--threads", type=argtypes.at_least(0), default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=argtypes.at_least(0), default=0, help=f"torch CPU threads; {THREADS_RULE}")
     p.add_argument("--host", default="127.0.0.1", help="address the health and metrics ports bind")
     p.add_argument("--health-port", type=argtypes.port, default=None,
                    help="serve gRPC health checking (only) on this port, for probes (0: a free port)")
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     from fedrl.wire.security import tls_from_args
 
     log = logging.getLogger("fedrl.agent")
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    threads, why = set_threads(a.threads)
+    log.info("torch threads: %d (%s)", threads, why)
     try:
         device = resolve_device(a.device)
         if a.shard is None:
@@ -142,7 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                               session=a.transport == "session", progress_seconds=a.progress_seconds),
                   shard, metrics)
     health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc], tls=tls)
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    def on_signal(signum, _frame) -> None:
+        # a handler must not take locks the interrupted code may hold (logging's): the agent logs
+        # why it stops from its own thread once the flag is seen
+        agent.stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         agent.run()
     except KeyboardInterrupt:
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if health is not None:
             health.stop(0.5)
+    log.info("stopped (%s)", agent.stop_reason or "the agent ended")
     return 0
 
 

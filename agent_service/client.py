@@ -15,7 +15,7 @@ import torch
 
 from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
-from fedrl.federation.round import LocalTrainer, algo_config
+from fedrl.federation.round import LocalTrainer, RoundInterrupted, algo_config
 from fedrl.federation.runconfig import parse_run_config
 from fedrl.ops.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
@@ -46,8 +46,11 @@ SESSION_METHOD = "/fedrl.v1.Federation/Session"
 # ~2.6 ms of an agent's CPU a round). Below it a copy of one fused call is cheaper than a call per
 # tensor to adopt them.
 ADOPT_MIN_BYTES = 1 << 20
+# RESOURCE_EXHAUSTED: the aggregator is full (streams, agents) for now; another caller may hold
+# the slots for a while, and the README tells clients to retry later, as an agent does (backing off)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-             grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+             grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+             grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass
@@ -68,6 +71,43 @@ class AgentConfig:
     # one Session stream for tasks and updates (the default), or a NextTask and a submit call each round
     session: bool = True
     progress_seconds: float = 10.0  # a Session agent's progress messages while it trains, at most this far apart
+    probe_seconds: float = 1.0  # while training, ask this often whether the task still stands (0: never)
+
+
+class _TaskProbe:
+    """While a round trains: every ``every`` seconds, ask the aggregator (NextTask with ``probe``:
+    at once, no weights) whether the task still stands. A run stopped or a round closed under
+    it makes :meth:`stop_now` true, so the round is abandoned within about ``every`` seconds
+    instead of finishing minutes of local steps whose update would be refused."""
+
+    def __init__(self, stub, agent_id: str, task, stopped: StopFlag, every: float) -> None:
+        self.reason: str | None = None
+        self._stopped, self._done = stopped, threading.Event()
+        self._stub, self._agent_id, self._task, self._every = stub, agent_id, task, every
+        if every > 0:
+            threading.Thread(target=self._poll, name="task-probe", daemon=True).start()
+
+    def stop_now(self) -> bool:
+        return self._stopped.is_set() or self.reason is not None
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _poll(self) -> None:
+        while not self._done.wait(self._every) and not self._stopped.is_set():
+            try:
+                t = self._stub.NextTask(federation_pb2.TaskRequest(agent_id=self._agent_id, probe=True),
+                                        timeout=max(self._every, 5.0))
+            except grpc.RpcError:
+                continue  # the stream's own errors decide about the connection
+            if t.kind == federation_pb2.Task.STOP:
+                self.reason = f"run {t.run_id} was stopped"
+            elif t.kind == federation_pb2.Task.TRAIN and (t.run_id, t.round) != (self._task.run_id, self._task.round):
+                self.reason = f"round {self._task.round} of run {self._task.run_id} closed without it"
+            elif t.kind == federation_pb2.Task.WAIT:
+                self.reason = f"round {self._task.round} of run {self._task.run_id} is no longer open"
+            if self.reason is not None:
+                return
 
 
 class Agent:
@@ -95,8 +135,11 @@ class Agent:
         # The buffer a fetched global is assembled in, written again each round (a fresh one is
         # zero-filled first). Reused only once the trainer no longer reads the last one.
         self._buffers = BufferPool(keep=1)
+        self.stop_reason: str | None = None
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "asked to stop") -> None:
+        """Stop at once (safe in a signal handler: it sets flags, takes no lock, logs nothing)."""
+        self.stop_reason = self.stop_reason or reason
         self._stop.set()
 
     def run(self) -> None:
@@ -112,9 +155,11 @@ class Agent:
                 if not self._stop.is_set():
                     raise
                 # a call cancelled by _close_channel_on_stop, a local round cut short
-                log.info("stopped: %s", e.details() if isinstance(e, grpc.RpcError) else e)
+                log.info("stopping (%s): %s", self.stop_reason, e.details() if isinstance(e, grpc.RpcError) else e)
+                return
             finally:
                 channel.close()
+        log.info("stopping (%s)", self.stop_reason)
 
     def _watch(self) -> None:
         """Cancels a Session stream that has kept the agent waiting for a task longer than a
@@ -333,8 +378,18 @@ class Agent:
         # the trained tensors themselves, not copies: they are encoded (copied) before the next round.
         # A large model's learner takes the decoded tensors as its own (their buffer is this
         # agent's, and the pool hands out another next round while the learner still holds it).
-        res = trainer.train_round(state, task.local_steps, stop=self._stop.is_set, copy=False,
-                                  progress=self._progress, adopt=manifest.total_bytes >= ADOPT_MIN_BYTES)
+        probe = _TaskProbe(stub, self.cfg.agent_id, task, self._stop, self.cfg.probe_seconds)
+        try:
+            res = trainer.train_round(state, task.local_steps, stop=probe.stop_now, copy=False,
+                                      progress=self._progress, adopt=manifest.total_bytes >= ADOPT_MIN_BYTES)
+        except RoundInterrupted as e:
+            if self._stop.is_set() or probe.reason is None:
+                raise
+            log.info("round %d abandoned (%s): %s", task.round, probe.reason, e)
+            self.trainer, self.trainer_run = None, ""
+            return None
+        finally:
+            probe.close()
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         self._train_seconds = res.seconds
         # An update too large for one message is streamed as chunk messages: they are built as it

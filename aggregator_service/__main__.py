@@ -97,11 +97,16 @@ def main(argv: list[str] | None = None) -> int:
              ", tokens required" if auth.enabled else "", a.state_dir)
     health = start_side_endpoints(a, metrics.registry, log, tls=tls)
     announce_port(a.port_file, server.port)
-    wait_for_shutdown()
+    why = wait_for_shutdown()
+    st = coord.status()
+    run = (f"run {st['run_id']} {st['state']} at round {st['round']}, global version {st['global_version']}"
+           if st.get("run_id") else "no run")
+    log.info("received %s; stopping (%s; a restart with --resume continues a running run)", why, run)
     if health is not None:
         health.stop(0.5)
     server.stop(1.0)
     coord.close()
+    log.info("stopped")
     return 0
 
 

@@ -146,6 +146,7 @@ class Coordinator:
                  eval_grace: float = 120.0, metrics: AggregatorMetrics | None = None,
                  resume: bool = False, max_agents: int = MAX_AGENTS, agent_ttl: float = AGENT_TTL) -> None:
         self.store, self.eval_grace = store, eval_grace
+        self.evaluators = 0  # evaluators following the runs now (their watch streams)
         self.max_agents, self.agent_ttl = max_agents, agent_ttl
         self._digests: dict[tuple[str, int, int], str] = {}  # stored versions' sha256, by file state
         self.metrics = metrics or AggregatorMetrics()
@@ -214,9 +215,8 @@ class Coordinator:
                 if (old.obs_dim, old.act_dim) != (rec.obs_dim, rec.act_dim):
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"agent {rec.agent_id} rejoined with different dimensions")
-                rec.rounds_submitted = old.rounds_submitted
-            if old is not None:
-                rec.last_accepted = old.last_accepted
+            if old is not None:  # its count is of the run its last accepted update belongs to
+                rec.last_accepted, rec.rounds_submitted = old.last_accepted, old.rounds_submitted
             elif run is not None and rec.agent_id in run.accepted_before:  # first join since a restart
                 n, last = run.accepted_before[rec.agent_id]
                 rec.rounds_submitted, rec.last_accepted = n, (run.run_id, last)
@@ -303,25 +303,40 @@ class Coordinator:
                 self.cond.wait(left)
 
     def global_weights(self, run_id: str, version: int) -> Encoded:
+        """A global version: of the current run (``run_id`` empty or its id), or a stored version
+        of an earlier run of the state directory; ``version`` -1 is the latest."""
+        if version < -1:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"version {version}: expected a version >= 0, or -1 for the latest", "bad_version")
         with self.cond:
             run = self.run
-            if run is None or (run_id and run_id != run.run_id):
-                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id!r}", "unknown_run")
-            if run.state == "waiting_for_agents":
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the run has not started yet")
-            v = run.version if version < 0 else version
-            enc = run.encoded.get(v)
-            if enc is not None:
-                return enc
-            if v > run.version:
-                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} does not exist yet "
-                                   f"(latest is {run.version})", "unknown_version")
+            current = run is not None and (not run_id or run_id == run.run_id)
+            if current:
+                if run.state == "waiting_for_agents":
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the run has not started yet")
+                v = run.version if version < 0 else version
+                enc = run.encoded.get(v)
+                if enc is not None:
+                    return enc
+                if v > run.version:
+                    raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} does not exist yet "
+                                       f"(latest is {run.version})", "unknown_version")
+        if current:
+            run_id = run.run_id
+        else:  # an earlier run's stored version
+            if not run_id or not RUN_ID.fullmatch(run_id) or run_id not in self.store.run_ids():
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id[:80]!r}", "unknown_run")
+            stored = self.store.versions(run_id)
+            if not stored:
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"run {run_id} has no stored version", "unknown_version")
+            v = stored[-1] if version < 0 else version
         try:  # an older version: its stored bytes, sent as written
-            payload = self.store.version_path(run.run_id, v).read_bytes()
+            payload = self.store.version_path(run_id, v).read_bytes()
         except FileNotFoundError:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} is not stored", "unknown_version") from None
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} of run {run_id} is not stored",
+                               "unknown_version") from None
         try:
-            return encoded_from_payload(payload, run.run_id, v, v)
+            return encoded_from_payload(payload, run_id, v, v)
         except CodecError as e:
             raise ServiceError(grpc.StatusCode.DATA_LOSS, f"stored version {v} is unreadable: {e}",
                                "corrupt_version") from None
@@ -380,7 +395,8 @@ class Coordinator:
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
             run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds, flat)
             rec = self.agents[agent_id]
-            rec.rounds_submitted += 1
+            same_run = rec.last_accepted is not None and rec.last_accepted[0] == run.run_id
+            rec.rounds_submitted = (rec.rounds_submitted if same_run else 0) + 1  # counted per run
             rec.last_accepted = (run.run_id, run.round)
             self.metrics.accepted.inc()
             r = run.round
@@ -528,6 +544,11 @@ class Coordinator:
         return now - a.last_seen < 2 * self.max_task_wait + 5
 
     @staticmethod
+    def _rounds_in(a: AgentRecord, run) -> int:
+        """Rounds of ``run`` (the current one) whose update from ``a`` was taken."""
+        return a.rounds_submitted if run is not None and a.last_accepted and a.last_accepted[0] == run.run_id else 0
+
+    @staticmethod
     def _progress_of(a: AgentRecord, run) -> dict[str, int]:
         pr_run, pr_round, done, total = a.progress
         if run is None or pr_run != run.run_id or pr_round != run.round or run.state != "running":
@@ -539,7 +560,7 @@ class Coordinator:
         now = time.time()
         agents = [{"agent_id": a.agent_id, "agent_index": a.index, "num_samples": a.num_samples,
                    "connected": self._connected(a, now),
-                   "last_seen_unix": a.last_seen, "rounds_submitted": a.rounds_submitted,
+                   "last_seen_unix": a.last_seen, "rounds_submitted": self._rounds_in(a, run),
                    **self._progress_of(a, run)}
                   for a in sorted(self.agents.values(), key=lambda a: (a.index, a.agent_id))]
         if run is None:
@@ -635,12 +656,18 @@ class Coordinator:
         log.info("resumed run %s at version %d (%s)", run_id, v, run.state)
 
     # -- internals (lock held) ---------------------------------------------------------------
+    def evaluator_attached(self, delta: int) -> None:
+        """An evaluator's watch stream opened (+1) or closed (-1)."""
+        with self.cond:
+            self.evaluators += delta
+            self.cond.notify_all()
+
     def _watch_over(self, run: Run) -> bool:
         """A run's event stream ends once it is over and every version has been evaluated
-        (or evaluation is off, or ``eval_grace`` seconds passed without an evaluator)."""
+        (or evaluation is off, or no evaluator follows the run, or ``eval_grace`` seconds passed)."""
         if run.state in ACTIVE:
             return False
-        if run.state != "finished" or run.cfg.eval_episodes == 0:
+        if run.state != "finished" or run.cfg.eval_episodes == 0 or self.evaluators <= 0:
             return True
         missing = [v for v in range(1, run.version + 1) if v not in run.evaluations]
         return not missing or time.time() - run.ended > self.eval_grace

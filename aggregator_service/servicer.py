@@ -18,7 +18,7 @@ from fedrl.proto.v1 import (
     federation_pb2_grpc,
 )
 from fedrl.wire.codec import Assembler, CodecError
-from fedrl.wire.rpc import ServiceError, codec_status
+from fedrl.wire.rpc import EVALUATOR_HEADER, ServiceError, codec_status
 from fedrl.wire.security import Authenticator
 from fedrl.wire.serde import (
     evaluation_from_proto,
@@ -131,17 +131,21 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
 
     def NextTask(self, request, context):
         self.auth.check_agent(context, request.agent_id)
+        if request.probe:  # a training agent asking whether its task still stands: at once, no weights
+            return self._task(context, request.agent_id, 0.0, probe=True)[1]
         return self._task(context, request.agent_id, request.wait_seconds)[1]
 
-    def _task(self, context, agent_id: str, wait: float) -> tuple[str, bytes]:
+    def _task(self, context, agent_id: str, wait: float, probe: bool = False) -> tuple[str, bytes]:
         """The agent's next task: its kind and the Task serialised. A round's TRAIN tasks differ
         between agents only in their normalisers (none with pooled statistics): each distinct
-        one is serialised once."""
+        one is serialised once. A ``probe`` gets no base weights."""
         try:
             t = self.coord.next_task(agent_id, wait)
         except ServiceError as e:
             _abort(context, e)
         base = t.pop("base", None)
+        if probe:
+            base = None
         kind = t["kind"]
         key = tuple(tuple(v) if isinstance(v, list) else v for v in t.values()) + (id(base),)
         cached = self._task_cache
@@ -290,11 +294,17 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             _abort(context, e)
 
     def WatchRounds(self, request, context):
+        follower = any(k == EVALUATOR_HEADER for k, _ in context.invocation_metadata())
+        if follower:
+            self.coord.evaluator_attached(+1)
         try:
             for e in self.coord.watch(request.after_version, context.is_active):
                 yield event_to_proto(e)
         except ServiceError as e:
             _abort(context, e)
+        finally:
+            if follower:
+                self.coord.evaluator_attached(-1)
 
     def ListRuns(self, request, context):
         return control_pb2.RunList(runs=[control_pb2.RunSummary(

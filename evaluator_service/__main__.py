@@ -9,15 +9,16 @@ import sys
 import threading
 
 from fedrl.common import argtypes
+from fedrl.common.threads import THREADS_RULE, set_threads
 from fedrl.ops.logs import add_log_args, setup_logging
 from fedrl.ops.metrics import add_metrics_args
 from fedrl.wire.security import add_tls_arg
 
 
 def _add_stream_args(p) -> None:
-    from fedrl.wire.rpc import add_stream_args
+    from fedrl.wire.rpc import DEFAULT_MAX_WORKERS, add_stream_args
 
-    add_stream_args(p)
+    add_stream_args(p, f"its {DEFAULT_MAX_WORKERS} worker threads")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-policy-mb", type=argtypes.at_least(1), default=64,
                    help="largest policy an on-demand Evaluate accepts, in MiB; a larger declared size is "
                         "refused (RESOURCE_EXHAUSTED) before anything is allocated (default %(default)s)")
-    p.add_argument("--threads", type=argtypes.at_least(0), default=0)
+    p.add_argument("--threads", type=argtypes.at_least(0), default=0, help=f"torch CPU threads; {THREADS_RULE}")
     add_log_args(p)
     p.add_argument("--health-port", type=argtypes.port, default=None,
                    help="also serve plaintext gRPC health checking (only) here, for probes")
@@ -61,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         tls_from_args,
     )
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    threads, why = set_threads(a.threads)
     try:
         tls = tls_from_args(a.tls_dir)
         auth = Authenticator(os.environ.get("FEDRL_ADMIN_TOKEN"), os.environ.get("FEDRL_EVALUATOR_TOKEN"))
@@ -77,17 +77,20 @@ def main(argv: list[str] | None = None) -> int:
                            a.host, a.port, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls,
                            **stream_limits(a))
     log = logging.getLogger("fedrl.evaluator")
-    log.info("serving on %s:%d", a.host, server.port)
+    log.info("serving on %s:%d (torch threads: %d, %s)", a.host, server.port, threads, why)
     health = start_side_endpoints(a, metrics.registry, log, tls=tls)
     announce_port(a.port_file, server.port)
     if follower is not None:
         threading.Thread(target=follower.run, daemon=True, name="follower").start()
-    wait_for_shutdown()
+    why_stop = wait_for_shutdown()
+    log.info("received %s; stopping (%s)", why_stop,
+             f"following {a.aggregator}" if follower is not None else "on-demand evaluation only")
     if follower is not None:
         follower.stop()
     if health is not None:
         health.stop(0.5)
     server.stop(1.0)
+    log.info("stopped")
     return 0
 
 

@@ -17,7 +17,7 @@ from fedrl.federation.runconfig import parse_run_config
 from fedrl.ops.metrics import EvaluatorMetrics
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2
 from fedrl.wire.codec import assemble
-from fedrl.wire.rpc import create_channel, weights_calls
+from fedrl.wire.rpc import EVALUATOR_HEADER, create_channel, weights_calls
 from fedrl.wire.security import TLSFiles
 from fedrl.wire.serde import evaluation_to_proto, event_from_proto, read_weight_messages
 
@@ -66,7 +66,10 @@ class Follower:
     def _follow(self, channel: grpc.Channel) -> None:
         control = control_pb2_grpc.ControlStub(channel)
         fetch, _ = weights_calls(channel)  # FetchGlobal with its chunks read in place
-        stream = control.WatchRounds(control_pb2.WatchRequest(after_version=-1), wait_for_ready=True)
+        # announced as an evaluator: a finished run's watchers then wait for its evaluations while
+        # this stream is open (and no longer than that: without an evaluator there are none to wait for)
+        stream = control.WatchRounds(control_pb2.WatchRequest(after_version=-1), wait_for_ready=True,
+                                     metadata=((EVALUATOR_HEADER, "1"),))
         events: queue.Queue = queue.Queue()
 
         def pump() -> None:

@@ -356,9 +356,26 @@ def _cmd_up(a: argparse.Namespace) -> int:
 CTL_START_DEFAULTS = {"rounds": 10, "local_steps": 1000, "eval_episodes": 10}
 
 
+DEFAULT_PORT = 50051  # the aggregator's --port default
+
+
+def _target(text: str) -> str:
+    """``HOST[:PORT]`` (an IPv6 address in brackets): the aggregator's default port when none is given."""
+    text = text.strip()
+    if not text:
+        raise argparse.ArgumentTypeError("empty target: give HOST[:PORT]")
+    host, sep, port = text.rpartition(":")
+    if text.startswith("[") and text.endswith("]") or not sep or (host.count(":") and not host.endswith("]")):
+        return f"{text}:{DEFAULT_PORT}"  # no port: a bare name, [v6], or a bare v6 address
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: the port must be a number in 1-65535")
+    return text
+
+
 def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, runs, versions, fetch, stop")
-    p.add_argument("--target", default="127.0.0.1:50051", help="aggregator HOST:PORT (default %(default)s)")
+    p.add_argument("--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}",
+                   help=f"aggregator HOST[:PORT] (port {DEFAULT_PORT} when not given; default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of tables")
     p.add_argument("--connect-timeout", type=argtypes.positive_seconds, default=10.0,
                    help="seconds to wait for the aggregator to answer (e.g. while its pod starts; default %(default)s)")
@@ -381,8 +398,9 @@ def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--limit", type=int, default=20, help="at most this many (default %(default)s)")
     v = csub.add_parser("versions", help="a run's stored versions: round, time, size, checksum, evaluated score")
     v.add_argument("--run", default="", help="run id (default: the newest run)")
-    f = csub.add_parser("fetch", help="save a global version of the run as a policy file (for fedrl evaluate)")
-    f.add_argument("--version", type=int, default=-1, help="default: the latest")
+    f = csub.add_parser("fetch", help="save a global version as a policy file (for fedrl evaluate)")
+    f.add_argument("--run", default="", help="run id (see `fedrl ctl runs`; default: the current run)")
+    f.add_argument("--version", type=argtypes.at_least(-1), default=-1, help="-1: the run's latest")
     f.add_argument("--out", required=True, help="the .safetensors file to write (an existing file is kept "
                                                 "unless --force)")
     f.add_argument("--force", action="store_true", help="write over an existing --out file")
@@ -403,7 +421,7 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
     try:
         tls = tls_from_args(a.tls_dir)
     except SecurityConfigError as e:
-        print(f"fedrl ctl: {e}", file=sys.stderr)
+        print(f"fedrl ctl: error: {e}", file=sys.stderr)
         return 2
     if a.ctl_cmd == "start":  # the settings are read before any connection: a bad file is named at once
         data = _settings_file(a.config) if a.config else dict(CTL_START_DEFAULTS)
@@ -425,7 +443,7 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
                 if not a.config and "agents" not in data:
                     n = sum(x["connected"] for x in current["agents"])
                     if n == 0:
-                        print("fedrl ctl: no agent has joined the aggregator; start agents first, or say how "
+                        print("fedrl ctl: error: no agent has joined the aggregator; start agents first, or say how "
                               "many to wait for with --set agents=N", file=sys.stderr)
                         return 1
                     data["agents"] = n
@@ -451,21 +469,21 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
                 print(dumps(st) if a.json else show.status(st))
             elif a.ctl_cmd == "fetch":
                 if Path(a.out).exists() and not a.force:
-                    print(f"fedrl ctl: {a.out} exists; pass --force to write over it", file=sys.stderr)
+                    print(f"fedrl ctl: error: {a.out} exists; pass --force to write over it", file=sys.stderr)
                     return 1
                 try:
-                    meta = c.save_policy(a.out, a.version)
+                    meta = c.save_policy(a.out, a.version, a.run)
                 except (ValueError, OSError) as e:  # no run yet; the file cannot be written
-                    print(f"fedrl ctl: {e}", file=sys.stderr)
+                    print(f"fedrl ctl: error: {e}", file=sys.stderr)
                     return 1
                 out = {"path": a.out, **{k: meta[k] for k in ("run_id", "version", "env_id", "algo")}}
                 print(dumps(out) if a.json else f"saved version {out['version']} of run {out['run_id']} "
                       f"({out['algo']}, {out['env_id']}) to {a.out}")
     except grpc.RpcError as e:
-        print(f"fedrl ctl: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"fedrl ctl: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     except ConnectionError as e:
-        print(f"fedrl ctl: {e}", file=sys.stderr)
+        print(f"fedrl ctl: error: {e}", file=sys.stderr)
         return 1
     return 0
 
@@ -516,14 +534,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest (sub)command parser ``args`` went through: ``fedrl ctl status`` -> its own."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name is None or name not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand they were given to, with its usage (not fedrl's)
+        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    prog = _chosen_parser(parser, args).prog.split()
+    prog = " ".join(prog[:2])  # "fedrl ctl", "fedrl data", "fedrl up": every error of a command the same way
     try:
         rc = args.func(args)
         sys.stdout.flush()  # a reader that went away is found here, not in the interpreter's exit
         return rc
     except (DatasetError, ValueError, KeyError, FileNotFoundError) as e:
-        print(f"fedrl: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedrl: interrupted", file=sys.stderr)

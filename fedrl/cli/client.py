@@ -29,24 +29,27 @@ class ControlClient(ControlCalls):
             return self.start_json(config.to_json())
         return self.start_json(parse_run_config(config if isinstance(config, dict) else str(config)).to_json())
 
-    def save_policy(self, path: str | Path, version: int = -1) -> dict[str, Any]:
-        """Write a global version of the current run as a policy file (``fedrl evaluate`` reads it;
-        default: the latest); returns the metadata written with it (run, version, env, algo,
-        hyperparameters)."""
-        from fedrl.algos.config import config_to_dict
+    def save_policy(self, path: str | Path, version: int = -1, run_id: str = "") -> dict[str, Any]:
+        """Write a global version as a policy file (``fedrl evaluate`` reads it): of ``run_id``
+        (default: the current run), ``version`` (default: its latest). Returns the metadata
+        written with it (run, version, env, algo, hyperparameters), read from the version itself."""
         from fedrl.algos.policy_io import policy_from_state, save_policy
-        from fedrl.federation.round import algo_config
+        from fedrl.proto.v1 import federation_pb2
+        from fedrl.wire.codec import assemble, payload_metadata
+        from fedrl.wire.rpc import weights_calls
+        from fedrl.wire.serde import read_weight_messages
 
-        st = self.status()
-        if not st.get("run_id"):
-            raise ValueError("the aggregator has no run: nothing to fetch")
-        v = st["global_version"] if version < 0 else version  # pinned: the metadata names these tensors
-        state = self.fetch_global(st["run_id"], v)
-        rc = parse_run_config(st["config_json"])
-        hp = algo_config(rc.algo, rc.drpo, rc.bc)
-        meta = {"env_id": st.get("env_id", ""), "algo": rc.algo, "run_id": st["run_id"], "version": v,
-                "hparams": config_to_dict(hp)}
-        save_policy(policy_from_state(state, hp.log_std_min, hp.log_std_max), path, meta)
+        if not run_id and not self.status().get("run_id"):
+            raise ValueError("the aggregator has no run: nothing to fetch (a stored run: --run RUN; see runs)")
+        fetch, _ = weights_calls(self.channel)
+        manifest, chunks = read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),
+                                                      timeout=max(self.timeout, 120)))
+        info = payload_metadata(chunks)
+        state = assemble(manifest, chunks)
+        hp = json.loads(info.get("hparams") or "{}")
+        meta = {"env_id": info.get("env_id", ""), "algo": info.get("algo", ""), "run_id": manifest.run_id,
+                "version": manifest.base_version, "hparams": hp}
+        save_policy(policy_from_state(state, hp.get("log_std_min", -5.0), hp.get("log_std_max", 2.0)), path, meta)
         return meta
 
 

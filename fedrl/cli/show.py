@@ -59,7 +59,8 @@ def status(st: dict[str, Any]) -> str:
             rows.append([a["agent_id"], a["agent_index"], a["num_samples"], "yes" if a["connected"] else "no",
                          a["rounds_submitted"], prog])
         lines.append("")
-        lines.append(table(["agent", "index", "samples", "connected", "rounds", "local steps"], rows))
+        lines.append(table(["agent", "index", "samples", "connected",
+                            "rounds of this run" if st.get("run_id") else "rounds", "local steps"], rows))
     else:
         lines.append("no agents joined")
     return "\n".join(lines)

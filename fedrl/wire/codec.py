@@ -662,3 +662,26 @@ def assemble(manifest: Manifest, chunks: Iterable[bytes], pool: BufferPool | Non
     for c in chunks:
         a.add(c)
     return a.finish()
+
+
+def payload_metadata(chunks: Iterable[bytes | memoryview]) -> dict[str, str]:
+    """The ``__metadata__`` strings of a safetensors payload given as its chunks (a global version
+    names its run, version, algorithm, environment and hyperparameters there); ``{}`` if none."""
+    head = bytearray()
+    for c in chunks:
+        head += c
+        if len(head) >= 8 and len(head) >= 8 + int.from_bytes(head[:8], "little"):
+            break
+    if len(head) < 8:
+        raise _bad("shorter than its 8-byte header length")
+    n = int.from_bytes(head[:8], "little")
+    if n > min(len(head) - 8, MAX_HEADER_BYTES):
+        raise _bad(f"header length {n} exceeds the payload")
+    try:
+        header = json.loads(bytes(head[8:8 + n]))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _bad(f"header is not JSON ({e})") from None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _bad("__metadata__ must map strings to strings")
+    return meta

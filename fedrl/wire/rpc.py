@@ -68,11 +68,17 @@ class Server:
         self.server.stop(grace).wait(grace + 1.0)
 
 
+# Metadata an evaluator's WatchRounds carries: the aggregator then knows an evaluator follows the
+# run (a hint for how long a watch waits for evaluations, not a credential: it grants nothing)
+EVALUATOR_HEADER = "x-fedrl-evaluator"
+DEFAULT_MAX_WORKERS = 64  # a server's worker threads unless told (the evaluator's; the aggregator's --max-workers)
+
+
 def create_server(
     registrations: Sequence[tuple[Callable[[object, grpc.Server], None], object, str]],
     host: str = "127.0.0.1",
     port: int = 0,
-    max_workers: int = 64,
+    max_workers: int = DEFAULT_MAX_WORKERS,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     tls: TLSFiles | None = None,
     stream_idle_seconds: float = STREAM_IDLE_SECONDS,
@@ -119,8 +125,9 @@ def create_server(
     return s
 
 
-def add_stream_args(p) -> None:
-    """A server's stream limits as command-line options (aggregator and evaluator)."""
+def add_stream_args(p, workers: str = "--max-workers") -> None:
+    """A server's stream limits as command-line options (aggregator and evaluator); ``workers``
+    names what bounds the server's worker threads (a flag, or the fixed number)."""
     from fedrl.common import argtypes
 
     p.add_argument("--stream-idle-seconds", type=argtypes.positive_seconds, default=STREAM_IDLE_SECONDS,
@@ -128,7 +135,7 @@ def add_stream_args(p) -> None:
                         "(agents report progress while they train, every 10 s)")
     p.add_argument("--streams-per-caller", type=argtypes.at_least(1), default=STREAMS_PER_IDENTITY,
                    help="open streams one caller may hold (per token; per connection without tokens); "
-                        f"all streams together may hold --max-workers minus {RESERVED_WORKERS} workers")
+                        f"all streams together may hold {workers} minus {RESERVED_WORKERS} workers")
 
 
 def stream_limits(a) -> dict:
@@ -442,12 +449,18 @@ class StopFlag:
         return True
 
 
-def wait_for_shutdown() -> None:
-    """Block until SIGTERM or SIGINT (main thread only)."""
-    done = StopFlag()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
+def wait_for_shutdown() -> str:
+    """Block until SIGTERM or SIGINT (main thread only); the signal's name."""
+    done, got = StopFlag(), []
+
+    def on_signal(signum, _frame) -> None:
+        got.append(signal.Signals(signum).name)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     done.wait()
+    return got[0] if got else "a stop"
 
 
 def create_health_server(host: str, port: int, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> Server:

@@ -81,6 +81,9 @@ def test_an_agent_stops_within_seconds_while_training_or_long_polling(tmp_path, 
         print("seconds from SIGTERM to exit:", took)
         for name, s in took.items():
             assert s < 5.0, f"{name} took {s:.1f} s to stop after SIGTERM"
-            assert "Traceback" not in (logs / f"{name}.log").read_text(), name
+            text = (logs / f"{name}.log").read_text()
+            assert "Traceback" not in text, name
+            # why it stops, and that it has: one line each
+            assert "stopping (SIGTERM)" in text and text.rstrip().endswith("stopped (SIGTERM)"), text[-800:]
     finally:
         ps.close()

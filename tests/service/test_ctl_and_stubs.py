@@ -146,23 +146,150 @@ def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path)
 
 
 def test_services_write_json_logs_for_collectors(tmp_path):
+    """The aggregator and the evaluator log in JSON, one object a line, their lifecycle included:
+    why they stop (the signal, the run's state) and that they have stopped."""
     import signal
     import time
 
-    pf = tmp_path / "port"
+    pf, epf = tmp_path / "port", tmp_path / "eport"
     p = subprocess.Popen([sys.executable, "-m", "aggregator_service", "--port", "0", "--port-file", str(pf),
                           "--state-dir", str(tmp_path / "state"), "--log-format", "json"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    e = None
     try:
         end = time.monotonic() + 60
         while not pf.exists() and p.poll() is None and time.monotonic() < end:
             time.sleep(0.05)
         assert pf.exists(), "the aggregator did not start"
+        e = subprocess.Popen([sys.executable, "-m", "evaluator_service", "--port", "0", "--port-file", str(epf),
+                              "--aggregator", f"127.0.0.1:{pf.read_text()}", "--log-format", "json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert _ctl(f"127.0.0.1:{pf.read_text()}", "start", "--set", "agents=1").returncode == 0
+        while not epf.exists() and e.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert epf.exists(), "the evaluator did not start"
     finally:
+        if e is not None:
+            e.send_signal(signal.SIGTERM)
+            e_out, _ = e.communicate(timeout=30)
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=30)
     lines = [json.loads(x) for x in out.splitlines() if x.strip()]  # every line is one JSON object
     assert any(x["message"].startswith("serving on 127.0.0.1:") for x in lines)
     started = [x for x in lines if x.get("kind") == "RUN_STARTED"]
     assert started and started[0]["level"] == "INFO" and started[0]["run_id"]
+    stopping = [x["message"] for x in lines if x["message"].startswith("received SIGTERM; stopping")]
+    assert stopping and f"run {started[0]['run_id']} waiting_for_agents" in stopping[0], stopping
+    assert lines[-1]["message"] == "stopped"
+    e_lines = [json.loads(x) for x in e_out.splitlines() if x.strip()]
+    assert any(x["message"].startswith("received SIGTERM; stopping (following 127.0.0.1:") for x in e_lines)
+    assert e_lines[-1]["message"] == "stopped" and any("torch threads: 1" in x["message"] for x in e_lines)
+
+
+def _finish_one_round_run(aggregator, **cfg):
+    """A run of one round driven by hand: both agents send the global back; returns its id."""
+    from fedrl.proto.v1 import control_pb2, federation_pb2
+    from fedrl.wire.codec import assemble
+    from fedrl.wire.serde import read_weight_parts, status_from_proto
+    from tests.service.test_federation import submit
+
+    st = status_from_proto(aggregator.control.StartRun(
+        control_pb2.StartRunRequest(config_json=run_config(rounds=1, **cfg)), timeout=5))
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+    for aid in ("a0", "a1"):
+        submit(aggregator, aid, g, st["run_id"])
+    assert wait_for(lambda: aggregator.coord.status()["state"] == "finished")
+    return st["run_id"]
+
+
+def test_ctl_fetches_any_stored_run_and_counts_rounds_per_run(aggregator, tmp_path):
+    """After a second run started, ``fetch --run`` still gets the first run's model (its latest
+    version by default) and names what it saved; without --run, the current run's. The status's
+    rounds column counts the current run's rounds only."""
+    from fedrl.algos.policy_io import load_policy
+
+    def ctl(*args):
+        return _ctl(aggregator.target, *args)
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    first = _finish_one_round_run(aggregator)
+    p = ctl("--json", "status")
+    assert [a["rounds_submitted"] for a in json.loads(p.stdout)["agents"]] == [1, 1]
+    with ControlClient(aggregator.target) as c:
+        second = c.start(json.loads(run_config(agents=2)))["run_id"]
+        assert wait_for(lambda: c.status()["state"] == "running")
+    p = ctl("--json", "status")
+    assert [a["rounds_submitted"] for a in json.loads(p.stdout)["agents"]] == [0, 0]  # none yet in this run
+    assert "rounds of this run" in ctl("status").stdout
+    out = tmp_path / "first.safetensors"
+    p = ctl("fetch", "--run", first, "--out", str(out))
+    assert p.returncode == 0 and f"saved version 1 of run {first} (drpo, Hopper-v5)" in p.stdout, p.stdout + p.stderr
+    _, meta = load_policy(out)
+    assert (meta["run_id"], meta["version"]) == (first, 1)
+    p = ctl("--json", "fetch", "--run", first, "--version", "0", "--out", str(tmp_path / "v0.safetensors"))
+    assert json.loads(p.stdout)["version"] == 0
+    p = ctl("--json", "fetch", "--out", str(tmp_path / "now.safetensors"))
+    assert (json.loads(p.stdout)["run_id"], json.loads(p.stdout)["version"]) == (second, 0)
+    p = ctl("fetch", "--run", "20990101-000000-abcdef", "--out", str(tmp_path / "x.safetensors"))
+    assert p.returncode == 1 and p.stderr.startswith("fedrl ctl: error: NOT_FOUND") and "unknown run" in p.stderr
+    p = ctl("fetch", "--version", "-2", "--out", str(tmp_path / "y.safetensors"))
+    assert p.returncode == 2 and "usage: fedrl ctl fetch" in p.stderr
+
+
+def test_watch_ends_with_the_run_unless_an_evaluator_follows_it(aggregator):
+    """A finished run's watch waits for its evaluations only while an evaluator follows the run
+    (its WatchRounds carries the evaluator header); with none, it ends as the run does."""
+    import threading
+    import time
+
+    from fedrl.proto.v1 import control_pb2
+    from fedrl.wire.rpc import EVALUATOR_HEADER
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    _finish_one_round_run(aggregator, eval_episodes=2)
+    t0 = time.monotonic()
+    with ControlClient(aggregator.target) as c:
+        kinds = [e["kind"] for e in c.watch(timeout=20)]
+    assert kinds[-1] == "RUN_FINISHED" and time.monotonic() - t0 < 5  # not the 120 s grace
+    follower = aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=30,
+                                              metadata=((EVALUATOR_HEADER, "1"),))
+    def drain():
+        try:
+            list(follower)
+        except grpc.RpcError:  # cancelled below
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    assert wait_for(lambda: aggregator.coord.evaluators == 1)
+    with ControlClient(aggregator.target) as c, pytest.raises(grpc.RpcError) as ei:
+        list(c.watch(timeout=1.5))  # version 1 is not evaluated yet and an evaluator follows
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    follower.cancel()
+    assert wait_for(lambda: aggregator.coord.evaluators == 0)
+
+
+def test_ctl_stop_reaches_agents_in_the_middle_of_their_round(aggregator, agent_threads, stand_dataset, caplog):
+    """Agents training a long local round abandon it within a second or two of ``ctl stop``, with
+    one INFO line each, and send no update to be refused."""
+    import time
+
+    with caplog.at_level("INFO"):
+        agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=1, probe_seconds=0.2,
+                            progress_seconds=0.2)
+        wait_for(lambda: len(aggregator.coord.status()["agents"]) == 2, what="agents to join")
+        with ControlClient(aggregator.target) as c:
+            c.start(json.loads(run_config(local_steps=1_000_000)))
+            wait_for(lambda: all(a["steps_done"] > 0 for a in c.status()["agents"]), what="agents training")
+            t0 = time.monotonic()
+            p = _ctl(aggregator.target, "stop", "--reason", "enough")
+            assert p.returncode == 0, p.stderr
+            wait_for(lambda: sum("abandoned" in r.getMessage() for r in caplog.records) == 2, timeout=10,
+                     what="both agents to abandon their round")
+            took = time.monotonic() - t0
+    abandoned = [r for r in caplog.records if "abandoned" in r.getMessage()]
+    assert all(r.levelname == "INFO" and "was stopped" in r.getMessage() for r in abandoned), abandoned
+    assert took < 4.0, took  # ctl's own process start included
+    assert not [r for r in caplog.records if "update refused" in r.getMessage() or "not taken" in r.getMessage()]

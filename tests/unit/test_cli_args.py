@@ -43,3 +43,43 @@ def test_good_numbers_pass_through():
     assert (a.port, a.health_port, a.task_wait, a.max_workers) == (0, 65535, 2.5, 8)
     assert evaluator_parser().parse_args(["--num-envs", "1"]).num_envs == 1
     assert fedrl_parser().parse_args(["up", "--linger", "0"]).linger == 0.0
+
+
+@pytest.mark.parametrize("given, target", [("localhost", "localhost:50051"), ("10.0.0.7", "10.0.0.7:50051"),
+                                           ("agg.example:7000", "agg.example:7000"), ("[::1]", "[::1]:50051"),
+                                           ("[::1]:9", "[::1]:9"), ("::1", "::1:50051")])
+def test_a_ctl_target_without_a_port_gets_the_aggregators_default(given, target):
+    assert fedrl_parser().parse_args(["ctl", "--target", given, "status"]).target == target
+
+
+def test_a_ctl_target_with_a_bad_port_is_named(capsys):
+    with pytest.raises(SystemExit):
+        fedrl_parser().parse_args(["ctl", "--target", "host:99999", "status"])
+    assert "'host:99999': the port must be a number in 1-65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, usage", [(["ctl", "status", "--bogus"], "usage: fedrl ctl status"),
+                                         (["ctl", "fetch", "--out", "x", "--nope"], "usage: fedrl ctl fetch"),
+                                         (["data", "info", "x", "--zap"], "usage: fedrl data info"),
+                                         (["up", "--what"], "usage: fedrl up")])
+def test_a_bad_flag_shows_the_usage_of_the_subcommand_it_was_given_to(argv, usage, capsys):
+    from fedrl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(usage) and "unrecognized arguments" in err, err
+
+
+def test_the_thread_default_follows_the_container_limit_else_one(monkeypatch, tmp_path):
+    from fedrl.common import threads
+
+    monkeypatch.setattr(threads, "cpu_quota", lambda: None)
+    assert threads.default_threads()[0] == 1
+    monkeypatch.setattr(threads, "cpu_quota", lambda: 1.5)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    assert threads.default_threads() == (1, "the container's CPU limit (1.5)")
+    monkeypatch.setattr(threads, "cpu_quota", lambda: 3.0)
+    assert threads.default_threads()[0] == 3
+    monkeypatch.setattr(threads, "cpu_quota", lambda: 64.0)
+    assert threads.default_threads()[0] == 4  # never more than the CPUs it may run on

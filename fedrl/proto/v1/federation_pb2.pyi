@@ -78,12 +78,14 @@ class JoinReply(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., run_id: _Optional[str] = ..., last_accepted_round: _Optional[int] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
-    __slots__ = ("agent_id", "wait_seconds")
+    __slots__ = ("agent_id", "wait_seconds", "probe")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     wait_seconds: float
-    def __init__(self, agent_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    probe: bool
+    def __init__(self, agent_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("kind", "run_id", "round", "base_version", "local_steps", "run_config_json", "obs_mean", "obs_std", "deadline_unix", "base_manifest", "base_payload")
