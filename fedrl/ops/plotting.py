@@ -31,8 +31,19 @@ def learning_curve(curve: list[dict], path: str | Path, title: str, env: str,
     e = env_info(env)
     if data_return is not None:
         ax.axhline(data_return, color="tab:green", ls="--", lw=1, label=f"the agents' data ({data_return:.0f})")
-    ax.axhline(e.ref_max_score, color="tab:gray", ls=":", lw=1, label=f"D4RL expert ({e.ref_max_score:.0f})")
-    ax.axhline(e.ref_min_score, color="tab:gray", ls="-.", lw=1, label=f"D4RL random ({e.ref_min_score:.0f})")
+    # The axis spans the run and its data's level (early rounds stay readable whatever the
+    # references' scale): a reference outside it is noted at the edge it lies beyond.
+    lo, hi = y_range([m - s for m, s in zip(mean, std)] + ([data_return] if data_return is not None else []),
+                     [m + s for m, s in zip(mean, std)] + ([data_return] if data_return is not None else []))
+    ax.set_ylim(lo, hi)
+    for value, name, ls in ((e.ref_max_score, "D4RL expert", ":"), (e.ref_min_score, "D4RL random", "-.")):
+        if lo <= value <= hi:
+            ax.axhline(value, color="tab:gray", ls=ls, lw=1, label=f"{name} ({value:.0f})")
+        else:
+            above = value > hi
+            ax.annotate(f"{name} {value:.0f} {'above' if above else 'below'}, off scale",
+                        xy=(0.99, 0.98 if above else 0.02), xycoords="axes fraction", ha="right",
+                        va="top" if above else "bottom", fontsize=7, color="tab:gray")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("return (raw)")
@@ -47,6 +58,18 @@ def learning_curve(curve: list[dict], path: str | Path, title: str, env: str,
     fig.savefig(path, metadata={"Software": None})
     plt.close(fig)
     return Path(path)
+
+
+def y_range(lows: list[float], highs: list[float]) -> tuple[float, float]:
+    """The return axis: from the lowest to the highest value shown, with a margin of a tenth of
+    the span (at least 1), never narrower than 10 return units."""
+    lo, hi = min(lows), max(highs)
+    pad = max(0.1 * (hi - lo), 1.0)
+    lo, hi = lo - pad, hi + pad
+    if hi - lo < 10.0:
+        mid = (hi + lo) / 2
+        lo, hi = mid - 5.0, mid + 5.0
+    return lo, hi
 
 
 def episode_return_mean(rewards, episode) -> float:

@@ -411,20 +411,31 @@ def test_learning_curve_has_integer_rounds_a_full_title_and_references(tmp_path)
         seen["ticks"] = [t for t in ax.get_xticks() if 1 <= t <= 3]
         seen["title"] = ax.get_title()
         seen["labels"] = [line.get_label() for line in ax.get_lines()]
+        seen["ylim"] = ax.get_ylim()
+        seen["notes"] = [t.get_text() for t in ax.texts]
         return real_savefig(fig, *a, **k)
 
-    curve = [{"round": r, "return_mean": 100.0 * r, "return_std": 5.0} for r in (1, 2, 3)]
-    try:
-        plt.Figure.savefig = savefig
-        plotting.learning_curve(curve, tmp_path / "c.png", "drpo on hopper-medium-v2: 3 agents x 100 local steps",
-                                "hopper", data_return=1234.5)
-    finally:
-        plt.Figure.savefig = real_savefig
-    assert all(float(t).is_integer() for t in seen["ticks"]) and seen["ticks"]
-    assert seen["title"] == "drpo on hopper-medium-v2: 3 agents x 100 local steps"
-    assert "the agents' data (1234)" in seen["labels"] or "the agents' data (1235)" in seen["labels"]
-    assert any(label.startswith("D4RL expert") for label in seen["labels"])
-    assert any(label.startswith("D4RL random") for label in seen["labels"])
+    def draw(curve, data_return):
+        try:
+            plt.Figure.savefig = savefig
+            plotting.learning_curve(curve, tmp_path / "c.png", "drpo on hopper-medium-v2: 3 agents x 100 local steps",
+                                    "hopper", data_return=data_return)
+        finally:
+            plt.Figure.savefig = real_savefig
+        return dict(seen)
+
+    got = draw([{"round": r, "return_mean": 1100.0 * r, "return_std": 5.0} for r in (1, 2, 3)], 1234.5)
+    assert all(float(t).is_integer() for t in got["ticks"]) and got["ticks"]
+    assert got["title"] == "drpo on hopper-medium-v2: 3 agents x 100 local steps"
+    assert "the agents' data (1234)" in got["labels"] or "the agents' data (1235)" in got["labels"]
+    assert any(label.startswith("D4RL expert") for label in got["labels"])  # 3234: on the axis
+    assert any(n.startswith("D4RL random -20 below, off scale") for n in got["notes"]), got["notes"]
+    # early rounds of a weak run: the axis is the run's and its data's, the expert noted off scale
+    got = draw([{"round": r, "return_mean": v, "return_std": 2.0} for r, v in ((1, 11.0), (2, 7.0), (3, 27.0))], 40.0)
+    lo, hi = got["ylim"]
+    assert lo < 5.0 and 40.0 < hi < 60.0, got["ylim"]
+    assert not any(label.startswith("D4RL expert") for label in got["labels"])
+    assert any(n.startswith("D4RL expert 3234 above, off scale") for n in got["notes"]), got["notes"]
     assert plotting.episode_return_mean([1.0, 2.0, 3.0, 4.0], [7, 7, 9, 9]) == 5.0
 
 
