@@ -134,6 +134,9 @@ def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[di
 
 # Agent records the aggregator keeps (each holds its shard's observation moments): a Join past
 # them first drops the records of agents gone (not connected, not in the active run), oldest first.
+# An evaluator waiting for a run asks for one at least this often (evaluator_service.follower's
+# MAX_IDLE_SECONDS, 5 s, with its jitter and slack): seen within it, it counts as following.
+EVALUATOR_SEEN_SECONDS = 12.0
 RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # what start_run names runs
 MAX_AGENTS = 1024
 AGENT_TTL = 3600.0  # a record not seen for this long, and not in the active run, is dropped
@@ -147,6 +150,7 @@ class Coordinator:
                  resume: bool = False, max_agents: int = MAX_AGENTS, agent_ttl: float = AGENT_TTL) -> None:
         self.store, self.eval_grace = store, eval_grace
         self.evaluators = 0  # evaluators following the runs now (their watch streams)
+        self.evaluator_seen = 0.0  # when an evaluator's watch last opened or closed
         self.max_agents, self.agent_ttl = max_agents, agent_ttl
         self._digests: dict[tuple[str, int, int], str] = {}  # stored versions' sha256, by file state
         self.metrics = metrics or AggregatorMetrics()
@@ -564,12 +568,12 @@ class Coordinator:
                    **self._progress_of(a, run)}
                   for a in sorted(self.agents.values(), key=lambda a: (a.index, a.agent_id))]
         if run is None:
-            return {"state": "idle", "agents": agents}
+            return {"state": "idle", "agents": agents, "evaluators_following": self.evaluators_following()}
         last = run.evaluations[max(run.evaluations)] if run.evaluations else None
         return {"run_id": run.run_id, "state": run.state, "round": run.round, "rounds": run.cfg.rounds,
                 "global_version": run.version, "agents": agents, "message": run.message,
                 "last_evaluation": last, "config_json": run.config_json, "env_id": run.env_id,
-                "evaluated_versions": sorted(run.evaluations)}
+                "evaluated_versions": sorted(run.evaluations), "evaluators_following": self.evaluators_following()}
 
     def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5) -> Iterator[dict[str, Any]]:
         """Events of the current run with version > ``after_version``, then live ones, until it ends."""
@@ -657,17 +661,25 @@ class Coordinator:
 
     # -- internals (lock held) ---------------------------------------------------------------
     def evaluator_attached(self, delta: int) -> None:
-        """An evaluator's watch stream opened (+1) or closed (-1)."""
+        """An evaluator's watch stream opened (+1) or closed (-1); either way it was just seen."""
         with self.cond:
             self.evaluators += delta
+            self.evaluator_seen = time.time()
             self.cond.notify_all()
+
+    def evaluators_following(self) -> int:
+        """Evaluators following the runs: streams open now, or 1 for an evaluator seen within
+        ``EVALUATOR_SEEN_SECONDS`` (one waiting for a run asks again at least that often)."""
+        if self.evaluators > 0:
+            return self.evaluators
+        return int(time.time() - self.evaluator_seen < EVALUATOR_SEEN_SECONDS)
 
     def _watch_over(self, run: Run) -> bool:
         """A run's event stream ends once it is over and every version has been evaluated
         (or evaluation is off, or no evaluator follows the run, or ``eval_grace`` seconds passed)."""
         if run.state in ACTIVE:
             return False
-        if run.state != "finished" or run.cfg.eval_episodes == 0 or self.evaluators <= 0:
+        if run.state != "finished" or run.cfg.eval_episodes == 0 or not self.evaluators_following():
             return True
         missing = [v for v in range(1, run.version + 1) if v not in run.evaluations]
         return not missing or time.time() - run.ended > self.eval_grace

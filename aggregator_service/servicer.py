@@ -295,7 +295,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     def WatchRounds(self, request, context):
         follower = any(k == EVALUATOR_HEADER for k, _ in context.invocation_metadata())
-        if follower:
+        if follower:  # counted while its stream is open (and seen, even when there is no run yet)
             self.coord.evaluator_attached(+1)
         try:
             for e in self.coord.watch(request.after_version, context.is_active):

@@ -202,6 +202,13 @@ class Launcher:
 
         t_run = time.monotonic()
         with ControlClient(target, tls=self.client_tls, token=self.admin_token) as client:
+            if cfg.run.eval_episodes:  # every version evaluated: the evaluator follows before round 1
+                end = time.monotonic() + STARTUP_TIMEOUT
+                while client.status().get("evaluators_following", 0) < 1:
+                    self._check_children()
+                    if time.monotonic() > end:
+                        raise RuntimeError(f"the evaluator did not follow the aggregator within {STARTUP_TIMEOUT:.0f}s")
+                    time.sleep(0.1)
             st = client.start(cfg.run)
             self.log(f"run {st['run_id']}: {cfg.run.algo}, {cfg.run.rounds} rounds x {cfg.run.local_steps} local steps")
             rounds = self._follow(client, st["run_id"])
