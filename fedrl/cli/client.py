@@ -34,21 +34,13 @@ class ControlClient(ControlCalls):
         (default: the current run), ``version`` (default: its latest). Returns the metadata
         written with it (run, version, env, algo, hyperparameters), read from the version itself."""
         from fedrl.algos.policy_io import policy_from_state, save_policy
-        from fedrl.proto.v1 import federation_pb2
-        from fedrl.wire.codec import assemble, payload_metadata
-        from fedrl.wire.rpc import weights_calls
-        from fedrl.wire.serde import read_weight_messages
 
         if not run_id and not self.status().get("run_id"):
             raise ValueError("the aggregator has no run: nothing to fetch (a stored run: --run RUN; see runs)")
-        fetch, _ = weights_calls(self.channel)
-        manifest, chunks = read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),
-                                                      timeout=max(self.timeout, 120)))
-        info = payload_metadata(chunks)
-        state = assemble(manifest, chunks)
+        state, info, v, rid = self.fetch_version(run_id, version)
         hp = json.loads(info.get("hparams") or "{}")
-        meta = {"env_id": info.get("env_id", ""), "algo": info.get("algo", ""), "run_id": manifest.run_id,
-                "version": manifest.base_version, "hparams": hp}
+        meta = {"env_id": info.get("env_id", ""), "algo": info.get("algo", ""), "run_id": rid, "version": v,
+                "hparams": hp}
         save_policy(policy_from_state(state, hp.get("log_std_min", -5.0), hp.get("log_std_max", 2.0)), path, meta)
         return meta
 

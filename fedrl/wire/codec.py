@@ -2,7 +2,7 @@
 
 No pickle anywhere: the payload is a safetensors file (a JSON header and raw little-endian
 tensor bytes). The decoder checks the declared size, the checksum (XXH3-128, since wire contract
-v2; v1 carried a sha256: see docs/PERFORMANCE.md), that the payload's tensors are
+v2; v1 carried a sha256: see docs/performance.md), that the payload's tensors are
 exactly the manifest's (names, dtypes, shapes) and that every float is finite, before any tensor
 is used. Protobuf types stop at the servicers: this module knows plain Python only.
 """
@@ -26,7 +26,7 @@ CHUNK_BYTES = 1 << 20
 ENCODING = "safetensors"
 # The payload's checksum (wire contract v2): XXH3-128, 32 hex digits. It guards against damage in
 # transit and in memory, not against a forger (TLS and tokens do that); sha256 cost a round ~3.5x
-# the CPU here (benchmarks in docs/PERFORMANCE.md).
+# the CPU here (benchmarks in docs/performance.md).
 CHECKSUM = "xxh3-128"
 
 
@@ -210,7 +210,7 @@ def encode(state: Mapping[str, torch.Tensor], run_id: str = "", round: int = 0,
     that open a message of a chunk of ``n`` bytes, and each chunk is copied into its message
     here (:attr:`Encoded.framed`) and hashed there, while it is in cache. Hashing the tensors
     and copying them into messages later read a large model twice from memory; this reads it
-    once (a 30 MB update: ~1 ms less of an agent's CPU a round, measured in docs/PERFORMANCE.md)."""
+    once (a 30 MB update: ~1 ms less of an agent's CPU a round, measured in docs/performance.md)."""
     tensors = {k: v if _plain(v) else v.detach().to("cpu").contiguous() for k, v in state.items()}
     layout = _layout_of(tensors)
     pieces = [memoryview(x).cast("B") for x in _pieces(tensors, layout, metadata)]

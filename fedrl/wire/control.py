@@ -14,7 +14,7 @@ from fedrl.proto.v1 import (
     federation_pb2,
     federation_pb2_grpc,
 )
-from fedrl.wire.codec import assemble
+from fedrl.wire.codec import assemble, payload_metadata
 from fedrl.wire.rpc import create_channel, wait_ready, weights_calls
 from fedrl.wire.security import TLSFiles
 from fedrl.wire.serde import event_from_proto, read_weight_messages, status_from_proto
@@ -77,6 +77,16 @@ class ControlCalls:
         """Round events (dicts) of the current run until it ends."""
         for e in self.control.WatchRounds(control_pb2.WatchRequest(after_version=after_version), timeout=timeout):
             yield event_from_proto(e)
+
+    def fetch_version(self, run_id: str = "", version: int = -1) -> tuple[dict[str, torch.Tensor], dict[str, str], int, str]:
+        """A global version's tensors (verified), the metadata it was written with (its run,
+        algorithm, environment, hyperparameters), its version and its run: of ``run_id``
+        (default: the current run) or any stored run, ``version`` -1 the latest."""
+        fetch, _ = weights_calls(self.channel)
+        manifest, chunks = read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),
+                                                      timeout=max(self.timeout, 120)))
+        meta = payload_metadata(chunks)
+        return assemble(manifest, chunks), meta, manifest.base_version, manifest.run_id
 
     def fetch_global(self, run_id: str = "", version: int = -1) -> dict[str, torch.Tensor]:
         """Tensors of a global version (verified: size, checksum, names, shapes, finiteness)."""
