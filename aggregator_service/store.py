@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 # Bytes handed to one write() call. On the Linux this project is measured on (6.18, ext4), a
 # 30 MB file written by writes of 2 MiB or more took ~70 ms of CPU in the kernel's copy
-# (copy_folio_from_iter_atomic), by 1 MiB writes 6.4 ms (docs/PERFORMANCE.md, *The version
+# (copy_folio_from_iter_atomic), by 1 MiB writes 6.4 ms (docs/performance.md, *The version
 # write*). The aggregator writes a version of that size every round.
 WRITE_SLICE = 1 << 20
 
@@ -143,7 +143,7 @@ class Store:
                 os.fsync(f.fileno())
                 if not keep_cached and hasattr(os, "posix_fadvise"):
                     # Clean after the fsync, so dropped at once: the next version's write takes
-                    # these pages again instead of new ones (docs/PERFORMANCE.md, *The version write*).
+                    # these pages again instead of new ones (docs/performance.md, *The version write*).
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             os.replace(tmp, path)
         except BaseException:

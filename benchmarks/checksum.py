@@ -3,7 +3,7 @@
     python -m benchmarks.checksum [--mb 30] [--repeats 5] [--out FILE]
 
 Best of ``--repeats`` passes each over the same random bytes (one thread; BLAKE3 also with its
-own threads). Why the wire contract v2 uses XXH3-128: docs/PERFORMANCE.md.
+own threads). Why the wire contract v2 uses XXH3-128: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -110,11 +110,11 @@ def test_weights_never_pickled():
         assert "import pickle" not in src and "torch.load(" not in src, f
 
 
-def test_readme_layout_names_every_core_package_and_only_files_that_exist():
+def test_documented_layout_names_every_core_package_and_only_files_that_exist():
     import re
 
-    text = (ROOT / "README.md").read_text()
-    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    text = (ROOT / "docs" / "reference" / "layout.md").read_text()
+    block = text.split("# Code layout", 1)[1].split("```", 2)[1]
     current = None
     named: dict[str, set[str]] = {}
     for line in block.splitlines():
@@ -125,7 +125,7 @@ def test_readme_layout_names_every_core_package_and_only_files_that_exist():
             current = None if not m else current
         if current:
             named.setdefault(current, set()).update(re.findall(r"\b([a-z_]+\.py)\b", line))
-    assert {p.split("/")[0] for p in named} == set(LAYER), f"README's layout lists {sorted(named)}"
+    assert {p.split("/")[0] for p in named} == set(LAYER), f"the documented layout lists {sorted(named)}"
     for pkg, files in named.items():
         for f in files:
-            assert (ROOT / "fedrl" / pkg / f).exists(), f"README's layout names fedrl/{pkg}/{f}, which does not exist"
+            assert (ROOT / "fedrl" / pkg / f).exists(), f"the documented layout names fedrl/{pkg}/{f}, which does not exist"

@@ -43,7 +43,7 @@ class DRPOConfig:
     CQL (which the authors' code modifies) and d3rlpy's use: under Adam, eq. (cql)'s 1/2 with beta = 10
     behaves as the full MSE with beta = 20, twice as conservative as the references. With 1, Q on the
     data rises and then falls over long training while the TD error grows; with 2 it tracks d3rlpy
-    (``python -m benchmarks.reference``; docs/ALGORITHM_CHOICES.md)."""
+    (``python -m benchmarks.reference``; docs/explanation/choices.md)."""
     cql_n_actions: int = 10
     """Sampled actions of each kind (uniform, pi(s), pi(s')) in the CQL(H) log-sum-exp (CORL: 10)."""
     tau: float = 5e-3
@@ -57,13 +57,13 @@ class DRPOConfig:
     target_action: TargetAction = "sample"
     """The next action in the TD target: ``sample`` a' ~ pi(.|s') (eq. cql, CORL) or ``mean``, the
     policy's deterministic action tanh(mu(s')) (d3rlpy's CQL without soft backup). Kept to explain
-    the measured gap to d3rlpy (docs/ALGORITHM_CHOICES.md)."""
+    the measured gap to d3rlpy (docs/explanation/choices.md)."""
     backup_entropy: bool = False
     """Subtract alpha * log pi(a'|s') in the TD target (CORL: off)."""
     q_scale: QScale = "raw"
     """How the actor's Q term enters L_pi. ``raw``: -Q exactly as eq. (local_updating_pi) is written.
     ``normalized``: -(q_norm / mean|Q|) * Q with mean|Q| detached (FEDORA / TD3+BC), which keeps the
-    O(1) NLL regularisers relevant when Q is in the hundreds. See docs/ALGORITHM_CHOICES.md."""
+    O(1) NLL regularisers relevant when Q is in the hundreds. See docs/explanation/choices.md."""
     q_norm: float = 2.5
     """Target magnitude of the Q term under ``q_scale='normalized'`` (FEDORA/TD3+BC: 2.5)."""
     global_samples: int = 1

@@ -155,7 +155,7 @@ def ensemble_linear(b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.
 # the CQL critic's 7,936-row batch as eight blocks instead of one. The (E, 1024, 256) GEMMs ran
 # 20-35% faster than the (E, 7936, 256) ones on 2 threads here (~8% on one) and a block's
 # activations stay in cache between its layers: the DRPO update 1.13-1.24x faster on 1 and 2
-# threads (docs/PERFORMANCE.md). On a GPU the whole batch is one block (one launch per layer).
+# threads (docs/performance.md). On a GPU the whole batch is one block (one launch per layer).
 ROW_BLOCK = 1024
 
 

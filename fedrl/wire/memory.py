@@ -9,7 +9,7 @@
 - :class:`BufferPool`: receive buffers written again round after round, handed back by
   themselves once nothing reads them.
 
-Measurements behind each: docs/PERFORMANCE.md (*Page faults, the close, and a bracketed
+Measurements behind each: docs/performance.md (*Page faults, the close, and a bracketed
 baseline*, and *Memory*).
 """
 
@@ -93,7 +93,7 @@ class BufferPool:
 
     A fresh buffer costs a page fault for each 4 KiB page its bytes first land in: 36 ms of CPU
     per 30 MB on the 2-core VM this project is measured on, 0.36 s a round for ten 30 MB updates,
-    about a quarter of the aggregator's whole CPU time in such a round (docs/PERFORMANCE.md).
+    about a quarter of the aggregator's whole CPU time in such a round (docs/performance.md).
     A buffer taken from here is written in place again instead.
 
     :meth:`take` hands out a writable memoryview of an anonymous mapping (outside malloc's heaps,

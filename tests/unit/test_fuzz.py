@@ -477,7 +477,7 @@ def test_a_payload_assembled_from_chunks_gives_the_answer_of_decoding_it_whole(c
     pooled buffer or not: the outcome is decode's on the whole payload, the same tensors or the
     same refusal. A NaN sent by its sender names its tensor; bytes damaged on the way are
     refused for their checksum first. (Checking each chunk's floats as it lands was tried on
-    2026-11-27 and measured slower in place: see docs/PERFORMANCE.md.)"""
+    2026-11-27 and measured slower in place: see docs/performance.md.)"""
     from fedrl.wire.memory import BufferPool
 
     state = {k: v.clone() for k, v in ONE_DTYPE.items()}

@@ -240,7 +240,7 @@ def test_paper_defaults():
 def test_defaults_the_references_decide():
     """The TD term is the full MSE of CORL and d3rlpy (td_weight 2 on the 1/2 MSE), and every actor
     shares one learning rate (the paper: "all algorithms with the same learning rate"): BC's is
-    DRPO's actor rate. docs/ALGORITHM_CHOICES.md gives the measurements behind both."""
+    DRPO's actor rate. docs/explanation/choices.md gives the measurements behind both."""
     assert DRPOConfig().td_weight == 2.0
     assert BCConfig().lr == DRPOConfig().actor_lr == 3e-5
 

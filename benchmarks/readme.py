@@ -1,0 +1,241 @@
+"""The README's times and returns, measured by commands and rendered from committed results.
+
+    python -m benchmarks.readme measure up            fedrl up as the README gives it (data made first, then again)
+    python -m benchmarks.readme measure by-hand       the services started by hand with default flags vs fedrl up
+    python -m benchmarks.readme measure suite         the README's test command (python -m pytest)
+    python -m benchmarks.readme render                write the README's generated blocks
+
+Each ``measure`` writes ``benchmarks/results/readme/<name>.json`` with the machine's load (1-minute
+load average before and after, CPU count) beside the numbers: a time on this shared machine means
+little without it. ``render`` fills the README's ``<!-- generated:readme-* -->`` blocks from those
+files only; ``tests/integration/test_readme_numbers.py`` fails when a block is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "readme"
+README = ROOT / "README.md"
+PERFORMANCE = ROOT / "docs" / "performance.md"
+# the small-settings run the README's "services by hand" example starts (about a minute here)
+BY_HAND = {"agents": 2, "rounds": 3, "local_steps": 200, "eval_episodes": 2}
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "loadavg_1min": round(os.getloadavg()[0], 2), "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def _write(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def _up(out: Path, env: dict[str, str], *flags: str) -> dict[str, Any]:
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "fedrl.cli", "up", "--out", str(out), *flags], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=3600)
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"fedrl up failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    rounds = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
+    return {"wall_seconds": round(wall, 1), "returns": [round(r["eval"]["return_mean"], 1) for r in rounds if r.get("eval")],
+            "round_seconds": [round(r.get("seconds", 0.0), 2) for r in rounds]}
+
+
+def measure_up() -> int:
+    """``fedrl up`` with the README's defaults in a fresh cache (the dataset is made first), then
+    again with the data in place: the README's two times and its returns."""
+    with tempfile.TemporaryDirectory(prefix="fedrl-readme-") as d:
+        env = {**os.environ, "FEDRL_CACHE_DIR": str(Path(d) / "cache"), "D4RL_DATASET_DIR": str(Path(d) / "d4rl")}
+        before = machine()
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "fedrl.cli", "data", "info", "hopper-medium-v2"], cwd=ROOT, env=env,
+                       check=True, capture_output=True, timeout=1200)
+        making = time.monotonic() - t0
+        shutil.rmtree(Path(d) / "cache")
+        first = _up(Path(d) / "first", env)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(d) / "first" / "learning_curve.png", RESULTS / "learning_curve.png")  # the README shows it
+        again = _up(Path(d) / "again", env)
+    return 0 if _write("up", {"command": "fedrl up", "first_run": first, "data_ready": again,
+                              "data_making_seconds": round(making, 1), "machine_before": before,
+                              "machine_after": machine()}) else 1
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout: float = 120) -> str:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            raise SystemExit(f"{what} did not start")
+        time.sleep(0.05)
+    return path.read_text().strip()
+
+
+def measure_by_hand() -> int:
+    """The README's *services by hand* steps with default flags (an aggregator, two agents, ``fedrl
+    ctl start`` with :data:`BY_HAND`), their rounds' seconds beside ``fedrl up``'s for the same run."""
+    before = machine()
+    with tempfile.TemporaryDirectory(prefix="fedrl-byhand-") as d:
+        d = Path(d)
+        py = sys.executable
+        procs = []
+        try:
+            agg = subprocess.Popen([py, "-m", "aggregator_service", "--state-dir", str(d / "state"), "--port", "0",
+                                    "--port-file", str(d / "port")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+            procs.append(agg)
+            target = f"127.0.0.1:{_wait_file(d / 'port', agg, 'the aggregator')}"
+            for i in range(2):
+                procs.append(subprocess.Popen([py, "-m", "agent_service", "--aggregator", target, "--dataset",
+                                               "hopper-medium-v2", "--shard", str(i), "--shards", "2"], cwd=ROOT,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            sets = [x for k, v in {**BY_HAND, "eval_episodes": 0}.items() for x in ("--set", f"{k}={v}")]
+            t0 = time.monotonic()
+            end = t0 + 300
+            while subprocess.run([py, "-m", "fedrl.cli", "ctl", "--target", target, "start", *sets], cwd=ROOT,
+                                 capture_output=True).returncode != 0:
+                if time.monotonic() > end:
+                    raise SystemExit("the run could not be started")
+                time.sleep(1.0)
+            w = subprocess.run([py, "-m", "fedrl.cli", "ctl", "--target", target, "--json", "watch"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=1800)
+            wall = time.monotonic() - t0
+            events = [json.loads(x) for x in w.stdout.splitlines() if x.strip()]
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(30)
+        opened = {e["round"]: e["time_unix"] for e in events if e["kind"] == "ROUND_OPENED"}
+        by_hand = [round(e["time_unix"] - opened[e["round"]], 2) for e in events if e["kind"] == "ROUND_CLOSED"]
+        up = _up(d / "up", dict(os.environ), "--agents", "2", "--rounds", str(BY_HAND["rounds"]), "--local-steps",
+                 str(BY_HAND["local_steps"]), "--eval-episodes", "0")
+    return 0 if _write("by-hand", {"settings": BY_HAND, "by_hand_round_seconds": by_hand,
+                                   "by_hand_wall_seconds": round(wall, 1), "up_round_seconds": up["round_seconds"],
+                                   "ratio_of_medians": round(sorted(by_hand)[len(by_hand) // 2]
+                                                             / sorted(up["round_seconds"])[len(up["round_seconds"]) // 2], 2),
+                                   "machine_before": before, "machine_after": machine()}) else 1
+
+
+def measure_suite() -> int:
+    before = machine()
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+                       capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    return _write("suite", {"command": "python -m pytest", "wall_seconds": round(wall, 1), "summary": tail,
+                            "returncode": p.returncode, "machine_before": before, "machine_after": machine()}) and \
+        (0 if p.returncode == 0 else 1)
+
+
+def _mmss(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m} min {s:02d} s" if m else f"{s} s"
+
+
+def _load(r: dict) -> str:
+    return (f"{r['machine_before']['cpus']} CPUs, load {r['machine_before']['loadavg_1min']:.1f}"
+            f" before / {r['machine_after']['loadavg_1min']:.1f} after, {r['machine_before']['date'][:10]}")
+
+
+def blocks(results: Path = RESULTS) -> dict[str, str]:
+    """The README's generated blocks, from the committed results only."""
+    out = {}
+    up = json.loads((results / "up.json").read_text())
+    rets = ", ".join(f"{x:.0f}" for x in up["first_run"]["returns"])
+    out["readme-up"] = (f"Measured ({_load(up)}; `python -m benchmarks.readme measure up`): "
+                        f"{_mmss(up['first_run']['wall_seconds'])} the first time, making the dataset included "
+                        f"({_mmss(up['data_making_seconds'])} of it, once), {_mmss(up['data_ready']['wall_seconds'])} "
+                        f"once the data exists; evaluated return by round: {rets}.")
+    suite = json.loads((results / "suite.json").read_text())
+    out["readme-suite"] = (f"Measured: {_mmss(suite['wall_seconds'])} for `{suite['summary']}` "
+                           f"({_load(suite)}; `python -m benchmarks.readme measure suite`).")
+    bh = json.loads((results / "by-hand.json").read_text())
+    med = sorted(bh["by_hand_round_seconds"])[len(bh["by_hand_round_seconds"]) // 2]
+    upm = sorted(bh["up_round_seconds"])[len(bh["up_round_seconds"]) // 2]
+    out["readme-by-hand"] = (f"Measured ({_load(bh)}; `python -m benchmarks.readme measure by-hand`): the run "
+                             f"below took {_mmss(bh['by_hand_wall_seconds'])}; a round took {med:.1f} s started by "
+                             f"hand with default flags and {upm:.1f} s under `fedrl up` "
+                             f"({bh['ratio_of_medians']:.2f}x).")
+    from benchmarks.paper import PRESETS, render_blocks
+
+    out["readme-claim"] = render_blocks(PRESETS["claim"], results.parent)["paper-claim-table"]
+    return out
+
+
+def batched_md(path: Path) -> str:
+    """The batched-learner throughput table of a ``benchmarks.throughput --batched`` result."""
+    t = json.loads(path.read_text())
+    rows = [f"| L (learners in one model) | agent-steps/s | vs one learner ({t['single']['steps_per_s']:.1f} steps/s) "
+            f"| of the FP32 ceiling ({t['matmul_gflops']:.0f} GFLOP/s) |", "| --- | --- | --- | --- |"]
+    for r in t["batched"]:
+        rows.append(f"| {r['members']} | {r['agent_steps_per_s']:.1f} | {r['vs_single']:.2f}x | "
+                    f"{100 * r['fraction_of_peak']:.1f}% |")
+    return (f"{t['device_name'] or t['device']}, {t['threads']} torch thread(s), torch {t['torch']}, {t['date']} "
+            f"(`{path.relative_to(ROOT)}`):\n\n" + "\n".join(rows))
+
+
+def performance_blocks(results: Path = RESULTS) -> dict[str, str]:
+    """docs/performance.md's generated blocks, from the committed results only."""
+    from benchmarks.paper import system_md
+    from benchmarks.peers import table_md
+
+    root = results.parent
+    out = {"perf-system": system_md(root), "perf-peers": table_md(json.loads((root / "peers.json").read_text())),
+           "perf-batched-cpu": batched_md(root / "throughput-batched-cpu.json")}
+    rows = ["| run | date | federation MB/s | raw gRPC MB/s | of raw | round (median) |", "| --- | --- | --- | --- | --- | --- |"]
+    for f in sorted(root.glob("transfer-*.json")):
+        t = json.loads(f.read_text())
+        tr = t["transfer"]
+        rows.append(f"| `{f.name}` | {t['date']} | {tr['federation']['mb_per_s']:.0f} | {tr['raw_grpc']['mb_per_s']:.0f} | "
+                    f"{100 * tr['ratio_to_raw']:.1f}% | {tr['federation']['round_seconds_median']:.2f} s |")
+    out["perf-transfer"] = "\n".join(rows)
+    gpu = root / "throughput-batched-cuda.json"
+    out["perf-batched-gpu"] = batched_md(gpu) if gpu.exists() else \
+        "Not measured yet: no session has been lent a GPU since the batched learners exist."
+    return out
+
+
+def replace_blocks(text: str, blocks_: dict[str, str]) -> str:
+    for name, body in blocks_.items():
+        pat = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- end:{re.escape(name)} -->)", re.S)
+        if not pat.search(text):
+            raise SystemExit(f"no block {name!r} to fill")
+        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.readme", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("what", choices=("up", "by-hand", "suite"))
+    sub.add_parser("render")
+    a = ap.parse_args(argv)
+    if a.cmd == "measure":
+        return {"up": measure_up, "by-hand": measure_by_hand, "suite": measure_suite}[a.what]()
+    README.write_text(replace_blocks(README.read_text(), blocks()))
+    PERFORMANCE.write_text(replace_blocks(PERFORMANCE.read_text(), performance_blocks()))
+    print(f"updated {README} and {PERFORMANCE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The documentation: a site that builds, reference pages generated from the code and current,
+numbers rendered from committed results, and a README a newcomer can read in two minutes."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_reference_pages_are_generated_from_the_current_code():
+    p = subprocess.run([sys.executable, "tools/make_reference.py", "--check"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+
+
+def test_the_site_builds_strictly(tmp_path):
+    """A broken link, a page missing from the navigation, a bad anchor: each fails the build."""
+    pytest.importorskip("mkdocs", reason="mkdocs is a test dependency: pip install -e '.[test]'")
+    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (tmp_path / "site" / "index.html").exists()
+
+
+def test_the_strict_build_notices_a_broken_link(tmp_path):
+    pytest.importorskip("mkdocs", reason="mkdocs is a test dependency")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    with open(tmp_path / "docs" / "quickstart.md", "a") as f:
+        f.write("\n[gone](no-such-page.md)\n")
+    p = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "no-such-page.md" in p.stdout + p.stderr
+
+
+def _block(text: str, name: str) -> str:
+    m = re.search(rf"<!-- generated:{re.escape(name)} -->\n(.*?)\n<!-- end:{re.escape(name)} -->", text, re.S)
+    assert m, f"no {name} block"
+    return m.group(1)
+
+
+def test_every_rendered_number_matches_its_committed_result():
+    from benchmarks import readme
+
+    for path, blocks in ((readme.README, readme.blocks()), (readme.PERFORMANCE, readme.performance_blocks())):
+        text = path.read_text()
+        for name, body in blocks.items():
+            assert _block(text, name) == body, f"{path.name}: block {name} is stale: python -m benchmarks.readme render"
+
+
+def test_the_readme_is_short_and_leads_with_the_two_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 170, len(lines)
+    head = "\n".join(lines[:40])
+    assert "pip install torch==2.13.0 -e . && fedrl up" in head
+    assert 'pip install torch==2.13.0 -e ".[test]" && python -m pytest' in head
+
+
+def test_ci_runs_the_readmes_test_command_in_a_new_virtualenv():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install torch==2.13.0 -e ".[test]" && python -m pytest' in ci
+    assert "python3 -m venv" in ci and "source" in ci
