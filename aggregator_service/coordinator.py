@@ -137,6 +137,11 @@ def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[di
 # An evaluator waiting for a run asks for one at least this often (evaluator_service.follower's
 # MAX_IDLE_SECONDS, 5 s, with its jitter and slack): seen within it, it counts as following.
 EVALUATOR_SEEN_SECONDS = 12.0
+AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # no NUL, no bidi marks, no path parts
+# What an observation's moments may be (a Join's shared sums): a finite mean of magnitude at most
+# OBS_MEAN_MAX, a standard deviation at most OBS_STD_MAX, a non-negative variance (up to float
+# rounding); a constant dimension (std 0) is fine, normalised with the STD_FLOOR of fedrl.data.normalize.
+OBS_MEAN_MAX, OBS_STD_MAX = 1e6, 1e6
 RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # what start_run names runs
 MAX_AGENTS = 1024
 AGENT_TTL = 3600.0  # a record not seen for this long, and not in the active run, is dropped
@@ -186,9 +191,34 @@ class Coordinator:
         self._ticker.join(timeout=2)
 
     # -- agents ----------------------------------------------------------------------------
+    def _check_task(self, rec: AgentRecord, run) -> None:
+        """While a run is active, an agent of another task is refused at Join (naming the
+        difference): the run's task is its env and the dimensions of the agents it has (those it
+        selected, or those connected while it waits), so one agent cannot end a run."""
+        if run is None or run.state not in ACTIVE:
+            return
+        now = time.time()
+        if run.state == "running":
+            peers = [self.agents[a] for a in run.selected if a in self.agents and a != rec.agent_id]
+        else:
+            peers = [a for a in self.agents.values() if a.agent_id != rec.agent_id and self._connected(a, now)]
+        env = run.env_id or run.cfg.env or next((a.env_id for a in peers if a.env_id), "")
+        dims = next(((a.obs_dim, a.act_dim) for a in peers), None)
+        diff = []
+        if env and rec.env_id and rec.env_id != env:
+            diff.append(f"env {rec.env_id} (the run's: {env})")
+        if dims is not None and (rec.obs_dim, rec.act_dim) != dims:
+            diff.append(f"obs_dim {rec.obs_dim}, act_dim {rec.act_dim} (the run's: {dims[0]}, {dims[1]})")
+        if diff:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"agent {rec.agent_id}: another task than run {run.run_id}'s: {'; '.join(diff)}",
+                               "other_task")
+
     def join(self, rec: AgentRecord) -> str:
-        if not rec.agent_id or len(rec.agent_id) > 128:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "agent_id must be 1-128 characters")
+        if not AGENT_ID.fullmatch(rec.agent_id or ""):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"agent_id {rec.agent_id[:40]!r}: 1-128 characters of letters, digits and . _ - "
+                               "(starting with a letter or digit)")
         if rec.obs_dim <= 0 or rec.act_dim <= 0 or rec.num_samples <= 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"agent {rec.agent_id}: obs_dim, act_dim and num_samples must be positive")
@@ -206,6 +236,7 @@ class Coordinator:
             if rec.stats.count > JOIN_LIMITS["num_samples"]:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: observation count must "
                                    f"be at most {JOIN_LIMITS['num_samples']}, got {rec.stats.count}")
+            _check_moments(rec)
             with np.errstate(all="ignore"):
                 derived = rec.stats.mean_std()
             if not all(np.isfinite(x).all() for x in (rec.stats.total, rec.stats.total_sq, *derived)):
@@ -215,6 +246,7 @@ class Coordinator:
         with self.cond:
             old = self.agents.get(rec.agent_id)
             run = self.run
+            self._check_task(rec, run)
             if old is not None and run is not None and run.state == "running" and rec.agent_id in run.selected:
                 if (old.obs_dim, old.act_dim) != (rec.obs_dim, rec.act_dim):
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -881,8 +913,9 @@ class Coordinator:
                     continue
                 now = time.time()
                 if run.state == "waiting_for_agents" and now - run.created > run.cfg.join_timeout:
-                    self._fail(run, f"only {len(self.agents)} of {run.cfg.agents} agents joined within "
-                                    f"{run.cfg.join_timeout:.0f}s")
+                    present = sum(self._connected(a, now) for a in self.agents.values())
+                    self._fail(run, f"only {present} of the {run.cfg.agents} agents the run needs were connected "
+                                    f"within {run.cfg.join_timeout:.0f}s")
                     self.cond.notify_all()
                 elif run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
                     msg = (f"round {run.round} is past its deadline with {len(run.submissions)} of the "
@@ -894,6 +927,29 @@ class Coordinator:
                     if len(run.submissions) >= run.cfg.quorum:
                         self._close_round(run)
                         self.cond.notify_all()
+
+
+def _check_moments(rec: AgentRecord) -> None:
+    """Refuse observation moments no observation can have (see ``OBS_MEAN_MAX``), naming them."""
+    st = rec.stats
+    with np.errstate(all="ignore"):
+        total, total_sq = np.asarray(st.total, np.float64), np.asarray(st.total_sq, np.float64)
+        mean = total / st.count
+        var = total_sq / st.count - mean * mean
+    bad = []
+    if not (np.isfinite(total).all() and np.isfinite(total_sq).all()):
+        bad.append("sums must be finite")
+    elif (total_sq < 0).any():
+        bad.append(f"a sum of squares is negative ({float(total_sq.min()):.3g})")
+    elif (np.abs(mean) > OBS_MEAN_MAX).any():
+        bad.append(f"a mean of magnitude {float(np.abs(mean).max()):.3g} exceeds {OBS_MEAN_MAX:g}")
+    elif (var < -1e-6 * (1.0 + mean * mean)).any():
+        bad.append(f"a variance is negative ({float(var.min()):.3g}): the sums of squares are below the squared sums")
+    elif (np.sqrt(np.maximum(var, 0.0)) > OBS_STD_MAX).any():
+        bad.append(f"a standard deviation of {float(np.sqrt(np.maximum(var, 0.0)).max()):.3g} exceeds {OBS_STD_MAX:g}")
+    if bad:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: observation moments: {bad[0]}",
+                           "bad_moments")
 
 
 def _env_mismatch(env_name: str, agent_envs: set[str], obs_dim: int, act_dim: int) -> str:

@@ -1,0 +1,84 @@
+"""Issue 54's second pass, against real servers: poison that is finite, a Join of another task,
+odd agent ids, negative versions, a failure message that counts what is there."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from fedrl.proto.v1 import control_pb2, federation_pb2
+from tests.service.test_federation import assert_refused, join, run_config, status, wait_for
+
+
+def _join_moments(agg, agent_id, total, total_sq, count=100, obs_dim=11):
+    return agg.fed.Join(federation_pb2.JoinRequest(
+        agent_id=agent_id, agent_index=0, num_samples=100, obs_dim=obs_dim, act_dim=3, env_id="Hopper-v5",
+        obs_moments=federation_pb2.ObsMoments(count=count, sum=[total] * obs_dim, sum_sq=[total_sq] * obs_dim)),
+        timeout=5)
+
+
+@pytest.mark.parametrize("total, total_sq, says", [
+    (3e38 * 100, 9e76 * 100, "a mean of magnitude 3e+38 exceeds 1e+06"),  # finite, and absurd
+    (1.0, -5.0, "a sum of squares is negative"),
+    (0.0, 1e60 * 100, "a standard deviation of 1e+30 exceeds 1e+06"),
+    (100.0 * 100, 1.0 * 100, "a variance is negative"),  # mean 100, mean of squares 1
+])
+def test_observation_moments_no_observation_can_have_are_refused_at_join(aggregator, total, total_sq, says):
+    assert_refused(lambda: _join_moments(aggregator, "poison", total, total_sq), grpc.StatusCode.INVALID_ARGUMENT, says)
+    assert status(aggregator)["agents"] == []  # nothing registered
+    _join_moments(aggregator, "honest", 5.0, 3.0)  # and an honest one still joins
+    assert [a["agent_id"] for a in status(aggregator)["agents"]] == ["honest"]
+
+
+def test_a_join_of_another_task_is_refused_and_the_run_goes_on(aggregator):
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=5)
+    assert wait_for(lambda: status(aggregator)["state"] == "running")
+    assert_refused(lambda: join(aggregator, "other", 2, obs_dim=17), grpc.StatusCode.FAILED_PRECONDITION,
+                   "another task than run")
+    walker = federation_pb2.JoinRequest(agent_id="walker", agent_index=3, num_samples=100, obs_dim=11, act_dim=3,
+                                        env_id="Walker2d-v5", obs_moments=federation_pb2.ObsMoments(
+                                            count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11))
+    assert_refused(lambda: aggregator.fed.Join(walker, timeout=5), grpc.StatusCode.FAILED_PRECONDITION,
+                   "env Walker2d-v5 (the run's: Hopper-v5)")
+    st = status(aggregator)
+    assert st["state"] == "running" and {a["agent_id"] for a in st["agents"]} == {"a0", "a1"}
+    join(aggregator, "a2", 2)  # the same task still joins (a spare for later runs)
+
+
+def test_a_join_of_another_task_is_refused_while_the_run_waits_for_agents(aggregator):
+    join(aggregator, "a0", 0)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    assert_refused(lambda: join(aggregator, "other", 1, obs_dim=17), grpc.StatusCode.FAILED_PRECONDITION,
+                   "obs_dim 17, act_dim 3 (the run's: 11, 3)")
+    join(aggregator, "a1", 1)
+    assert wait_for(lambda: status(aggregator)["state"] == "running")
+
+
+@pytest.mark.parametrize("agent_id", ["a\x00b", "\u202eevil", "../../etc", "", "x" * 129, "-lead", "a b"])
+def test_agent_ids_outside_the_documented_character_set_are_refused(aggregator, agent_id):
+    assert_refused(lambda: join(aggregator, agent_id, 0), grpc.StatusCode.INVALID_ARGUMENT,
+                   "letters, digits and . _ -")
+    assert status(aggregator)["agents"] == []
+
+
+@pytest.mark.parametrize("version", [-2, -(2**63)])
+def test_a_negative_version_other_than_latest_is_refused(aggregator, version):
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    assert wait_for(lambda: status(aggregator)["state"] == "running")
+
+    def fetch():
+        return list(aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(version=version), timeout=5))
+
+    assert_refused(fetch, grpc.StatusCode.INVALID_ARGUMENT, "expected a version >= 0, or -1 for the latest")
+
+
+def test_a_run_short_of_agents_says_how_many_are_connected(aggregator):
+    join(aggregator, "a0", 0)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2, join_timeout=0.3)),
+                                timeout=5)
+    assert wait_for(lambda: status(aggregator)["state"] == "failed")
+    assert status(aggregator)["message"] == "only 1 of the 2 agents the run needs were connected within 0s"
