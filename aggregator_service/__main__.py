@@ -66,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     from aggregator_service.store import Store
     from fedrl.ops.metrics import AggregatorMetrics, start_side_endpoints
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
-    from fedrl.wire.rpc import announce_port, create_server, stream_limits, wait_for_shutdown
+    from fedrl.wire.rpc import (
+        announce_port,
+        create_server,
+        stream_limits,
+        wait_for_shutdown,
+    )
     from fedrl.wire.security import (
         Authenticator,
         AuthInterceptor,

@@ -44,7 +44,7 @@ D, C, N, B, A, BASE = ("fedrl/algos/drpo.py", "fedrl/algos/cql.py", "fedrl/algos
                        "fedrl/federation/aggregate.py", "fedrl/algos/base.py")
 BAT, BUF = "fedrl/algos/batched.py", "fedrl/data/buffer.py"
 BATCHED_TESTS = ("tests/unit/test_batched.py",)
-SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/coordinator.py"
+SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/rounds.py"
 SIM_TESTS = ("tests/integration/test_simulate.py",)
 SERVICE_TESTS = ("tests/service/test_federation.py",)
 MUTANTS = (

@@ -296,7 +296,7 @@ def test_a_runs_memory_is_kept_for_its_rounds_and_handed_back_when_it_ends(tmp_p
     back each round, both were touched afresh the next: page faults that were a quarter of its
     CPU in 30 MB rounds). Once the run ends, the ticker (not a thread holding the coordinator's
     lock) unmaps the buffers and asks the C library to release free pages, once."""
-    from aggregator_service import coordinator as coordinator_mod
+    from aggregator_service import rounds as coordinator_mod
     from aggregator_service.coordinator import Coordinator
     from aggregator_service.store import Store
     from tests.service.test_federation import run_config

@@ -518,9 +518,9 @@ def test_averages_are_written_into_the_buffers_of_versions_no_longer_held(aggreg
     current one, the one before, a version a caller keeps) never receives it, and the rounds
     settle on a few buffers in rotation instead of fresh memory every round. (The pool takes
     averages of 1 MiB and more; this small policy's are let in.)"""
-    from aggregator_service import coordinator
+    from aggregator_service import rounds
 
-    monkeypatch.setattr(coordinator, "AVERAGE_POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(rounds, "AVERAGE_POOL_MIN_BYTES", 0)
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
     rounds = 8

@@ -1,0 +1,180 @@
+"""The agents an aggregator knows: Join (validated, bounded, forgotten when gone), progress,
+liveness, and the evaluators that follow the runs.
+
+A mixin of :class:`aggregator_service.coordinator.Coordinator`: its methods share the
+coordinator's state (``cond``, ``run``, ``agents``, ``store``) and run with ``cond`` held where
+their names start with an underscore and say so."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from aggregator_service.records import (
+    ACTIVE,
+    AGENT_ID,
+    EVALUATOR_SEEN_SECONDS,
+    AgentRecord,
+    check_moments,
+)
+from fedrl.federation.runconfig import (
+    JOIN_LIMITS,
+)
+from fedrl.wire.rpc import ServiceError
+
+log = logging.getLogger("fedrl.aggregator")
+
+class AgentRegistry:
+    def _check_task(self, rec: AgentRecord, run) -> None:
+        """While a run is active, an agent of another task is refused at Join (naming the
+        difference): the run's task is its env and the dimensions of the agents it has (those it
+        selected, or those connected while it waits), so one agent cannot end a run."""
+        if run is None or run.state not in ACTIVE:
+            return
+        now = time.time()
+        if run.state == "running":
+            peers = [self.agents[a] for a in run.selected if a in self.agents and a != rec.agent_id]
+        else:
+            peers = [a for a in self.agents.values() if a.agent_id != rec.agent_id and self._connected(a, now)]
+        env = run.env_id or run.cfg.env or next((a.env_id for a in peers if a.env_id), "")
+        dims = next(((a.obs_dim, a.act_dim) for a in peers), None)
+        diff = []
+        if env and rec.env_id and rec.env_id != env:
+            diff.append(f"env {rec.env_id} (the run's: {env})")
+        if dims is not None and (rec.obs_dim, rec.act_dim) != dims:
+            diff.append(f"obs_dim {rec.obs_dim}, act_dim {rec.act_dim} (the run's: {dims[0]}, {dims[1]})")
+        if diff:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"agent {rec.agent_id}: another task than run {run.run_id}'s: {'; '.join(diff)}",
+                               "other_task")
+
+    def join(self, rec: AgentRecord) -> str:
+        if not AGENT_ID.fullmatch(rec.agent_id or ""):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"agent_id {rec.agent_id[:40]!r}: 1-128 characters of letters, digits and . _ - "
+                               "(starting with a letter or digit)")
+        if rec.obs_dim <= 0 or rec.act_dim <= 0 or rec.num_samples <= 0:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"agent {rec.agent_id}: obs_dim, act_dim and num_samples must be positive")
+        for name, top in JOIN_LIMITS.items():
+            v = getattr(rec, name)
+            if not 0 <= v <= top:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: {name} must be in "
+                                   f"[0, {top}], got {v}")
+        if rec.stats is not None and (len(rec.stats.total) != rec.obs_dim or len(rec.stats.total_sq) != rec.obs_dim
+                                      or rec.stats.count <= 0):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"agent {rec.agent_id}: observation moments must have obs_dim={rec.obs_dim} "
+                               "entries and a positive count")
+        if rec.stats is not None:
+            if rec.stats.count > JOIN_LIMITS["num_samples"]:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: observation count must "
+                                   f"be at most {JOIN_LIMITS['num_samples']}, got {rec.stats.count}")
+            check_moments(rec)
+            with np.errstate(all="ignore"):
+                derived = rec.stats.mean_std()
+            if not all(np.isfinite(x).all() for x in (rec.stats.total, rec.stats.total_sq, *derived)):
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"agent {rec.agent_id}: observation moments (sums, sums of squares, and the mean "
+                                   "and std they give) must be finite")
+        with self.cond:
+            old = self.agents.get(rec.agent_id)
+            run = self.run
+            self._check_task(rec, run)
+            if old is not None and run is not None and run.state == "running" and rec.agent_id in run.selected:
+                if (old.obs_dim, old.act_dim) != (rec.obs_dim, rec.act_dim):
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"agent {rec.agent_id} rejoined with different dimensions")
+            if old is not None:  # its count is of the run its last accepted update belongs to
+                rec.last_accepted, rec.rounds_submitted = old.last_accepted, old.rounds_submitted
+            elif run is not None and rec.agent_id in run.accepted_before:  # first join since a restart
+                n, last = run.accepted_before[rec.agent_id]
+                rec.rounds_submitted, rec.last_accepted = n, (run.run_id, last)
+            rec.last_seen = now = time.time()
+            self._expire(now)
+            if old is None and len(self.agents) >= self.max_agents:
+                self._expire(now, make_room=True)
+                if len(self.agents) >= self.max_agents:
+                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"agent {rec.agent_id}: this aggregator holds {len(self.agents)} agents, "
+                                       f"all connected or in the run (--max-agents {self.max_agents})",
+                                       "too_many_agents")
+            self.agents[rec.agent_id] = rec
+            log.info("agent %s joined (index %d, %d samples)", rec.agent_id, rec.index, rec.num_samples,
+                     extra={"event": {"kind": "AGENT_JOINED", "agent_id": rec.agent_id, "agent_index": rec.index,
+                                      "num_samples": rec.num_samples}})
+            self._maybe_begin()
+            self.cond.notify_all()
+            return run.run_id if run else ""
+
+    def _in_run(self, agent_id: str) -> bool:
+        run = self.run
+        return run is not None and run.state in ACTIVE and agent_id in run.selected
+
+    def _expire(self, now: float, make_room: bool = False) -> None:
+        """Drop the records of agents gone: not seen for ``agent_ttl`` (or, with ``make_room``,
+        not connected now), and not selected in the active run. Under the lock."""
+        gone = [a for a in self.agents.values() if not self._in_run(a.agent_id)
+                and (now - a.last_seen > self.agent_ttl or (make_room and not self._connected(a, now)))]
+        for a in sorted(gone, key=lambda a: a.last_seen):
+            del self.agents[a.agent_id]
+            log.info("agent %s forgotten (last seen %.0fs ago)", a.agent_id, now - a.last_seen,
+                     extra={"event": {"kind": "AGENT_FORGOTTEN", "agent_id": a.agent_id}})
+
+    def last_accepted_round(self, agent_id: str, run_id: str) -> int:
+        """The last round of ``run_id`` whose update from ``agent_id`` was accepted, 0 if none.
+        A restarted aggregator knows those of the rounds whose close it stored (events)."""
+        with self.cond:
+            a = self.agents.get(agent_id)
+            return a.last_accepted[1] if a is not None and run_id and a.last_accepted[0] == run_id else 0
+
+    def _agent(self, agent_id: str) -> AgentRecord:
+        a = self.agents.get(agent_id)
+        if a is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown agent {agent_id!r}: call Join first",
+                               "unknown_agent")
+        a.last_seen = time.time()
+        return a
+
+    def progress(self, agent_id: str, round_: int, done: int, total: int) -> None:
+        """An agent's local steps on a round it trains (a Session's progress message): keeps it
+        connected while it trains, and shows in the status."""
+        if not (0 <= done <= total <= 10**12):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"progress {done}/{total}: expected 0 <= steps_done <= steps_total", "bad_progress")
+        with self.cond:
+            a = self._agent(agent_id)
+            a.progress = (self.run.run_id if self.run else "", round_, done, total)
+
+    def _connected(self, a: AgentRecord, now: float) -> bool:
+        return now - a.last_seen < 2 * self.max_task_wait + 5
+
+    @staticmethod
+    def _rounds_in(a: AgentRecord, run) -> int:
+        """Rounds of ``run`` (the current one) whose update from ``a`` was taken."""
+        return a.rounds_submitted if run is not None and a.last_accepted and a.last_accepted[0] == run.run_id else 0
+
+    @staticmethod
+    def _progress_of(a: AgentRecord, run) -> dict[str, int]:
+        pr_run, pr_round, done, total = a.progress
+        if run is None or pr_run != run.run_id or pr_round != run.round or run.state != "running":
+            return {"steps_done": 0, "steps_total": 0}
+        return {"steps_done": done, "steps_total": total}
+
+    def evaluator_attached(self, delta: int) -> None:
+        """An evaluator's watch stream opened (+1) or closed (-1); either way it was just seen."""
+        with self.cond:
+            self.evaluators += delta
+            self.evaluator_seen = time.time()
+            self.cond.notify_all()
+
+    def evaluators_following(self) -> int:
+        """Evaluators following the runs: streams open now, or 1 for an evaluator seen within
+        ``EVALUATOR_SEEN_SECONDS`` (one waiting for a run asks again at least that often)."""
+        if self.evaluators > 0:
+            return self.evaluators
+        return int(time.time() - self.evaluator_seen < EVALUATOR_SEEN_SECONDS)
+

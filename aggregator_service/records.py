@@ -1,0 +1,182 @@
+"""What the aggregator keeps: agent records, runs, submissions, and the checks on what agents
+declare (their moments, their task). No gRPC message types."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from fedrl.data.normalize import ObsStats
+from fedrl.federation.runconfig import (
+    RunConfig,
+)
+from fedrl.wire.codec import (
+    Encoded,
+    Flat,
+)
+from fedrl.wire.rpc import ServiceError
+
+log = logging.getLogger("fedrl.aggregator")
+
+
+ACTIVE = ("waiting_for_agents", "running")
+
+
+# Free average buffers kept while a run is active: a close writes the new average while the
+# current version and the one before are still held, and the one before that comes back once
+# its last reader is gone; a second spare covers a fetcher that holds a version a little longer.
+AVERAGES_KEPT = 2
+
+
+AVERAGE_POOL_MIN_BYTES = 1 << 20  # smaller averages (a Hopper policy: 280 KB) are malloc's
+
+
+@dataclass
+class AgentRecord:
+    agent_id: str
+    index: int
+    num_samples: int
+    obs_dim: int
+    act_dim: int
+    env_id: str
+    stats: ObsStats | None
+    device: str = ""
+    last_seen: float = 0.0
+    rounds_submitted: int = 0
+    stop_sent_for: str = ""
+    last_accepted: tuple[str, int] = ("", 0)  # (run, round) of the agent's last accepted update
+    progress: tuple[str, int, int, int] = ("", 0, 0, 0)  # (run, round, steps done, steps total) reported
+
+
+@dataclass
+class Submission:
+    state: dict[str, torch.Tensor]
+    num_samples: int
+    metrics: dict[str, float]
+    seconds: float
+    flat: Flat | None = None  # the state as its one flat tensor, where the decoder had one
+
+
+@dataclass
+class Run:
+    run_id: str
+    cfg: RunConfig
+    config_json: str
+    created: float
+    state: str = "waiting_for_agents"
+    message: str = ""
+    round: int = 0
+    version: int = 0
+    selected: list[str] = field(default_factory=list)
+    global_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    encoded: dict[int, Encoded] = field(default_factory=dict)
+    submissions: dict[str, Submission] = field(default_factory=dict)
+    round_opened: float = 0.0
+    deadline: float = 0.0
+    norms: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    env_id: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: dict[int, dict[str, Any]] = field(default_factory=dict)
+    ended: float = 0.0
+    hparams_json: str = ""  # the learner's hyperparameters, written into every stored version
+    # A resumed run's accepted updates per agent before the restart, from its stored ROUND_CLOSED
+    # events: (how many, last round). Given back to each agent when it rejoins.
+    accepted_before: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The ROUND_CLOSED event journaled for a close whose version is not yet written.
+    closing: dict[str, Any] | None = None
+
+
+def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[dict[str, Any]]:
+    """A run's history as its event journal and its stored versions tell it, for a restart.
+
+    A round's close is journaled before its version is written, so the journal may be ahead of
+    the disk: events past ``stored_version`` are dropped (that round runs again). A round that
+    ran again after an earlier restart closed the same version twice: its second close replaces
+    everything the journal holds from that version on."""
+    out: list[dict[str, Any]] = []
+    newest = -1
+    for e in events:
+        if e["kind"] == "ROUND_CLOSED" and e["version"] <= newest:
+            out = [x for x in out if x["version"] < e["version"]]
+        newest = max(newest, e["version"])
+        out.append(e)
+    return [x for x in out if x["version"] <= stored_version]
+
+
+# Agent records the aggregator keeps (each holds its shard's observation moments): a Join past
+# them first drops the records of agents gone (not connected, not in the active run), oldest first.
+# An evaluator waiting for a run asks for one at least this often (evaluator_service.follower's
+# MAX_IDLE_SECONDS, 5 s, with its jitter and slack): seen within it, it counts as following.
+EVALUATOR_SEEN_SECONDS = 12.0
+
+
+AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # no NUL, no bidi marks, no path parts
+
+
+# What an observation's moments may be (a Join's shared sums): a finite mean of magnitude at most
+# OBS_MEAN_MAX, a standard deviation at most OBS_STD_MAX, a non-negative variance (up to float
+# rounding); a constant dimension (std 0) is fine, normalised with the STD_FLOOR of fedrl.data.normalize.
+OBS_MEAN_MAX, OBS_STD_MAX = 1e6, 1e6
+
+
+RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # what start_run names runs
+
+
+MAX_AGENTS = 1024
+
+
+AGENT_TTL = 3600.0  # a record not seen for this long, and not in the active run, is dropped
+
+
+def check_moments(rec: AgentRecord) -> None:
+    """Refuse observation moments no observation can have (see ``OBS_MEAN_MAX``), naming them."""
+    st = rec.stats
+    with np.errstate(all="ignore"):
+        total, total_sq = np.asarray(st.total, np.float64), np.asarray(st.total_sq, np.float64)
+        mean = total / st.count
+        var = total_sq / st.count - mean * mean
+    bad = []
+    if not (np.isfinite(total).all() and np.isfinite(total_sq).all()):
+        bad.append("sums must be finite")
+    elif (total_sq < 0).any():
+        bad.append(f"a sum of squares is negative ({float(total_sq.min()):.3g})")
+    elif (np.abs(mean) > OBS_MEAN_MAX).any():
+        bad.append(f"a mean of magnitude {float(np.abs(mean).max()):.3g} exceeds {OBS_MEAN_MAX:g}")
+    elif (var < -1e-6 * (1.0 + mean * mean)).any():
+        bad.append(f"a variance is negative ({float(var.min()):.3g}): the sums of squares are below the squared sums")
+    elif (np.sqrt(np.maximum(var, 0.0)) > OBS_STD_MAX).any():
+        bad.append(f"a standard deviation of {float(np.sqrt(np.maximum(var, 0.0)).max()):.3g} exceeds {OBS_STD_MAX:g}")
+    if bad:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: observation moments: {bad[0]}",
+                           "bad_moments")
+
+
+def env_mismatch(env_name: str, agent_envs: set[str], obs_dim: int, act_dim: int) -> str:
+    """Why the run config's ``env`` cannot evaluate the agents' policies ("" when it can)."""
+    from fedrl.envs import env_info
+
+    env = env_info(env_name)  # validated with the config
+
+    def key(name: str) -> str | None:
+        try:
+            return env_info(name).key
+        except ValueError:  # a task this installation does not know is not the config's
+            return None
+
+    other = sorted(e for e in agent_envs if key(e) != env.key)
+    if other:
+        return f"env {env_name} in the run config, but the agents' data is for {', '.join(other)}"
+    if act_dim != env.act_dim:
+        return f"env {env_name} in the run config has {env.act_dim} action dims, the agents' data {act_dim}"
+    try:
+        env.gym_kwargs(obs_dim)
+    except ValueError as e:
+        return f"env in the run config cannot evaluate the agents' {obs_dim}-dim observations: {e}"
+    return ""
+

@@ -1,0 +1,345 @@
+"""A run's rounds: tasks, global versions served, updates checked and taken, a round opened
+and closed (FedAvg, the version written before it is announced), the deadline tick.
+
+A mixin of :class:`aggregator_service.coordinator.Coordinator`: its methods share the
+coordinator's state (``cond``, ``run``, ``agents``, ``store``) and run with ``cond`` held where
+their names start with an underscore and say so."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from aggregator_service.records import (
+    ACTIVE,
+    AVERAGE_POOL_MIN_BYTES,
+    AVERAGES_KEPT,
+    RUN_ID,
+    Run,
+    Submission,
+    env_mismatch,
+)
+from fedrl.algos.config import config_to_dict
+from fedrl.data.normalize import ObsStats, global_normalizer
+from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
+from fedrl.federation.round import algo_config, initial_global_state
+from fedrl.wire.codec import (
+    INLINE_MAX_BYTES,
+    CodecError,
+    Encoded,
+    Flat,
+    Manifest,
+    check_manifest_matches,
+    encode,
+    encoded_from_payload,
+)
+from fedrl.wire.memory import release_free_memory
+from fedrl.wire.rpc import ServiceError
+from fedrl.wire.serde import chunk_frame
+
+log = logging.getLogger("fedrl.aggregator")
+
+class Rounds:
+    def next_task(self, agent_id: str, wait: float) -> dict[str, Any]:
+        """A task for the agent: TRAIN, STOP, or WAIT after at most ``wait`` seconds."""
+        end = time.monotonic() + max(0.0, min(wait, self.max_task_wait))
+        with self.cond:
+            while True:
+                a = self._agent(agent_id)
+                run = self.run
+                if run is not None and agent_id in run.selected:
+                    if (run.state == "running" and agent_id not in run.submissions):
+                        mean, std = run.norms[agent_id]
+                        task = {"kind": "TRAIN", "run_id": run.run_id, "round": run.round,
+                                "base_version": run.version, "local_steps": run.cfg.local_steps,
+                                "run_config_json": run.config_json, "obs_mean": mean, "obs_std": std,
+                                "deadline_unix": run.deadline}
+                        enc = run.encoded[run.version]
+                        if enc.manifest.total_bytes <= INLINE_MAX_BYTES:
+                            task["base"] = enc  # sent inline: one RPC less per agent per round
+                        return task
+                    if run.state not in ACTIVE and a.stop_sent_for != run.run_id:
+                        a.stop_sent_for = run.run_id
+                        return {"kind": "STOP", "run_id": run.run_id}
+                left = end - time.monotonic()
+                if left <= 0 or self._closed:
+                    return {"kind": "WAIT"}
+                self.cond.wait(left)
+
+    def global_weights(self, run_id: str, version: int) -> Encoded:
+        """A global version: of the current run (``run_id`` empty or its id), or a stored version
+        of an earlier run of the state directory; ``version`` -1 is the latest."""
+        if version < -1:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"version {version}: expected a version >= 0, or -1 for the latest", "bad_version")
+        with self.cond:
+            run = self.run
+            current = run is not None and (not run_id or run_id == run.run_id)
+            if current:
+                if run.state == "waiting_for_agents":
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the run has not started yet")
+                v = run.version if version < 0 else version
+                enc = run.encoded.get(v)
+                if enc is not None:
+                    return enc
+                if v > run.version:
+                    raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} does not exist yet "
+                                       f"(latest is {run.version})", "unknown_version")
+        if current:
+            run_id = run.run_id
+        else:  # an earlier run's stored version
+            if not run_id or not RUN_ID.fullmatch(run_id) or run_id not in self.store.run_ids():
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id[:80]!r}", "unknown_run")
+            stored = self.store.versions(run_id)
+            if not stored:
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"run {run_id} has no stored version", "unknown_version")
+            v = stored[-1] if version < 0 else version
+        try:  # an older version: its stored bytes, sent as written
+            payload = self.store.version_path(run_id, v).read_bytes()
+        except FileNotFoundError:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} of run {run_id} is not stored",
+                               "unknown_version") from None
+        try:
+            return encoded_from_payload(payload, run_id, v, v)
+        except CodecError as e:
+            raise ServiceError(grpc.StatusCode.DATA_LOSS, f"stored version {v} is unreadable: {e}",
+                               "corrupt_version") from None
+
+    def check_header(self, agent_id: str, m: Manifest) -> None:
+        """Refuse an update before its chunks are read (unknown agent, wrong run/round, duplicate,
+        tensors or a declared size the global model cannot have: a CodecError, which the servicer
+        maps to its status like any other verification failure)."""
+        with self.cond:
+            self._check_tensors(self._check_submission(agent_id, m), m)
+
+    @staticmethod
+    def _check_tensors(run: Run, m: Manifest) -> None:
+        """``m`` lists exactly the global model's tensors: compared as the specs of the global
+        version's own manifest (one tuple comparison), and only when they differ tensor by
+        tensor, to name the difference."""
+        if m.tensors != run.encoded[run.version].manifest.tensors:
+            check_manifest_matches(m, run.global_state)
+
+    def _check_submission(self, agent_id: str, m: Manifest) -> Run:
+        self._agent(agent_id)
+        run = self.run
+        if run is None or run.run_id != m.run_id:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"update for run {m.run_id!r}, but the active run is "
+                               f"{run.run_id if run else 'none'!r}", "wrong_run")
+        if agent_id not in run.selected:
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"agent {agent_id!r} is not a participant of run {run.run_id}", "not_selected")
+        if run.state != "running":
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"run {run.run_id} is {run.state}; no round is open", "closed_round")
+        if m.round < run.round:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"round {m.round} is closed (round {run.round} is open)", "stale_round")
+        if m.round > run.round:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"round {m.round} is in the future (round {run.round} is open)", "future_round")
+        if m.base_version != run.version:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"update trained from version {m.base_version}, round {run.round} "
+                               f"distributes version {run.version}", "wrong_base")
+        if agent_id in run.submissions:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"agent {agent_id!r} already submitted for round {run.round}", "duplicate")
+        return run
+
+    def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor],
+               metrics: Mapping[str, float], seconds: float, flat: Flat | None = None) -> int:
+        """Accept a verified update (``state`` decoded from a payload checked against ``m``,
+        and ``flat``, its decoder's flat tensor, where it had one); closes the round when it
+        completes. Returns the round."""
+        with self.cond:
+            run = self._check_submission(agent_id, m)
+            self._check_tensors(run, m)
+            clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
+            run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds, flat)
+            rec = self.agents[agent_id]
+            same_run = rec.last_accepted is not None and rec.last_accepted[0] == run.run_id
+            rec.rounds_submitted = (rec.rounds_submitted if same_run else 0) + 1  # counted per run
+            rec.last_accepted = (run.run_id, run.round)
+            self.metrics.accepted.inc()
+            r = run.round
+            if len(run.submissions) == len(run.selected):
+                self._close_round(run)
+                self.cond.notify_all()  # only a closed round changes what waiters look for
+            return r
+
+    def _maybe_begin(self) -> None:
+        run = self.run
+        if run is None or run.state != "waiting_for_agents" or len(self.agents) < run.cfg.agents:
+            return
+        now = time.time()  # a run takes agents that are connected now, never records of agents gone
+        present = [a for a in self.agents.values() if self._connected(a, now)]
+        if len(present) < run.cfg.agents:
+            return
+        chosen = sorted(present, key=lambda a: (a.index, a.agent_id))[: run.cfg.agents]
+        dims = {(a.obs_dim, a.act_dim) for a in chosen}
+        envs = {a.env_id for a in chosen if a.env_id}
+        if len(dims) != 1 or len(envs) > 1:
+            self._fail(run, f"agents disagree on the task: dims {sorted(dims)}, envs {sorted(envs)}")
+            return
+        obs_dim, act_dim = dims.pop()
+        cfg = run.cfg
+        if cfg.env is not None:  # the evaluation env must be the agents' task
+            problem = env_mismatch(cfg.env, envs, obs_dim, act_dim)
+            if problem:
+                self._fail(run, problem)
+                return
+        if cfg.obs_norm != "none" and any(a.stats is None for a in chosen):
+            self._fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments")
+            return
+        stats = [a.stats for a in chosen] if cfg.obs_norm != "none" else [ObsStats(1, np.zeros(obs_dim), np.zeros(obs_dim))]
+        with np.errstate(all="ignore"):
+            g_mean, g_std = global_normalizer(cfg.obs_norm, stats)
+        if not (np.isfinite(g_mean).all() and np.isfinite(g_std).all()):  # each agent's were finite; their pool overflowed
+            self._fail(run, "the agents' pooled observation moments are not finite")
+            return
+        hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
+        state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
+                                     cfg.federate == "policy+critic")
+        run.env_id = cfg.env or (envs.pop() if envs else "")
+        enc = self._encode(run, 0, state)
+        try:
+            self.store.save_version(run.run_id, 0, enc.pieces())
+        except OSError as e:
+            self._fail(run, f"cannot write version 0 to the state directory: {e}")
+            return
+        run.selected = [a.agent_id for a in chosen]
+        for a in chosen:
+            own = a.stats.mean_std() if cfg.obs_norm == "local" else (g_mean, g_std)
+            run.norms[a.agent_id] = (own[0].tolist(), own[1].tolist())
+        try:
+            self.store.save_participants(run.run_id, {"selected": run.selected, "norms": run.norms,
+                                                      "env_id": run.env_id})
+        except OSError as e:
+            self._fail(run, f"cannot write the participants to the state directory: {e}")
+            return
+        run.global_state = state
+        run.encoded = {0: enc}
+        run.state = "running"
+        self._open_round(run, 1)
+
+    def _encode(self, run: Run, version: int, state: dict[str, torch.Tensor]) -> Encoded:
+        """A global version as sent and as stored: the same bytes, its provenance in the header."""
+        if not run.hparams_json:
+            run.hparams_json = json.dumps(config_to_dict(algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)))
+        meta = {"run_id": run.run_id, "version": str(version), "algo": run.cfg.algo,
+                "env_id": run.env_id, "hparams": run.hparams_json}
+        # A version too large to go inline in tasks is fetched as chunk messages: they are built
+        # here, each chunk hashed in its message (one pass over the average, not two).
+        fetched = sum(t.nbytes for t in state.values()) > INLINE_MAX_BYTES
+        return encode(state, run.run_id, version, version, metadata=meta, frame=chunk_frame if fetched else None)
+
+    def _average_memory(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor for a round's average: in a buffer from :attr:`averages` from
+        AVERAGE_POOL_MIN_BYTES up; below, malloc's (a small block comes from memory malloc
+        already holds, and the pool's bookkeeping would cost more than it saves)."""
+        nbytes = numel * dtype.itemsize
+        if nbytes < AVERAGE_POOL_MIN_BYTES:
+            return torch.empty(numel, dtype=dtype)
+        return torch.frombuffer(self.averages.take(nbytes), dtype=dtype)
+
+    def _open_round(self, run: Run, r: int) -> None:
+        run.round, run.submissions = r, {}
+        run.round_opened = time.time()
+        run.deadline = run.round_opened + run.cfg.round_timeout
+        self._event(run, "ROUND_OPENED", agents=list(run.selected))
+
+    def _close_round(self, run: Run) -> None:
+        order = [a for a in run.selected if a in run.submissions]
+        subs = [run.submissions[a] for a in order]
+        try:
+            w = agent_weights(run.cfg.weighting, [s.num_samples for s in subs])
+            new = aggregate(run.cfg.aggregation, [s.state for s in subs], w, run.cfg.trim_fraction,
+                            [s.flat for s in subs], self._average_memory)
+        except AggregationError as e:
+            self._fail(run, f"aggregation failed in round {run.round}: {e}")
+            return
+        v = run.version + 1
+        enc = self._encode(run, v, new)
+        metrics: dict[str, float] = {}
+        for s in subs:
+            for k, x in s.metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + x / len(subs)
+        seconds = time.time() - run.round_opened
+        try:
+            # Journal first, then the version: a restart that finds version v also finds whose
+            # updates made it (a journal line whose version never got written is dropped then).
+            # The line is fsynced (durable) so not even a power cut keeps the version without
+            # it. A close retried after a failed write is journaled once.
+            if run.closing is None or (run.closing["version"], run.closing["agents"]) != (v, order):
+                closing = self._new_event(run, "ROUND_CLOSED", version=v, agents=order,
+                                          metrics=metrics, seconds=seconds)
+                self.store.append_event(run.run_id, closing, durable=True)
+                run.closing = closing
+            self.store.save_version(run.run_id, v, enc.pieces())
+        except OSError as e:
+            msg = f"cannot persist version {v}; round {run.round} stays open: {e}"
+            if run.message != msg:
+                log.error(msg)
+            run.message = msg
+            return
+        run.message = ""
+        run.version, run.global_state = v, new
+        run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
+        run.encoded[v] = enc
+        self.metrics.round_closed(seconds)
+        self._log_event(run, run.closing)
+        run.events.append(run.closing)  # announced only now that the version is on disk
+        run.closing = None
+        if run.round >= run.cfg.rounds:
+            run.state, run.ended = "finished", time.time()
+            self._event(run, "RUN_FINISHED")
+        else:
+            self._open_round(run, run.round + 1)
+
+    def _tick_loop(self, tick: float) -> None:
+        was_active = False
+        while True:
+            run = self.run
+            active = run is not None and run.state in ACTIVE
+            # Outside the lock, as either can take tens of ms after 30 MB rounds. While a run is
+            # active its memory is kept for its next rounds: a buffer per agent, and the heap
+            # (malloc arenas are few, see aggregator_service.__main__, so it does not climb).
+            # Once it ends, both go back to the OS.
+            self.buffers.keep = run.cfg.agents if active else 0
+            self.averages.keep = AVERAGES_KEPT if active else 0
+            if was_active and not active:
+                release_free_memory()
+            was_active = active
+            with self.cond:
+                if self._closed:
+                    return
+                self.cond.wait(tick)
+                run = self.run
+                if run is None:
+                    continue
+                now = time.time()
+                if run.state == "waiting_for_agents" and now - run.created > run.cfg.join_timeout:
+                    present = sum(self._connected(a, now) for a in self.agents.values())
+                    self._fail(run, f"only {present} of the {run.cfg.agents} agents the run needs were connected "
+                                    f"within {run.cfg.join_timeout:.0f}s")
+                    self.cond.notify_all()
+                elif run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
+                    msg = (f"round {run.round} is past its deadline with {len(run.submissions)} of the "
+                           f"{run.cfg.quorum} updates it needs; waiting for agents")
+                    if run.message != msg:
+                        log.warning(msg)
+                        run.message = msg
+                elif run.state == "running" and (now >= run.deadline or run.message) and run.submissions:
+                    if len(run.submissions) >= run.cfg.quorum:
+                        self._close_round(run)
+                        self.cond.notify_all()
+
