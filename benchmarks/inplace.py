@@ -49,6 +49,7 @@ if _OUT:
     def _install():
         import agent_service.client as client
         import aggregator_service.coordinator as coord
+        import aggregator_service.rounds as rounds
         import aggregator_service.servicer as servicer
         import aggregator_service.store as store
         import fedrl.algos.bc as bc
@@ -69,7 +70,7 @@ if _OUT:
         _timed(servicer.FederationServicer, "_submit", "aggregator: _submit (one update, and the close in the last)")
         _timed(servicer.FederationServicer, "_task", "aggregator: _task")
         _timed(coord.Coordinator, "_close_round", "aggregator: _close_round (journal and version write included)")
-        _timed(coord, "aggregate", "aggregator: aggregate")
+        _timed(rounds, "aggregate", "aggregator: aggregate")
         _timed(coord.Coordinator, "_encode", "aggregator: encode the new version")
         _timed(store.Store, "save_version", "aggregator: save_version (write, fsync, directory fsync)")
         _timed(store.Store, "append_event", "aggregator: append_event (a journal line; a close's is fsynced)")

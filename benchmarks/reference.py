@@ -525,13 +525,14 @@ def load_all() -> list[dict[str, Any]]:
 
 
 def table_md(results: list[dict[str, Any]]) -> str:
-    """Per learner and data, at each 5,000 steps: mean over seeds of Q on the data, NLL, return."""
+    """Per learner and data, at each 5,000 steps: mean over seeds of Q on the data, NLL, return, and
+    (CQL) the temperature."""
     out = []
     groups: dict[tuple[str, str], list] = {}
     for r in results:
         groups.setdefault((r["data"], r["learner"]), []).append(r)
     marks = (1000, 5000, 10000, 15000, 20000)
-    out.append("| data | learner | seeds | " + " | ".join(f"{m // 1000}k: Q / NLL / return" for m in marks) + " |")
+    out.append("| data | learner | seeds | " + " | ".join(f"{m // 1000}k: Q / NLL / return / alpha" for m in marks) + " |")
     out.append("| --- | --- | --- | " + " | ".join("---" for _ in marks) + " |")
     for (data, learner), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], list(LEARNERS).index(kv[0][1]))):
         cells = []
@@ -543,12 +544,17 @@ def table_md(results: list[dict[str, Any]]) -> str:
             q = np.nanmean([p["q_data"] for p in pts]) if any(np.isfinite(p["q_data"]) for p in pts) else float("nan")
             nll = [p["nll_data"] for p in pts if np.isfinite(p["nll_data"])]
             ret = [p["return_mean"] for p in pts]
-            cells.append(f"{q:.1f} / {np.mean(nll):.2f} / {np.mean(ret):.0f}" if nll else
-                         f"{q:.1f} / - / {np.mean(ret):.0f}")
+            temp = [p["temperature"] for p in pts if np.isfinite(p.get("temperature", float("nan")))]
+            alpha = f" / {np.mean(temp):.2f}" if temp else " / -"
+            cells.append((f"{q:.1f} / {np.mean(nll):.2f} / {np.mean(ret):.0f}" if nll else
+                          f"{q:.1f} / - / {np.mean(ret):.0f}") + alpha)
             cells[-1] += f" (n={len(pts)})" if len(pts) != len(rs) else ""
         mc = rs[0]["data_discounted_return"]
+        alr = {(r["overrides"] or {}).get("alpha_lr", r["settings"]["alpha_lr"]) for r in rs}
+        label = LABEL[learner] + (f" (alpha lr {', '.join(f'{x:g}' for x in sorted(alr))})"
+                                  if rs[0]["algo"] == "cql" and "alr" not in learner else "")
         out.append(f"| {data} ({rs[0]['transitions']} transitions; data's discounted return {mc:.0f}) | "
-                   f"{LABEL[learner]} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells) + " |")
+                   f"{label} | {','.join(str(r['seed']) for r in rs)} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -561,7 +567,7 @@ def curves_png(results: list[dict[str, Any]], path: Path) -> bool:
     datas = [d for d in DATA if any(r["data"] == d for r in results)]
     if not datas:
         return False
-    fig, axes = plt.subplots(len(datas), 3, figsize=(15, 3.6 * len(datas)), squeeze=False)
+    fig, axes = plt.subplots(len(datas), 4, figsize=(20, 3.6 * len(datas)), squeeze=False)
     for row, data in zip(axes, datas):
         rs = [r for r in results if r["data"] == data and r["rows"]]
         for learner in LEARNERS:
@@ -572,12 +578,14 @@ def curves_png(results: list[dict[str, Any]], path: Path) -> bool:
                              else None)
                 if r["algo"] == "cql":
                     row[0].plot(steps, [p["q_data"] for p in r["rows"]], **style)
+                    row[3].plot(steps, [p.get("temperature", float("nan")) for p in r["rows"]], **style)
                 if r["implementation"] == "ours" or r["algo"] == "cql":
                     row[1].plot(steps, [p["nll_data"] for p in r["rows"]], **style)
                 row[2].plot(steps, [p["return_mean"] for p in r["rows"]], **style)
         if rs:
             row[0].axhline(rs[0]["data_discounted_return"], color="k", ls=":", label="data's discounted return")
-        for ax, title in zip(row, ("mean Q on the data", "NLL of the data actions", "evaluated return (10 episodes)")):
+        for ax, title in zip(row, ("mean Q on the data", "NLL of the data actions", "evaluated return (10 episodes)",
+                                   "SAC temperature alpha (CQL)")):
             ax.set_title(f"{title}: {DATASET}, {data}", fontsize=9)
             ax.set_xlabel("gradient steps")
             ax.grid(alpha=0.3)

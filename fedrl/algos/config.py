@@ -26,8 +26,13 @@ class DRPOConfig:
     """Adam learning rate of the policy (paper: 3e-5)."""
     critic_lr: float = 3e-4
     """Adam learning rate of the twin critic (paper: 3e-4)."""
-    alpha_lr: float = 3e-5
-    """Adam learning rate of the entropy temperature (not in the paper; CORL uses the actor lr)."""
+    alpha_lr: float = 3e-4
+    """Adam learning rate of the entropy temperature (not in the paper): SAC's own rate. Adam moves
+    log alpha by at most about its rate per step, so the rate bounds how far the temperature can
+    travel in the paper's 20,000 local steps per agent: at CORL's 3e-5 (the actor's rate; CORL trains
+    1M steps) at most 0.6, and on hopper-medium it was still falling in a straight line at 20,000
+    steps; at 3e-4 it found its level (near 0.36 from 1.0) within 6,000 and then tracked it
+    (``python -m benchmarks.reference``; docs/explanation/choices.md; ``tests/unit/test_temperature.py``)."""
     gamma: float = 0.99
     """Discount factor (paper: 0.99)."""
     batch_size: int = 256
