@@ -101,6 +101,10 @@ PRESETS = {
                                   datasets=("halfcheetah-medium-v2", "halfcheetah-medium-replay-v2",
                                             "halfcheetah-expert-v2"),
                                   study_dataset="halfcheetah-medium-v2"),
+    # The claim preset's hopper-medium column at the defaults chosen on 2026-11-27 (the temperature
+    # at 3e-4): its own folder, so the earlier claim's results keep their settings beside it
+    "claim-v2": Preset("claim-v2", 5, 5, 1000, 10, 10, 1, (0, 1, 2), datasets=("hopper-medium-v2",),
+                       transitions=5000, methods=("drpo", "fed-cql", "cql", "fed-bc"), planned=("table",)),
     # The claim at a scale that can show it (issue: 10k actor steps per agent, three seeds): the
     # paper's 1,000 local steps per round, agents holding the paper's ~5,000 transitions each
     # (whole hopper-medium episodes: ~20 of them), 10 rounds; every round checkpointed.
@@ -447,6 +451,11 @@ def cmd_run(a) -> int:
         inner(r, res, secs, note)
         bar.update(1)
 
+    if getattr(a, "batched", False):
+        with bar:
+            for r, res, secs in run_batched(p, pending, root, device):
+                report(r, res, secs, ", batched")
+        return 0
     if jobs == 1:
         with bar:
             for r in pending:
@@ -461,6 +470,31 @@ def cmd_run(a) -> int:
             for fut in as_completed(futs):
                 report(*fut.result())
     return 0
+
+
+def run_batched(p: Preset, specs: list[RunSpec], root: Path, device: str):
+    """``specs`` as batched processes (``fedrl.federation.cells``): every cell of the same rounds,
+    local steps and evaluation trained as one model, one group after another; each finished
+    cell's result written as :func:`execute` writes it. Yields (spec, result, seconds)."""
+    import torch
+
+    from benchmarks.device_paper import cell_result
+    from fedrl.federation.cells import SHARED, Cell, run_cells
+
+    torch.set_num_threads(1)
+    groups: dict[tuple, list[tuple[RunSpec, Any]]] = {}
+    for r in specs:
+        cfg = sim_config(p, r, device)
+        groups.setdefault(tuple(getattr(cfg, k) for k in SHARED), []).append((r, Cell(r.key, cfg)))
+    for i, members in enumerate(groups.values()):
+        work = work_dir(p, members[0][0], root).parent / f"batched-{members[0][0].experiment}-{i}"
+        t0 = time.perf_counter()
+        res = run_cells([c for _, c in members], work, log=lambda m: print(m, flush=True))
+        secs = time.perf_counter() - t0
+        for r, c in members:
+            out = cell_result(p, r, c, res[c.key] | {"rounds_jsonl": work / c.key / "rounds.jsonl"}, secs, device)
+            yield r, _write_result(p, r, out, root), secs
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def load_results(p: Preset, experiment: str, root: Path = RESULTS) -> list[dict[str, Any]]:
@@ -923,6 +957,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device", default="cpu",
                    help="cpu (default: every committed CPU result ran so), cuda or cuda:N; recorded in each "
                         "result's config, with the device's name")
+    r.add_argument("--batched", action="store_true",
+                   help="train the cells as one batched model per group of equal rounds and local steps "
+                        "(fedrl.federation.cells; each cell's draws its batch's, not the per-agent engine's): "
+                        "for a GPU, where one process of many learners fills the device")
     r.add_argument("--only", default=None,
                    help="comma-separated cell keys (e.g. drpo-medium-s0,fed-cql-medium-s0): run just these, "
                         "in this order")

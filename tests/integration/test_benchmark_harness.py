@@ -521,3 +521,21 @@ def test_device_paper_runs_the_column_as_one_batch_packs_and_unpacks_it(tmp_path
     info = json.loads((late / "device.json").read_text())
     assert not info["fits"] and info["seeds_run"] == [0]
     assert all(c["rounds_done"] == 0 and not c["finished"] for c in info["cells"].values())
+
+
+def test_the_harness_batches_a_presets_cells_into_one_process(tmp_path):
+    """``paper run --batched``: the smoke table's four cells trained as one batched model, each
+    written in the harness's format (what render reads), and a second invocation has nothing to do."""
+    import json
+
+    assert paper.main(["run", "--preset", "smoke", "--batched", "--results", str(tmp_path)]) == 0
+    files = sorted((tmp_path / "paper-smoke" / "table").glob("*.json"))
+    assert [f.stem for f in files] == ["cql-medium-s0", "drpo-medium-s0", "fed-bc-medium-s0", "fed-cql-medium-s0"]
+    for f in files:
+        res = json.loads(f.read_text())
+        assert [c["round"] for c in res["curve"]] == [1, 2] and res["engine"].startswith("batched")
+        assert res["config"]["local_steps"] == 5 and len(res["losses_per_round"]["critic_td" if res["algo"] != "fed-bc"
+                                                                                 else "bc_loss"]) == 2
+    before = {f: f.stat().st_mtime_ns for f in files}
+    assert paper.main(["run", "--preset", "smoke", "--batched", "--results", str(tmp_path)]) == 0
+    assert {f: f.stat().st_mtime_ns for f in files} == before
