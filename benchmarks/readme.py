@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "readme"
 README = ROOT / "README.md"
 PERFORMANCE = ROOT / "docs" / "performance.md"
+BENCHMARKS = ROOT / "BENCHMARKS.md"
 # the small-settings run the README's "services by hand" example starts (about a minute here)
 BY_HAND = {"agents": 2, "rounds": 3, "local_steps": 200, "eval_episodes": 2}
 
@@ -53,7 +54,7 @@ def _up(out: Path, env: dict[str, str], *flags: str) -> dict[str, Any]:
     if p.returncode != 0:
         raise SystemExit(f"fedrl up failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     rounds = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
-    return {"wall_seconds": round(wall, 1), "returns": [round(r["eval"]["return_mean"], 1) for r in rounds if r.get("eval")],
+    return {"wall_seconds": round(wall, 1), "returns": [round(r["return_mean"], 1) for r in rounds if "return_mean" in r],
             "round_seconds": [round(r.get("seconds", 0.0), 2) for r in rounds]}
 
 
@@ -79,9 +80,9 @@ def measure_up() -> int:
 
 def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout: float = 120) -> str:
     end = time.monotonic() + timeout
-    while not path.exists():
+    while not (path.exists() and path.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > end:
-            raise SystemExit(f"{what} did not start")
+            raise SystemExit(f"{what} did not start (exit status {proc.poll()})")
         time.sleep(0.05)
     return path.read_text().strip()
 
@@ -95,15 +96,19 @@ def measure_by_hand() -> int:
         py = sys.executable
         procs = []
         try:
+            logs = open(d / "services.log", "w")
             agg = subprocess.Popen([py, "-m", "aggregator_service", "--state-dir", str(d / "state"), "--port", "0",
-                                    "--port-file", str(d / "port")], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
+                                    "--port-file", str(d / "port")], cwd=ROOT, stdout=logs, stderr=subprocess.STDOUT)
             procs.append(agg)
-            target = f"127.0.0.1:{_wait_file(d / 'port', agg, 'the aggregator')}"
+            try:
+                target = f"127.0.0.1:{_wait_file(d / 'port', agg, 'the aggregator')}"
+            except SystemExit as e:
+                logs.flush()
+                raise SystemExit(f"{e}: {(d / 'services.log').read_text()[-2000:]}") from None
             for i in range(2):
                 procs.append(subprocess.Popen([py, "-m", "agent_service", "--aggregator", target, "--dataset",
                                                "hopper-medium-v2", "--shard", str(i), "--shards", "2"], cwd=ROOT,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                              stdout=logs, stderr=subprocess.STDOUT))
             sets = [x for k, v in {**BY_HAND, "eval_episodes": 0}.items() for x in ("--set", f"{k}={v}")]
             t0 = time.monotonic()
             end = t0 + 300
@@ -212,13 +217,15 @@ def performance_blocks(results: Path = RESULTS) -> dict[str, str]:
     return out
 
 
+def benchmarks_blocks(results: Path = RESULTS) -> dict[str, str]:
+    """BENCHMARKS.md's blocks this command renders (the rest are ``benchmarks.paper``'s)."""
+    return {"batched-throughput": batched_md(results.parent / "throughput-batched-cpu.json")}
+
+
 def replace_blocks(text: str, blocks_: dict[str, str]) -> str:
-    for name, body in blocks_.items():
-        pat = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- end:{re.escape(name)} -->)", re.S)
-        if not pat.search(text):
-            raise SystemExit(f"no block {name!r} to fill")
-        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
-    return text
+    from benchmarks.paper import replace_blocks as fill
+
+    return fill(text, blocks_)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         return {"up": measure_up, "by-hand": measure_by_hand, "suite": measure_suite}[a.what]()
     README.write_text(replace_blocks(README.read_text(), blocks()))
     PERFORMANCE.write_text(replace_blocks(PERFORMANCE.read_text(), performance_blocks()))
-    print(f"updated {README} and {PERFORMANCE}")
+    BENCHMARKS.write_text(replace_blocks(BENCHMARKS.read_text(), benchmarks_blocks()))
+    print(f"updated {README}, {PERFORMANCE} and {BENCHMARKS}")
     return 0
 
 

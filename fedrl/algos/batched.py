@@ -37,7 +37,7 @@ from fedrl.algos.base import (
     StackedAdam,
     generator_tensor,
 )
-from fedrl.algos.bc import bc_mse_loss, bc_nll_loss
+from fedrl.algos.bc import bc_loss
 from fedrl.algos.config import BCConfig, DRPOConfig
 from fedrl.algos.drpo import Coefs, Noise, draw_noise, drpo_losses
 from fedrl.algos.nets import (
@@ -278,14 +278,7 @@ class BatchedDRPO(_Stacked):
             out |= {f"{prefix}.{k}": v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
         if self.log_alpha is not None:
             out["log_alpha"] = self.log_alpha.detach().to("cpu").clone()
-        for name, opt in self._optimizers().items():
-            for i, p in enumerate(opt.params):
-                if (st := opt.state.get(p)) is not None:
-                    out |= {f"opt.{name}.{i}.step": torch.tensor([float(st["step"])]),
-                            f"opt.{name}.{i}.exp_avg": st["exp_avg"].detach().to("cpu").clone(),
-                            f"opt.{name}.{i}.exp_avg_sq": st["exp_avg_sq"].detach().to("cpu").clone()}
-        out["rng"] = generator_tensor(self.gen)
-        return out
+        return out | _optimizers_and_rng(self)
 
     @torch.no_grad()
     def restore(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -319,6 +312,19 @@ class BatchedDRPO(_Stacked):
                 for t, s, w in zip(targets, sources, self.tau):
                     t.lerp_(s, w)
         return diag
+
+
+def _optimizers_and_rng(obj) -> dict[str, torch.Tensor]:
+    """A batched learner's optimiser moments (stacked, as they are) and its generator."""
+    out = {}
+    for name, opt in obj._optimizers().items():
+        for i, p in enumerate(opt.params):
+            if (st := opt.state.get(p)) is not None:
+                out |= {f"opt.{name}.{i}.step": torch.tensor([float(st["step"])]),
+                        f"opt.{name}.{i}.exp_avg": st["exp_avg"].detach().to("cpu").clone(),
+                        f"opt.{name}.{i}.exp_avg_sq": st["exp_avg_sq"].detach().to("cpu").clone()}
+    out["rng"] = generator_tensor(obj.gen)
+    return out
 
 
 def _restore(obj, state: Mapping[str, torch.Tensor], modules) -> None:
@@ -381,13 +387,7 @@ class BatchedBC(_Stacked):
 
     def checkpoint(self) -> dict[str, torch.Tensor]:
         out = {f"{POLICY}.{k}": v.detach().to("cpu").clone() for k, v in self.policy.state_dict().items()}
-        for i, p in enumerate(self.opt.params):
-            if (st := self.opt.state.get(p)) is not None:
-                out |= {f"opt.actor.{i}.step": torch.tensor([float(st["step"])]),
-                        f"opt.actor.{i}.exp_avg": st["exp_avg"].detach().to("cpu").clone(),
-                        f"opt.actor.{i}.exp_avg_sq": st["exp_avg_sq"].detach().to("cpu").clone()}
-        out["rng"] = generator_tensor(self.gen)
-        return out
+        return out | _optimizers_and_rng(self)
 
     @torch.no_grad()
     def restore(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -396,10 +396,7 @@ class BatchedBC(_Stacked):
     def update(self, batch: Batch, noise: Noise | None = None) -> dict[str, torch.Tensor]:
         """One BC step of every learner (``batch``: ``(L, B, ...)``); the loss per learner ``(L,)``."""
         mean, log_std = self.policy(batch.obs)
-        if self.cfg.loss == "nll":
-            loss = bc_nll_loss(mean, log_std, batch.actions, self.cfg.action_clip_eps)
-        else:
-            loss = bc_mse_loss(mean, batch.actions)
+        loss = bc_loss(self.cfg, mean, log_std, batch.actions)
         self.opt.zero_grad(set_to_none=True)
         loss.sum().backward()
         self.opt.step()

@@ -36,6 +36,13 @@ def bc_mse_loss(mean: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
     return (torch.tanh(mean) - actions).pow(2).sum(-1).mean(dim=-1)
 
 
+def bc_loss(cfg: BCConfig, mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    """``cfg.loss``'s behaviour-cloning loss, one value per learner (see the two above)."""
+    if cfg.loss == "nll":
+        return bc_nll_loss(mean, log_std, actions, cfg.action_clip_eps)
+    return bc_mse_loss(mean, actions)
+
+
 class BCLearner:
     """One agent's behaviour-cloning state (a policy and its optimiser)."""
 
@@ -74,10 +81,7 @@ class BCLearner:
     def update(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One BC gradient step."""
         mean, log_std = self.policy(batch.obs)
-        if self.cfg.loss == "nll":
-            loss = bc_nll_loss(mean, log_std, batch.actions, self.cfg.action_clip_eps)
-        else:
-            loss = bc_mse_loss(mean, batch.actions)
+        loss = bc_loss(self.cfg, mean, log_std, batch.actions)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
