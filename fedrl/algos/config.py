@@ -11,6 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+# Settings that can train: Adam's learning rates at most 1 (1e30 was accepted, and every update
+# came out NaN); loss weights and the initial temperature at most 10^4; an entropy target within
+# +-10^3 nats (an action space of a thousand dimensions at most, as a Join allows).
+LR_MAX, WEIGHT_MAX, TARGET_ENTROPY_MAX = 1.0, 1e4, 1e3
+
 QScale = Literal["raw", "normalized"]
 TargetAction = Literal["sample", "mean"]
 BCLoss = Literal["nll", "mse"]
@@ -88,6 +93,11 @@ class DRPOConfig:
         _check_positive(self, "actor_lr", "critic_lr", "alpha_lr", "batch_size", "cql_n_actions",
                         "global_samples", "q_norm", "td_weight")
         _check_nonnegative(self, "lambda1", "lambda2", "cql_weight", "alpha_init")
+        _check_at_most(self, LR_MAX, "actor_lr", "critic_lr", "alpha_lr")
+        _check_at_most(self, WEIGHT_MAX, "lambda1", "lambda2", "cql_weight", "td_weight", "alpha_init", "q_norm")
+        if self.target_entropy is not None and not abs(self.target_entropy) <= TARGET_ENTROPY_MAX:
+            raise ValueError(f"target_entropy must be in [-{TARGET_ENTROPY_MAX:g}, {TARGET_ENTROPY_MAX:g}], "
+                             f"got {self.target_entropy}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
         if not 0.0 < self.tau <= 1.0:
@@ -125,6 +135,7 @@ class BCConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _check_positive(self, "lr", "batch_size")
+        _check_at_most(self, LR_MAX, "lr")
         if self.loss not in ("nll", "mse"):
             raise ValueError(f"loss must be 'nll' or 'mse', got {self.loss!r}")
         _check_policy(self)
@@ -178,6 +189,12 @@ def _check_positive(cfg: Any, *names: str) -> None:
     for n in names:
         if not getattr(cfg, n) > 0:
             raise ValueError(f"{n} must be > 0, got {getattr(cfg, n)}")
+
+
+def _check_at_most(cfg: Any, top: float, *names: str) -> None:
+    for n in names:
+        if not getattr(cfg, n) <= top:
+            raise ValueError(f"{n} must be at most {top:g}, got {getattr(cfg, n)}")
 
 
 def _check_nonnegative(cfg: Any, *names: str) -> None:

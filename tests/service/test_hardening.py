@@ -82,3 +82,20 @@ def test_a_run_short_of_agents_says_how_many_are_connected(aggregator):
                                 timeout=5)
     assert wait_for(lambda: status(aggregator)["state"] == "failed")
     assert status(aggregator)["message"] == "only 1 of the 2 agents the run needs were connected within 0s"
+
+
+@pytest.mark.parametrize("drpo, says", [
+    ({"critic_lr": 1e30, "actor_lr": 1e30}, "actor_lr must be at most 1"),
+    ({"target_entropy": 1e308}, "target_entropy must be in [-1000, 1000]"),
+    ({"cql_weight": 1e9}, "cql_weight must be at most 10000"),
+])
+def test_settings_that_cannot_train_are_refused_at_start(aggregator, drpo, says):
+    """Finite but absurd settings wedged a run (every update NaN, refused, the agents gone): now
+    StartRun refuses them naming the field, and nothing starts."""
+    import json
+
+    cfg = json.loads(run_config())
+    cfg["drpo"] = {**cfg["drpo"], **drpo}
+    assert_refused(lambda: aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=json.dumps(cfg)),
+                                                       timeout=5), grpc.StatusCode.INVALID_ARGUMENT, says)
+    assert status(aggregator)["state"] == "idle"
