@@ -137,14 +137,20 @@ def measure_by_hand() -> int:
                                    "machine_before": before, "machine_after": machine()}) else 1
 
 
+# The one test that reads this measurement's own result (the README's rendered blocks): it cannot
+# pass before the result it checks exists, so the measured run leaves it out, and says so.
+SELF_CHECK = "tests/test_docs.py::test_every_rendered_number_matches_its_committed_result"
+
+
 def measure_suite() -> int:
     before = machine()
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
-                       capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--deselect", SELF_CHECK],
+                       cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0
     tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
-    return _write("suite", {"command": "python -m pytest", "wall_seconds": round(wall, 1), "summary": tail,
+    return _write("suite", {"command": f"python -m pytest --deselect {SELF_CHECK}", "wall_seconds": round(wall, 1),
+                            "summary": tail,
                             "returncode": p.returncode, "machine_before": before, "machine_after": machine()}) and \
         (0 if p.returncode == 0 else 1)
 

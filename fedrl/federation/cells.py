@@ -85,11 +85,13 @@ def check_cells(cells: Sequence[Cell]) -> None:
 
 def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None] | None = None,
               deadline: float | None = None, round_seconds_hint: float | None = None,
-              eval_workers: int = 1) -> dict[str, dict[str, Any]]:
+              eval_workers: int = 1, trace_every: int = 0) -> dict[str, dict[str, Any]]:
     """Train ``cells`` together under ``work`` (``work/<key>/rounds.jsonl`` for each, one checkpoint
     for all). ``deadline`` (``time.time()``): no round starts that would end after it (a round's
     time is the last one's, or ``round_seconds_hint`` before the first). ``eval_workers`` > 1
     splits each round's evaluation over that many processes (a GPU machine's idle cores).
+    ``trace_every``: each agent's round record also holds its diagnostics' means over every
+    that many local steps (``trace``).
     Returns per cell ``{"curve", "final", "best", "rounds_done", "finished", ...}``."""
     check_cells(cells)
     log = log or print
@@ -152,7 +154,8 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
 
         pool = ProcessPoolExecutor(eval_workers, mp_context=mp.get_context("spawn"))
     try:
-        done = _rounds(states, trainers, groups, cells, work, ck, env, done, deadline, last_round_s, pool, log)
+        done = _rounds(states, trainers, groups, cells, work, ck, env, done, deadline, last_round_s, pool, log,
+                       trace_every)
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
@@ -168,7 +171,7 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
 
 
 def _rounds(states, trainers, groups, cells, work: Path, ck: Path, env, done: int, deadline, last_round_s,
-            pool, log) -> int:
+            pool, log, trace_every: int = 0) -> int:
     """The rounds after ``done``, until the last or the deadline; the last round finished."""
     first = cells[0].cfg
     for r in range(done + 1, first.rounds + 1):
@@ -180,7 +183,7 @@ def _rounds(states, trainers, groups, cells, work: Path, ck: Path, env, done: in
         for g, tr in trainers.items():
             inputs = [states[ci].agent_states[a] if states[ci].cell.cfg.algo == "cql" else states[ci].global_state
                       for ci, a in groups[g]]
-            for (ci, a), res in zip(groups[g], tr.train_round(inputs, first.local_steps)):
+            for (ci, a), res in zip(groups[g], tr.train_round(inputs, first.local_steps, trace_every=trace_every)):
                 results[(ci, a)] = res
         train_s = time.perf_counter() - t0
         recs = []

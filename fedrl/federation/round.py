@@ -155,8 +155,10 @@ class BatchedTrainer:
         self.learner.load_members(singles)
 
     def train_round(self, global_states: Sequence[Mapping[str, torch.Tensor]], steps: int,
-                    progress: Callable[[int, int], None] | None = None) -> list[LocalResult]:
-        """Every agent adopts its ``global_states[i]`` and takes ``steps`` local steps."""
+                    progress: Callable[[int, int], None] | None = None, trace_every: int = 0) -> list[LocalResult]:
+        """Every agent adopts its ``global_states[i]`` and takes ``steps`` local steps. With
+        ``trace_every``, each agent's metrics also hold ``trace``: the mean of every diagnostic
+        over each ``trace_every`` steps (how a round's values move, step by step)."""
         t0 = time.perf_counter()
         self.learner.begin_round(global_states)
         if self.local_normalizer:
@@ -164,14 +166,27 @@ class BatchedTrainer:
                 self.learner.policy.obs_mean.copy_(torch.as_tensor(np.stack([m for m, _ in self.norms])))
                 self.learner.policy.obs_std.copy_(torch.as_tensor(np.stack([s for _, s in self.norms])))
         sums: dict[str, torch.Tensor] = {}
+        chunk: dict[str, torch.Tensor] = {}
+        trace: list[dict[str, list[float]]] = []
         batch = self.cfgs[0].batch_size
         for i in range(steps):
             if progress is not None:
                 progress(i, steps)
             for k, v in self.learner.update(self.buffer.sample(batch, self.gen)).items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
+                if trace_every:
+                    chunk[k] = chunk[k] + v.detach() if k in chunk else v.detach().clone()
+            if trace_every and ((i + 1) % trace_every == 0 or i + 1 == steps):
+                n = (i % trace_every) + 1
+                trace.append({"step": i + 1, **{k: (v.double() / n).cpu().tolist() for k, v in chunk.items()}})
+                chunk = {}
         metrics = {k: (v.double() / max(steps, 1)).cpu().tolist() for k, v in sums.items()}
         states = self.learner.shared_states(self.federate_critic)
         secs = time.perf_counter() - t0
-        return [LocalResult(a, st, n, {k: float(v[i]) for k, v in metrics.items()}, secs)
-                for i, (a, st, n) in enumerate(zip(self.agents, states, self.sizes))]
+        out = []
+        for i, (a, st, n) in enumerate(zip(self.agents, states, self.sizes)):
+            m: dict = {k: float(v[i]) for k, v in metrics.items()}
+            if trace:
+                m["trace"] = [{k: (v if k == "step" else round(v[i], 5)) for k, v in row.items()} for row in trace]
+            out.append(LocalResult(a, st, n, m, secs))
+        return out

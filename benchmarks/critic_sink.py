@@ -1,0 +1,121 @@
+"""Why the critic's Q on the data sinks below zero on walker2d-medium (issue 53): measured, not guessed.
+
+    python -m benchmarks.critic_sink run [--cells base|causes|all] [--work runs/critic_sink]
+    python -m benchmarks.critic_sink report
+
+The setting the issue found it in, on the project's own ``walker2d-medium-v2``: 2 agents x 5
+trajectories, 1,000 local steps x 5 rounds, the current defaults. Cells (each a run of
+``fedrl.federation.cells``, trained together as one batched model, one torch thread):
+
+- ``base``: DRPO, Fed-CQL, and CQL alone (each agent on its own shard: a learner effect shows
+  here, a federation effect does not);
+- ``causes``: DRPO with one candidate cause changed at a time: the temperature's rate
+  (``alpha_lr`` 3e-4), the TD target's action (``mean``, d3rlpy's), the CQL weight relative to
+  the reward scale (``cql_weight`` 5), the TD weight (``td_weight`` 1), the critic's rate
+  (``critic_lr`` 1e-4), and the actor's Adam kept across rounds (``reset_actor_optimizer`` off).
+
+Every round records, per agent, its diagnostics' means over every 100 local steps (``trace``):
+Q on the data, Q at the TD target's action (``q_target_action``), the targets
+(``td_target``), the CQL penalty's pushed-down side (``cql_logsumexp``) beside ``q_data``, the TD
+error, the temperature and the policy's entropy. Results: ``benchmarks/results/critic_sink/``,
+one file per cell, written when the cells finish; every round is checkpointed in ``--work``, and
+the same command resumes a stopped run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "critic_sink"
+DATASET = "walker2d-medium-v2"
+CAUSES = {"alpha_lr_3e-4": {"alpha_lr": 3e-4}, "target_mean": {"target_action": "mean"},
+          "cql_weight_5": {"cql_weight": 5.0}, "td_weight_1": {"td_weight": 1.0},
+          "critic_lr_1e-4": {"critic_lr": 1e-4}}
+TRACE_EVERY = 100
+
+
+def cells(which: str):
+    from fedrl.algos import DRPOConfig
+    from fedrl.federation.cells import Cell
+    from fedrl.federation.simulate import SimConfig
+
+    base = dict(datasets=(DATASET,), agents=2, trajectories=5, rounds=5, local_steps=1000, eval_episodes=10,
+                seed=0, device="cpu")
+    out = []
+    if which in ("base", "all"):
+        out += [Cell(a, SimConfig(algo=a, **base)) for a in ("drpo", "fed-cql", "cql")]
+    if which in ("causes", "all"):
+        out += [Cell(f"drpo-{k}", SimConfig(algo="drpo", drpo=dataclasses.replace(DRPOConfig(), **v), **base))
+                for k, v in CAUSES.items()]
+    return out
+
+
+def cmd_run(a) -> int:
+    import torch
+
+    from fedrl.federation.cells import run_cells
+
+    torch.set_num_threads(1)
+    cs = cells(a.cells)
+    work = Path(a.work) / a.cells
+    res = run_cells(cs, work, log=lambda m: print(m, flush=True), trace_every=TRACE_EVERY)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for c in cs:
+        rows = [json.loads(x) for x in (work / c.key / "rounds.jsonl").read_text().splitlines()]
+        (RESULTS / f"{c.key}.json").write_text(json.dumps({
+            "key": c.key, "dataset": DATASET, "config": c.cfg.as_dict(), "trace_every": TRACE_EVERY,
+            "rounds": rows, "curve": res[c.key]["curve"], "data_return": res[c.key]["data_return"],
+            "finished": res[c.key]["finished"]}, indent=1))
+    return 0
+
+
+def summary(r: dict) -> list[dict]:
+    """Per round: mean over agents of the round's mean diagnostics, and the evaluation."""
+    out = []
+    for row in r["rounds"]:
+        ag = row["agents"]
+        keys = ("q_data", "q_target_action", "td_target", "cql_logsumexp", "critic_td", "alpha", "entropy")
+        s = {k: float(np.mean([x[k] for x in ag])) for k in keys if k in ag[0]}
+        s["round"] = row["round"]
+        s["return"] = row.get("eval", {}).get("return_mean")
+        out.append(s)
+    return out
+
+
+def cmd_report(a) -> int:
+    lines = ["| cell | round | Q on data | Q at target action | TD target | CQL log-sum-exp | TD error | alpha | entropy | return |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for f in sorted(RESULTS.glob("*.json")):
+        r = json.loads(f.read_text())
+        for s in summary(r):
+            ret = s["return"]
+            lines.append(f"| {r['key']} | {s['round']} | {s['q_data']:.1f} | {s['q_target_action']:.1f} | "
+                         f"{s['td_target']:.1f} | {s['cql_logsumexp']:.1f} | {s['critic_td']:.1f} | {s['alpha']:.3f} | "
+                         f"{s['entropy']:.2f} | {ret if ret is None else round(ret)} |")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.critic_sink", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--cells", choices=("base", "causes", "all"), default="base")
+    r.add_argument("--work", default=str(ROOT / "runs" / "critic_sink"))
+    r.set_defaults(func=cmd_run)
+    p = sub.add_parser("report")
+    p.set_defaults(func=cmd_report)
+    a = ap.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
