@@ -48,7 +48,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"declared size {manifest.total_bytes} bytes exceeds this evaluator's limit of "
                               f"{self.max_policy_bytes} bytes (--max-policy-mb)")
-            asm = Assembler(manifest)  # checks the manifest; chunks land in it as they come
+            asm = Assembler(manifest, grow=True)  # checks the manifest; memory follows the bytes received
             for p in parts:
                 if p.WhichOneof("part") != "chunk":
                     raise ValueError("a weights stream has exactly one manifest, first")

@@ -282,10 +282,14 @@ class Assembler:
     the checksum is done when the last chunk is: hashing runs while the sender is still sending,
     instead of as one pass over the whole payload after the stream ends."""
 
-    def __init__(self, manifest: Manifest, pool: BufferPool | None = None) -> None:
+    def __init__(self, manifest: Manifest, pool: BufferPool | None = None, grow: bool = False) -> None:
+        """``grow``: the buffer grows with the bytes received instead of being sized from the
+        declaration first (a server that takes payloads from callers it does not trust: its
+        memory then follows what was sent, not what was claimed)."""
         check_manifest(manifest)
         self.manifest = manifest
         self.pool = pool  # where the buffer comes from, if anywhere (reused round after round)
+        self.grow = grow
         self.buf: bytearray | memoryview | None = None
         self.received = 0
         self._hash = xxhash.xxh3_128()
@@ -295,6 +299,13 @@ class Assembler:
         n, total = len(chunk), self.manifest.total_bytes
         if self.received + n > total:
             raise CodecError("oversize", f"chunks exceed the declared {total} bytes")
+        if self.grow:
+            if self.buf is None:
+                self.buf = bytearray()
+            self.buf += chunk
+            self._hash.update(memoryview(self.buf)[self.received:self.received + n])
+            self.received += n
+            return
         if self.buf is None:
             if n == total and self.pool is None:
                 self.buf, self.received = bytearray(chunk), n

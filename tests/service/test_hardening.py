@@ -99,3 +99,65 @@ def test_settings_that_cannot_train_are_refused_at_start(aggregator, drpo, says)
     assert_refused(lambda: aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=json.dumps(cfg)),
                                                        timeout=5), grpc.StatusCode.INVALID_ARGUMENT, says)
     assert status(aggregator)["state"] == "idle"
+
+
+def test_the_evaluators_memory_follows_the_bytes_received_not_those_declared(tmp_path):
+    """Streams each declaring a 60 MiB policy (under --max-policy-mb) and sending 1 KiB held the
+    declared size each (40 of them took an evaluator from 255 MiB to 2.8 GiB); now its memory
+    grows by what was sent. A real evaluator process, 8 such streams held open."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from fedrl.proto.v1 import evaluator_pb2, weights_pb2
+    from fedrl.wire.rpc import create_channel
+
+    pf = tmp_path / "port"
+    p = subprocess.Popen([sys.executable, "-m", "evaluator_service", "--port", "0", "--port-file", str(pf)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def rss_mb() -> float:
+        for line in open(f"/proc/{p.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    release = threading.Event()
+    n = 60 << 20
+    manifest = weights_pb2.WeightsManifest(
+        run_id="r", tensors=[weights_pb2.TensorSpec(name="policy.x", dtype="F32", shape=[n // 4 - 1024])],
+        total_bytes=n, encoding="safetensors", xxh3_128="0" * 32)
+
+    def parts():
+        yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1))
+        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(manifest=manifest))
+        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(chunk=b"\x00" * 1024))
+        release.wait(60)
+
+    try:
+        end = time.monotonic() + 60
+        while not pf.exists():
+            assert p.poll() is None and time.monotonic() < end, "the evaluator did not start"
+            time.sleep(0.05)
+        ch = create_channel(f"127.0.0.1:{pf.read_text()}")
+        from fedrl.proto.v1 import evaluator_pb2_grpc
+
+        stub = evaluator_pb2_grpc.EvaluatorStub(ch)
+        time.sleep(1.0)
+        before = rss_mb()
+        calls = [stub.Evaluate.future(parts(), timeout=60) for _ in range(8)]
+        time.sleep(3.0)  # every stream has sent its header, manifest and chunk
+        grew = rss_mb() - before
+        release.set()
+        for c in calls:
+            try:
+                c.result(timeout=60)
+            except grpc.RpcError:
+                pass  # the 1 KiB payload is refused as truncated (DATA_LOSS): not what is measured
+        ch.close()
+        assert grew < 60, f"the evaluator grew by {grew:.0f} MB for 8 KiB received (8 x 60 MiB declared)"
+    finally:
+        release.set()
+        p.terminate()
+        p.wait(30)
