@@ -91,16 +91,21 @@ def create_server(
     ``PRESERIALIZED`` (full names); their replies are sent as given. Methods listed in
     ``RAW_REQUESTS`` get their requests as the bytes received, to parse themselves.
 
-    Streams are bounded (:class:`StreamGuard`): at most ``max_workers - RESERVED_WORKERS`` (half
-    the workers on a small server) open at
-    once, ``streams_per_identity`` per token (per connection without tokens), and a stream whose
-    next message keeps the server waiting ``stream_idle_seconds`` is ended."""
+    Streams, and the unary calls a servicer lists in ``LONG_POLLS`` (they hold a worker while they
+    wait), are bounded (:class:`StreamGuard`): at most ``max_workers - RESERVED_WORKERS`` (half
+    the workers on a small server) at once, ``streams_per_identity`` per caller (its token where
+    tokens are checked, else its connection), and a stream whose next message keeps the server
+    waiting ``stream_idle_seconds`` is ended."""
     replies = frozenset(m for _, sv, _ in registrations for m in getattr(sv, "PRESERIALIZED", ()))
     requests = frozenset(m for _, sv, _ in registrations for m in getattr(sv, "RAW_REQUESTS", ()))
     # ParseRequests innermost: identity and metrics interceptors see the call first (an
     # unauthenticated caller is refused before its bytes are parsed; a refused parse is counted)
     reserve = min(RESERVED_WORKERS, max_workers // 2)
-    guard = StreamGuard(max(1, max_workers - reserve), streams_per_identity, stream_idle_seconds)
+    # a token identifies a caller only where tokens are checked (else any caller could make one up)
+    checked = any(getattr(getattr(i, "auth", None), "enabled", False) for i in interceptors)
+    long_polls = frozenset(m for _, sv, _ in registrations for m in getattr(sv, "LONG_POLLS", ()))
+    guard = StreamGuard(max(1, max_workers - reserve), streams_per_identity, stream_idle_seconds,
+                        long_polls=long_polls, tokens_checked=checked)
     interceptors = [*([RawMessages(replies, requests)] if replies or requests else []), *interceptors,
                     guard, ParseRequests(requests)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
@@ -210,28 +215,32 @@ class _IdleWatch:
 class StreamGuard(grpc.ServerInterceptor):
     """Bounds what streams can hold, in a server where each open stream holds a worker thread.
 
-    - at most ``total`` streams (either direction) open at once, and ``per_identity`` per caller
-      (its bearer token, or its connection when it sends none): past them a new stream is refused
-      at once with ``RESOURCE_EXHAUSTED`` and holds nothing; unary calls are not counted, so health
-      checks, Control and Join keep their workers;
+    - at most ``total`` streams (either direction) and long polls (the unary methods named in
+      ``long_polls``) open at once, and ``per_identity`` per caller (its bearer token where
+      ``tokens_checked``, else its connection: a header a caller makes up for free identifies
+      nothing): past them a new one is refused at once with ``RESOURCE_EXHAUSTED`` and holds
+      nothing; other unary calls are not counted, so health checks, Control and Join keep their
+      workers;
     - a request stream whose handler waits more than ``idle`` seconds for its next message is ended
       with ``DEADLINE_EXCEEDED`` (agents send progress while they train; see federation.proto)."""
 
-    def __init__(self, total: int, per_identity: int, idle: float) -> None:
+    def __init__(self, total: int, per_identity: int, idle: float, long_polls: frozenset[str] = frozenset(),
+                 tokens_checked: bool = False) -> None:
         if total < 1 or per_identity < 1 or not idle > 0:
             raise ValueError(f"stream limits must be positive (total {total}, per identity {per_identity}, "
                              f"idle {idle}s)")
         self.total, self.per_identity = total, per_identity
+        self.long_polls, self.tokens_checked = long_polls, tokens_checked
         self.watch = _IdleWatch(idle)
         self._lock = threading.Lock()
         self._open = 0
         self._by_identity: dict[str, int] = {}
 
-    @staticmethod
-    def _identity(context) -> str:
-        for k, v in context.invocation_metadata() or ():
-            if k == "authorization":
-                return "token:" + hashlib.sha256(str(v).encode()).hexdigest()[:16]
+    def _identity(self, context) -> str:
+        if self.tokens_checked:  # the token was verified before the call got here
+            for k, v in context.invocation_metadata() or ():
+                if k == "authorization":
+                    return "token:" + hashlib.sha256(str(v).encode()).hexdigest()[:16]
         return "peer:" + context.peer()
 
     def _enter(self, context, method: str) -> str | None:
@@ -274,10 +283,20 @@ class StreamGuard(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or not (handler.request_streaming or handler.response_streaming):
-            return handler
         method = handler_call_details.method
         guard = self
+        if handler is not None and handler.unary_unary and method in self.long_polls:
+            inner_uu = handler.unary_unary
+
+            def long_poll(request, context):
+                who = guard._enter(context, method)
+                try:
+                    return inner_uu(request, context)
+                finally:
+                    guard._leave(who)
+            return handler._replace(unary_unary=long_poll)
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return handler
 
         if handler.stream_unary or handler.stream_stream:
             inner = handler.stream_unary or handler.stream_stream

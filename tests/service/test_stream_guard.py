@@ -192,3 +192,104 @@ def test_a_session_agent_training_past_the_idle_limit_stays_connected_by_its_pro
     finally:
         agent_threads.stop()
         agg.close()
+
+
+def test_a_flood_of_long_polls_is_capped_and_health_status_and_join_still_answer(tmp_path):
+    """NextTask long polls hold a worker each while they wait: 200 of them (as a joined agent,
+    on 20 connections) took every worker of the aggregator and its main port stopped answering.
+    They now count with the streams: past the cap they are refused at once, and health,
+    GetStatus and Join answer within a second."""
+    workers, per_caller = 24, 4
+    agg = Aggregator(tmp_path / "s", task_wait=20.0, max_workers=workers, streams_per_identity=per_caller)
+    agg.fed.Join(federation_pb2.JoinRequest(
+        agent_id="a0", agent_index=0, num_samples=100, obs_dim=11, act_dim=3, env_id="Hopper-v5",
+        obs_moments=federation_pb2.ObsMoments(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)), timeout=5)
+    chans = [own_connection(agg.target) for _ in range(20)]
+    futs = []
+    try:
+        for ch in chans:
+            poll = ch.unary_unary("/fedrl.v1.Federation/NextTask", request_serializer=None, response_deserializer=None)
+            req = federation_pb2.TaskRequest(agent_id="a0", wait_seconds=20).SerializeToString()
+            futs += [poll.future(req, timeout=30) for _ in range(10)]
+        end = time.monotonic() + 20
+        while sum(f.done() for f in futs) < len(futs) - (workers - RESERVED_WORKERS) and time.monotonic() < end:
+            time.sleep(0.1)
+        refused = [f for f in futs if f.done()]
+        assert {_code(f)[0] for f in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert len(futs) - len(refused) <= workers - RESERVED_WORKERS
+        h = health_pb2_grpc.HealthStub(agg.channel)
+        assert _quick(lambda: h.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        _quick(lambda: agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
+        _quick(lambda: agg.fed.Join(federation_pb2.JoinRequest(
+            agent_id="a1", agent_index=1, num_samples=100, obs_dim=11, act_dim=3, env_id="Hopper-v5",
+            obs_moments=federation_pb2.ObsMoments(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)), timeout=5))
+    finally:
+        for f in futs:
+            f.cancel()
+        for ch in chans:
+            ch.close()
+        agg.close()
+
+
+def test_made_up_tokens_identify_nobody_where_tokens_are_not_checked(tmp_path, idle):
+    """Without tokens, one connection sending a new made-up authorization header on each stream
+    got past the per-caller limit; the connection is the caller there, whatever it claims."""
+    per_caller = 4
+    agg = Aggregator(tmp_path / "s", streams_per_identity=per_caller, stream_idle_seconds=30)
+    ch = own_connection(agg.target)
+    try:
+        call = ch.stream_unary(SUBMIT, request_serializer=None, response_deserializer=None)
+
+        def nothing():
+            idle.release.wait(30)
+            return
+            yield
+
+        futs = [call.future(nothing(), timeout=30, metadata=(("authorization", f"Bearer made-up-{i}"),))
+                for i in range(12)]
+        idle.futures += futs
+        end = time.monotonic() + 10
+        while sum(f.done() for f in futs) < 12 - per_caller and time.monotonic() < end:
+            time.sleep(0.05)
+        refused = [f for f in futs if f.done()]
+        assert len(refused) == 12 - per_caller, len(refused)
+        assert all("this caller has 4 streams open" in _code(f)[1] for f in refused)
+    finally:
+        idle.close()
+        ch.close()
+        agg.close()
+
+
+def test_an_agent_refused_for_capacity_backs_off_and_comes_in_when_there_is_room(tmp_path, idle, stand_dataset,
+                                                                                 caplog):
+    """Every stream slot taken by idle streams (a flood, without tokens): a real agent's Session
+    is refused with RESOURCE_EXHAUSTED; it retries with backoff (it used to exit, 'giving up')
+    and takes part once the slots free."""
+    from .conftest import AgentThreads
+
+    workers = 12
+    agg = Aggregator(tmp_path / "s", max_workers=workers, streams_per_identity=100, stream_idle_seconds=30)
+    agents = AgentThreads()
+    try:
+        flood = own_connection(agg.target)
+        idle.open(flood, workers)  # more than the streams' share of the workers
+        end = time.monotonic() + 10
+        while agg.server.guard._open < agg.server.guard.total and time.monotonic() < end:
+            time.sleep(0.05)
+        with caplog.at_level("WARNING"):
+            agents.start(agg.target, str(stand_dataset), 1, 2, seed=1)
+            end = time.monotonic() + 20
+            while not any("RESOURCE_EXHAUSTED" in r.getMessage() for r in caplog.records) and time.monotonic() < end:
+                time.sleep(0.05)
+        assert any("RESOURCE_EXHAUSTED" in r.getMessage() and "retrying" in r.getMessage() for r in caplog.records)
+        assert agents.threads[0].is_alive()  # it did not give up
+        idle.close()  # the flood ends: room again
+        end = time.monotonic() + 30
+        while not agg.coord.status()["agents"] or not agg.coord.status()["agents"][0]["connected"]:
+            assert time.monotonic() < end, "the agent never came in"
+            time.sleep(0.1)
+        flood.close()
+    finally:
+        agents.stop()
+        agg.close()
