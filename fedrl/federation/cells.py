@@ -39,7 +39,14 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
-from fedrl.federation.simulate import SimConfig, _atomic_save, _settings, load_shards
+from fedrl.federation.simulate import (
+    SimConfig,
+    _atomic_save,
+    _settings,
+    curve_point,
+    load_shards,
+    round_evaluation,
+)
 
 CHECKPOINT = "cells-checkpoint.safetensors"
 SHARED = ("rounds", "local_steps", "eval_every", "eval_episodes", "federate", "obs_norm", "device")
@@ -231,17 +238,8 @@ def _evaluate(states: list[_CellState], recs: list[dict], env_id: str, episodes:
                    for i in range(0, len(policies), k)]
         results = [x for f in futures for x in f.result()]
     for ci, (st, rec) in enumerate(zip(states, recs)):
-        mine = [res.as_dict() for res, o in zip(results, owner) if o == ci]
-        if st.cell.cfg.algo == "cql":
-            means = np.array([e["return_mean"] for e in mine])
-            scores = np.array([e["score_mean"] for e in mine])
-            rec["eval"] = {"return_mean": float(means.mean()), "return_std": float(means.std()),
-                           "score_mean": float(scores.mean()), "score_std": float(scores.std()),
-                           "spread_over": "agents", "per_agent": mine}
-        else:
-            rec["eval"] = {**mine[0], "spread_over": "episodes"}
-        st.curve.append({"round": rec["round"], **{k: rec["eval"][k] for k in
-                                                   ("return_mean", "return_std", "score_mean", "score_std")}})
+        rec["eval"] = round_evaluation(st.cell.cfg.algo, [res.as_dict() for res, o in zip(results, owner) if o == ci])
+        st.curve.append(curve_point(rec["round"], rec["eval"]))
 
 
 def _checkpoint(path: Path, r: int, cells: Sequence[Cell], states: list[_CellState], trainers: dict) -> None:

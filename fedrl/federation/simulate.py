@@ -296,17 +296,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                                    "agents": [{"agent": res.agent, "num_samples": res.num_samples,
                                                "seconds": res.seconds, **res.metrics} for res in results]}
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
-                if cfg.algo == "cql":
-                    per_agent = [eval_state(s) for s in agent_states]
-                    means = np.array([e["return_mean"] for e in per_agent])
-                    scores = np.array([e["score_mean"] for e in per_agent])
-                    rec["eval"] = {"return_mean": float(means.mean()), "return_std": float(means.std()),
-                                   "score_mean": float(scores.mean()), "score_std": float(scores.std()),
-                                   "spread_over": "agents", "per_agent": per_agent}
-                else:
-                    rec["eval"] = {**eval_state(global_state), "spread_over": "episodes"}
-                curve.append({"round": r, **{k: rec["eval"][k] for k in
-                                             ("return_mean", "return_std", "score_mean", "score_std")}})
+                rec["eval"] = round_evaluation(cfg.algo, [eval_state(s) for s in agent_states]
+                                               if cfg.algo == "cql" else [eval_state(global_state)])
+                curve.append(curve_point(r, rec["eval"]))
             rec["seconds"] = time.perf_counter() - t0
             jl.write(json.dumps(rec) + "\n")
             jl.flush()
@@ -343,6 +335,22 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
               if curve else "")
     log(f"done in {summary['wall_seconds']:.1f}s{scores}; results in {out}")
     return summary
+
+
+def round_evaluation(algo: str, evaluations: list[dict[str, Any]]) -> dict[str, Any]:
+    """A round's evaluation record: the global policy's (spread over its episodes), or for the
+    ``cql`` baseline the mean and spread over its agents' own policies."""
+    if algo != "cql":
+        return {**evaluations[0], "spread_over": "episodes"}
+    means = np.array([e["return_mean"] for e in evaluations])
+    scores = np.array([e["score_mean"] for e in evaluations])
+    return {"return_mean": float(means.mean()), "return_std": float(means.std()),
+            "score_mean": float(scores.mean()), "score_std": float(scores.std()),
+            "spread_over": "agents", "per_agent": evaluations}
+
+
+def curve_point(r: int, evaluation: dict[str, Any]) -> dict[str, Any]:
+    return {"round": r, **{k: evaluation[k] for k in ("return_mean", "return_std", "score_mean", "score_std")}}
 
 
 def _write_checkpoint(out: Path, cfg: SimConfig, r: int, curve: list, global_state: dict[str, torch.Tensor],

@@ -42,8 +42,8 @@ def test_cells_train_as_their_own_federations_and_resume_exactly(tmp_path, rando
     seen = []
     real = round_mod.BatchedTrainer.train_round
 
-    def train_round(self, states, steps, progress=None):
-        res = real(self, states, steps, progress)
+    def train_round(self, states, steps, progress=None, **kw):
+        res = real(self, states, steps, progress, **kw)
         seen.append((self.learner.members, [dict(s) for s in states], [r.state for r in res]))
         return res
 
