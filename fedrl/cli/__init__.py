@@ -497,8 +497,11 @@ def _certs_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--out", required=True,
                    help="directory to write (ca.crt, aggregator/, evaluator/, <client>/)")
     d.add_argument("--host", action="append", default=None,
-                   help="extra name or IP both servers carry beside their service names fedrl-aggregator / "
-                        "fedrl-evaluator (repeatable; default localhost and 127.0.0.1)")
+                   help="extra name or IP the aggregator's certificate carries beside its service name "
+                        "fedrl-aggregator (repeatable; default localhost and 127.0.0.1)")
+    d.add_argument("--evaluator-host", action="append", default=None,
+                   help="extra name or IP the evaluator's certificate carries beside fedrl-evaluator "
+                        "(repeatable; default none: a certificate carries only its own role's names)")
     d.add_argument("--client", action="append", default=None,
                    help="client certificate to make, named by its identity: admin, or an agent id "
                         "(repeatable; default admin, agent-0, agent-1, agent-2)")
@@ -509,7 +512,7 @@ def _certs_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_certs(a: argparse.Namespace) -> int:
     from fedrl.wire.devca import DEFAULT_HOSTS, make_dev_ca
 
-    kw = {"days": a.days, "hosts": tuple(a.host or DEFAULT_HOSTS)}
+    kw = {"days": a.days, "hosts": tuple(a.host or DEFAULT_HOSTS), "evaluator_hosts": tuple(a.evaluator_host or ())}
     if a.client:
         kw["clients"] = tuple(a.client)
     out = make_dev_ca(a.out, **kw)

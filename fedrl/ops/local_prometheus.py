@@ -113,8 +113,10 @@ def write_config(folder: Path, targets: Mapping[str, Sequence[tuple[str, str]]],
         d = Path(tls_dir).resolve()
         for sc in cfg["scrape_configs"]:
             sc["scheme"] = "https"
+            # every metrics endpoint's certificate names fedrl-metrics (fedrl.wire.devca), whatever
+            # address it is scraped at
             sc["tls_config"] = {"ca_file": str(d / "ca.crt"), "cert_file": str(d / "tls.crt"),
-                                "key_file": str(d / "tls.key")}
+                                "key_file": str(d / "tls.key"), "server_name": "fedrl-metrics"}
     path = folder / "prometheus.yml"
     path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
     return path

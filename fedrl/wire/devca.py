@@ -4,11 +4,13 @@ Writes, in the layout of Kubernetes TLS Secrets (``tls.crt``, ``tls.key``, ``ca.
 directory per role, each certificate good for its role only:
 
     <out>/ca.crt, ca.key        the CA (keep ca.key away from the services)
-    <out>/aggregator/           serves only (server usage): the aggregator's names
-    <out>/evaluator/            serves and calls the aggregator (both usages): the evaluator's names
+    <out>/aggregator/           serves only (server usage): the aggregator's names, localhost,
+                                127.0.0.1 and the --host names
+    <out>/evaluator/            serves and calls the aggregator (both usages): the evaluator's
+                                names and the --evaluator-host names only
     <out>/<client>/             calls only (client usage, no host names): one per agent, admin;
                                 with metrics.crt/metrics.key beside it to serve the process's
-                                metrics endpoint (server usage, named ``fedrl-metrics``, localhost)
+                                metrics endpoint (server usage, named ``fedrl-metrics`` only)
 
 Every certificate names its role in its subject's OU (``aggregator``, ``evaluator``, ``agent``,
 ``admin``) and its identity in its CN (the agent id, ``admin``): under mutual TLS the aggregator
@@ -70,10 +72,13 @@ def _write(path: Path, data: bytes, secret: bool = False) -> None:
 
 def make_dev_ca(out: str | os.PathLike, hosts: Sequence[str] = DEFAULT_HOSTS,
                 clients: Sequence[str] = ("admin", "agent-0", "agent-1", "agent-2"),
-                days: int = 30) -> Path:
+                days: int = 30, evaluator_hosts: Sequence[str] = ()) -> Path:
     """Write the CA and one certificate per role (see the module's docstring); ``hosts`` are
-    extra names (or IPs) both servers carry beside their service names; ``clients`` the client
-    identities (``evaluator`` among them is ignored: the evaluator has its own directory)."""
+    extra names (or IPs) the aggregator's certificate carries beside its service names,
+    ``evaluator_hosts`` the evaluator's: a certificate carries only the names of its own role, so
+    none can pose as another service, even to a client that checks only the dialled host;
+    ``clients`` the client identities (``evaluator`` among them is ignored: the evaluator has its
+    own directory)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -124,11 +129,14 @@ def make_dev_ca(out: str | os.PathLike, hosts: Sequence[str] = DEFAULT_HOSTS,
         if role in clients and role == "aggregator":
             raise ValueError("a client may not be called 'aggregator'")
         usage = [server] if role == "aggregator" else [server, client]  # the evaluator also calls
-        write(out / role, leaf(SERVICE_NAMES[role][0], role, (*SERVICE_NAMES[role], METRICS_NAME, *hosts), usage))
+        extra = hosts if role == "aggregator" else evaluator_hosts
+        write(out / role, leaf(SERVICE_NAMES[role][0], role, (*SERVICE_NAMES[role], METRICS_NAME, *extra), usage))
     for name in clients:
         if name == "evaluator":
             continue
         role = client_role(name)
         write(out / name, leaf(name, role, (), [client]))
-        write(out / name, leaf(name, "metrics", (METRICS_NAME, *DEFAULT_HOSTS), [server]), prefix="metrics")
+        # a metrics endpoint's certificate names only fedrl-metrics (scrapers verify that name),
+        # never an address a gRPC client could dial and take it for a service's
+        write(out / name, leaf(name, "metrics", (METRICS_NAME,), [server]), prefix="metrics")
     return out

@@ -246,3 +246,39 @@ def test_server_certificates_cannot_call(secure_aggregator, ca):
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     ch.close()
 
+
+
+@pytest.mark.parametrize("stolen", ["evaluator/tls", "agent-1/metrics"])
+def test_no_other_certificate_passes_for_the_aggregator_even_by_the_dialled_host(tmp_path, stolen, monkeypatch):
+    """``FEDRL_TLS_SERVER_NAME=-`` makes a client check only the host it dials. The evaluator's
+    certificate used to carry the aggregator's --host names and 127.0.0.1, and every agent's
+    metrics certificate 127.0.0.1: an impostor at 127.0.0.1 serving either took an agent's token.
+    Certificates now carry only their own role's names."""
+    from cryptography import x509
+
+    ca = make_dev_ca(tmp_path / "ca", hosts=("aggregator.example", "127.0.0.1"),
+                     clients=("admin", "agent-0", "agent-1"))
+    for path in ("evaluator/tls.crt", "agent-1/metrics.crt"):
+        cert = x509.load_pem_x509_certificate((ca / path).read_bytes())
+        names = [str(n.value) for n in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value]
+        assert "aggregator.example" not in names and "127.0.0.1" not in names, (path, names)
+    monkeypatch.setenv("FEDRL_TLS_SERVER_NAME", "-")
+    srv, target, seen = _fake_aggregator((ca / f"{stolen}.crt").read_bytes(), (ca / f"{stolen}.key").read_bytes(),
+                                         (ca / "ca.crt").read_bytes())
+    try:
+        ch, fed, _ = stubs(type("T", (), {"target": target}), ca, "agent-0", TOKENS["agent-0"])
+        with pytest.raises(grpc.RpcError) as ei:
+            fed.Join(join_req("agent-0"), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and seen == []
+        ch.close()
+    finally:
+        srv.stop(0)
+    # the control: the aggregator's own certificate is taken at 127.0.0.1 by the dialled host
+    srv, target, seen = _fake_aggregator((ca / "aggregator/tls.crt").read_bytes(),
+                                         (ca / "aggregator/tls.key").read_bytes(), (ca / "ca.crt").read_bytes())
+    try:
+        ch, fed, _ = stubs(type("T", (), {"target": target}), ca, "agent-0", TOKENS["agent-0"])
+        assert fed.Join(join_req("agent-0"), timeout=5).agent_id == "fake"
+        ch.close()
+    finally:
+        srv.stop(0)
