@@ -30,6 +30,7 @@ from fedrl.algos.config import config_to_dict
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.round import algo_config, initial_global_state
+from fedrl.federation.runconfig import MAX_MODEL_BYTES, model_bytes
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
     CodecError,
@@ -207,6 +208,11 @@ class Rounds:
             self._fail(run, "the agents' pooled observation moments are not finite")
             return
         hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
+        size = model_bytes(hp.hidden, obs_dim, act_dim, cfg.federate == "policy+critic")
+        if size > MAX_MODEL_BYTES:  # before anything is built
+            self._fail(run, f"the global model would be {size / 2**20:.0f} MiB (hidden {list(hp.hidden)}, obs_dim "
+                            f"{obs_dim}, act_dim {act_dim}); a run's model may be at most {MAX_MODEL_BYTES >> 20} MiB")
+            return
         state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
                                      cfg.federate == "policy+critic")
         run.env_id = cfg.env or (envs.pop() if envs else "")

@@ -68,6 +68,23 @@ SUB_LIMITS = {"batch_size": 65_536, "cql_n_actions": 1_024, "global_samples": 1_
 # have, dimensions no MuJoCo task comes near, a sample count no dataset does.
 JOIN_LIMITS = {"index": LIMITS["agents"] - 1, "obs_dim": 10_000, "act_dim": 1_000, "num_samples": 10**9}
 MAX_WIDTH, MAX_DEPTH = 4096, 8
+# The largest global model a run may make (its version 0: the policy, and the critics when they
+# are federated), checked before it is built. 64 MiB holds the benchmarks' 30 MB model with
+# room; the width and depth limits alone allowed 635 MiB (36 s and 1.5 GiB to build).
+MAX_MODEL_BYTES = 64 << 20
+
+
+def model_bytes(hidden, obs_dim: int, act_dim: int, federate_critic: bool) -> int:
+    """Bytes (float32) of a run's global model: the tanh-Gaussian policy and, when federated, the
+    twin critic and its target (each ``E=2`` members)."""
+    def mlp(i: int, out: int) -> int:
+        dims = [i, *hidden, out]
+        return sum(a * b + b for a, b in zip(dims[:-1], dims[1:]))
+
+    n = mlp(obs_dim, 2 * act_dim) + 2 * obs_dim  # + the normaliser's mean and std
+    if federate_critic:
+        n += 2 * 2 * mlp(obs_dim + act_dim, 1)
+    return 4 * n
 
 _INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes")
 _FLOATS = ("round_timeout", "join_timeout", "trim_fraction")
