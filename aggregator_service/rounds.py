@@ -156,6 +156,22 @@ class Rounds:
                                f"agent {agent_id!r} already submitted for round {run.round}", "duplicate")
         return run
 
+    def update_refused(self, agent_id: str, reason: str, detail: str) -> None:
+        """An update of ``agent_id`` was refused (``reason``: the codec's). Non-finite values from
+        every selected agent in one round mean the settings cannot train: the run fails, saying so,
+        instead of waiting for agents that give up on it."""
+        if reason != "non_finite":
+            return
+        with self.cond:
+            run = self.run
+            if run is None or run.state != "running" or agent_id not in run.selected:
+                return
+            run.non_finite[agent_id] = detail
+            if not run.submissions and set(run.non_finite) >= set(run.selected):
+                self._fail(run, f"round {run.round}: every agent's update had NaN or Inf values ({detail}); "
+                                "these settings cannot train")
+                self.cond.notify_all()
+
     def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor],
                metrics: Mapping[str, float], seconds: float, flat: Flat | None = None) -> int:
         """Accept a verified update (``state`` decoded from a payload checked against ``m``,
@@ -258,7 +274,7 @@ class Rounds:
         return torch.frombuffer(self.averages.take(nbytes), dtype=dtype)
 
     def _open_round(self, run: Run, r: int) -> None:
-        run.round, run.submissions = r, {}
+        run.round, run.submissions, run.non_finite = r, {}, {}
         run.round_opened = time.time()
         run.deadline = run.round_opened + run.cfg.round_timeout
         self._event(run, "ROUND_OPENED", agents=list(run.selected))

@@ -260,6 +260,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     def _submit(self, context, parts):
         """Both submission paths: header checks before any byte is kept, then the same verification."""
         metrics = self.coord.metrics
+        h = None
         try:
             h, chunks = parts()
             self.auth.check_agent(context, h.agent_id)
@@ -274,6 +275,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         except (ServiceError, CodecError) as e:
             log.warning("update refused: %s", e)
             metrics.reject(e.reason)
+            if isinstance(e, CodecError) and h is not None:
+                self.coord.update_refused(h.agent_id, e.reason, str(e))
             _abort(context, e)
         return federation_pb2.SubmitReply(accepted=True, round=r, received_bytes=manifest.total_bytes)
 

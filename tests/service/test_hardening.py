@@ -181,3 +181,27 @@ def test_a_global_model_larger_than_the_limit_is_refused_before_it_is_built(aggr
     assert time.monotonic() - t < 5
     assert f"a run's model may be at most {MAX_MODEL_BYTES >> 20} MiB" in st["message"], st["message"]
     assert not list(aggregator.store.root.rglob("v*.safetensors"))
+
+
+def test_a_run_whose_every_agent_sends_non_finite_updates_fails_saying_why(aggregator):
+    """Settings that train to NaN: each agent's update is refused and the agents give up; the run
+    used to wait at round 1 for ever. Once every selected agent's update of a round was refused as
+    non-finite, the run fails, saying so. One such agent is not enough."""
+    import torch
+
+    from fedrl.wire.codec import assemble
+    from fedrl.wire.serde import read_weight_parts, status_from_proto
+    from tests.service.test_federation import submit
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()),
+                                                       timeout=5))
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+    nan = {k: torch.full_like(v, float("nan")) for k, v in g.items()}
+    assert_refused(lambda: submit(aggregator, "a0", nan, st["run_id"]), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
+    assert status(aggregator)["state"] == "running"  # one agent's is not the run's
+    assert_refused(lambda: submit(aggregator, "a1", nan, st["run_id"]), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
+    s = status(aggregator)
+    assert s["state"] == "failed" and "every agent's update had NaN or Inf values" in s["message"], s["message"]
