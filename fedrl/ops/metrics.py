@@ -84,20 +84,33 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+def _cut_off(sock: socket.socket) -> None:
+    """End a connection from another thread: its blocked reads and writes return at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class _MetricsServer(ThreadingMixIn, WSGIServer):
     """The metrics endpoint: each connection in its own thread, its TLS handshake there too (not in
     the accepting loop, where one client that connects and never starts its handshake stopped
-    every scrape: prometheus_client wraps the listening socket), every connection's reads bounded
-    by ``TIMEOUT`` seconds, and at most ``MAX_CONNECTIONS`` at once (the rest closed at once)."""
+    every scrape: prometheus_client wraps the listening socket); every connection lives at most
+    ``TIMEOUT`` seconds in all (a client trickling a byte at a time is cut off too), at most
+    ``MAX_CONNECTIONS`` at once and ``PER_CLIENT`` from one client address (the rest closed at
+    once): one client's silent connections leave the others' scrapes their slots."""
 
     daemon_threads = True
     allow_reuse_address = True
     TIMEOUT = 10.0
     MAX_CONNECTIONS = 64
+    PER_CLIENT = 8
 
     def __init__(self, address, handler, ctx: ssl.SSLContext | None) -> None:
         self.ctx = ctx
         self._slots = threading.BoundedSemaphore(self.MAX_CONNECTIONS)
+        self._clients: dict[str, int] = {}
+        self._clients_lock = threading.Lock()
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, handler)
@@ -108,12 +121,24 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
         return conn, addr
 
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
+        who = client_address[0]
+        with self._clients_lock:
+            if self._clients.get(who, 0) >= self.PER_CLIENT:
+                full = True
+            else:
+                full = not self._slots.acquire(blocking=False)
+                if not full:
+                    self._clients[who] = self._clients.get(who, 0) + 1
+        if full:
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address):
+        raw = request
+        cut = threading.Timer(self.TIMEOUT, _cut_off, (raw,))  # the connection's whole life, bounded
+        cut.daemon = True
+        cut.start()
         try:
             if self.ctx is not None:
                 try:
@@ -123,6 +148,13 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
                     return
             super().process_request_thread(request, client_address)
         finally:
+            cut.cancel()
+            with self._clients_lock:
+                n = self._clients.get(client_address[0], 1) - 1
+                if n:
+                    self._clients[client_address[0]] = n
+                else:
+                    self._clients.pop(client_address[0], None)
             self._slots.release()
 
     def handle_error(self, request, client_address):  # a client gone mid-answer is not news

@@ -187,7 +187,10 @@ def test_metrics_endpoints_answer_while_silent_connections_are_open(tmp_path, se
     else:
         port = serve_metrics(reg, "127.0.0.1", 0)
     url = f"{'https' if secure else 'http'}://127.0.0.1:{port}/metrics"
-    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(10)]
+    # from another client address (127.0.0.2, loopback too): one client's connections count against
+    # its own share (PER_CLIENT), not against the scraper's
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.2", 0))
+              for _ in range(10)]
     try:
         for _ in range(3):
             t = time.monotonic()
@@ -199,4 +202,62 @@ def test_metrics_endpoints_answer_while_silent_connections_are_open(tmp_path, se
                 urllib.request.urlopen(url, context=bare, timeout=5).read()
     finally:
         for s in silent:
+            s.close()
+
+
+def test_one_clients_silent_or_trickling_connections_leave_the_others_scrapes_alone(monkeypatch):
+    """200 silent connections from one client address (127.0.0.2: another client on loopback)
+    took every slot of a metrics endpoint and scrapes failed in bursts; now a client holds at most
+    PER_CLIENT of them. And a connection trickling a byte a second lives at most TIMEOUT in all."""
+    import socket
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from fedrl.ops import metrics as m
+
+    monkeypatch.setattr(m._MetricsServer, "TIMEOUT", 2.0)
+    reg = CollectorRegistry()
+    Counter("probe_total", "a counter", registry=reg).inc()
+    port = m.serve_metrics(reg, "127.0.0.1", 0)
+    flood = []
+    try:
+        for _ in range(200):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            try:
+                s.connect(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            flood.append(s)
+        ok = 0
+        for _ in range(30):
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                ok += "probe_total 1.0" in body
+            except OSError:
+                pass
+        assert ok == 30, f"{ok} of 30 scrapes answered beside one client's 200 silent connections"
+        # a slowloris: one byte a second, never a whole request; cut off within TIMEOUT (2 s)
+        t = socket.create_connection(("127.0.0.1", port), timeout=10)
+        start = time.monotonic()
+        closed = False
+        for ch in b"GET /metrics HTTP/1.1\r\nHost: x\r\n":
+            try:
+                t.send(bytes([ch]))
+                time.sleep(0.5)
+                t.settimeout(0.01)
+                if t.recv(1) == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                closed = True
+                break
+        assert closed and time.monotonic() - start < 4.0, "a trickling connection was not cut off"
+        t.close()
+    finally:
+        for s in flood:
             s.close()
