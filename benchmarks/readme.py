@@ -175,13 +175,13 @@ def blocks(results: Path = RESULTS) -> dict[str, str]:
                         f"({_mmss(up['data_making_seconds'])} of it, once), {_mmss(up['data_ready']['wall_seconds'])} "
                         f"once the data exists; evaluated return by round: {rets}.")
     suite = json.loads((results / "suite.json").read_text())
-    out["readme-suite"] = (f"Measured: {_mmss(suite['wall_seconds'])} for `{suite['summary']}` "
-                           f"({_load(suite)}; `python -m benchmarks.readme measure suite`).")
+    out["readme-suite"] = (f"Measured: {_mmss(suite['wall_seconds'])}, `{suite['summary']}` (the deselected one is "
+                           f"the test of these measured lines; {_load(suite)}; `python -m benchmarks.readme measure suite`).")
     bh = json.loads((results / "by-hand.json").read_text())
     med = sorted(bh["by_hand_round_seconds"])[len(bh["by_hand_round_seconds"]) // 2]
     upm = sorted(bh["up_round_seconds"])[len(bh["up_round_seconds"]) // 2]
     out["readme-by-hand"] = (f"Measured ({_load(bh)}; `python -m benchmarks.readme measure by-hand`): the run "
-                             f"below took {_mmss(bh['by_hand_wall_seconds'])}; a round took {med:.1f} s started by "
+                             f"these commands start took {_mmss(bh['by_hand_wall_seconds'])}; a round took {med:.1f} s started by "
                              f"hand with default flags and {upm:.1f} s under `fedrl up` "
                              f"({bh['ratio_of_medians']:.2f}x).")
     from benchmarks.paper import PRESETS, render_blocks
