@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with > 0, more whole trajectories per shard until it holds at least this many transitions")
     p.add_argument("--seed", type=int, default=0, help="seed of the shard partition (the run's seed)")
     p.add_argument("--agent-id", default=None, help="default: agent-<shard or index>")
-    p.add_argument("--env", default=None)
+    p.add_argument("--env", default=None, help="the task's env (default: the one the dataset records)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
     p.add_argument("--threads", type=argtypes.at_least(0), default=0, help=f"torch CPU threads; {THREADS_RULE}")
     p.add_argument("--host", default="127.0.0.1", help="address the health and metrics ports bind")

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="follow this aggregator (omit to serve on-demand evaluation only)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=argtypes.port, default=50052, help="0 picks a free port")
-    p.add_argument("--port-file", default=None)
+    p.add_argument("--port-file", default=None, help="write the bound port here once serving (default: nowhere)")
     p.add_argument("--seed", type=int, default=0, help="seed of the evaluation episodes")
     p.add_argument("--num-envs", type=argtypes.at_least(1), default=10, help="vectorised environments per rollout")
     # the default is evaluator_service.servicer.MAX_POLICY_BYTES in MiB (a test holds them equal)

@@ -268,7 +268,7 @@ UP_DEFAULTS = {"agents": 3, "rounds": 5, "local_steps": 100, "eval_episodes": 5}
 
 
 def _up_parser(sub: argparse._SubParsersAction) -> None:
-    from fedrl.federation.runconfig import SERVICE_ALGOS
+    from fedrl.federation.runconfig import SERVICE_ALGOS, RunConfig
 
     p = sub.add_parser("up", help="run the whole federation here: aggregator, agents, evaluator as processes",
                        description="Starts the aggregator, N agents and the evaluator as real processes on "
@@ -279,7 +279,8 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, help="run config JSON file (fields of RunConfig); flags override it")
     p.add_argument("--dataset", action="append", metavar="PATH|NAME[:AGENTS]",
                    help=f"the federation's data, dealt to agents in shards (default {UP_DEFAULT_DATASET})")
-    p.add_argument("--algo", choices=SERVICE_ALGOS, default=None)
+    p.add_argument("--algo", choices=SERVICE_ALGOS, default=None,
+                   help=f"default {RunConfig().algo} (or the --config file's)")
     p.add_argument("--agents", type=int, default=None, help=f"default {UP_DEFAULTS['agents']}")
     p.add_argument("--trajectories", type=int, default=5, help="whole trajectories per agent")
     p.add_argument("--transitions", type=argtypes.at_least(0), default=0,
@@ -287,7 +288,7 @@ def _up_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=None, help=f"default {UP_DEFAULTS['rounds']}")
     p.add_argument("--local-steps", type=int, default=None, help=f"default {UP_DEFAULTS['local_steps']}")
     p.add_argument("--eval-episodes", type=int, default=None, help=f"default {UP_DEFAULTS['eval_episodes']}")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help=f"default {RunConfig().seed} (or the --config file's)")
     p.add_argument("--aggregation", choices=AGGREGATIONS, default=None, help="default fedavg")
     p.add_argument("--device", default="auto", help="agents' device: auto, cpu, cuda[:N]")
     p.add_argument("--agent-threads", type=argtypes.at_least(0), default=1, help="torch threads per agent process")

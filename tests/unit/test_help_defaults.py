@@ -36,3 +36,12 @@ def test_help_shows_real_defaults(name, parser):
             continue
         shown = a.help and "default" in a.help.lower()
         assert shown or f"(default: {d})" in " ".join(text.split()), (name, a.option_strings, d)
+
+
+@pytest.mark.parametrize("name,parser", parsers(), ids=[n for n, _ in parsers()])
+def test_an_option_without_a_default_value_says_what_leaving_it_out_means(name, parser):
+    """``fedrl up --help`` showed nothing for --algo and --seed (their defaults come from the run
+    config): an option whose default is None must say in its help what it is left out."""
+    for a in parser._actions:
+        if a.option_strings and a.default is None and not a.required and a.nargs != 0 and a.help != argparse.SUPPRESS:
+            assert a.help, (name, a.option_strings)
