@@ -89,17 +89,27 @@ def summary(r: dict) -> list[dict]:
     return out
 
 
-def cmd_report(a) -> int:
+def report_md(results: Path = RESULTS) -> str:
+    """Per cell and round: the round's mean diagnostics over its agents and the evaluation."""
     lines = ["| cell | round | Q on data | Q at target action | TD target | CQL log-sum-exp | TD error | alpha | entropy | return |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for f in sorted(RESULTS.glob("*.json")):
+    for f in sorted(Path(results).glob("*.json")):
         r = json.loads(f.read_text())
         for s in summary(r):
             ret = s["return"]
             lines.append(f"| {r['key']} | {s['round']} | {s['q_data']:.1f} | {s['q_target_action']:.1f} | "
                          f"{s['td_target']:.1f} | {s['cql_logsumexp']:.1f} | {s['critic_td']:.1f} | {s['alpha']:.3f} | "
                          f"{s['entropy']:.2f} | {ret if ret is None else round(ret)} |")
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def cmd_report(a) -> int:
+    md = report_md()
+    if a.update_md:
+        from benchmarks.paper import BENCHMARKS_MD, replace_blocks
+
+        BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), {"critic-sink": md}))
+    print(md)
     return 0
 
 
@@ -112,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--work", default=str(ROOT / "runs" / "critic_sink"))
     r.set_defaults(func=cmd_run)
     p = sub.add_parser("report")
+    p.add_argument("--update-md", action="store_true", help="also write BENCHMARKS.md's critic-sink block")
     p.set_defaults(func=cmd_report)
     a = ap.parse_args(argv)
     return a.func(a)
