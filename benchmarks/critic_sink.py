@@ -9,7 +9,7 @@ trajectories, 1,000 local steps x 5 rounds, the current defaults. Cells (each a 
 
 - ``base``: DRPO, Fed-CQL, and CQL alone (each agent on its own shard: a learner effect shows
   here, a federation effect does not);
-- ``causes``: DRPO with one candidate cause changed at a time: the temperature's rate
+- ``causes``: DRPO with one candidate cause changed at a time (``--only`` picks some): the temperature's rate
   (``alpha_lr`` 3e-4), the TD target's action (``mean``, d3rlpy's), the CQL weight relative to
   the reward scale (``cql_weight`` 5), the TD weight (``td_weight`` 1), the critic's rate
   (``critic_lr`` 1e-4), and the actor's Adam kept across rounds (``reset_actor_optimizer`` off).
@@ -41,19 +41,28 @@ CAUSES = {"alpha_lr_3e-4": {"alpha_lr": 3e-4}, "target_mean": {"target_action": 
 TRACE_EVERY = 100
 
 
-def cells(which: str):
+def _issue_defaults():
+    """The defaults the issue found the sinking with (the temperature's rate then 3e-5): every
+    cell here keeps them, so a cause is the one setting changed."""
+    from fedrl.algos import DRPOConfig
+
+    return dataclasses.replace(DRPOConfig(), alpha_lr=3e-5)
+
+
+def cells(which: str, only: tuple[str, ...] = ()):
     from fedrl.algos import DRPOConfig
     from fedrl.federation.cells import Cell
     from fedrl.federation.simulate import SimConfig
 
+    ISSUE_DEFAULTS = _issue_defaults()
     base = dict(datasets=(DATASET,), agents=2, trajectories=5, rounds=5, local_steps=1000, eval_episodes=10,
                 seed=0, device="cpu")
     out = []
     if which in ("base", "all"):
-        out += [Cell(a, SimConfig(algo=a, **base)) for a in ("drpo", "fed-cql", "cql")]
+        out += [Cell(a, SimConfig(algo=a, drpo=ISSUE_DEFAULTS, **base)) for a in ("drpo", "fed-cql", "cql")]
     if which in ("causes", "all"):
-        out += [Cell(f"drpo-{k}", SimConfig(algo="drpo", drpo=dataclasses.replace(DRPOConfig(), **v), **base))
-                for k, v in CAUSES.items()]
+        out += [Cell(f"drpo-{k}", SimConfig(algo="drpo", drpo=dataclasses.replace(ISSUE_DEFAULTS, **v), **base))
+                for k, v in CAUSES.items() if not only or k in only]
     return out
 
 
@@ -63,8 +72,12 @@ def cmd_run(a) -> int:
     from fedrl.federation.cells import run_cells
 
     torch.set_num_threads(1)
-    cs = cells(a.cells)
-    work = Path(a.work) / a.cells
+    only = tuple(x for x in a.only.split(",") if x)
+    unknown = set(only) - set(CAUSES)
+    if unknown:
+        raise SystemExit(f"--only: no cause {', '.join(sorted(unknown))} (causes: {', '.join(CAUSES)})")
+    cs = cells(a.cells, only)
+    work = Path(a.work) / (a.cells + ("-" + "-".join(only) if only else ""))
     res = run_cells(cs, work, log=lambda m: print(m, flush=True), trace_every=TRACE_EVERY)
     RESULTS.mkdir(parents=True, exist_ok=True)
     for c in cs:
@@ -120,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--cells", choices=("base", "causes", "all"), default="base")
     r.add_argument("--work", default=str(ROOT / "runs" / "critic_sink"))
+    r.add_argument("--only", default="", help=f"with --cells causes: these of {', '.join(CAUSES)}")
     r.set_defaults(func=cmd_run)
     p = sub.add_parser("report")
     p.add_argument("--update-md", action="store_true", help="also write BENCHMARKS.md's critic-sink block")
