@@ -50,7 +50,6 @@ def _issue_defaults():
 
 
 def cells(which: str, only: tuple[str, ...] = ()):
-    from fedrl.algos import DRPOConfig
     from fedrl.federation.cells import Cell
     from fedrl.federation.simulate import SimConfig
 
