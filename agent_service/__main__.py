@@ -9,7 +9,6 @@ import re
 import signal
 import sys
 
-import torch
 
 from fedrl.common import argtypes
 from fedrl.common.threads import THREADS_RULE, set_threads

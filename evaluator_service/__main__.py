@@ -48,7 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     setup_logging(a.log_level, a.log_format)
-    import torch
 
     from evaluator_service.follower import Follower
     from evaluator_service.servicer import EvaluatorServicer
