@@ -1,6 +1,6 @@
 """Why the critic's Q on the data sinks below zero on walker2d-medium (issue 53): measured, not guessed.
 
-    python -m benchmarks.critic_sink run [--cells base|causes|all] [--work runs/critic_sink]
+    python -m benchmarks.critic_sink run [--cells base|causes|all|candidates] [--dataset D] [--only A,B]
     python -m benchmarks.critic_sink report
 
 The setting the issue found it in, on the project's own ``walker2d-medium-v2``: 2 agents x 5
@@ -12,7 +12,10 @@ trajectories, 1,000 local steps x 5 rounds, the current defaults. Cells (each a 
 - ``causes``: DRPO with one candidate cause changed at a time (``--only`` picks some): the temperature's rate
   (``alpha_lr`` 3e-4), the TD target's action (``mean``, d3rlpy's), the CQL weight relative to
   the reward scale (``cql_weight`` 5), the TD weight (``td_weight`` 1), the critic's rate
-  (``critic_lr`` 1e-4), and the actor's Adam kept across rounds (``reset_actor_optimizer`` off).
+  (``critic_lr`` 1e-4), and the actor's Adam kept across rounds (``reset_actor_optimizer`` off);
+- ``candidates``: DRPO at today's defaults and at candidate defaults (the mean target action,
+  beta 5, both), on ``--dataset`` (walker2d-medium or hopper-medium); files are named
+  ``<dataset's task>-<cell>``.
 
 Every round records, per agent, its diagnostics' means over every 100 local steps (``trace``):
 Q on the data, Q at the TD target's action (``q_target_action``), the targets
@@ -37,7 +40,11 @@ RESULTS = ROOT / "benchmarks" / "results" / "critic_sink"
 DATASET = "walker2d-medium-v2"
 CAUSES = {"alpha_lr_3e-4": {"alpha_lr": 3e-4}, "target_mean": {"target_action": "mean"},
           "cql_weight_5": {"cql_weight": 5.0}, "td_weight_1": {"td_weight": 1.0},
-          "critic_lr_1e-4": {"critic_lr": 1e-4}}
+          "critic_lr_1e-4": {"critic_lr": 1e-4}, "actor_adam_kept": {"reset_actor_optimizer": False}}
+# Candidate defaults, each from today's defaults (the temperature's rate already 3e-4), on either task
+CANDIDATES = {"now": {}, "now-target_mean": {"target_action": "mean"}, "now-cql_weight_5": {"cql_weight": 5.0},
+              "now-target_mean-cql_weight_5": {"target_action": "mean", "cql_weight": 5.0}}
+DATASETS = ("walker2d-medium-v2", "hopper-medium-v2")
 TRACE_EVERY = 100
 
 
@@ -49,12 +56,14 @@ def _issue_defaults():
     return dataclasses.replace(DRPOConfig(), alpha_lr=3e-5)
 
 
-def cells(which: str, only: tuple[str, ...] = ()):
+def cells(which: str, only: tuple[str, ...] = (), dataset: str = DATASET):
     from fedrl.federation.cells import Cell
     from fedrl.federation.simulate import SimConfig
 
+    from fedrl.algos import DRPOConfig
+
     ISSUE_DEFAULTS = _issue_defaults()
-    base = dict(datasets=(DATASET,), agents=2, trajectories=5, rounds=5, local_steps=1000, eval_episodes=10,
+    base = dict(datasets=(dataset,), agents=2, trajectories=5, rounds=5, local_steps=1000, eval_episodes=10,
                 seed=0, device="cpu")
     out = []
     if which in ("base", "all"):
@@ -62,6 +71,10 @@ def cells(which: str, only: tuple[str, ...] = ()):
     if which in ("causes", "all"):
         out += [Cell(f"drpo-{k}", SimConfig(algo="drpo", drpo=dataclasses.replace(ISSUE_DEFAULTS, **v), **base))
                 for k, v in CAUSES.items() if not only or k in only]
+    if which == "candidates":
+        task = dataset.split("-")[0]
+        out += [Cell(f"{task}-drpo-{k}", SimConfig(algo="drpo", drpo=dataclasses.replace(DRPOConfig(), **v), **base))
+                for k, v in CANDIDATES.items() if not only or k in only]
     return out
 
 
@@ -72,17 +85,21 @@ def cmd_run(a) -> int:
 
     torch.set_num_threads(1)
     only = tuple(x for x in a.only.split(",") if x)
-    unknown = set(only) - set(CAUSES)
+    names = CANDIDATES if a.cells == "candidates" else CAUSES
+    unknown = set(only) - set(names)
     if unknown:
-        raise SystemExit(f"--only: no cause {', '.join(sorted(unknown))} (causes: {', '.join(CAUSES)})")
-    cs = cells(a.cells, only)
-    work = Path(a.work) / (a.cells + ("-" + "-".join(only) if only else ""))
+        raise SystemExit(f"--only: no cell {', '.join(sorted(unknown))} (with --cells {a.cells}: {', '.join(names)})")
+    if a.dataset != DATASET and a.cells != "candidates":
+        raise SystemExit("--dataset: only with --cells candidates (the other cells are the issue's walker2d setting)")
+    cs = cells(a.cells, only, a.dataset)
+    work = Path(a.work) / (a.cells + (f"-{a.dataset}" if a.cells == "candidates" else "")
+                           + ("-" + "-".join(only) if only else ""))
     res = run_cells(cs, work, log=lambda m: print(m, flush=True), trace_every=TRACE_EVERY)
     RESULTS.mkdir(parents=True, exist_ok=True)
     for c in cs:
         rows = [json.loads(x) for x in (work / c.key / "rounds.jsonl").read_text().splitlines()]
         (RESULTS / f"{c.key}.json").write_text(json.dumps({
-            "key": c.key, "dataset": DATASET, "config": c.cfg.as_dict(), "trace_every": TRACE_EVERY,
+            "key": c.key, "dataset": a.dataset, "config": c.cfg.as_dict(), "trace_every": TRACE_EVERY,
             "rounds": rows, "curve": res[c.key]["curve"], "data_return": res[c.key]["data_return"],
             "finished": res[c.key]["finished"]}, indent=1))
     return 0
@@ -130,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--cells", choices=("base", "causes", "all"), default="base")
+    r.add_argument("--cells", choices=("base", "causes", "all", "candidates"), default="base")
+    r.add_argument("--dataset", choices=DATASETS, default=DATASET, help="with --cells candidates")
     r.add_argument("--work", default=str(ROOT / "runs" / "critic_sink"))
-    r.add_argument("--only", default="", help=f"with --cells causes: these of {', '.join(CAUSES)}")
+    r.add_argument("--only", default="", help=f"with --cells causes: these of {', '.join(CAUSES)}; "
+                                              f"with candidates: of {', '.join(CANDIDATES)}")
     r.set_defaults(func=cmd_run)
     p = sub.add_parser("report")
     p.add_argument("--update-md", action="store_true", help="also write BENCHMARKS.md's critic-sink block")

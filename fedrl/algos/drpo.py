@@ -123,6 +123,9 @@ class Coefs:
     gamma: float | torch.Tensor
     target_entropy: float | torch.Tensor
     q_norm: float | torch.Tensor
+    target_mean: bool | torch.Tensor = False
+    """Whether the TD target takes the policy's mean action at s' (``target_action="mean"``),
+    else the sampled one; ``(L,)`` booleans in a batch."""
 
 
 def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, noise: Noise, cfg: DRPOConfig,
@@ -133,8 +136,8 @@ def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, nois
     and the batched one (``twin_dim=1``, :meth:`EnsembleCritic.grouped`: ``(L, 2, B)``) both run
     exactly this.
 
-    ``cfg`` gives the structural settings (sample counts, the TD target's action, the Q scale, the
-    action clip); ``coefs`` the weights (``cfg``'s own are not read); ``data_reg`` / ``global_reg`` whether the lambda terms are
+    ``cfg`` gives the structural settings (sample counts, the Q scale, the action clip);
+    ``coefs`` the weights and the TD target's action (``cfg``'s own are not read); ``data_reg`` / ``global_reg`` whether the lambda terms are
     computed at all (a learner whose lambda is 0 in a batch that computes them multiplies by 0)."""
     obs, act, rew, next_obs, done = batch
     n = cfg.cql_n_actions
@@ -172,7 +175,10 @@ def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, nois
     with torch.no_grad():
         n_mean, n_log_std = policy(next_obs)
         next_a, next_log_pi = sample(n_mean, n_log_std, noise.next)
-        a_next = torch.tanh(n_mean) if cfg.target_action == "mean" else next_a[..., 0, :]
+        if isinstance(coefs.target_mean, torch.Tensor):  # per learner: (L,) -> (L, 1, 1)
+            a_next = torch.where(coefs.target_mean[:, None, None], torch.tanh(n_mean), next_a[..., 0, :])
+        else:
+            a_next = torch.tanh(n_mean) if coefs.target_mean else next_a[..., 0, :]
         next_q = q_target(next_obs, a_next).min(dim=twin_dim).values  # (..., B)
         y = td_target(rew, done, next_q, coefs.gamma,
                       next_log_pi[..., 0] if cfg.backup_entropy else None, alpha)
@@ -311,7 +317,7 @@ class DRPOLearner:
     def coefs(self) -> Coefs:
         cfg = self.cfg
         return Coefs(cfg.lambda1, cfg.lambda2, cfg.cql_weight, cfg.td_weight, cfg.gamma, self.target_entropy,
-                     cfg.q_norm)
+                     cfg.q_norm, cfg.target_action == "mean")
 
     def update(self, batch: Batch, noise: Noise | None = None) -> dict[str, torch.Tensor]:
         """One DRPO step: temperature, actor and critic losses, one backward, one Polyak update.

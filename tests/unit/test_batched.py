@@ -40,7 +40,7 @@ BASE = DRPOConfig(hidden=(16, 16), batch_size=B, cql_n_actions=3, global_samples
 CFGS = [
     dataclasses.replace(BASE, lambda1=0.1, lambda2=0.2, actor_lr=3e-4, critic_lr=3e-4, alpha_lr=3e-4, cql_weight=10.0),
     dataclasses.replace(BASE, lambda1=0.5, lambda2=5.0, actor_lr=1e-3, critic_lr=1e-4, alpha_lr=1e-3, cql_weight=2.0,
-                        alpha_init=0.5, target_entropy=-1.0, gamma=0.9, tau=0.01),
+                        alpha_init=0.5, target_entropy=-1.0, gamma=0.9, tau=0.01, target_action="mean"),
     cql_config(dataclasses.replace(BASE, actor_lr=1e-4, critic_lr=1e-3, alpha_lr=3e-5, cql_weight=5.0,
                                    td_weight=1.0)),
 ]
@@ -190,4 +190,4 @@ def test_a_batch_refuses_learners_that_disagree_on_structure():
     with pytest.raises(ValueError, match="one kind"):
         check_batchable([BASE, BCConfig()], ())
     check_batchable(CFGS, ("actor_lr", "critic_lr", "alpha_lr", "lambda1", "lambda2", "cql_weight",
-                           "td_weight", "gamma", "tau", "alpha_init", "target_entropy"))
+                           "td_weight", "gamma", "tau", "alpha_init", "target_entropy", "target_action"))
