@@ -6,8 +6,11 @@ so that ``fedrl data make`` can pick a ``medium`` (about a third of expert retur
 ``expert`` checkpoint, and the checkpoint sequence up to ``medium`` for ``medium-replay``.
 
 Resumable: every ``eval_every`` steps the whole trainer (networks, optimisers, temperature,
-replay buffer, RNG states, counters) is written atomically to ``<out>/state``; rerunning the
-same command continues from there. The episode in progress at the interruption is dropped.
+replay buffer, both random streams, counters) is written atomically to ``<out>/state``; rerunning
+the same command continues from there exactly: the environment, whose state is not saved, is
+replayed from the buffer's actions (MuJoCo steps deterministically; the replay is checked against
+the stored rewards), so the episode in progress goes on as if never stopped. ``keep`` also writes
+a compact copy (:mod:`fedrl.behavior.keep`) that a new machine resumes from.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gymnasium as gym
@@ -138,6 +141,10 @@ class SACAgent:
                     out[f"opt.{name}.{i}.{k}"] = torch.as_tensor(v)
         return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
 
+    def resume_tensors(self) -> dict[str, torch.Tensor]:
+        """:meth:`state_tensors` and the torch generator's state: what resuming exactly needs."""
+        return {**self.state_tensors(), "generator": self.gen.get_state().to("cpu").clone()}
+
     def load_state_tensors(self, t: dict[str, torch.Tensor]) -> None:
         def sub(p: str) -> dict[str, torch.Tensor]:
             return {k[len(p):]: v.to(self.device) for k, v in t.items() if k.startswith(p)}
@@ -196,9 +203,77 @@ def _atomic_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+@dataclass
+class _Walk:
+    """Where the environment stands between steps: the live episode and the episode counters."""
+
+    obs: np.ndarray
+    ep_ret: float = 0.0
+    ep_len: int = 0
+    episodes: int = 0
+    recent: list = field(default_factory=list)
+
+    def step(self, env, a: np.ndarray):
+        """One environment step with action ``a``; returns the transition. Training and the
+        replay that rebuilds a resume both step through here, so they cannot disagree."""
+        obs = self.obs
+        nxt, r, term, trunc, _ = env.step(a)
+        self.ep_ret += float(r)
+        self.ep_len += 1
+        self.obs = nxt
+        if term or trunc:
+            self.recent = (self.recent + [self.ep_ret])[-10:]
+            self.episodes += 1
+            self.obs, _ = env.reset()
+            self.ep_ret, self.ep_len = 0.0, 0
+        return obs, a, r, nxt, float(term)
+
+
+def replay(env, seed: int, resets: dict[int, int], actions: np.ndarray, rewards: np.ndarray | None = None,
+           buf: ReplayBuffer | None = None) -> tuple[_Walk, int | None]:
+    """Step ``env`` from ``reset(seed=seed)`` through ``actions`` (seeded resets at the steps in
+    ``resets``), adding each transition to ``buf``; returns the walk at the end and the first step
+    whose reward differs from ``rewards`` (``None``: the replay reproduced them all)."""
+    walk = _Walk(env.reset(seed=seed)[0])
+    first_diff = None
+    for i, a in enumerate(actions):
+        if i in resets and i > 0:
+            walk.obs, _ = env.reset(seed=resets[i])
+            walk.ep_ret, walk.ep_len = 0.0, 0
+        tr = walk.step(env, a)
+        if buf is not None:
+            buf.add(*tr)
+        if rewards is not None and first_diff is None and np.float32(tr[2]) != rewards[i]:
+            first_diff = i
+    return walk, first_diff
+
+
+def _resume_streams(agent: SACAgent, meta: dict, tensors: dict, cfg: SACConfig, step: int, log):
+    """The numpy stream and the torch generator as they were at ``step`` (saved since format 2)."""
+    if "rng" in meta and "generator" in tensors:
+        rng = np.random.default_rng(cfg.seed)
+        rng.bit_generator.state = meta["rng"]
+        try:
+            agent.gen.set_state(tensors["generator"].to("cpu"))
+            return rng, True
+        except (RuntimeError, ValueError) as e:  # another device's generator
+            log(f"the saved torch generator does not fit this device ({e}); reseeding it from the step")
+    else:
+        rng = np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(step,)))
+    agent.gen.manual_seed(cfg.seed + step)
+    return rng, False
+
+
 def train(env_name: str, cfg: SACConfig, out: str | Path, device: str = "auto",
-          log: Callable[[str], None] = print) -> list[dict]:
-    """Train (or resume) SAC in ``env_name``; returns the evaluation records so far."""
+          log: Callable[[str], None] = print, keep: str | Path | None = None,
+          stop_return: float | None = None) -> list[dict]:
+    """Train (or resume) SAC in ``env_name``; returns the evaluation records so far.
+
+    ``keep``: a folder (in the repository, say) that receives the compact resume state at every
+    evaluation (:mod:`fedrl.behavior.keep`); when ``out`` holds no state, training resumes from it.
+    ``stop_return``: stop at the first evaluation whose stochastic return reaches it."""
+    from fedrl.behavior import keep as kept
+
     info = env_info(env_name)
     dev = resolve_device(device)
     out = Path(out)
@@ -207,75 +282,123 @@ def train(env_name: str, cfg: SACConfig, out: str | Path, device: str = "auto",
     cfg_path = out / "config.json"
     cfg_dict = {"env_id": info.gym_id, "sac": config_to_dict(cfg)}
     if cfg_path.exists():
-        old = json.loads(cfg_path.read_text())
-        # total_steps may grow on resume (train longer); anything else must match.
-        same = {**old, "sac": {**old.get("sac", {}), "total_steps": cfg.total_steps}}
-        if same != cfg_dict:
-            raise ValueError(f"{out}: holds a run with a different configuration ({cfg_path}); "
-                             "use another --out or the same settings to resume")
+        _same_config(json.loads(cfg_path.read_text()), cfg_dict, cfg_path)
+    meta_path = out / STATE_DIR / "meta.json"
+    kept_meta = kept.read_meta(keep) if keep is not None else None
+    if kept_meta is not None:
+        _same_config({"env_id": kept_meta["env_id"], "sac": kept_meta["sac"]}, cfg_dict, Path(keep) / "meta.json")
     _atomic_json(cfg_path, cfg_dict)
 
     tune_allocator()
     seed_everything(cfg.seed)
     agent = SACAgent(info.obs_dim, info.act_dim, cfg, dev, make_generator(cfg.seed, dev))
-    buf = ReplayBuffer(cfg.total_steps, info.obs_dim, info.act_dim)
-    rng = np.random.default_rng(cfg.seed)
-    meta_path = out / STATE_DIR / "meta.json"
-    step, episodes, wall, records = 0, 0, 0.0, []
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        step, episodes, wall, records = meta["step"], meta["episodes"], meta["wall_seconds"], meta["evals"]
-        agent.load_state_tensors(load_file(str(out / STATE_DIR / meta["files"]["agent"])))
-        buf.load(out / STATE_DIR / meta["files"]["replay"])
-        rng = np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(step,)))
-        agent.gen.manual_seed(cfg.seed + step)
-        log(f"resuming {out} at step {step} ({episodes} episodes, {wall / 60:.1f} min so far)")
-
     route_mujoco_warnings()
     env = gym.make(info.gym_id, max_episode_steps=cfg.max_episode_steps, **info.gym_kwargs())  # the env's own layout
-    obs, _ = env.reset(seed=cfg.seed + step)
-    ep_ret, ep_len, recent = 0.0, 0, []
+    rng = np.random.default_rng(cfg.seed)
+    step, wall, records, resets = 0, 0.0, [], {0: cfg.seed}
+    walk: _Walk | None = None
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        step, wall, records = meta["step"], meta["wall_seconds"], meta["evals"]
+        tensors = load_file(str(out / STATE_DIR / meta["files"]["agent"]))
+        agent.load_state_tensors(tensors)
+        buf = ReplayBuffer(max(cfg.total_steps, step), info.obs_dim, info.act_dim)
+        buf.load(out / STATE_DIR / meta["files"]["replay"])
+        rng, exact = _resume_streams(agent, meta, tensors, cfg, step, log)
+        resets = {int(k): v for k, v in meta.get("resets", {"0": cfg.seed}).items()}
+        t0 = time.perf_counter()
+        walk, diff = replay(env, cfg.seed, resets, buf.data["act"][:step], buf.data["rew"][:step])
+        if diff is not None:  # a state from before the replay (or another machine): drop the episode
+            log(f"replaying the environment diverged at step {diff}; starting a new episode at {step}")
+            resets[step] = cfg.seed + step
+            walk = _Walk(env.reset(seed=cfg.seed + step)[0], episodes=meta["episodes"])
+            exact = False
+        log(f"resuming {out} at step {step} ({walk.episodes} episodes, {wall / 60:.1f} min so far; "
+            f"environment replayed in {time.perf_counter() - t0:.0f} s; "
+            f"{'exactly' if exact else 'with reseeded random streams'})")
+    elif kept_meta is not None:
+        t0 = time.perf_counter()
+        buf = ReplayBuffer(max(cfg.total_steps, kept_meta["step"]), info.obs_dim, info.act_dim)
+        tensors, actions, rewards = kept.load(keep, kept_meta)
+        step, wall, records = kept_meta["step"], kept_meta["wall_seconds"], kept_meta["evals"]
+        agent.load_state_tensors(tensors)
+        rng, exact = _resume_streams(agent, kept_meta, tensors, cfg, step, log)
+        resets = {int(k): v for k, v in kept_meta["resets"].items()}
+        walk, diff = replay(env, cfg.seed, resets, actions, rewards, buf)
+        if diff is not None:
+            exact = False
+            log(f"WARNING: the rebuilt replay buffer differs from the kept run's from step {diff} on "
+                "(this machine's MuJoCo steps differently); training goes on from the rebuilt transitions")
+        log(f"resuming from the kept state {keep} at step {step} ({walk.episodes} episodes; replay buffer "
+            f"rebuilt from its actions in {time.perf_counter() - t0:.0f} s; "
+            f"{'exactly' if exact else 'not exactly'})")
+    else:
+        buf = ReplayBuffer(cfg.total_steps, info.obs_dim, info.act_dim)
+        walk = _Walk(env.reset(seed=cfg.seed)[0])
+    if keep is not None and step > 0 and (kept_meta is None or kept_meta["step"] < step):
+        kept.export(keep, agent, buf, step, _state_meta(cfg_dict, step, walk, wall, records, resets, rng))
+
+    reached = [r for r in records if stop_return is not None and r["stochastic_return_mean"] >= stop_return]
+    if reached:
+        log(f"the stochastic return reached {stop_return:g} at step {reached[0]['step']} already; nothing to train")
+        env.close()
+        return records
     t_seg, step_seg = time.perf_counter(), step
     bar = Progress(cfg.total_steps, f"SAC on {info.gym_id}", "steps", initial=step, every=30.0)
+    losses: dict = {}
     while step < cfg.total_steps:
         if step < cfg.start_steps:
             a = rng.uniform(-1.0, 1.0, info.act_dim).astype(np.float32)
         else:
             with torch.no_grad():
-                m, ls = agent.policy(torch.as_tensor(obs, dtype=torch.float32, device=dev))
+                m, ls = agent.policy(torch.as_tensor(walk.obs, dtype=torch.float32, device=dev))
                 a = torch.tanh(m + ls.exp() * torch.randn(m.shape, generator=agent.gen, device=dev))
                 a = a.cpu().numpy()
-        nxt, r, term, trunc, _ = env.step(a)
-        buf.add(obs, a, r, nxt, float(term))
-        ep_ret += float(r)
-        ep_len += 1
+        buf.add(*walk.step(env, a))
         step += 1
         bar.update(1)
-        obs = nxt
-        if term or trunc:
-            recent = (recent + [ep_ret])[-10:]
-            episodes += 1
-            obs, _ = env.reset()
-            ep_ret, ep_len = 0.0, 0
         if step >= cfg.start_steps:
             losses = agent.update(*buf.sample(cfg.batch_size, rng, dev))
         if step % cfg.eval_every == 0 or step == cfg.total_steps:
             wall += time.perf_counter() - t_seg
-            rec = _evaluate_and_checkpoint(agent, info.gym_id, cfg, out, step, episodes, wall,
-                                           float(np.mean(recent)) if recent else float("nan"),
+            rec = _evaluate_and_checkpoint(agent, info.gym_id, cfg, out, step, walk.episodes, wall,
+                                           float(np.mean(walk.recent)) if walk.recent else float("nan"),
                                            (step - step_seg) / max(time.perf_counter() - t_seg, 1e-9),
-                                           {k: float(v) for k, v in losses.items()}
-                                           if step >= cfg.start_steps else {})
+                                           {k: float(v) for k, v in losses.items()})
             records.append(rec)
-            _save_state(agent, buf, out, step, episodes, wall, records)
+            meta = _state_meta(cfg_dict, step, walk, wall, records, resets, rng)
+            _save_state(agent, buf, out, meta)
+            if keep is not None:
+                kept.export(keep, agent, buf, step, meta)
             log(f"step {step:>8}  eval {rec['return_mean']:8.1f} (stochastic "
                 f"{rec['stochastic_return_mean']:8.1f})  train-episode {rec['train_return_recent']:8.1f}"
                 f"  {rec['steps_per_second']:5.0f} steps/s  {wall / 60:6.1f} min")
             t_seg, step_seg = time.perf_counter(), step
             bar.note(f"eval {rec['return_mean']:.0f}")
+            if stop_return is not None and rec["stochastic_return_mean"] >= stop_return:
+                log(f"stopping at step {step}: the stochastic return {rec['stochastic_return_mean']:.1f} "
+                    f"reached {stop_return:g}")
+                break
     bar.close()
     env.close()
     return records
+
+
+def _same_config(old: dict, new: dict, where: Path) -> None:
+    # total_steps may grow on resume (train longer); anything else must match.
+    same = {**old, "sac": {**old.get("sac", {}), "total_steps": new["sac"]["total_steps"]}}
+    if same != new:
+        raise ValueError(f"{where}: holds a run with a different configuration; "
+                         "use another --out or the same settings to resume")
+
+
+def _state_meta(cfg_dict: dict, step: int, walk: _Walk, wall: float, records: list[dict],
+                resets: dict[int, int], rng: np.random.Generator) -> dict:
+    """Everything of the resume state that is not a tensor (format 2: the random streams are kept,
+    and the environment is replayed from the stored actions instead of restarted)."""
+    return {"format": 2, **cfg_dict, "step": step, "episodes": walk.episodes, "wall_seconds": wall,
+            "evals": records, "resets": {str(k): v for k, v in sorted(resets.items())},
+            "rng": rng.bit_generator.state}
 
 
 def _evaluate_and_checkpoint(agent: SACAgent, gym_id: str, cfg: SACConfig, out: Path, step: int,
@@ -298,16 +421,14 @@ def _evaluate_and_checkpoint(agent: SACAgent, gym_id: str, cfg: SACConfig, out: 
     return rec
 
 
-def _save_state(agent: SACAgent, buf: ReplayBuffer, out: Path, step: int, episodes: int,
-                wall: float, records: list[dict]) -> None:
+def _save_state(agent: SACAgent, buf: ReplayBuffer, out: Path, meta: dict) -> None:
     """Write step-stamped state files, then ``meta.json`` naming them (the commit point), then
     delete the previous ones: a crash at any moment leaves one complete, consistent state."""
-    d = out / STATE_DIR
+    d, step = out / STATE_DIR, meta["step"]
     files = {"agent": f"agent-{step:09d}.safetensors", "replay": f"replay-{step:09d}.safetensors"}
-    save_file(agent.state_tensors(), str(d / files["agent"]))
+    save_file(agent.resume_tensors(), str(d / files["agent"]))
     buf.save(d / files["replay"])
-    _atomic_json(d / "meta.json", {"step": step, "episodes": episodes, "wall_seconds": wall,
-                                   "files": files, "evals": records})
+    _atomic_json(d / "meta.json", {**meta, "files": files})
     for f in d.glob("*.safetensors"):
         if f.name not in files.values():
             f.unlink()

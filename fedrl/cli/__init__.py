@@ -197,6 +197,13 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     tb.add_argument("--threads", type=argtypes.at_least(0), default=0,
                     help="torch CPU threads (0: torch's default, one per core). Use 1 beside other "
                          "busy processes: two threads on two shared cores ran ~10x slower here")
+    tb.add_argument("--keep", default=None, metavar="DIR",
+                    help="also keep a compact resume state in DIR at every evaluation (actions, rewards, "
+                         "networks, optimiser moments, random streams: small enough to commit); when --out "
+                         "holds no state, the same command resumes from DIR, rebuilding the replay buffer")
+    tb.add_argument("--stop-return", default=None, metavar="R|expert",
+                    help="stop at the first evaluation whose stochastic return reaches R ('expert': the "
+                         "env's expert bar, the least return ship-behavior accepts for an expert)")
     tb.set_defaults(func=_cmd_train_behavior)
 
 
@@ -252,10 +259,25 @@ def _cmd_train_behavior(a: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
+    stop = None
+    if a.stop_return is not None:
+        from fedrl.behavior.shipped import EXPERT_MIN
+        from fedrl.envs import env_info
+
+        if a.stop_return == "expert":
+            key = env_info(a.env).key
+            if key not in EXPERT_MIN:
+                raise ValueError(f"--stop-return expert: no expert bar for {a.env}")
+            stop = EXPERT_MIN[key]
+        else:
+            try:
+                stop = float(a.stop_return)
+            except ValueError:
+                raise ValueError(f"--stop-return: a number or 'expert', got {a.stop_return!r}") from None
     cfg = SACConfig(total_steps=a.steps, start_steps=a.start_steps, eval_every=a.eval_every,
                     eval_episodes=a.eval_episodes, batch_size=a.batch_size, hidden=tuple(a.hidden),
                     seed=a.seed)
-    recs = train(a.env, cfg, a.out, a.device, log=lambda m: print(m, flush=True))
+    recs = train(a.env, cfg, a.out, a.device, log=lambda m: print(m, flush=True), keep=a.keep, stop_return=stop)
     best = max(recs, key=lambda r: r["stochastic_return_mean"])
     print(json.dumps({"out": a.out, "steps": recs[-1]["step"], "best_step": best["step"],
                       "best_stochastic_return": round(best["stochastic_return_mean"], 1)}))

@@ -248,3 +248,69 @@ def test_ship_without_an_expert_when_the_bar_is_not_met(sac_run, tmp_path):
         make_dataset("Hopper-v5", "expert", 0, tmp_path / "e.hdf5", transitions=10, behavior_dir=d)
     raw = load_d4rl(make_dataset("Hopper-v5", "medium", 0, tmp_path / "m.hdf5", transitions=50, behavior_dir=d))
     assert len(raw) == 50
+
+
+def _final_state(out):
+    from safetensors.torch import load_file
+
+    meta = json.loads((out / "state" / "meta.json").read_text())
+    return meta, load_file(str(out / "state" / meta["files"]["agent"]))
+
+
+def test_sac_resumes_exactly_from_its_folder_and_from_a_kept_state(tmp_path):
+    """Stopped at step 300 (mid-episode: episodes here last up to 60 steps) and resumed, a run
+    ends with the same networks, moments, temperature, random streams and evaluations as one that
+    never stopped; from the run folder, and from the compact kept state in a fresh folder (the
+    replay buffer rebuilt from the kept actions). Every state is compared bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = lambda n: SACConfig(total_steps=n, **TINY)  # noqa: E731
+        whole = train("Hopper-v5", cfg(500), tmp_path / "whole", "cpu", lambda m: None)
+        logs: list[str] = []
+        train("Hopper-v5", cfg(300), tmp_path / "split", "cpu", logs.append, keep=tmp_path / "keep")
+        split = train("Hopper-v5", cfg(500), tmp_path / "split", "cpu", logs.append)
+        kept = train("Hopper-v5", cfg(500), tmp_path / "fresh", "cpu", logs.append, keep=tmp_path / "keep")
+    finally:
+        torch.set_num_threads(threads)
+    assert any("resuming" in m and "step 300" in m and "exactly" in m for m in logs), logs
+    assert any("kept state" in m and "exactly" in m and "not exactly" not in m for m in logs), logs
+    m_whole, t_whole = _final_state(tmp_path / "whole")
+    for other in ("split", "fresh"):
+        m, t = _final_state(tmp_path / other)
+        assert m["rng"] == m_whole["rng"] and m["episodes"] == m_whole["episodes"]
+        assert sorted(t) == sorted(t_whole)
+        for k in t:
+            assert torch.equal(t[k], t_whole[k]), (other, k)
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second")}  # noqa: E731
+                          for r in recs]
+    assert strip(split) == strip(whole) and strip(kept) == strip(whole)
+    # the kept folder holds chunks of actions and rewards and one agent file, nothing else
+    names = sorted(p.name for p in (tmp_path / "keep").iterdir())
+    assert names == ["agent-000000500.safetensors", "meta.json", "steps-000000000-000000500.npz"]
+
+
+def test_a_damaged_kept_state_is_named(tmp_path):
+    from fedrl.behavior import keep
+
+    cfg = SACConfig(total_steps=100, **TINY)
+    train("Hopper-v5", cfg, tmp_path / "a", "cpu", lambda m: None, keep=tmp_path / "keep")
+    chunk = next((tmp_path / "keep").glob("steps-*.npz"))
+    chunk.write_bytes(chunk.read_bytes()[:-3] + b"xyz")
+    with pytest.raises(ValueError, match="SHA-256"):
+        keep.load(tmp_path / "keep", keep.read_meta(tmp_path / "keep"))
+    chunk.unlink()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        train("Hopper-v5", SACConfig(total_steps=200, **TINY), tmp_path / "b", "cpu", lambda m: None,
+              keep=tmp_path / "keep")
+
+
+def test_sac_stops_at_the_bar_and_the_same_command_does_not_train_on(tmp_path):
+    logs: list[str] = []
+    cfg = SACConfig(total_steps=400, **TINY)
+    recs = train("Hopper-v5", cfg, tmp_path / "r", "cpu", logs.append, stop_return=-1e9)
+    assert [r["step"] for r in recs] == [100] and any("stopping at step 100" in m for m in logs)
+    again = train("Hopper-v5", cfg, tmp_path / "r", "cpu", logs.append, stop_return=-1e9)
+    assert [r["step"] for r in again] == [100] and any("reached" in m and "already" in m for m in logs)
+    assert main(["data", "train-behavior", "--env", "Hopper-v5", "--out", str(tmp_path / "c"),
+                 "--stop-return", "lots"]) == 2
