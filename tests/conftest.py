@@ -75,6 +75,10 @@ def tiny_raw(next_obs: bool = False) -> RawDataset:
     )
 
 
+TOOL_PACKAGES = {"promtool": "prometheus", "prometheus": "prometheus", "buildah": "buildah",
+                 "debootstrap": "debootstrap"}
+
+
 def require_tool(name: str) -> str:
     """The path of an external tool a test needs. Missing: skipped on a developer's machine,
     a failure where ``FEDRL_REQUIRE_TOOLS=1`` (CI, whose ``.ci/run`` installs them)."""
@@ -83,7 +87,8 @@ def require_tool(name: str) -> str:
 
     path = shutil.which(name)
     if path is None:
-        msg = f"{name} is not installed (Debian: apt-get install prometheus; kubectl for kustomize)"
+        how = f"Debian: apt-get install {TOOL_PACKAGES[name]}" if name in TOOL_PACKAGES else "see its project's install guide"
+        msg = f"{name} is not installed ({how})"
         if os.environ.get("FEDRL_REQUIRE_TOOLS") == "1":
             pytest.fail(msg)
         pytest.skip(msg)

@@ -47,12 +47,11 @@ def _block(text: str, name: str) -> str:
 
 
 def test_every_rendered_number_matches_its_committed_result():
-    from benchmarks import readme
-
-    from benchmarks import critic_sink
+    from benchmarks import critic_sink, image, readme
 
     for path, blocks in ((readme.README, readme.blocks()), (readme.PERFORMANCE, readme.performance_blocks()),
-                         (readme.BENCHMARKS, readme.benchmarks_blocks() | {"critic-sink": critic_sink.report_md()})):
+                         (readme.BENCHMARKS, readme.benchmarks_blocks() | {"critic-sink": critic_sink.report_md()}),
+                         (image.DEPLOY_README, {"image": image.block()})):
         text = path.read_text()
         for name, body in blocks.items():
             assert _block(text, name) == body, f"{path.name}: block {name} is stale: python -m benchmarks.readme render"
