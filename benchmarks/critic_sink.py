@@ -14,7 +14,7 @@ trajectories, 1,000 local steps x 5 rounds, the current defaults. Cells (each a 
   the reward scale (``cql_weight`` 5), the TD weight (``td_weight`` 1), the critic's rate
   (``critic_lr`` 1e-4), and the actor's Adam kept across rounds (``reset_actor_optimizer`` off);
 - ``candidates``: DRPO at today's defaults and at candidate defaults (the mean target action,
-  beta 5, both), on ``--dataset`` (walker2d-medium or hopper-medium); files are named
+  beta 5, both; Cal-QL's calibration of the penalty by the data's returns), on ``--dataset`` (walker2d-medium or hopper-medium); files are named
   ``<dataset's task>-<cell>``.
 
 Every round records, per agent, its diagnostics' means over every 100 local steps (``trace``):
@@ -43,7 +43,8 @@ CAUSES = {"alpha_lr_3e-4": {"alpha_lr": 3e-4}, "target_mean": {"target_action": 
           "critic_lr_1e-4": {"critic_lr": 1e-4}, "actor_adam_kept": {"reset_actor_optimizer": False}}
 # Candidate defaults, each from today's defaults (the temperature's rate already 3e-4), on either task
 CANDIDATES = {"now": {}, "now-target_mean": {"target_action": "mean"}, "now-cql_weight_5": {"cql_weight": 5.0},
-              "now-target_mean-cql_weight_5": {"target_action": "mean", "cql_weight": 5.0}}
+              "now-target_mean-cql_weight_5": {"target_action": "mean", "cql_weight": 5.0},
+              "now-calibrated": {"cql_calibration": "returns"}}
 DATASETS = ("walker2d-medium-v2", "hopper-medium-v2")
 TRACE_EVERY = 100
 

@@ -87,6 +87,11 @@ MUTANTS = (
     Mutant("cql-uniform-density-sign", C, "q_rand - log_uniform", "q_rand + log_uniform"),
     Mutant("cql-mean-over-twins", C, "- q_data).mean(dim=-1).sum(dim=-1)", "- q_data).mean(dim=(-2, -1))"),
     Mutant("cql-data-term-sign", C, "(torch.logsumexp(cat, dim=-1) - q_data)", "(torch.logsumexp(cat, dim=-1) + q_data)"),
+    Mutant("calibration-on-data-term", C, "q_pi, q_pi_next = torch.maximum(q_pi, f), torch.maximum(q_pi_next, f)",
+           "q_pi, q_pi_next, q_data = torch.maximum(q_pi, f), torch.maximum(q_pi_next, f), torch.maximum(q_data, f)"),
+    Mutant("calibration-misses-s-prime-proposals", C, "torch.maximum(q_pi_next, f)", "q_pi_next"),
+    Mutant("calibration-floor-of-another-state", BUF, "self.returns[idx])", "self.returns[idx.roll(1)])",
+           ("tests/unit/test_critic_values.py", "tests/unit/test_batched.py")),
     Mutant("temperature-target-sign", C, "log_prob.detach() + per_sample(target_entropy)", "log_prob.detach() - per_sample(target_entropy)"),
     # policy densities (nets.py)
     Mutant("sample-jacobian-sign", N, "eps.pow(2) - log_std - 0.5 * LOG_2PI - tanh_log_det_jacobian(u)",

@@ -21,6 +21,7 @@ class Batch(NamedTuple):
     rewards: torch.Tensor  # (B,)
     next_obs: torch.Tensor  # (B, O), normalised
     dones: torch.Tensor  # (B,) 1.0 where the episode terminated (not on a timeout)
+    returns: torch.Tensor | None = None  # (B,) the data's discounted return-to-go from s, when asked for
 
 
 class Learner(Protocol):

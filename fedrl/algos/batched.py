@@ -50,7 +50,7 @@ from fedrl.algos.nets import (
 # Hyperparameters each learner of a batch may set for itself (a sweep's axes); every other field
 # is structure (shapes, sample counts, which terms exist) and must be the same across the batch.
 DRPO_PER_LEARNER = ("actor_lr", "critic_lr", "alpha_lr", "lambda1", "lambda2", "cql_weight", "td_weight",
-                    "gamma", "tau", "alpha_init", "target_entropy", "q_norm", "target_action")
+                    "gamma", "tau", "alpha_init", "target_entropy", "q_norm", "target_action", "cql_calibration")
 BC_PER_LEARNER = ("lr",)
 
 
@@ -148,7 +148,8 @@ class BatchedDRPO(_Stacked):
         target_entropy = torch.tensor([-float(act_dim) if c.target_entropy is None else float(c.target_entropy)
                                        for c in cfgs], device=device)
         self.coefs = Coefs(v("lambda1"), v("lambda2"), v("cql_weight"), v("td_weight"), v("gamma"), target_entropy,
-                           v("q_norm"), torch.tensor([c.target_action == "mean" for c in cfgs], device=device))
+                           v("q_norm"), torch.tensor([c.target_action == "mean" for c in cfgs], device=device),
+                           torch.tensor([c.cql_calibration == "returns" for c in cfgs], device=device))
         self.data_reg = any(c.lambda1 > 0 for c in cfgs)
         self.global_reg = any(c.lambda2 > 0 for c in cfgs)
         taus = {c.tau for c in cfgs}

@@ -18,6 +18,7 @@ LR_MAX, WEIGHT_MAX, TARGET_ENTROPY_MAX = 1.0, 1e4, 1e3
 
 QScale = Literal["raw", "normalized"]
 TargetAction = Literal["sample", "mean"]
+CQLCalibration = Literal["none", "returns"]
 BCLoss = Literal["nll", "mse"]
 
 
@@ -70,6 +71,11 @@ class DRPOConfig:
     the measured gap to d3rlpy (docs/explanation/choices.md)."""
     backup_entropy: bool = False
     """Subtract alpha * log pi(a'|s') in the TD target (CORL: off)."""
+    cql_calibration: CQLCalibration = "none"
+    """``returns``: Cal-QL's calibration (Nakamoto et al. 2023) of the CQL(H) penalty: the policy's
+    sampled actions enter its log-sum-exp as max(Q(s, a), G(s)), G the data's discounted
+    return-to-go from s, so the penalty stops pushing the policy's values below what the data
+    earned from that state; ``none``: CQL(H) as written (docs/explanation/choices.md)."""
     q_scale: QScale = "raw"
     """How the actor's Q term enters L_pi. ``raw``: -Q exactly as eq. (local_updating_pi) is written.
     ``normalized``: -(q_norm / mean|Q|) * Q with mean|Q| detached (FEDORA / TD3+BC), which keeps the
@@ -104,6 +110,8 @@ class DRPOConfig:
             raise ValueError(f"tau must be in (0, 1], got {self.tau}")
         if self.target_action not in ("sample", "mean"):
             raise ValueError(f"target_action must be 'sample' or 'mean', got {self.target_action!r}")
+        if self.cql_calibration not in ("none", "returns"):
+            raise ValueError(f"cql_calibration must be 'none' or 'returns', got {self.cql_calibration!r}")
         if self.q_scale not in ("raw", "normalized"):
             raise ValueError(f"q_scale must be 'raw' or 'normalized', got {self.q_scale!r}")
         _check_policy(self)

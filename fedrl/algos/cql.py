@@ -53,6 +53,7 @@ def cql_penalty(
     q_pi_next: torch.Tensor,
     log_pi_next: torch.Tensor,
     act_dim: int,
+    floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CQL(H) penalty ``sum_e E_s[logsumexp_a Q_e(s,a) - Q_e(s,a_D)]`` (before the beta weight).
 
@@ -60,8 +61,15 @@ def cql_penalty(
     evaluated at the current state ``s``: uniform actions (density ``0.5^|A|``), ``a ~ pi(.|s)``
     and ``a ~ pi(.|s')``. Shapes: ``q_data (..., E, B)``, ``q_* (..., E, B, N)``, ``log_pi*
     (..., B, N)``. The log-probabilities are proposal densities and carry no gradient.
+
+    ``floor (..., B)``: Cal-QL's calibration. The policy's actions enter as ``max(Q, floor)``, so
+    no gradient pushes a policy action's value below the floor (the data's return-to-go from s);
+    the uniform actions are not calibrated (as Cal-QL).
     """
     log_uniform = act_dim * math.log(0.5)
+    if floor is not None:
+        f = floor.unsqueeze(-2).unsqueeze(-1)  # (..., 1, B, 1) against (..., E, B, N)
+        q_pi, q_pi_next = torch.maximum(q_pi, f), torch.maximum(q_pi_next, f)
     cat = torch.cat(
         [q_rand - log_uniform, q_pi - log_pi.detach().unsqueeze(-3),
          q_pi_next - log_pi_next.detach().unsqueeze(-3)], dim=-1

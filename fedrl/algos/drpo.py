@@ -10,6 +10,8 @@ eq. (local_updating_pi) with the practical KL-based regularisers of its implemen
 
 from __future__ import annotations
 
+import math
+
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -126,6 +128,16 @@ class Coefs:
     target_mean: bool | torch.Tensor = False
     """Whether the TD target takes the policy's mean action at s' (``target_action="mean"``),
     else the sampled one; ``(L,)`` booleans in a batch."""
+    calibrate: bool | torch.Tensor = False
+    """Whether the CQL penalty is calibrated by the data's return-to-go (``cql_calibration=
+    "returns"``); ``(L,)`` booleans in a batch."""
+
+
+def _returns(batch: Batch) -> torch.Tensor:
+    if batch.returns is None:
+        raise ValueError("cql_calibration='returns' needs the data's returns-to-go in the batch "
+                         "(a buffer made with returns_gamma)")
+    return batch.returns
 
 
 def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, noise: Noise, cfg: DRPOConfig,
@@ -139,7 +151,13 @@ def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, nois
     ``cfg`` gives the structural settings (sample counts, the Q scale, the action clip);
     ``coefs`` the weights and the TD target's action (``cfg``'s own are not read); ``data_reg`` / ``global_reg`` whether the lambda terms are
     computed at all (a learner whose lambda is 0 in a batch that computes them multiplies by 0)."""
-    obs, act, rew, next_obs, done = batch
+    obs, act, rew, next_obs, done = batch[:5]
+    floor = None
+    if isinstance(coefs.calibrate, torch.Tensor):  # per learner: the floor, or -inf (no calibration)
+        if bool(coefs.calibrate.any()):
+            floor = torch.where(coefs.calibrate[:, None], _returns(batch), torch.full_like(rew, -math.inf))
+    elif coefs.calibrate:
+        floor = _returns(batch)
     n = cfg.cql_n_actions
     sample = TanhGaussianPolicy.sample_with
     q, q_target = (critic.grouped, critic_target.grouped) if twin_dim else (critic, critic_target)
@@ -189,7 +207,7 @@ def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, nois
     q_data = q_all[..., 0]
     q_rand, q_cur, q_next = q_all[..., 1:].split(n, dim=-1)
     c_td = td_loss(q_data, y)
-    c_cql = cql_penalty(q_data, q_rand, q_cur, cur_log_pi, q_next, next_log_pi[..., 1:], act_dim)
+    c_cql = cql_penalty(q_data, q_rand, q_cur, cur_log_pi, q_next, next_log_pi[..., 1:], act_dim, floor)
     losses.append(coefs.td_weight * c_td + coefs.cql_weight * c_cql)
 
     with torch.no_grad():
@@ -317,7 +335,7 @@ class DRPOLearner:
     def coefs(self) -> Coefs:
         cfg = self.cfg
         return Coefs(cfg.lambda1, cfg.lambda2, cfg.cql_weight, cfg.td_weight, cfg.gamma, self.target_entropy,
-                     cfg.q_norm, cfg.target_action == "mean")
+                     cfg.q_norm, cfg.target_action == "mean", cfg.cql_calibration == "returns")
 
     def update(self, batch: Batch, noise: Noise | None = None) -> dict[str, torch.Tensor]:
         """One DRPO step: temperature, actor and critic losses, one backward, one Polyak update.

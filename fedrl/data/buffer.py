@@ -13,7 +13,9 @@ class TensorBuffer:
     """Normalised transitions on one device; :meth:`sample` draws a batch with replacement."""
 
     def __init__(self, tr: Transitions, obs_mean: np.ndarray, obs_std: np.ndarray,
-                 device: torch.device) -> None:
+                 device: torch.device, returns_gamma: float | None = None) -> None:
+        """``returns_gamma``: also hold each row's discounted return-to-go at that discount, and
+        put it in every batch (``Batch.returns``; Cal-QL's reference value)."""
         if len(tr) == 0:
             raise ValueError("an agent's shard has no transitions")
 
@@ -25,6 +27,7 @@ class TensorBuffer:
         self.actions = t(tr.actions)
         self.rewards = t(tr.rewards)
         self.dones = t(tr.dones)
+        self.returns = None if returns_gamma is None else t(tr.returns_to_go(returns_gamma))
         self.size = len(tr)
         self.device = device
 
@@ -34,7 +37,7 @@ class TensorBuffer:
     def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
         idx = torch.randint(self.size, (batch_size,), generator=generator, device=self.device)
         return Batch(self.obs[idx], self.actions[idx], self.rewards[idx], self.next_obs[idx],
-                     self.dones[idx])
+                     self.dones[idx], None if self.returns is None else self.returns[idx])
 
 
 class StackedBuffer:
@@ -53,6 +56,10 @@ class StackedBuffer:
         self.device = device
         for name in ("obs", "next_obs", "actions", "rewards", "dones"):
             setattr(self, name, torch.cat([getattr(b, name) for b in buffers]))
+        # the return-to-go where any shard's learner asks for it (the others' rows hold 0, unread)
+        have = [b.returns is not None for b in buffers]
+        self.returns = None if not any(have) else torch.cat(
+            [b.returns if b.returns is not None else torch.zeros_like(b.rewards) for b in buffers])
         sizes = [len(b) for b in buffers]
         self.sizes = torch.tensor(sizes, device=device, dtype=torch.float64)
         self.offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes)[:-1]]), device=device, dtype=torch.int64)
@@ -67,4 +74,5 @@ class StackedBuffer:
 
     def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
         idx = self.indices(batch_size, generator)
-        return Batch(self.obs[idx], self.actions[idx], self.rewards[idx], self.next_obs[idx], self.dones[idx])
+        return Batch(self.obs[idx], self.actions[idx], self.rewards[idx], self.next_obs[idx], self.dones[idx],
+                     None if self.returns is None else self.returns[idx])

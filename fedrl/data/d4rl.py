@@ -78,6 +78,18 @@ class Transitions:
     def __len__(self) -> int:
         return len(self.rewards)
 
+    def returns_to_go(self, gamma: float) -> np.ndarray:
+        """Each row's discounted return from its state on, along its episode as the rows give it
+        (``G_t = r_t + gamma (1 - done_t) G_{t+1}``; an episode's last row here, cut by a timeout,
+        counts nothing after it). The Cal-QL reference value (``DRPOConfig.cql_calibration``)."""
+        g = np.zeros(len(self.rewards), np.float64)
+        nxt = 0.0
+        for t in range(len(self.rewards) - 1, -1, -1):
+            same = t + 1 < len(self.rewards) and self.episode[t + 1] == self.episode[t]
+            nxt = float(self.rewards[t]) + gamma * (1.0 - float(self.dones[t])) * (nxt if same else 0.0)
+            g[t] = nxt
+        return g
+
     def select(self, mask_or_idx: np.ndarray) -> "Transitions":
         """Rows picked by a boolean mask or index array."""
         return Transitions(*(getattr(self, f)[mask_or_idx] for f in _TRANSITION_FIELDS))

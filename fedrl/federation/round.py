@@ -52,6 +52,11 @@ def algo_config(algo: str, drpo: DRPOConfig, bc: BCConfig) -> DRPOConfig | BCCon
     raise ValueError(f"unknown algorithm {algo!r}; choose drpo, fed-cql, fed-bc or cql")
 
 
+def returns_gamma(cfg: DRPOConfig | BCConfig) -> float | None:
+    """The discount a learner's buffer computes returns-to-go at, if its loss reads them."""
+    return cfg.gamma if getattr(cfg, "cql_calibration", "none") == "returns" else None
+
+
 def build_learner(cfg: DRPOConfig | BCConfig, obs_dim: int, act_dim: int,
                   device: torch.device, init_seed: int, rng_seed: int) -> Learner:
     """A learner whose initial weights come from ``init_seed`` and whose sampling uses ``rng_seed``."""
@@ -85,7 +90,7 @@ class LocalTrainer:
         self.agent, self.cfg, self.device = agent, cfg, device
         self.federate_critic, self.local_normalizer = federate_critic, local_normalizer
         self.obs_mean, self.obs_std = obs_mean, obs_std
-        self.buffer = TensorBuffer(transitions, obs_mean, obs_std, device)
+        self.buffer = TensorBuffer(transitions, obs_mean, obs_std, device, returns_gamma(cfg))
         obs_dim, act_dim = transitions.obs.shape[1], transitions.actions.shape[1]
         self.learner = build_learner(cfg, obs_dim, act_dim, device,
                                      derive_seed(seed, SEED_AGENT_INIT, agent),
@@ -143,7 +148,8 @@ class BatchedTrainer:
             raise ValueError("one agent, config, shard and normaliser each")
         self.agents, self.cfgs, self.device = list(agents), list(cfgs), device
         self.federate_critic, self.local_normalizer, self.norms = federate_critic, local_normalizer, list(norms)
-        self.buffer = StackedBuffer([TensorBuffer(tr, m, sd, device) for tr, (m, sd) in zip(shards, norms)])
+        self.buffer = StackedBuffer([TensorBuffer(tr, m, sd, device, returns_gamma(c))
+                                     for tr, (m, sd), c in zip(shards, norms, cfgs)])
         self.sizes = [len(tr) for tr in shards]
         obs_dim, act_dim = shards[0].obs.shape[1], shards[0].actions.shape[1]
         seeds = [seed] * len(self.agents) if isinstance(seed, int) else list(seed)

@@ -31,7 +31,7 @@ from fedrl.algos.drpo import Noise, draw_noise
 from fedrl.data.buffer import StackedBuffer, TensorBuffer
 from fedrl.data.d4rl import Transitions
 from fedrl.federation.aggregate import aggregate
-from fedrl.federation.round import build_learner
+from fedrl.federation.round import build_learner, returns_gamma
 
 O, A, B, STEPS, ROUND_AT, RESUME_AT = 6, 3, 32, 50, 25, 35
 RTOL, ATOL = 1e-12, 1e-14
@@ -42,19 +42,19 @@ CFGS = [
     dataclasses.replace(BASE, lambda1=0.5, lambda2=5.0, actor_lr=1e-3, critic_lr=1e-4, alpha_lr=1e-3, cql_weight=2.0,
                         alpha_init=0.5, target_entropy=-1.0, gamma=0.9, tau=0.01, target_action="mean"),
     cql_config(dataclasses.replace(BASE, actor_lr=1e-4, critic_lr=1e-3, alpha_lr=3e-5, cql_weight=5.0,
-                                   td_weight=1.0)),
+                                   td_weight=1.0, cql_calibration="returns")),
 ]
 SIZES = (40, 97, 64)  # each learner's shard; unequal
 
 
-def shards(sizes=SIZES, seed: int = 0) -> list[TensorBuffer]:
+def shards(sizes=SIZES, seed: int = 0, gammas=None) -> list[TensorBuffer]:
     out = []
     for i, n in enumerate(sizes):
         rng = np.random.default_rng(seed + i)
         obs = rng.normal(size=(n + 1, O)) + i  # learners' data differ
         tr = Transitions(obs[:-1], np.tanh(rng.normal(size=(n, A))) * 0.9, rng.uniform(0, 1, n) + i,
                          obs[1:], (rng.uniform(size=n) < 0.1).astype(np.float64), np.arange(n) // 20)
-        out.append(TensorBuffer(tr, np.zeros(O), np.ones(O), torch.device("cpu")))
+        out.append(TensorBuffer(tr, np.zeros(O), np.ones(O), torch.device("cpu"), (gammas or {}).get(i)))
     return out
 
 
@@ -68,8 +68,9 @@ def float64():
 
 def to64(buffers: list[TensorBuffer]) -> list[TensorBuffer]:
     for b in buffers:
-        for k in ("obs", "next_obs", "actions", "rewards", "dones"):
-            setattr(b, k, getattr(b, k).double())
+        for k in ("obs", "next_obs", "actions", "rewards", "dones", "returns"):
+            if getattr(b, k) is not None:
+                setattr(b, k, getattr(b, k).double())
     return buffers
 
 
@@ -91,7 +92,7 @@ def worst(a: dict, b: dict) -> tuple[float, str]:
 def run_pair(cfgs, sizes, kind="drpo"):
     """Singles and a batch from the same start, fed the same minibatches and draws; a FedAvg round
     boundary at ROUND_AT and the batch checkpointed and restored into a new one at RESUME_AT."""
-    buffers = to64(shards(sizes))
+    buffers = to64(shards(sizes, gammas={i: returns_gamma(c) for i, c in enumerate(cfgs)}))
     singles = [build_learner(c, O, A, torch.device("cpu"), 10 + i, 20 + i) for i, c in enumerate(cfgs)]
     make = BatchedBC if kind == "bc" else BatchedDRPO
     batched = make(O, A, cfgs, torch.device("cpu"), torch.Generator().manual_seed(5))
@@ -119,7 +120,7 @@ def run_pair(cfgs, sizes, kind="drpo"):
         if kind != "bc":
             noise = draw_noise(noise_gen, (len(cfgs),), B, A, cfgs[0], True, torch.device("cpu"), torch.float64)
         for i, s in enumerate(singles):
-            mine = Batch(*(t[i] for t in batch))
+            mine = Batch(*(None if t is None else t[i] for t in batch))
             if kind == "bc":
                 s.update(mine)
             else:
@@ -190,4 +191,5 @@ def test_a_batch_refuses_learners_that_disagree_on_structure():
     with pytest.raises(ValueError, match="one kind"):
         check_batchable([BASE, BCConfig()], ())
     check_batchable(CFGS, ("actor_lr", "critic_lr", "alpha_lr", "lambda1", "lambda2", "cql_weight",
-                           "td_weight", "gamma", "tau", "alpha_init", "target_entropy", "target_action"))
+                           "td_weight", "gamma", "tau", "alpha_init", "target_entropy", "target_action",
+                           "cql_calibration"))

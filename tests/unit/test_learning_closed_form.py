@@ -47,7 +47,7 @@ def train(cfg, data: Batch, steps: int, obs_dim: int):
     n = len(data.rewards)
     for _ in range(steps):
         idx = torch.randint(n, (cfg.batch_size,), generator=g)
-        ln.update(Batch(*(x[idx] for x in data)))
+        ln.update(Batch(*(None if x is None else x[idx] for x in data)))
     return ln
 
 

@@ -32,7 +32,8 @@ def make_batch(seed: int = 0) -> Batch:
     g = torch.Generator().manual_seed(seed)
     return Batch(torch.randn(B, O, generator=g), torch.rand(B, A, generator=g) * 1.8 - 0.9,
                  torch.randn(B, generator=g), torch.randn(B, O, generator=g) + 1.0,
-                 (torch.rand(B, generator=g) < 0.3).float())
+                 (torch.rand(B, generator=g) < 0.3).float(),
+                 torch.randn(B, generator=g) * 0.3)  # returns-to-go: near Q here, so max() picks both
 
 
 def learner_with_state(cfg: DRPOConfig, seed: int = 0):
@@ -94,7 +95,7 @@ def reference_drpo_grads(ln, batch: Batch, gen: torch.Generator):
     gp = [p.detach().clone() for p in ln.global_policy.parameters()]
     log_alpha = ln.log_alpha.detach().clone().requires_grad_(True)
     lo, hi = cfg.log_std_min, cfg.log_std_max
-    obs, act, rew, nobs, done = batch
+    obs, act, rew, nobs, done, returns = batch
 
     mean, log_std = policy_fn(pp, obs, lo, hi)
     u = mean + log_std.exp() * torch.randn(B, A, generator=gen)
@@ -133,9 +134,11 @@ def reference_drpo_grads(ln, batch: Batch, gen: torch.Generator):
     for i in range(2):
         q_data = q_member(cp, i, obs, act)
         td = ((q_data - y) ** 2).mean()  # the full MSE; td_weight multiplies its half
+        q_cur, q_nxt = q_member(cp, i, s, cur_a), q_member(cp, i, s, next_a[:, 1:])
+        if cfg.cql_calibration == "returns":  # Cal-QL: the policy's actions no lower than the data's return
+            q_cur, q_nxt = torch.maximum(q_cur, returns[:, None]), torch.maximum(q_nxt, returns[:, None])
         lse = torch.logsumexp(torch.cat([q_member(cp, i, s, rand_a) - A * math.log(0.5),
-                                         q_member(cp, i, s, cur_a) - cur_lp,
-                                         q_member(cp, i, s, next_a[:, 1:]) - next_lp[:, 1:]], 1), 1)
+                                         q_cur - cur_lp, q_nxt - next_lp[:, 1:]], 1), 1)
         critic = critic + cfg.td_weight * 0.5 * td + cfg.cql_weight * (lse - q_data).mean()
     return {"actor": torch.autograd.grad(actor, pp), "critic": torch.autograd.grad(critic, cp),
             "alpha": torch.autograd.grad(alpha_loss, [log_alpha])}
@@ -154,6 +157,7 @@ CONFIGS = {
     "cql": cql_config(CFG),
     "cql-mean-target": cql_config(dataclasses.replace(CFG, target_action="mean")),
     "drpo-backup-entropy": dataclasses.replace(CFG, backup_entropy=True),
+    "drpo-calibrated": dataclasses.replace(CFG, cql_calibration="returns"),
 }
 
 

@@ -1,0 +1,77 @@
+"""The critic's values stay where the data's returns put them (issue 53).
+
+A 3-state cycle whose every reward is 1 and which never terminates: every policy's value is
+1 / (1 - gamma) = 10 at gamma 0.9, whatever the action. The data's actions are narrow (a fixed
+action per state in 6 dimensions, noise 0.1), as a small offline set's are, and its trajectories
+are cut by timeouts after 60 steps, so every discounted return-to-go lies in [1, 10). A critic
+whose Q on the data falls below that floor has sunk below anything any policy could earn here.
+
+Measured while choosing the default (docs/explanation/choices.md): CQL(H) as written
+(``cql_calibration="none"``, sampled target action) sinks to about -27 (DRPO) after 1,000 steps
+and keeps falling; with Cal-QL's calibration (the default) Q on the data stays near 10.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from fedrl.algos import DRPOConfig, cql_config
+from fedrl.data.buffer import TensorBuffer
+from fedrl.data.d4rl import Transitions
+from fedrl.federation.round import build_learner, returns_gamma
+
+S, A, T, GAMMA, STEPS = 3, 6, 60, 0.9, 1000
+
+
+def cycle_data(episodes: int = 30, seed: int = 0) -> Transitions:
+    rng = np.random.default_rng(seed)
+    centers = rng.uniform(-0.6, 0.6, (S, A))
+    k = (np.arange(T)[None, :] + rng.integers(S, size=(episodes, 1))) % S  # (episodes, T)
+    k = k.reshape(-1)
+    eye = np.eye(S, dtype=np.float32)
+    acts = np.clip(centers[k] + 0.1 * rng.normal(size=(len(k), A)), -0.99, 0.99)
+    return Transitions(eye[k], acts.astype(np.float32), np.ones(len(k), np.float32), eye[(k + 1) % S],
+                       np.zeros(len(k), np.float32), np.repeat(np.arange(episodes), T))
+
+
+def q_on_data(cfg: DRPOConfig) -> tuple[float, float]:
+    tr = cycle_data()
+    buf = TensorBuffer(tr, np.zeros(S), np.ones(S), torch.device("cpu"), returns_gamma(cfg))
+    ln = build_learner(cfg, S, A, torch.device("cpu"), 0, 1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(STEPS):
+        ln.update(buf.sample(cfg.batch_size, g))
+    with torch.no_grad():
+        q = ln.critic(buf.obs, buf.actions).mean().item()
+    return q, float(tr.returns_to_go(cfg.gamma).min())
+
+
+SMALL = DRPOConfig(hidden=(64, 64), gamma=GAMMA, cql_calibration="returns")
+
+
+@pytest.mark.parametrize("algo", ["drpo", "cql"])
+def test_q_on_the_data_does_not_sink_below_the_datas_returns(algo):
+    cfg = cql_config(SMALL) if algo == "cql" else SMALL
+    q, floor = q_on_data(cfg)
+    assert floor >= 1.0
+    assert q >= floor, f"{algo}: mean Q on the data {q:.2f} sank below the data's least return {floor:.2f}"
+
+
+def test_the_uncalibrated_penalty_sinks_there():
+    """The test has teeth: CQL(H) as written (the default before issue 53) fails it."""
+    q, floor = q_on_data(dataclasses.replace(SMALL, cql_calibration="none"))
+    assert q < floor, q
+
+
+def test_returns_to_go_follow_episodes_terminals_and_cuts():
+    tr = Transitions(np.zeros((6, 1)), np.zeros((6, 1)), np.array([1, 2, 3, 4, 5, 6], np.float32),
+                     np.zeros((6, 1)), np.array([0, 0, 1, 0, 0, 0], np.float32), np.array([0, 0, 0, 1, 1, 2]))
+    g = tr.returns_to_go(0.5)
+    # episode 0 terminates at row 2: 1 + .5 (2 + .5 * 3); episode 1 is cut after row 4; episode 2 is one row
+    np.testing.assert_allclose(g, [1 + 0.5 * (2 + 0.5 * 3), 2 + 0.5 * 3, 3, 4 + 0.5 * 5, 5, 6])
+    tr2 = dataclasses.replace(tr, dones=np.array([1, 0, 0, 0, 0, 0], np.float32))  # a terminal ends the sum
+    assert tr2.returns_to_go(0.5)[0] == 1.0
