@@ -90,7 +90,8 @@ MUTANTS = (
     Mutant("calibration-on-data-term", C, "q_pi, q_pi_next = torch.maximum(q_pi, f), torch.maximum(q_pi_next, f)",
            "q_pi, q_pi_next, q_data = torch.maximum(q_pi, f), torch.maximum(q_pi_next, f), torch.maximum(q_data, f)"),
     Mutant("calibration-misses-s-prime-proposals", C, "torch.maximum(q_pi_next, f)", "q_pi_next"),
-    Mutant("calibration-floor-of-another-state", BUF, "self.returns[idx])", "self.returns[idx.roll(1)])",
+    Mutant("calibration-floor-of-another-state", BUF, "self.dones[idx], None if self.returns is None else self.returns[idx])",
+           "self.dones[idx], None if self.returns is None else self.returns[idx.roll(1)])",
            ("tests/unit/test_critic_values.py", "tests/unit/test_batched.py")),
     Mutant("temperature-target-sign", C, "log_prob.detach() + per_sample(target_entropy)", "log_prob.detach() - per_sample(target_entropy)"),
     # policy densities (nets.py)
