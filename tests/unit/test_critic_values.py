@@ -75,3 +75,22 @@ def test_returns_to_go_follow_episodes_terminals_and_cuts():
     np.testing.assert_allclose(g, [1 + 0.5 * (2 + 0.5 * 3), 2 + 0.5 * 3, 3, 4 + 0.5 * 5, 5, 6])
     tr2 = dataclasses.replace(tr, dones=np.array([1, 0, 0, 0, 0, 0], np.float32))  # a terminal ends the sum
     assert tr2.returns_to_go(0.5)[0] == 1.0
+
+
+def test_every_sampled_row_carries_its_own_return_to_go():
+    """A batch's returns belong to its rows (one buffer and a stack of them): the reward names
+    the row here."""
+    from fedrl.data.buffer import StackedBuffer
+
+    n = 50
+    tr = Transitions(np.zeros((n, 2)), np.zeros((n, 1)), np.arange(n, dtype=np.float32), np.zeros((n, 2)),
+                     np.zeros(n, np.float32), np.arange(n) // 7)
+    want = tr.returns_to_go(0.8)
+    one = TensorBuffer(tr, np.zeros(2), np.ones(2), torch.device("cpu"), 0.8)
+    b = one.sample(64, torch.Generator().manual_seed(0))
+    np.testing.assert_allclose(b.returns.numpy(), want[b.rewards.long().numpy()], rtol=1e-6)
+    plain = TensorBuffer(tr, np.zeros(2), np.ones(2), torch.device("cpu"))
+    assert plain.sample(4, torch.Generator()).returns is None
+    stacked = StackedBuffer([plain, one]).sample(64, torch.Generator().manual_seed(1))
+    np.testing.assert_allclose(stacked.returns[1].numpy(), want[stacked.rewards[1].long().numpy()], rtol=1e-6)
+    assert torch.all(stacked.returns[0] == 0)  # a learner that asked for none: zeros it never reads
