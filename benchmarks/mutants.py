@@ -93,8 +93,8 @@ MUTANTS = (
     Mutant("calibration-floor-of-another-state", BUF, "self.dones[idx], None if self.returns is None else self.returns[idx])",
            "self.dones[idx], None if self.returns is None else self.returns[idx.roll(1)])",
            ("tests/unit/test_critic_values.py",)),
-    Mutant("calibration-stacked-floor-of-another-shard", BUF, "None if self.returns is None else self.returns[idx])\n",
-           "None if self.returns is None else self.returns[idx.roll(1, 0)])\n", ("tests/unit/test_critic_values.py",)),
+    Mutant("calibration-stacked-floor-of-another-shard", BUF, "\n                     None if self.returns is None else self.returns[idx])",
+           "\n                     None if self.returns is None else self.returns[idx.roll(1, 0)])", ("tests/unit/test_critic_values.py",)),
     Mutant("temperature-target-sign", C, "log_prob.detach() + per_sample(target_entropy)", "log_prob.detach() - per_sample(target_entropy)"),
     # policy densities (nets.py)
     Mutant("sample-jacobian-sign", N, "eps.pow(2) - log_std - 0.5 * LOG_2PI - tanh_log_det_jacobian(u)",
