@@ -113,6 +113,16 @@ PRESETS = {
                     lambda_values=(0.0, 0.2, 1.0, 5.0), lambda_fixed=(0.1, 1.0), lambda_sweeps=("lambda2",),
                     methods=("drpo", "fed-cql", "cql", "fed-bc", "fed-bc-3e-4"), dataset_first=True,
                     planned=("table", "lambdas")),
+    # The paper's Ant-v5 rows at the paper's scale (the sets come from the shipped Ant behaviour
+    # policies: random always; medium, medium-replay and expert once they ship, issue 56)
+    "ant": Preset("ant", 10, 5, 1000, 20, 10, 1, (0, 1, 2, 3, 4),
+                  datasets=("ant-medium-v2", "ant-medium-replay-v2", "ant-expert-v2"),
+                  study_dataset="ant-medium-v2", planned=("table",)),
+    # the smoke scale on Ant-v5's random set (which needs no behaviour policy): the harness knows Ant
+    "smoke-ant": Preset("smoke-ant", 2, 2, 5, 2, 1, 1, (0,), datasets=("ant-random-v2",),
+                        study_dataset="ant-random-v2",
+                        drpo={"hidden": [32, 32], "batch_size": 32, "cql_n_actions": 2},
+                        bc={"hidden": [32, 32], "batch_size": 32}, planned=("table",)),
     "smoke": Preset("smoke", 2, 2, 5, 2, 2, 1, (0,), datasets=("hopper-medium-v2",),
                     drpo={"hidden": [32, 32], "batch_size": 32, "cql_n_actions": 2},
                     bc={"hidden": [32, 32], "batch_size": 32},

@@ -539,3 +539,17 @@ def test_the_harness_batches_a_presets_cells_into_one_process(tmp_path):
     before = {f: f.stat().st_mtime_ns for f in files}
     assert paper.main(["run", "--preset", "smoke", "--batched", "--results", str(tmp_path)]) == 0
     assert {f: f.stat().st_mtime_ns for f in files} == before
+
+
+def test_the_harness_runs_ant(tmp_path):
+    """Issue 56: the presets name Ant-v5's sets, and the table's four methods run on one of them
+    (its random set, made from nothing; 27-dimensional observations) and finish."""
+    assert paper.PRESETS["ant"].datasets == ("ant-medium-v2", "ant-medium-replay-v2", "ant-expert-v2")
+    p = paper.PRESETS["smoke-ant"]
+    runs = paper.plan(p, "table", p.seeds)
+    assert sorted(r.algo for r in runs) == sorted(paper.ALGO_ORDER)
+    for r in runs:
+        res = paper.execute(p, r, tmp_path)
+        assert res["datasets"] == ["ant-random-v2"] and res["final"]["round"] == p.rounds, r.key
+        assert math.isfinite(res["final"]["return_mean"]) and len(res["curve"]) == p.rounds, r.key
+        assert all("ant-random-v2" in sh["source"] for sh in res["shards"]), r.key
