@@ -372,8 +372,9 @@ def code_revision() -> str:
 
 
 # What a result file that lacks a field ran with, where today's default differs: td_weight came in
-# at 1 (the 1/2 MSE every earlier run used) and became 2 (2026-11-25, benchmarks.reference).
-LEGACY_DEFAULTS = {"drpo": {"td_weight": 1.0}}
+# at 1 (the 1/2 MSE every earlier run used) and became 2 (2026-11-25, benchmarks.reference);
+# cql_calibration came in (2026-11-27) after every earlier run had computed CQL(H) uncalibrated.
+LEGACY_DEFAULTS = {"drpo": {"td_weight": 1.0, "cql_calibration": "none"}}
 
 
 def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS, device: str = "cpu") -> Path | None:

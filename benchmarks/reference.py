@@ -173,7 +173,8 @@ class _Ours:
             cfg = cql_config(DRPOConfig(
                 hidden=hidden, batch_size=batch, actor_lr=s["actor_lr"], critic_lr=s["critic_lr"],
                 alpha_lr=s["alpha_lr"], gamma=s["gamma"], tau=s["tau"], cql_weight=s["cql_weight"],
-                td_weight=s["td_weight"], cql_n_actions=s["cql_n_actions"], alpha_init=s["alpha_init"]))
+                td_weight=s["td_weight"], cql_n_actions=s["cql_n_actions"], alpha_init=s["alpha_init"],
+                cql_calibration="none"))  # CQL(H) as d3rlpy computes it: the comparison's common ground
         else:
             cfg = BCConfig(hidden=hidden, batch_size=batch, lr=s["bc_lr"], loss=s["bc_loss"])
         cfg = dataclasses.replace(cfg, **over)
