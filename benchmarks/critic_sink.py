@@ -1,6 +1,7 @@
 """Why the critic's Q on the data sinks below zero on walker2d-medium (issue 53): measured, not guessed.
 
     python -m benchmarks.critic_sink run [--cells base|causes|all|candidates] [--dataset D] [--only A,B]
+    python -m benchmarks.critic_sink cycle [--steps 5000]
     python -m benchmarks.critic_sink report
 
 The setting the issue found it in, on the project's own ``walker2d-medium-v2``: 2 agents x 5
@@ -58,10 +59,9 @@ def _issue_defaults():
 
 
 def cells(which: str, only: tuple[str, ...] = (), dataset: str = DATASET):
+    from fedrl.algos import DRPOConfig
     from fedrl.federation.cells import Cell
     from fedrl.federation.simulate import SimConfig
-
-    from fedrl.algos import DRPOConfig
 
     ISSUE_DEFAULTS = _issue_defaults()
     base = dict(datasets=(dataset,), agents=2, trajectories=5, rounds=5, local_steps=1000, eval_episodes=10,
@@ -106,6 +106,86 @@ def cmd_run(a) -> int:
     return 0
 
 
+# -- the cycle: a problem whose values are known (tests/unit/test_critic_values.py) ---------------
+CYCLE = dict(states=3, act_dim=6, horizon=60, gamma=0.9, steps=1000)
+
+
+def cycle_data(episodes: int = 30, seed: int = 0):
+    """A 3-state cycle whose every reward is 1 and which never terminates: every policy's value is
+    1 / (1 - gamma) = 10 at gamma 0.9, whatever the action. The data's actions are narrow (a fixed
+    action per state in 6 dimensions, noise 0.1), as a small offline set's are; its trajectories are
+    cut by timeouts after 60 steps, so every discounted return-to-go lies in [1, 10)."""
+    from fedrl.data.d4rl import Transitions
+
+    S, A, T = CYCLE["states"], CYCLE["act_dim"], CYCLE["horizon"]
+    rng = np.random.default_rng(seed)
+    centers = rng.uniform(-0.6, 0.6, (S, A))
+    k = ((np.arange(T)[None, :] + rng.integers(S, size=(episodes, 1))) % S).reshape(-1)
+    eye = np.eye(S, dtype=np.float32)
+    acts = np.clip(centers[k] + 0.1 * rng.normal(size=(len(k), A)), -0.99, 0.99)
+    return Transitions(eye[k], acts.astype(np.float32), np.ones(len(k), np.float32), eye[(k + 1) % S],
+                       np.zeros(len(k), np.float32), np.repeat(np.arange(episodes), T))
+
+
+def cycle_q(cfg, steps: int = CYCLE["steps"], every: int = 0) -> dict:
+    """Train one learner ``steps`` steps on the cycle; its mean Q on the data (every ``every``
+    steps too), and the data's least return-to-go."""
+    import torch
+
+    from fedrl.data.buffer import TensorBuffer
+    from fedrl.federation.round import build_learner, returns_gamma
+
+    S, A = CYCLE["states"], CYCLE["act_dim"]
+    tr = cycle_data()
+    buf = TensorBuffer(tr, np.zeros(S), np.ones(S), torch.device("cpu"), returns_gamma(cfg))
+    ln = build_learner(cfg, S, A, torch.device("cpu"), 0, 1)
+    g = torch.Generator().manual_seed(3)
+    curve = []
+    for i in range(steps):
+        ln.update(buf.sample(cfg.batch_size, g))
+        if every and (i + 1) % every == 0:
+            with torch.no_grad():
+                curve.append(round(ln.critic(buf.obs, buf.actions).mean().item(), 2))
+    with torch.no_grad():
+        q = ln.critic(buf.obs, buf.actions).mean().item()
+    return {"q_data": q, "curve": curve, "least_return": float(tr.returns_to_go(cfg.gamma).min()),
+            "true_value": 1.0 / (1.0 - cfg.gamma)}
+
+
+def cmd_cycle(a) -> int:
+    """The cycle at 5,000 steps, Q on the data every 1,000: calibrated or not, sampled or mean
+    target, DRPO and CQL; ``results/critic_sink/cycle.json``."""
+    import torch
+
+    from fedrl.algos import DRPOConfig, cql_config
+
+    torch.set_num_threads(1)
+    base = DRPOConfig(hidden=(64, 64), gamma=CYCLE["gamma"])
+    variants = {"uncalibrated": {"cql_calibration": "none"}, "calibrated": {"cql_calibration": "returns"},
+                "uncalibrated-mean-target": {"cql_calibration": "none", "target_action": "mean"}}
+    out = {"setting": CYCLE, "steps": a.steps, "rows": []}
+    for name, kw in variants.items():
+        for algo in ("drpo", "cql"):
+            cfg = dataclasses.replace(base, **kw)
+            cfg = cql_config(cfg) if algo == "cql" else cfg
+            r = cycle_q(cfg, a.steps, a.steps // 5)
+            out["rows"].append({"variant": name, "algo": algo, **r})
+            print(f"{name:26s} {algo:5s} Q on the data every {a.steps // 5}: {r['curve']}", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cycle.json").write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def cycle_md(results: Path = RESULTS) -> str:
+    r = json.loads((Path(results) / "cycle.json").read_text())
+    n = r["steps"] // 5
+    lines = [f"| variant | learner | Q on the data at {', '.join(str(n * i) for i in range(1, 6))} steps |",
+             "| --- | --- | --- |"]
+    for row in r["rows"]:
+        lines.append(f"| {row['variant']} | {row['algo']} | {' / '.join(f'{q:.1f}' for q in row['curve'])} |")
+    return "\n".join(lines)
+
+
 def summary(r: dict) -> list[dict]:
     """Per round: mean over agents of the round's mean diagnostics, and the evaluation."""
     out = []
@@ -124,6 +204,8 @@ def report_md(results: Path = RESULTS) -> str:
     lines = ["| cell | round | Q on data | Q at target action | TD target | CQL log-sum-exp | TD error | alpha | entropy | return |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f in sorted(Path(results).glob("*.json")):
+        if f.name == "cycle.json":
+            continue
         r = json.loads(f.read_text())
         for s in summary(r):
             ret = s["return"]
@@ -154,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--only", default="", help=f"with --cells causes: these of {', '.join(CAUSES)}; "
                                               f"with candidates: of {', '.join(CANDIDATES)}")
     r.set_defaults(func=cmd_run)
+    c = sub.add_parser("cycle", help="the 3-state cycle whose values are known: calibrated or not")
+    c.add_argument("--steps", type=int, default=5000)
+    c.set_defaults(func=cmd_cycle)
     p = sub.add_parser("report")
     p.add_argument("--update-md", action="store_true", help="also write BENCHMARKS.md's critic-sink block")
     p.set_defaults(func=cmd_report)

@@ -45,7 +45,7 @@ CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
 def version() -> str:
-    m = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    m = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
     assert m, "pyproject.toml names no version"
     return m.group(1)
 
@@ -56,7 +56,7 @@ def tag() -> str:
 
 
 def dockerfile_arg(name: str) -> str:
-    m = re.search(rf"^ARG {name}=(\S*)", (ROOT / "Dockerfile").read_text(), re.M)
+    m = re.search(rf"^ARG {name}=(\S*)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     assert m, f"the Dockerfile has no ARG {name}"
     return m.group(1)
 
@@ -209,7 +209,7 @@ def block(results: Path = RESULTS) -> str:
 
 
 def replace_block(text: str, body: str) -> str:
-    pat = re.compile(r"(<!-- generated:image -->\n)(?:.*?\n)?(<!-- end:image -->)", re.S)
+    pat = re.compile(r"(<!-- generated:image -->\n)(?:.*?\n)?(<!-- end:image -->)", re.DOTALL)
     if not pat.search(text):
         raise ValueError("deploy/README.md has no generated:image block")
     return pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)

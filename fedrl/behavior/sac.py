@@ -35,13 +35,13 @@ from fedrl.algos.config import config_to_dict
 from fedrl.algos.cql import td_loss, td_target, temperature_loss
 from fedrl.algos.nets import EnsembleCritic, TanhGaussianPolicy
 from fedrl.algos.policy_io import save_policy
-from fedrl.common.progress import Progress
 from fedrl.common.device import (
     make_generator,
     resolve_device,
     seed_everything,
     tune_allocator,
 )
+from fedrl.common.progress import Progress
 from fedrl.envs import env_info, route_mujoco_warnings
 from fedrl.envs.evaluation import evaluate
 from fedrl.envs.rollout import stochastic_return

@@ -238,4 +238,4 @@ def ship(run_dir: str | Path, dest: str | Path, replay_checkpoints: int = 5, epi
     return manifest
 
 
-__all__ = ["BehaviorSet", "behavior_set", "ship", "shipped_envs", "SHIPPED_DIR", "ENVS"]
+__all__ = ["ENVS", "SHIPPED_DIR", "BehaviorSet", "behavior_set", "ship", "shipped_envs"]

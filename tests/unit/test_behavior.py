@@ -265,7 +265,7 @@ def test_sac_resumes_exactly_from_its_folder_and_from_a_kept_state(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = lambda n: SACConfig(total_steps=n, **TINY)  # noqa: E731
+        cfg = lambda n: SACConfig(total_steps=n, **TINY)
         whole = train("Hopper-v5", cfg(500), tmp_path / "whole", "cpu", lambda m: None)
         logs: list[str] = []
         train("Hopper-v5", cfg(300), tmp_path / "split", "cpu", logs.append, keep=tmp_path / "keep")
@@ -282,7 +282,7 @@ def test_sac_resumes_exactly_from_its_folder_and_from_a_kept_state(tmp_path):
         assert sorted(t) == sorted(t_whole)
         for k in t:
             assert torch.equal(t[k], t_whole[k]), (other, k)
-    strip = lambda recs: [{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second")}  # noqa: E731
+    strip = lambda recs: [{k: v for k, v in r.items() if k not in ("wall_seconds", "steps_per_second")}
                           for r in recs]
     assert strip(split) == strip(whole) and strip(kept) == strip(whole)
     # the kept folder holds chunks of actions and rewards and one agent file, nothing else

@@ -19,38 +19,18 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.critic_sink import CYCLE, cycle_q
 from fedrl.algos import DRPOConfig, cql_config
 from fedrl.data.buffer import TensorBuffer
 from fedrl.data.d4rl import Transitions
-from fedrl.federation.round import build_learner, returns_gamma
-
-S, A, T, GAMMA, STEPS = 3, 6, 60, 0.9, 1000
-
-
-def cycle_data(episodes: int = 30, seed: int = 0) -> Transitions:
-    rng = np.random.default_rng(seed)
-    centers = rng.uniform(-0.6, 0.6, (S, A))
-    k = (np.arange(T)[None, :] + rng.integers(S, size=(episodes, 1))) % S  # (episodes, T)
-    k = k.reshape(-1)
-    eye = np.eye(S, dtype=np.float32)
-    acts = np.clip(centers[k] + 0.1 * rng.normal(size=(len(k), A)), -0.99, 0.99)
-    return Transitions(eye[k], acts.astype(np.float32), np.ones(len(k), np.float32), eye[(k + 1) % S],
-                       np.zeros(len(k), np.float32), np.repeat(np.arange(episodes), T))
 
 
 def q_on_data(cfg: DRPOConfig) -> tuple[float, float]:
-    tr = cycle_data()
-    buf = TensorBuffer(tr, np.zeros(S), np.ones(S), torch.device("cpu"), returns_gamma(cfg))
-    ln = build_learner(cfg, S, A, torch.device("cpu"), 0, 1)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(STEPS):
-        ln.update(buf.sample(cfg.batch_size, g))
-    with torch.no_grad():
-        q = ln.critic(buf.obs, buf.actions).mean().item()
-    return q, float(tr.returns_to_go(cfg.gamma).min())
+    r = cycle_q(cfg)
+    return r["q_data"], r["least_return"]
 
 
-SMALL = DRPOConfig(hidden=(64, 64), gamma=GAMMA, cql_calibration="returns")
+SMALL = DRPOConfig(hidden=(64, 64), gamma=CYCLE["gamma"], cql_calibration="returns")
 
 
 @pytest.mark.parametrize("algo", ["drpo", "cql"])
