@@ -57,13 +57,14 @@ def worker(algo: str, device: str, start: float, seconds: float) -> None:
     from benchmarks.throughput import synthetic_transitions
     from fedrl.algos import BCConfig, DRPOConfig
     from fedrl.data.buffer import TensorBuffer
-    from fedrl.federation.round import build_learner
+    from fedrl.federation.round import build_learner, returns_gamma
 
     torch.set_num_threads(1)
     dev = torch.device(device)
     cfg = DRPOConfig() if algo == "drpo" else BCConfig()
     learner = build_learner(cfg, 11, 3, dev, 0, 0)
-    buf = TensorBuffer(synthetic_transitions(11, 3), np.zeros(11, np.float32), np.ones(11, np.float32), dev)
+    buf = TensorBuffer(synthetic_transitions(11, 3), np.zeros(11, np.float32), np.ones(11, np.float32), dev,
+                       returns_gamma(cfg))
     learner.begin_round(learner.shared_state())
     while True:  # warm until the window opens (at least 20 steps)
         for _ in range(20):

@@ -76,7 +76,7 @@ def measure(cells, device: str, seconds: float) -> dict:
     from benchmarks.throughput import synthetic_transitions, sync
     from fedrl.algos.batched import build_batched
     from fedrl.data.buffer import StackedBuffer, TensorBuffer
-    from fedrl.federation.round import algo_config
+    from fedrl.federation.round import algo_config, returns_gamma
 
     dev = torch.device(device)
     out = {}
@@ -86,7 +86,8 @@ def measure(cells, device: str, seconds: float) -> dict:
         if not cfgs:
             continue
         learner = build_batched(cfgs, 11, 3, dev, torch.Generator(device=dev).manual_seed(0))
-        one = TensorBuffer(synthetic_transitions(11, 3), np.zeros(11, np.float32), np.ones(11, np.float32), dev)
+        one = TensorBuffer(synthetic_transitions(11, 3), np.zeros(11, np.float32), np.ones(11, np.float32), dev,
+                           returns_gamma(cfgs[0]))
         buf, gen = StackedBuffer([one] * len(cfgs)), torch.Generator(device=dev).manual_seed(1)
         for _ in range(3):
             learner.update(buf.sample(cfgs[0].batch_size, gen))

@@ -48,7 +48,7 @@ from fedrl.common.device import resolve_device
 from fedrl.data.buffer import TensorBuffer
 from fedrl.data.d4rl import Transitions
 from fedrl.envs import env_info
-from fedrl.federation.round import build_learner
+from fedrl.federation.round import build_learner, returns_gamma
 
 
 def synthetic_transitions(obs_dim: int, act_dim: int, n: int = 5000) -> Transitions:
@@ -170,7 +170,7 @@ def bench(name: str, cfg, obs_dim: int, act_dim: int, device: torch.device, seco
     (like with like)."""
     learner = build_learner(cfg, obs_dim, act_dim, device, 0, 0)
     buf = TensorBuffer(synthetic_transitions(obs_dim, act_dim), np.zeros(obs_dim, np.float32),
-                       np.ones(obs_dim, np.float32), device)
+                       np.ones(obs_dim, np.float32), device, returns_gamma(cfg))
     learner.begin_round(learner.shared_state())
     for _ in range(5):
         learner.update(buf.sample(cfg.batch_size, learner.gen))
@@ -212,7 +212,7 @@ def bench_batched(members: int, cfg: DRPOConfig, obs_dim: int, act_dim: int, dev
     gen = torch.Generator(device=device).manual_seed(0)
     learner = BatchedDRPO(obs_dim, act_dim, [cfg] * members, device, gen)
     one = TensorBuffer(synthetic_transitions(obs_dim, act_dim), np.zeros(obs_dim, np.float32),
-                       np.ones(obs_dim, np.float32), device)
+                       np.ones(obs_dim, np.float32), device, returns_gamma(cfg))
     buf = StackedBuffer([one] * members)
     for _ in range(2):
         learner.update(buf.sample(cfg.batch_size, gen))

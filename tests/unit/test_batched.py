@@ -40,7 +40,8 @@ BASE = DRPOConfig(hidden=(16, 16), batch_size=B, cql_n_actions=3, global_samples
 CFGS = [
     dataclasses.replace(BASE, lambda1=0.1, lambda2=0.2, actor_lr=3e-4, critic_lr=3e-4, alpha_lr=3e-4, cql_weight=10.0),
     dataclasses.replace(BASE, lambda1=0.5, lambda2=5.0, actor_lr=1e-3, critic_lr=1e-4, alpha_lr=1e-3, cql_weight=2.0,
-                        alpha_init=0.5, target_entropy=-1.0, gamma=0.9, tau=0.01, target_action="mean"),
+                        alpha_init=0.5, target_entropy=-1.0, gamma=0.9, tau=0.01, target_action="mean",
+                        cql_calibration="none"),
     cql_config(dataclasses.replace(BASE, actor_lr=1e-4, critic_lr=1e-3, alpha_lr=3e-5, cql_weight=5.0,
                                    td_weight=1.0, cql_calibration="returns")),
 ]
@@ -54,7 +55,8 @@ def shards(sizes=SIZES, seed: int = 0, gammas=None) -> list[TensorBuffer]:
         obs = rng.normal(size=(n + 1, O)) + i  # learners' data differ
         tr = Transitions(obs[:-1], np.tanh(rng.normal(size=(n, A))) * 0.9, rng.uniform(0, 1, n) + i,
                          obs[1:], (rng.uniform(size=n) < 0.1).astype(np.float64), np.arange(n) // 20)
-        out.append(TensorBuffer(tr, np.zeros(O), np.ones(O), torch.device("cpu"), (gammas or {}).get(i)))
+        gamma = BASE.gamma if gammas is None else gammas.get(i)  # returns-to-go for calibrated learners
+        out.append(TensorBuffer(tr, np.zeros(O), np.ones(O), torch.device("cpu"), gamma))
     return out
 
 
@@ -160,7 +162,8 @@ def test_a_batch_is_reproducible_from_its_seed_and_its_learners_draw_independent
         same = idx[0] - sb.offsets[0]
         fixed = sb.offsets.unsqueeze(1) + same  # the same rows for both learners
         for _ in range(3):
-            b.update(Batch(sb.obs[fixed], sb.actions[fixed], sb.rewards[fixed], sb.next_obs[fixed], sb.dones[fixed]))
+            b.update(Batch(sb.obs[fixed], sb.actions[fixed], sb.rewards[fixed], sb.next_obs[fixed], sb.dones[fixed],
+                           sb.returns[fixed]))
         return b
 
     a, b = run(), run()

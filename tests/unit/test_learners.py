@@ -26,7 +26,8 @@ def batch(seed=0, b=16, o=5, a=2):
     g = torch.Generator().manual_seed(seed)
     return Batch(torch.randn(b, o, generator=g), torch.rand(b, a, generator=g) * 2 - 1,
                  torch.randn(b, generator=g), torch.randn(b, o, generator=g),
-                 (torch.rand(b, generator=g) < 0.2).float())
+                 (torch.rand(b, generator=g) < 0.2).float(),
+                 torch.randn(b, generator=g))  # returns-to-go: the default calibration reads them
 
 
 def learner(cfg=TINY, seed=0):

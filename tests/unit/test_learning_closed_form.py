@@ -17,8 +17,9 @@ from fedrl.algos.base import Batch
 from fedrl.federation.round import build_learner
 
 GAMMA, L = 0.9, 4
+# CQL(H) as written: these check its maths (the calibrated penalty: tests/unit/test_critic_values.py)
 FAST = cql_config(DRPOConfig(hidden=(64, 64), batch_size=64, cql_n_actions=4, gamma=GAMMA, tau=0.05,
-                             critic_lr=1e-3, actor_lr=1e-3, alpha_lr=1e-3))
+                             critic_lr=1e-3, actor_lr=1e-3, alpha_lr=1e-3, cql_calibration="none"))
 CHAIN_Q = [sum(GAMMA ** j for j in range(L - s)) for s in range(L)]  # 3.439, 2.71, 1.9, 1.0
 
 

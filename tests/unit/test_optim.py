@@ -75,7 +75,7 @@ def test_a_learner_step_does_not_import_the_compiler():
             "from fedrl.algos.base import Batch\n"
             "L = build_learner(DRPOConfig(hidden=(8, 8), batch_size=4), 3, 2, torch.device('cpu'), 0, 0)\n"
             "L.begin_round(L.shared_state())\n"
-            "b = Batch(torch.zeros(4, 3), torch.zeros(4, 2), torch.zeros(4), torch.zeros(4, 3), torch.zeros(4))\n"
+            "b = Batch(torch.zeros(4, 3), torch.zeros(4, 2), torch.zeros(4), torch.zeros(4, 3), torch.zeros(4), torch.zeros(4))\n"
             "L.update(b)\n"
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
