@@ -39,6 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "critic_sink"
 DATASET = "walker2d-medium-v2"
+CHOICES_MD = ROOT / "docs" / "explanation" / "choices.md"
 CAUSES = {"alpha_lr_3e-4": {"alpha_lr": 3e-4}, "target_mean": {"target_action": "mean"},
           "cql_weight_5": {"cql_weight": 5.0}, "td_weight_1": {"td_weight": 1.0},
           "critic_lr_1e-4": {"critic_lr": 1e-4}, "actor_adam_kept": {"reset_actor_optimizer": False}}
@@ -186,6 +187,23 @@ def cycle_md(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def candidates_md(results: Path = RESULTS) -> str:
+    """One row per candidate cell (``--cells candidates``): Q on the data and the return by round."""
+    lines = ["| task | cell | Q on the data by round | return by round |", "| --- | --- | --- | --- |"]
+    for f in sorted(Path(results).glob("*-drpo-now*.json")):
+        r = json.loads(f.read_text())
+        task, cell = r["key"].split("-", 1)
+        rows = summary(r)
+        lines.append(f"| {task} | {cell} | {' / '.join(format(x['q_data'], '.1f') for x in rows)} | "
+                     f"{' / '.join(str(round(x['return'])) for x in rows)} |")
+    return "\n".join(lines)
+
+
+def choices_blocks(results: Path = RESULTS) -> dict[str, str]:
+    """docs/explanation/choices.md's blocks."""
+    return {"critic-candidates": candidates_md(results), "critic-cycle": cycle_md(results)}
+
+
 def summary(r: dict) -> list[dict]:
     """Per round: mean over agents of the round's mean diagnostics, and the evaluation."""
     out = []
@@ -221,6 +239,7 @@ def cmd_report(a) -> int:
         from benchmarks.paper import BENCHMARKS_MD, replace_blocks
 
         BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), {"critic-sink": md}))
+        CHOICES_MD.write_text(replace_blocks(CHOICES_MD.read_text(), choices_blocks()))
     print(md)
     return 0
 
@@ -240,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--steps", type=int, default=5000)
     c.set_defaults(func=cmd_cycle)
     p = sub.add_parser("report")
-    p.add_argument("--update-md", action="store_true", help="also write BENCHMARKS.md's critic-sink block")
+    p.add_argument("--update-md", action="store_true",
+                   help="also write BENCHMARKS.md's critic-sink block and docs/explanation/choices.md's")
     p.set_defaults(func=cmd_report)
     a = ap.parse_args(argv)
     return a.func(a)

@@ -51,7 +51,8 @@ def test_every_rendered_number_matches_its_committed_result():
 
     for path, blocks in ((readme.README, readme.blocks()), (readme.PERFORMANCE, readme.performance_blocks()),
                          (readme.BENCHMARKS, readme.benchmarks_blocks() | {"critic-sink": critic_sink.report_md()}),
-                         (image.DEPLOY_README, {"image": image.block()})):
+                         (image.DEPLOY_README, {"image": image.block()}),
+                         (critic_sink.CHOICES_MD, critic_sink.choices_blocks())):
         text = path.read_text()
         for name, body in blocks.items():
             assert _block(text, name) == body, f"{path.name}: block {name} is stale: python -m benchmarks.readme render"
