@@ -208,15 +208,10 @@ def block(results: Path = RESULTS) -> str:
             f"{r['smoke_seconds']:.0f} s. Command: `python -m benchmarks.image measure`.")
 
 
-def replace_block(text: str, body: str) -> str:
-    pat = re.compile(r"(<!-- generated:image -->\n)(?:.*?\n)?(<!-- end:image -->)", re.DOTALL)
-    if not pat.search(text):
-        raise ValueError("deploy/README.md has no generated:image block")
-    return pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
-
-
 def cmd_render(a) -> int:
-    DEPLOY_README.write_text(replace_block(DEPLOY_README.read_text(), block()))
+    from benchmarks.paper import replace_blocks
+
+    DEPLOY_README.write_text(replace_blocks(DEPLOY_README.read_text(), {"image": block()}))
     print(f"wrote {DEPLOY_README}")
     return 0
 
