@@ -102,8 +102,7 @@ PRESETS = {
                                             "halfcheetah-expert-v2"),
                                   study_dataset="halfcheetah-medium-v2"),
     # The claim preset's hopper-medium column at the defaults chosen on 2026-11-27 (the temperature
-    # at 3e-4, the CQL penalty calibrated by the data's returns): its own folder, so the earlier
-    # claim's results keep their settings beside it
+    # at 3e-4): its own folder, so the earlier claim's results keep their settings beside it
     "claim-v2": Preset("claim-v2", 5, 5, 1000, 10, 10, 1, (0, 1, 2), datasets=("hopper-medium-v2",),
                        transitions=5000, methods=("drpo", "fed-cql", "cql", "fed-bc"), planned=("table",)),
     # The claim at a scale that can show it (issue: 10k actor steps per agent, three seeds): the

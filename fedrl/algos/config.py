@@ -71,13 +71,14 @@ class DRPOConfig:
     the measured gap to d3rlpy (docs/explanation/choices.md)."""
     backup_entropy: bool = False
     """Subtract alpha * log pi(a'|s') in the TD target (CORL: off)."""
-    cql_calibration: CQLCalibration = "returns"
+    cql_calibration: CQLCalibration = "none"
     """``returns``: Cal-QL's calibration (Nakamoto et al. 2023) of the CQL(H) penalty: the policy's
     sampled actions enter its log-sum-exp as max(Q(s, a), G(s)), G the data's discounted
     return-to-go from s, so the penalty stops pushing the policy's values below what the data
-    earned from that state; ``none``: CQL(H) as written, the default before 2026-11-27, under which
-    Q on the data sank below zero on walker2d-medium and on a cycle of known values
-    (docs/explanation/choices.md)."""
+    earned from that state; ``none``: CQL(H) as written. Measured (docs/explanation/choices.md):
+    ``returns`` keeps Q on the data on its scale where ``none`` sinks it below zero, but on
+    hopper-medium its policy fell at once (the floor, far above early Q, silences the penalty's
+    push-down), so the default stays ``none``."""
     q_scale: QScale = "raw"
     """How the actor's Q term enters L_pi. ``raw``: -Q exactly as eq. (local_updating_pi) is written.
     ``normalized``: -(q_norm / mean|Q|) * Q with mean|Q| detached (FEDORA / TD3+BC), which keeps the

@@ -6,10 +6,10 @@ action per state in 6 dimensions, noise 0.1), as a small offline set's are, and 
 are cut by timeouts after 60 steps, so every discounted return-to-go lies in [1, 10). A critic
 whose Q on the data falls below that floor has sunk below anything any policy could earn here.
 
-Measured while choosing the default (docs/explanation/choices.md): CQL(H) as written
-(``cql_calibration="none"``, sampled target action) drives DRPO's Q on the data to about -47 in 1,000
-steps and it keeps falling; with Cal-QL's calibration (the default) it was 7.0 (DRPO) and 7.4 (CQL)
-there, below the true 10 and above every return in the data (`python -m benchmarks.critic_sink cycle`).
+Measured (docs/explanation/choices.md): CQL(H) as written (``cql_calibration="none"``, the
+default, sampled target action) drives DRPO's Q on the data to about -47 in 1,000 steps and it
+keeps falling; with Cal-QL's calibration (``"returns"``) it was 7.0 (DRPO) and 7.4 (CQL) there,
+below the true 10 and above every return in the data (`python -m benchmarks.critic_sink cycle`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def q_on_data(cfg: DRPOConfig) -> tuple[float, float]:
     return r["q_data"], r["least_return"]
 
 
-SMALL = DRPOConfig(hidden=(64, 64), gamma=CYCLE["gamma"])  # every other setting the default
+SMALL = DRPOConfig(hidden=(64, 64), gamma=CYCLE["gamma"], cql_calibration="returns")
 
 
 @pytest.mark.parametrize("algo", ["drpo", "cql"])
@@ -42,11 +42,13 @@ def test_q_on_the_data_does_not_sink_below_the_datas_returns(algo):
     assert q >= floor, f"{algo}: mean Q on the data {q:.2f} sank below the data's least return {floor:.2f}"
 
 
-def test_the_uncalibrated_penalty_sinks_there():
-    """The test has teeth: CQL(H) as written (the default before issue 53) fails it."""
-    assert SMALL.cql_calibration == "returns"
-    q, floor = q_on_data(dataclasses.replace(SMALL, cql_calibration="none"))
-    assert q < floor, q
+@pytest.mark.xfail(strict=True, reason="issue 53 open: the default CQL(H) penalty sinks Q on the data here")
+def test_the_default_keeps_q_on_the_data_above_the_datas_returns():
+    """The symptom, noticed: with the default penalty (CQL(H) as written) Q on the data sinks far
+    below anything the data earned (-47 when measured). Strict: once a default keeps it up, this
+    passes and fails the suite, so the xfail is removed with the fix."""
+    q, floor = q_on_data(DRPOConfig(hidden=(64, 64), gamma=CYCLE["gamma"]))
+    assert q >= floor, q
 
 
 def test_returns_to_go_follow_episodes_terminals_and_cuts():
