@@ -93,9 +93,6 @@ class Buildah:
             raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
         return p
 
-    def has(self, image: str) -> bool:
-        return self("images", "--quiet", image, check=False).returncode == 0
-
     def image_config(self, image: str) -> dict:
         return json.loads(self("inspect", "--type", "image", image).stdout)["OCIv1"]["config"]
 
@@ -132,7 +129,7 @@ def build_base(b: Buildah, work: Path) -> float:
     return time.monotonic() - t0
 
 
-def build_command(b: Buildah, wheels: Path | None) -> list[str]:
+def build_command(wheels: Path | None) -> list[str]:
     cmd = ["build", "--isolation", "chroot", "--build-arg", f"PYTHON_IMAGE={BASE}", "-t", tag()]
     if wheels is not None:
         cmd += ["--build-arg", "TORCH_WHEELS=/wheels", "--volume", f"{wheels}:/wheels:ro"]
@@ -141,7 +138,7 @@ def build_command(b: Buildah, wheels: Path | None) -> list[str]:
 
 def build_image(b: Buildah, wheels: Path | None) -> float:
     t0 = time.monotonic()
-    b(*build_command(b, wheels), timeout=3600)
+    b(*build_command(wheels), timeout=3600)
     return time.monotonic() - t0
 
 
@@ -188,7 +185,7 @@ def cmd_measure(a) -> int:
             raise SystemExit(f"the tiny run inside the image failed:\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}")
         res = {"image": tag(), "size_bytes": size, "base_seconds": round(base_s, 1), "build_seconds": round(build_s, 1),
                "smoke_seconds": round(smoke_s, 1), "torch_wheels": str(wheels) if wheels else None,
-               "command": "buildah " + " ".join(build_command(b, wheels)).replace(str(ROOT), "."),
+               "command": "buildah " + " ".join(build_command(wheels)).replace(str(ROOT), "."),
                "cpus": os.cpu_count(), "loadavg_1min": round(os.getloadavg()[0], 2),
                "date": time.strftime("%Y-%m-%d %H:%M")}
         RESULTS.write_text(json.dumps(res, indent=1) + "\n")
