@@ -547,8 +547,9 @@ def table_md(results: list[dict[str, Any]]) -> str:
             ret = [p["return_mean"] for p in pts]
             temp = [p["temperature"] for p in pts if np.isfinite(p.get("temperature", float("nan")))]
             alpha = f" / {np.mean(temp):.2f}" if temp else " / -"
-            cells.append((f"{q:.1f} / {np.mean(nll):.2f} / {np.mean(ret):.0f}" if nll else
-                          f"{q:.1f} / - / {np.mean(ret):.0f}") + alpha)
+            qs = f"{q:.1f}" if np.isfinite(q) else "-"  # BC has no critic
+            cells.append((f"{qs} / {np.mean(nll):.2f} / {np.mean(ret):.0f}" if nll else
+                          f"{qs} / - / {np.mean(ret):.0f}") + alpha)
             cells[-1] += f" (n={len(pts)})" if len(pts) != len(rs) else ""
         mc = rs[0]["data_discounted_return"]
         alr = {(r["overrides"] or {}).get("alpha_lr", r["settings"]["alpha_lr"]) for r in rs}
