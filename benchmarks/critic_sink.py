@@ -46,7 +46,8 @@ CAUSES = {"alpha_lr_3e-4": {"alpha_lr": 3e-4}, "target_mean": {"target_action": 
 # Candidate defaults, each from today's defaults (the temperature's rate already 3e-4), on either task
 CANDIDATES = {"now": {}, "now-target_mean": {"target_action": "mean"}, "now-cql_weight_5": {"cql_weight": 5.0},
               "now-target_mean-cql_weight_5": {"target_action": "mean", "cql_weight": 5.0},
-              "now-calibrated": {"cql_calibration": "returns"}}
+              "now-calibrated": {"cql_calibration": "returns"},
+              "now-calibrated-gradient": {"cql_calibration": "returns-gradient"}}
 DATASETS = ("walker2d-medium-v2", "hopper-medium-v2")
 TRACE_EVERY = 100
 
@@ -111,6 +112,11 @@ def cmd_run(a) -> int:
 CYCLE = dict(states=3, act_dim=6, horizon=60, gamma=0.9, steps=1000)
 
 
+CYCLE_VARIANTS = {"uncalibrated": {"cql_calibration": "none"}, "calibrated": {"cql_calibration": "returns"},
+                  "uncalibrated-mean-target": {"cql_calibration": "none", "target_action": "mean"},
+                  "calibrated-gradient": {"cql_calibration": "returns-gradient"}}
+
+
 def cycle_data(episodes: int = 30, seed: int = 0):
     """A 3-state cycle whose every reward is 1 and which never terminates: every policy's value is
     1 / (1 - gamma) = 10 at gamma 0.9, whatever the action. The data's actions are narrow (a fixed
@@ -162,10 +168,19 @@ def cmd_cycle(a) -> int:
 
     torch.set_num_threads(1)
     base = DRPOConfig(hidden=(64, 64), gamma=CYCLE["gamma"])
-    variants = {"uncalibrated": {"cql_calibration": "none"}, "calibrated": {"cql_calibration": "returns"},
-                "uncalibrated-mean-target": {"cql_calibration": "none", "target_action": "mean"}}
+    only = [x for x in a.only.split(",") if x]
+    unknown = set(only) - set(CYCLE_VARIANTS)
+    if unknown:
+        raise SystemExit(f"--only: no variant {', '.join(sorted(unknown))} (variants: {', '.join(CYCLE_VARIANTS)})")
     out = {"setting": CYCLE, "steps": a.steps, "rows": []}
-    for name, kw in variants.items():
+    old = RESULTS / "cycle.json"
+    if only and old.exists():  # the other variants' rows, when they ran the same setting
+        prev = json.loads(old.read_text())
+        if prev["setting"] == CYCLE and prev["steps"] == a.steps:
+            out["rows"] = [r for r in prev["rows"] if r["variant"] not in only]
+    for name, kw in CYCLE_VARIANTS.items():
+        if only and name not in only:
+            continue
         for algo in ("drpo", "cql"):
             cfg = dataclasses.replace(base, **kw)
             cfg = cql_config(cfg) if algo == "cql" else cfg
@@ -257,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(func=cmd_run)
     c = sub.add_parser("cycle", help="the 3-state cycle whose values are known: calibrated or not")
     c.add_argument("--steps", type=int, default=5000)
+    c.add_argument("--only", default="", help=f"comma-separated variants of {', '.join(CYCLE_VARIANTS)} (default: all); "
+                                              "the file keeps the other variants' rows at the same --steps")
     c.set_defaults(func=cmd_cycle)
     p = sub.add_parser("report")
     p.add_argument("--update-md", action="store_true",

@@ -149,7 +149,8 @@ class BatchedDRPO(_Stacked):
                                        for c in cfgs], device=device)
         self.coefs = Coefs(v("lambda1"), v("lambda2"), v("cql_weight"), v("td_weight"), v("gamma"), target_entropy,
                            v("q_norm"), torch.tensor([c.target_action == "mean" for c in cfgs], device=device),
-                           torch.tensor([c.cql_calibration == "returns" for c in cfgs], device=device))
+                           torch.tensor([c.cql_calibration != "none" for c in cfgs], device=device),
+                           torch.tensor([c.cql_calibration == "returns-gradient" for c in cfgs], device=device))
         self.data_reg = any(c.lambda1 > 0 for c in cfgs)
         self.global_reg = any(c.lambda2 > 0 for c in cfgs)
         taus = {c.tau for c in cfgs}

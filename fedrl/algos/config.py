@@ -18,7 +18,8 @@ LR_MAX, WEIGHT_MAX, TARGET_ENTROPY_MAX = 1.0, 1e4, 1e3
 
 QScale = Literal["raw", "normalized"]
 TargetAction = Literal["sample", "mean"]
-CQLCalibration = Literal["none", "returns"]
+CQLCalibration = Literal["none", "returns", "returns-gradient"]
+CALIBRATIONS = ("none", "returns", "returns-gradient")
 BCLoss = Literal["nll", "mse"]
 
 
@@ -78,7 +79,10 @@ class DRPOConfig:
     earned from that state; ``none``: CQL(H) as written. Measured (docs/explanation/choices.md):
     ``returns`` keeps Q on the data on its scale where ``none`` sinks it below zero, but on
     hopper-medium its policy fell at once (the floor, far above early Q, silences the penalty's
-    push-down), so the default stays ``none``."""
+    push-down), so the default stays ``none``. ``returns-gradient``: the same floor, but it only
+    stops the gradient that would push a policy action's value below G(s); the value itself enters
+    the log-sum-exp unchanged, so the penalty keeps pushing down the uniform actions and the
+    policy's actions above G."""
     q_scale: QScale = "raw"
     """How the actor's Q term enters L_pi. ``raw``: -Q exactly as eq. (local_updating_pi) is written.
     ``normalized``: -(q_norm / mean|Q|) * Q with mean|Q| detached (FEDORA / TD3+BC), which keeps the
@@ -113,8 +117,9 @@ class DRPOConfig:
             raise ValueError(f"tau must be in (0, 1], got {self.tau}")
         if self.target_action not in ("sample", "mean"):
             raise ValueError(f"target_action must be 'sample' or 'mean', got {self.target_action!r}")
-        if self.cql_calibration not in ("none", "returns"):
-            raise ValueError(f"cql_calibration must be 'none' or 'returns', got {self.cql_calibration!r}")
+        if self.cql_calibration not in CALIBRATIONS:
+            raise ValueError(f"cql_calibration must be one of {', '.join(map(repr, CALIBRATIONS))}, "
+                             f"got {self.cql_calibration!r}")
         if self.q_scale not in ("raw", "normalized"):
             raise ValueError(f"q_scale must be 'raw' or 'normalized', got {self.q_scale!r}")
         _check_policy(self)

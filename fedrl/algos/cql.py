@@ -54,6 +54,7 @@ def cql_penalty(
     log_pi_next: torch.Tensor,
     act_dim: int,
     floor: torch.Tensor | None = None,
+    gradient_only: bool | torch.Tensor = False,
 ) -> torch.Tensor:
     """CQL(H) penalty ``sum_e E_s[logsumexp_a Q_e(s,a) - Q_e(s,a_D)]`` (before the beta weight).
 
@@ -65,11 +66,26 @@ def cql_penalty(
     ``floor (..., B)``: Cal-QL's calibration. The policy's actions enter as ``max(Q, floor)``, so
     no gradient pushes a policy action's value below the floor (the data's return-to-go from s);
     the uniform actions are not calibrated (as Cal-QL).
+
+    ``gradient_only`` (one bool, or ``(L,)`` per learner of a batch): the floor stops the penalty's
+    gradient instead of lifting the value. A policy action valued below the floor keeps its own
+    value in the log-sum-exp (so the uniform actions keep CQL(H)'s weights and are still pushed
+    down) but is not itself pushed further down. Cal-QL's lifted value, when the floor is far above
+    every early Q, makes the floor dominate the log-sum-exp and silences the whole push-down.
     """
     log_uniform = act_dim * math.log(0.5)
     if floor is not None:
         f = floor.unsqueeze(-2).unsqueeze(-1)  # (..., 1, B, 1) against (..., E, B, N)
+        raw_pi, raw_next = q_pi, q_pi_next
         q_pi, q_pi_next = torch.maximum(q_pi, f), torch.maximum(q_pi_next, f)
+        if isinstance(gradient_only, torch.Tensor) or gradient_only:
+            held_pi = torch.where(raw_pi < f, raw_pi.detach(), raw_pi)
+            held_next = torch.where(raw_next < f, raw_next.detach(), raw_next)
+            if isinstance(gradient_only, torch.Tensor):  # per learner: (L,) -> (L, 1, 1, 1)
+                m = gradient_only.reshape(-1, *[1] * (q_pi.ndim - 1))
+                q_pi, q_pi_next = torch.where(m, held_pi, q_pi), torch.where(m, held_next, q_pi_next)
+            else:
+                q_pi, q_pi_next = held_pi, held_next
     cat = torch.cat(
         [q_rand - log_uniform, q_pi - log_pi.detach().unsqueeze(-3),
          q_pi_next - log_pi_next.detach().unsqueeze(-3)], dim=-1

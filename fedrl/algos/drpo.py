@@ -130,13 +130,16 @@ class Coefs:
     else the sampled one; ``(L,)`` booleans in a batch."""
     calibrate: bool | torch.Tensor = False
     """Whether the CQL penalty is calibrated by the data's return-to-go (``cql_calibration=
-    "returns"``); ``(L,)`` booleans in a batch."""
+    "returns"`` or ``"returns-gradient"``); ``(L,)`` booleans in a batch."""
+    floor_gradient_only: bool | torch.Tensor = False
+    """Whether that floor only stops the penalty's gradient (``"returns-gradient"``) instead of
+    lifting the policy's values to it; ``(L,)`` booleans in a batch."""
 
 
 def _returns(batch: Batch) -> torch.Tensor:
     if batch.returns is None:
-        raise ValueError("cql_calibration='returns' needs the data's returns-to-go in the batch "
-                         "(a buffer made with returns_gamma)")
+        raise ValueError("a calibrated CQL penalty (cql_calibration 'returns' or 'returns-gradient') needs "
+                         "the data's returns-to-go in the batch (a buffer made with returns_gamma)")
     return batch.returns
 
 
@@ -207,7 +210,8 @@ def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, nois
     q_data = q_all[..., 0]
     q_rand, q_cur, q_next = q_all[..., 1:].split(n, dim=-1)
     c_td = td_loss(q_data, y)
-    c_cql = cql_penalty(q_data, q_rand, q_cur, cur_log_pi, q_next, next_log_pi[..., 1:], act_dim, floor)
+    c_cql = cql_penalty(q_data, q_rand, q_cur, cur_log_pi, q_next, next_log_pi[..., 1:], act_dim, floor,
+                        coefs.floor_gradient_only)
     losses.append(coefs.td_weight * c_td + coefs.cql_weight * c_cql)
 
     with torch.no_grad():
@@ -335,7 +339,8 @@ class DRPOLearner:
     def coefs(self) -> Coefs:
         cfg = self.cfg
         return Coefs(cfg.lambda1, cfg.lambda2, cfg.cql_weight, cfg.td_weight, cfg.gamma, self.target_entropy,
-                     cfg.q_norm, cfg.target_action == "mean", cfg.cql_calibration == "returns")
+                     cfg.q_norm, cfg.target_action == "mean", cfg.cql_calibration != "none",
+                     cfg.cql_calibration == "returns-gradient")
 
     def update(self, batch: Batch, noise: Noise | None = None) -> dict[str, torch.Tensor]:
         """One DRPO step: temperature, actor and critic losses, one backward, one Polyak update.

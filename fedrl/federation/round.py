@@ -54,7 +54,7 @@ def algo_config(algo: str, drpo: DRPOConfig, bc: BCConfig) -> DRPOConfig | BCCon
 
 def returns_gamma(cfg: DRPOConfig | BCConfig) -> float | None:
     """The discount a learner's buffer computes returns-to-go at, if its loss reads them."""
-    return cfg.gamma if getattr(cfg, "cql_calibration", "none") == "returns" else None
+    return cfg.gamma if getattr(cfg, "cql_calibration", "none") != "none" else None
 
 
 def build_learner(cfg: DRPOConfig | BCConfig, obs_dim: int, act_dim: int,

@@ -38,7 +38,8 @@ RTOL, ATOL = 1e-12, 1e-14
 BASE = DRPOConfig(hidden=(16, 16), batch_size=B, cql_n_actions=3, global_samples=2)
 # three learners that differ in every per-learner hyperparameter a sweep varies; the third is CQL
 CFGS = [
-    dataclasses.replace(BASE, lambda1=0.1, lambda2=0.2, actor_lr=3e-4, critic_lr=3e-4, alpha_lr=3e-4, cql_weight=10.0),
+    dataclasses.replace(BASE, lambda1=0.1, lambda2=0.2, actor_lr=3e-4, critic_lr=3e-4, alpha_lr=3e-4, cql_weight=10.0,
+                        cql_calibration="returns-gradient"),
     dataclasses.replace(BASE, lambda1=0.5, lambda2=5.0, actor_lr=1e-3, critic_lr=1e-4, alpha_lr=1e-3, cql_weight=2.0,
                         alpha_init=0.5, target_entropy=-1.0, gamma=0.9, tau=0.01, target_action="mean",
                         cql_calibration="none"),

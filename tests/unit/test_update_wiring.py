@@ -137,6 +137,11 @@ def reference_drpo_grads(ln, batch: Batch, gen: torch.Generator):
         q_cur, q_nxt = q_member(cp, i, s, cur_a), q_member(cp, i, s, next_a[:, 1:])
         if cfg.cql_calibration == "returns":  # Cal-QL: the policy's actions no lower than the data's return
             q_cur, q_nxt = torch.maximum(q_cur, returns[:, None]), torch.maximum(q_nxt, returns[:, None])
+        if cfg.cql_calibration == "returns-gradient":  # own values; no push below the data's return
+            below_cur, below_nxt = q_cur < returns[:, None], q_nxt < returns[:, None]
+            assert below_cur.any() and (~below_cur).any(), "the batch must exercise both sides of the floor"
+            q_cur = torch.where(below_cur, q_cur.detach(), q_cur)
+            q_nxt = torch.where(below_nxt, q_nxt.detach(), q_nxt)
         lse = torch.logsumexp(torch.cat([q_member(cp, i, s, rand_a) - A * math.log(0.5),
                                          q_cur - cur_lp, q_nxt - next_lp[:, 1:]], 1), 1)
         critic = critic + cfg.td_weight * 0.5 * td + cfg.cql_weight * (lse - q_data).mean()
@@ -158,6 +163,7 @@ CONFIGS = {
     "cql-mean-target": cql_config(dataclasses.replace(CFG, target_action="mean")),
     "drpo-backup-entropy": dataclasses.replace(CFG, backup_entropy=True),
     "drpo-calibrated": dataclasses.replace(CFG, cql_calibration="returns"),
+    "drpo-calibrated-gradient": dataclasses.replace(CFG, cql_calibration="returns-gradient"),
 }
 
 
