@@ -95,7 +95,7 @@ MUTANTS = (
     Mutant("gradient-calibration-stops-above-the-floor", C, "torch.where(raw_pi < f, raw_pi.detach(), raw_pi)",
            "torch.where(raw_pi > f, raw_pi.detach(), raw_pi)"),
     Mutant("gradient-calibration-mask-of-another-learner", C, "m = gradient_only.reshape(-1, *[1] * (q_pi.ndim - 1))",
-           "m = gradient_only.flip(0).reshape(-1, *[1] * (q_pi.ndim - 1))"),
+           "m = gradient_only.flip(0).reshape(-1, *[1] * (q_pi.ndim - 1))", BATCHED_TESTS),
     Mutant("calibration-floor-of-another-state", BUF, "self.dones[idx], None if self.returns is None else self.returns[idx])",
            "self.dones[idx], None if self.returns is None else self.returns[idx.roll(1)])",
            ("tests/unit/test_critic_values.py",)),
