@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -60,14 +61,14 @@ def _issue_defaults():
     return dataclasses.replace(DRPOConfig(), alpha_lr=3e-5)
 
 
-def cells(which: str, only: tuple[str, ...] = (), dataset: str = DATASET):
+def cells(which: str, only: tuple[str, ...] = (), dataset: str = DATASET, seed: int = 0):
     from fedrl.algos import DRPOConfig
     from fedrl.federation.cells import Cell
     from fedrl.federation.simulate import SimConfig
 
     ISSUE_DEFAULTS = _issue_defaults()
     base = dict(datasets=(dataset,), agents=2, trajectories=5, rounds=5, local_steps=1000, eval_episodes=10,
-                seed=0, device="cpu")
+                seed=seed, device="cpu")
     out = []
     if which in ("base", "all"):
         out += [Cell(a, SimConfig(algo=a, drpo=ISSUE_DEFAULTS, **base)) for a in ("drpo", "fed-cql", "cql")]
@@ -76,7 +77,7 @@ def cells(which: str, only: tuple[str, ...] = (), dataset: str = DATASET):
                 for k, v in CAUSES.items() if not only or k in only]
     if which == "candidates":
         task = dataset.split("-")[0]
-        out += [Cell(f"{task}-drpo-{k}", SimConfig(algo="drpo", drpo=dataclasses.replace(DRPOConfig(), **v), **base))
+        out += [Cell(f"{task}-drpo-{k}" + (f"-s{seed}" if seed else ""), SimConfig(algo="drpo", drpo=dataclasses.replace(DRPOConfig(), **v), **base))
                 for k, v in CANDIDATES.items() if not only or k in only]
     return out
 
@@ -92,11 +93,12 @@ def cmd_run(a) -> int:
     unknown = set(only) - set(names)
     if unknown:
         raise SystemExit(f"--only: no cell {', '.join(sorted(unknown))} (with --cells {a.cells}: {', '.join(names)})")
-    if a.dataset != DATASET and a.cells != "candidates":
-        raise SystemExit("--dataset: only with --cells candidates (the other cells are the issue's walker2d setting)")
-    cs = cells(a.cells, only, a.dataset)
+    if (a.dataset != DATASET or a.seed) and a.cells != "candidates":
+        raise SystemExit("--dataset, --seed: only with --cells candidates (the other cells are the issue's walker2d "
+                         "setting, seed 0)")
+    cs = cells(a.cells, only, a.dataset, a.seed)
     work = Path(a.work) / (a.cells + (f"-{a.dataset}" if a.cells == "candidates" else "")
-                           + ("-" + "-".join(only) if only else ""))
+                           + ("-" + "-".join(only) if only else "") + (f"-s{a.seed}" if a.seed else ""))
     res = run_cells(cs, work, log=lambda m: print(m, flush=True), trace_every=TRACE_EVERY)
     RESULTS.mkdir(parents=True, exist_ok=True)
     for c in cs:
@@ -109,7 +111,7 @@ def cmd_run(a) -> int:
 
 
 # -- the cycle: a problem whose values are known (tests/unit/test_critic_values.py) ---------------
-CYCLE = dict(states=3, act_dim=6, horizon=60, gamma=0.9, steps=1000)
+CYCLE = dict(states=3, act_dim=6, horizon=60, gamma=0.9, steps=1000, round_steps=1000)
 
 
 CYCLE_VARIANTS = {"uncalibrated": {"cql_calibration": "none"}, "calibrated": {"cql_calibration": "returns"},
@@ -134,9 +136,12 @@ def cycle_data(episodes: int = 30, seed: int = 0):
                        np.zeros(len(k), np.float32), np.repeat(np.arange(episodes), T))
 
 
-def cycle_q(cfg, steps: int = CYCLE["steps"], every: int = 0) -> dict:
-    """Train one learner ``steps`` steps on the cycle; its mean Q on the data (every ``every``
-    steps too), and the data's least return-to-go."""
+def cycle_q(cfg, steps: int = CYCLE["steps"], every: int = 0, round_steps: int = CYCLE["round_steps"]) -> dict:
+    """Train one learner ``steps`` steps on the cycle, as a federation of one agent: every
+    ``round_steps`` (the paper's 1,000 local steps) it begins a round from its own policy, so pi_bar
+    is the last round's policy, as FedAvg of one policy gives (in the first round it is the initial
+    policy, as in every federation). Its mean Q on the data at the end (every ``every`` steps too),
+    the lowest it read (checked every 100 steps), and the data's least return-to-go."""
     import torch
 
     from fedrl.data.buffer import TensorBuffer
@@ -147,16 +152,21 @@ def cycle_q(cfg, steps: int = CYCLE["steps"], every: int = 0) -> dict:
     buf = TensorBuffer(tr, np.zeros(S), np.ones(S), torch.device("cpu"), returns_gamma(cfg))
     ln = build_learner(cfg, S, A, torch.device("cpu"), 0, 1)
     g = torch.Generator().manual_seed(3)
-    curve = []
+    curve, lowest = [], math.inf
     for i in range(steps):
+        if i and i % round_steps == 0:
+            ln.begin_round(ln.shared_state())
         ln.update(buf.sample(cfg.batch_size, g))
-        if every and (i + 1) % every == 0:
+        if (i + 1) % 100 == 0 or (every and (i + 1) % every == 0):
             with torch.no_grad():
-                curve.append(round(ln.critic(buf.obs, buf.actions).mean().item(), 2))
+                q = ln.critic(buf.obs, buf.actions).mean().item()
+            lowest = min(lowest, q)
+            if every and (i + 1) % every == 0:
+                curve.append(round(q, 2))
     with torch.no_grad():
         q = ln.critic(buf.obs, buf.actions).mean().item()
-    return {"q_data": q, "curve": curve, "least_return": float(tr.returns_to_go(cfg.gamma).min()),
-            "true_value": 1.0 / (1.0 - cfg.gamma)}
+    return {"q_data": q, "curve": curve, "lowest": round(min(lowest, q), 2),
+            "least_return": float(tr.returns_to_go(cfg.gamma).min()), "true_value": 1.0 / (1.0 - cfg.gamma)}
 
 
 def cmd_cycle(a) -> int:
@@ -195,21 +205,28 @@ def cmd_cycle(a) -> int:
 def cycle_md(results: Path = RESULTS) -> str:
     r = json.loads((Path(results) / "cycle.json").read_text())
     n = r["steps"] // 5
-    lines = [f"| variant | learner | Q on the data at {', '.join(str(n * i) for i in range(1, 6))} steps |",
-             "| --- | --- | --- |"]
+    lines = [f"| variant | learner | Q on the data at {', '.join(str(n * i) for i in range(1, 6))} steps | lowest |",
+             "| --- | --- | --- | --- |"]
     for row in r["rows"]:
-        lines.append(f"| {row['variant']} | {row['algo']} | {' / '.join(f'{q:.1f}' for q in row['curve'])} |")
+        lines.append(f"| {row['variant']} | {row['algo']} | {' / '.join(f'{q:.1f}' for q in row['curve'])} | "
+                     f"{row['lowest']:.1f} |")
     return "\n".join(lines)
 
 
 def candidates_md(results: Path = RESULTS) -> str:
     """One row per candidate cell (``--cells candidates``): Q on the data and the return by round."""
-    lines = ["| task | cell | Q on the data by round | return by round |", "| --- | --- | --- | --- |"]
-    for f in sorted(Path(results).glob("*-drpo-now*.json")):
+    lines = ["| task | cell | seed | Q on the data by round | return by round |", "| --- | --- | --- | --- | --- |"]
+    files = sorted(Path(results).glob("*-drpo-now*.json"))
+    same = Path(results) / "drpo-alpha_lr_3e-4.json"  # walker2d at today's defaults, run as a cause
+    if same.exists() and not (Path(results) / "walker2d-drpo-now.json").exists():
+        files.append(same)
+    for f in files:
         r = json.loads(f.read_text())
-        task, cell = r["key"].split("-", 1)
+        task, cell = r["key"].split("-", 1) if r["key"] != "drpo-alpha_lr_3e-4" else ("walker2d", "drpo-now (cause alpha_lr_3e-4)")
+        seed = r["config"]["seed"]
+        cell = cell.removesuffix(f"-s{seed}")
         rows = summary(r)
-        lines.append(f"| {task} | {cell} | {' / '.join(format(x['q_data'], '.1f') for x in rows)} | "
+        lines.append(f"| {task} | {cell} | {seed} | {' / '.join(format(x['q_data'], '.1f') for x in rows)} | "
                      f"{' / '.join(str(round(x['return'])) for x in rows)} |")
     return "\n".join(lines)
 
@@ -266,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--cells", choices=("base", "causes", "all", "candidates"), default="base")
     r.add_argument("--dataset", choices=DATASETS, default=DATASET, help="with --cells candidates")
+    r.add_argument("--seed", type=int, default=0, help="with --cells candidates (default 0; others keep 0)")
     r.add_argument("--work", default=str(ROOT / "runs" / "critic_sink"))
     r.add_argument("--only", default="", help=f"with --cells causes: these of {', '.join(CAUSES)}; "
                                               f"with candidates: of {', '.join(CANDIDATES)}")
