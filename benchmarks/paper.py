@@ -102,7 +102,8 @@ PRESETS = {
                                             "halfcheetah-expert-v2"),
                                   study_dataset="halfcheetah-medium-v2"),
     # The claim preset's hopper-medium column at the defaults chosen on 2026-11-27 (the temperature
-    # at 3e-4): its own folder, so the earlier claim's results keep their settings beside it
+    # at 3e-4, the CQL penalty's gradient stopped at the data's return-to-go): its own folder, so
+    # the earlier claim's results keep their settings beside it
     "claim-v2": Preset("claim-v2", 5, 5, 1000, 10, 10, 1, (0, 1, 2), datasets=("hopper-medium-v2",),
                        transitions=5000, methods=("drpo", "fed-cql", "cql", "fed-bc"), planned=("table",)),
     # The claim at a scale that can show it (issue: 10k actor steps per agent, three seeds): the
@@ -114,7 +115,7 @@ PRESETS = {
                     methods=("drpo", "fed-cql", "cql", "fed-bc", "fed-bc-3e-4"), dataset_first=True,
                     planned=("table", "lambdas")),
     # The paper's Ant-v5 rows at the paper's scale (the sets come from the shipped Ant behaviour
-    # policies: random always; medium, medium-replay and expert once they ship, issue 56)
+    # policies, fedrl/behavior/checkpoints/ant)
     "ant": Preset("ant", 10, 5, 1000, 20, 10, 1, (0, 1, 2, 3, 4),
                   datasets=("ant-medium-v2", "ant-medium-replay-v2", "ant-expert-v2"),
                   study_dataset="ant-medium-v2", planned=("table",)),
