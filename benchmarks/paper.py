@@ -90,6 +90,9 @@ class Preset:
     # the experiments this preset is meant to run (None: all); ``run --experiment all`` runs
     # these and ``status`` marks the others as outside the plan
     planned: tuple[str, ...] | None = None
+    # other presets whose finished runs a run here copies when they are the same computation
+    # (:func:`find_identical`): a rerun at new DRPO defaults need not train Fed-BC again
+    reuse_from: tuple[str, ...] = ()
 
 
 PRESETS = {
@@ -105,7 +108,8 @@ PRESETS = {
     # at 3e-4, the CQL penalty's gradient stopped at the data's return-to-go): its own folder, so
     # the earlier claim's results keep their settings beside it
     "claim-v2": Preset("claim-v2", 5, 5, 1000, 10, 10, 1, (0, 1, 2), datasets=("hopper-medium-v2",),
-                       transitions=5000, methods=("drpo", "fed-cql", "cql", "fed-bc"), planned=("table",)),
+                       transitions=5000, methods=("drpo", "fed-cql", "cql", "fed-bc"), planned=("table",),
+                       reuse_from=("claim",)),
     # The claim at a scale that can show it (issue: 10k actor steps per agent, three seeds): the
     # paper's 1,000 local steps per round, agents holding the paper's ~5,000 transitions each
     # (whole hopper-medium episodes: ~20 of them), 10 rounds; every round checkpointed.
@@ -379,26 +383,33 @@ LEGACY_DEFAULTS = {"drpo": {"td_weight": 1.0, "cql_calibration": "none"}}
 
 
 def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS, device: str = "cpu") -> Path | None:
-    """A finished run of any experiment of this preset with exactly r's configuration.
+    """A finished run of any experiment of this preset (or of ``p.reuse_from``'s) with exactly r's
+    configuration, less the settings its method never reads (Fed-BC reads no DRPO setting).
 
     Runs are deterministic (one thread, seeded), so e.g. the agents study's 5-agent point is the
     table's run on the same dataset: it is copied, not trained again."""
     from fedrl.algos import BCConfig, DRPOConfig
     from fedrl.federation.simulate import SimConfig
 
+    unread = {"fed-bc": ("drpo",)}.get(r.algo, ())  # what fedrl.federation.round.algo_config ignores
     cfg = sim_config(p, r, device)
     want = json.loads(json.dumps(cfg.as_dict()))
+    for k in unread:
+        want.pop(k)
     # options added after a run was recorded are absent from its file; they ran at their default of
     # the time, which is today's but for the defaults that changed since (LEGACY_DEFAULTS)
     defaults = json.loads(json.dumps(SimConfig(drpo=DRPOConfig(), bc=BCConfig()).as_dict()))
     for k, v in LEGACY_DEFAULTS.items():
         defaults[k].update(v)
-    for f in sorted((Path(root) / f"paper-{p.name}").glob("*/*.json")):
+    files = [f for name in (p.name, *p.reuse_from) for f in sorted((Path(root) / f"paper-{name}").glob("*/*.json"))]
+    for f in files:
         res = json.loads(f.read_text())
         have = res.get("config")
         if res.get("reused_from") or not isinstance(have, dict):
             continue
         have = {**defaults, **have, **{k: {**defaults[k], **have.get(k, {})} for k in ("drpo", "bc")}}
+        for k in unread:
+            have.pop(k)
         if have == want:
             return f
     return None
@@ -407,7 +418,8 @@ def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS, device: str = "c
 def reuse(p: Preset, r: RunSpec, src: Path, root: Path = RESULTS) -> dict[str, Any]:
     res = json.loads(src.read_text())
     res.update(experiment=r.experiment, key=r.key, variant=r.variant,
-               reused_from=f"{src.parent.name}/{src.stem}")
+               reused_from=(f"{src.parent.parent.name}/" if src.parent.parent.name != f"paper-{p.name}" else "")
+               + f"{src.parent.name}/{src.stem}")
     return _write_result(p, r, res, root)
 
 
@@ -451,7 +463,8 @@ def cmd_run(a) -> int:
             continue
         src = find_identical(p, r, root, device)
         if src is not None:
-            report(r, reuse(p, r, src, root), 0, f", same configuration as {src.parent.name}/{src.stem}")
+            res = reuse(p, r, src, root)
+            report(r, res, 0, f", same configuration as {res['reused_from']}")
         else:
             pending.append(r)
     from fedrl.common.progress import Progress
@@ -891,7 +904,7 @@ def system_md(root: Path = RESULTS) -> str:
 
 # The presets BENCHMARKS.md shows, and which of their blocks (None: all of them)
 MD_BLOCKS: dict[str, tuple[str, ...] | None] = {"reduced": None, "reduced-halfcheetah": ("table", "best"),
-                                                 "claim": ("table", "best", "lambdas")}
+                                                 "claim": ("table", "best", "lambdas"), "claim-v2": ("table", "best")}
 
 
 def md_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:

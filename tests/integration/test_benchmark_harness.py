@@ -186,7 +186,7 @@ def test_lambdas_are_the_papers_two_sweeps_crossing_once():
 
 def test_a_file_without_td_weight_ran_at_the_old_default_and_is_not_reused_for_the_new(tmp_path):
     p = paper.PRESETS["smoke"]
-    r = paper.plan(p, "table", p.seeds)[0]
+    r = next(x for x in paper.plan(p, "table", p.seeds) if x.algo == "drpo")  # Fed-BC reads no DRPO setting
     dst = paper.result_path(p, r, tmp_path)
     dst.parent.mkdir(parents=True)
     res = json.loads(paper.result_path(p, r, COMMITTED).read_text())
@@ -553,3 +553,27 @@ def test_the_harness_runs_ant(tmp_path):
         assert res["datasets"] == ["ant-random-v2"] and res["final"]["round"] == p.rounds, r.key
         assert math.isfinite(res["final"]["return_mean"]) and len(res["curve"]) == p.rounds, r.key
         assert all("ant-random-v2" in sh["source"] for sh in res["shards"]), r.key
+
+
+def test_a_rerun_at_new_drpo_settings_copies_fed_bc_from_the_older_preset_and_nothing_else(tmp_path):
+    """claim-v2 reruns the claim at new DRPO defaults: Fed-BC reads no DRPO setting, so its runs are
+    the claim's, copied; every CQL-based run, or a Fed-BC run whose own settings differ, trains."""
+    import dataclasses
+
+    old = paper.PRESETS["smoke"]
+    new = dataclasses.replace(old, name="smoke-v2", drpo={**old.drpo, "alpha_lr": 1e-3}, reuse_from=("smoke",))
+    runs = {r.algo: r for r in paper.plan(new, "table", new.seeds)}
+    for r in paper.plan(old, "table", old.seeds):  # the older preset's finished runs
+        dst = paper.result_path(old, r, tmp_path)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(json.dumps(json.loads(paper.result_path(old, r, COMMITTED).read_text())))
+    src = paper.result_path(old, runs["fed-bc"], tmp_path)
+    assert paper.find_identical(new, runs["fed-bc"], tmp_path) == src
+    for algo in ("drpo", "fed-cql", "cql"):
+        assert paper.find_identical(new, runs[algo], tmp_path) is None, algo
+    assert paper.reuse(new, runs["fed-bc"], src, tmp_path)["reused_from"] == "paper-smoke/table/fed-bc-medium-s0"
+    # without reuse_from the older preset is not searched; with other BC settings nothing matches
+    assert paper.find_identical(dataclasses.replace(new, reuse_from=()), runs["fed-bc"], tmp_path) is None
+    other_bc = dataclasses.replace(new, bc={**new.bc, "lr": 1e-3})
+    bc_run = next(x for x in paper.plan(other_bc, "table", new.seeds) if x.algo == "fed-bc")
+    assert paper.find_identical(other_bc, bc_run, tmp_path) is None
