@@ -50,7 +50,10 @@ CAUSES = {"alpha_lr_3e-4": {"alpha_lr": 3e-4}, "target_mean": {"target_action": 
 CANDIDATES = {"now": {"cql_calibration": "none"}, "now-target_mean": {"target_action": "mean"}, "now-cql_weight_5": {"cql_weight": 5.0},
               "now-target_mean-cql_weight_5": {"target_action": "mean", "cql_weight": 5.0},
               "now-calibrated": {"cql_calibration": "returns"},
-              "now-calibrated-gradient": {"cql_calibration": "returns-gradient"}}
+              "now-calibrated-gradient": {"cql_calibration": "returns-gradient"},
+              # the gradient stop with the actor's Q term scaled to 2.5 / mean|Q| (TD3+BC): does the
+              # data regulariser's shrinking share of the actor loss, as Q grows, cost walker2d its return?
+              "now-calibrated-gradient-q_normalized": {"cql_calibration": "returns-gradient", "q_scale": "normalized"}}
 DATASETS = ("walker2d-medium-v2", "hopper-medium-v2")
 TRACE_EVERY = 100
 
