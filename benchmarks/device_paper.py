@@ -1,13 +1,16 @@
-"""The ``paper`` preset's table column for one dataset in one call of a lent GPU: measure, fit, run, pack.
+"""A preset's table column for one dataset in one call of a lent GPU: measure, fit, run, pack.
 
-    python -m benchmarks.device_paper run --budget 540 --out DIR [--dataset hopper-medium-v2] [--seeds 0,1,2]
+    python -m benchmarks.device_paper run --budget 540 --out DIR [--preset paper] [--dataset hopper-medium-v2] [--seeds 0,1,2]
     python -m benchmarks.device_paper unpack DIR/paper-device.tgz
     python -m benchmarks.device_paper run --tiny --device cpu --out DIR   (the CPU check: 2 agents, 2 rounds, 5 steps)
 
 The column: DRPO, Fed-CQL, CQL alone and Fed-BC, 10 agents x 20 rounds x 1,000 local steps, each
 agent holding the paper's ~5,000 transitions (whole episodes, as the ``claim`` preset), three
 seeds; the cells and their settings are ``benchmarks.paper``'s (``paper`` preset, ``table``
-experiment), so the results render beside the harness's own. Every cell trains in one process
+experiment), so the results render beside the harness's own. ``--preset claim-v2`` runs that
+preset's column instead (the claim's scale at today's defaults). Cells whose result is already in
+``--results`` (default ``benchmarks/results``: finished on the CPU, or copied, as claim-v2's
+Fed-BC) are left out. Every cell trains in one process
 as one batched model (``fedrl.federation.cells``: the DRPO family in one batch, Fed-BC in
 another), each round evaluated in one vectorised pass spread over the machine's idle cores.
 
@@ -21,8 +24,8 @@ another), each round evaluated in one vectorised pass spread over the machine's 
 4. Pack: each finished cell's result in the harness's format, every cell's ``rounds.jsonl``, the
    rates, the plan and the machine into ``DIR/paper-device.tgz`` (and ``DIR/device.json``).
 
-``unpack`` puts finished cells in ``benchmarks/results/paper-paper/table/`` and unfinished cells'
-rows in ``benchmarks/results/paper-paper/partial-device/``.
+``unpack`` puts finished cells in ``benchmarks/results/paper-PRESET/table/`` and unfinished cells'
+rows in ``benchmarks/results/paper-PRESET/partial-device/``.
 """
 
 from __future__ import annotations
@@ -47,17 +50,22 @@ def log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
-def preset(tiny: bool):
+def preset(tiny: bool, name: str = "paper"):
     from benchmarks.paper import PRESETS
 
     if tiny:  # the CPU check of the whole path: smoke sizes, 2 agents x 2 rounds x 5 local steps
         return dataclasses.replace(PRESETS["smoke"], agents=2, rounds=2, local_steps=5, eval_episodes=2)
-    return dataclasses.replace(PRESETS["paper"], transitions=5000, eval_episodes=10)
+    if name == "paper":  # the paper's agents and rounds, agents holding whole episodes as the claim's
+        return dataclasses.replace(PRESETS["paper"], transitions=5000, eval_episodes=10)
+    if name not in PRESETS:
+        raise SystemExit(f"--preset: no preset {name!r} (presets: {', '.join(PRESETS)})")
+    return PRESETS[name]
 
 
-def plan_cells(p, dataset: str, seeds: tuple[int, ...], device: str):
-    """The harness's RunSpecs for the column and their cells (``fedrl.federation.cells.Cell``)."""
-    from benchmarks.paper import plan, sim_config
+def plan_cells(p, dataset: str, seeds: tuple[int, ...], device: str, done_in: Path | None = None):
+    """The harness's RunSpecs for the column and their cells (``fedrl.federation.cells.Cell``),
+    less those whose result ``done_in`` already holds."""
+    from benchmarks.paper import plan, result_path, sim_config
     from fedrl.federation.cells import Cell
 
     # the methods' own columns (a named variant such as Fed-BC at lr 3e-4 carries "method")
@@ -65,6 +73,13 @@ def plan_cells(p, dataset: str, seeds: tuple[int, ...], device: str):
              if r.datasets == (dataset,) and r.algo in METHODS and "method" not in r.variant]
     if not specs:
         raise SystemExit(f"no cells of {dataset} in the {p.name} preset's table")
+    if done_in is not None:
+        done = [r.key for r in specs if result_path(p, r, done_in).exists()]
+        if done:
+            log(f"already in {done_in}: {', '.join(done)}")
+        specs = [r for r in specs if r.key not in done]
+        if not specs:
+            raise SystemExit(f"every cell of {dataset} in the {p.name} preset's table is already in {done_in}")
     return specs, [Cell(r.key, sim_config(p, r, device)) for r in specs]
 
 
@@ -138,12 +153,14 @@ def cmd_run(a) -> int:
     deadline = t_start + a.budget
     device = str(resolve_device(a.device))
     torch.set_num_threads(1 if device.startswith("cuda") else max(1, a.threads))
-    p = preset(a.tiny)
+    p = preset(a.tiny, a.preset)
     seeds = tuple(int(s) for s in a.seeds.split(","))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
-    specs, cells = plan_cells(p, a.dataset, seeds, device)
+    done_in = Path(a.results) if a.results else None if a.tiny else ROOT / "benchmarks" / "results"
+    specs, cells = plan_cells(p, a.dataset, seeds, device, done_in)
+    seeds = tuple(s for s in seeds if any(r.seed == s for r in specs))  # those with a cell left to run
     log(f"{len(cells)} cells planned on {device}: {', '.join(c.key for c in cells)}")
     rates = measure(cells, device, a.measure_seconds)
     for kind, r in rates.items():
@@ -224,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--budget", type=float, default=540.0, help="seconds this call may take in all (default 540)")
     r.add_argument("--out", required=True)
+    r.add_argument("--preset", default="paper",
+                   help="benchmarks.paper preset whose table column runs (default paper: its agents and rounds, "
+                        "agents holding ~5,000 transitions; claim-v2: the claim at today's defaults)")
+    r.add_argument("--results", default=None,
+                   help="cells whose result file this folder holds are left out (default benchmarks/results; "
+                        "with --tiny, none)")
     r.add_argument("--dataset", default="hopper-medium-v2")
     r.add_argument("--seeds", default="0,1,2")
     r.add_argument("--device", default="auto")

@@ -577,3 +577,24 @@ def test_a_rerun_at_new_drpo_settings_copies_fed_bc_from_the_older_preset_and_no
     other_bc = dataclasses.replace(new, bc={**new.bc, "lr": 1e-3})
     bc_run = next(x for x in paper.plan(other_bc, "table", new.seeds) if x.algo == "fed-bc")
     assert paper.find_identical(other_bc, bc_run, tmp_path) is None
+
+
+def test_device_paper_runs_claim_v2s_column_less_what_is_already_done(tmp_path):
+    """``device_paper run --preset claim-v2``: the claim-v2 cells at that preset's scale and today's
+    defaults, less the cells whose result is already there (Fed-BC, copied from the claim; a cell
+    finished on the CPU), so a lent GPU spends its minutes on what is missing."""
+    from benchmarks import device_paper as dp
+
+    p = dp.preset(False, "claim-v2")
+    specs, cells = dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu", COMMITTED)
+    assert {r.algo for r in specs} <= {"drpo", "fed-cql", "cql"} and all(r.algo != "fed-bc" for r in specs)
+    c = cells[[r.key for r in specs].index("drpo-medium-s0")].cfg
+    assert (c.agents, c.rounds, c.local_steps, c.transitions) == (5, 10, 1000, 5000)
+    assert c.drpo == paper.sim_config(p, specs[0]).drpo  # the harness's settings: today's defaults
+    done = paper.result_path(p, specs[0], tmp_path)
+    done.parent.mkdir(parents=True)
+    done.write_text("{}")
+    left, _ = dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu", tmp_path)
+    assert [r.key for r in left] == [r.key for r in dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu")[0]][1:]
+    with pytest.raises(SystemExit, match="no preset"):
+        dp.preset(False, "claim-v3")
