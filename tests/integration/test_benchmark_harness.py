@@ -582,19 +582,27 @@ def test_a_rerun_at_new_drpo_settings_copies_fed_bc_from_the_older_preset_and_no
 def test_device_paper_runs_claim_v2s_column_less_what_is_already_done(tmp_path):
     """``device_paper run --preset claim-v2``: the claim-v2 cells at that preset's scale and today's
     defaults, less the cells whose result is already there (Fed-BC, copied from the claim; a cell
-    finished on the CPU), so a lent GPU spends its minutes on what is missing."""
+    finished on the CPU), so a lent GPU spends its minutes on what is missing. The results folder is
+    the test's own: the committed one fills as cells finish."""
     from benchmarks import device_paper as dp
 
     p = dp.preset(False, "claim-v2")
-    specs, cells = dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu", COMMITTED)
-    assert {r.algo for r in specs} <= {"drpo", "fed-cql", "cql"} and all(r.algo != "fed-bc" for r in specs)
-    c = cells[[r.key for r in specs].index("drpo-medium-s0")].cfg
+    every, cells = dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu")
+    assert sorted({r.algo for r in every}) == ["cql", "drpo", "fed-bc", "fed-cql"] and len(every) == 12
+    c = cells[[r.key for r in every].index("drpo-medium-s0")].cfg
     assert (c.agents, c.rounds, c.local_steps, c.transitions) == (5, 10, 1000, 5000)
-    assert c.drpo == paper.sim_config(p, specs[0]).drpo  # the harness's settings: today's defaults
-    done = paper.result_path(p, specs[0], tmp_path)
-    done.parent.mkdir(parents=True)
-    done.write_text("{}")
+    assert c.drpo == paper.sim_config(p, every[0]).drpo  # the harness's settings: today's defaults
+    done = [r for r in every if r.algo == "fed-bc" or r.key == "drpo-medium-s0"]
+    for r in done:
+        f = paper.result_path(p, r, tmp_path)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("{}")
     left, _ = dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu", tmp_path)
-    assert [r.key for r in left] == [r.key for r in dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu")[0]][1:]
+    assert [r.key for r in left] == [r.key for r in every if r not in done] and len(left) == 8
+    for r in every:
+        paper.result_path(p, r, tmp_path).parent.mkdir(parents=True, exist_ok=True)
+        paper.result_path(p, r, tmp_path).write_text("{}")
+    with pytest.raises(SystemExit, match="already in"):
+        dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu", tmp_path)
     with pytest.raises(SystemExit, match="no preset"):
         dp.preset(False, "claim-v3")
