@@ -391,7 +391,10 @@ def find_identical(p: Preset, r: RunSpec, root: Path = RESULTS, device: str = "c
     from fedrl.algos import BCConfig, DRPOConfig
     from fedrl.federation.simulate import SimConfig
 
-    unread = {"fed-bc": ("drpo",)}.get(r.algo, ())  # what fedrl.federation.round.algo_config ignores
+    from fedrl.federation.round import algo_config
+
+    # a learner reads one of the two hyperparameter sets, the one algo_config hands it
+    unread = ("drpo",) if isinstance(algo_config(r.algo, DRPOConfig(), BCConfig()), BCConfig) else ("bc",)
     cfg = sim_config(p, r, device)
     want = json.loads(json.dumps(cfg.as_dict()))
     for k in unread:
