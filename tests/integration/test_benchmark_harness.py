@@ -592,16 +592,18 @@ def test_device_paper_runs_claim_v2s_column_less_what_is_already_done(tmp_path):
     c = cells[[r.key for r in every].index("drpo-medium-s0")].cfg
     assert (c.agents, c.rounds, c.local_steps, c.transitions) == (5, 10, 1000, 5000)
     assert c.drpo == paper.sim_config(p, every[0]).drpo  # the harness's settings: today's defaults
+
+    def mark_done(runs):
+        for r in runs:
+            f = paper.result_path(p, r, tmp_path)
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text("{}")
+
     done = [r for r in every if r.algo == "fed-bc" or r.key == "drpo-medium-s0"]
-    for r in done:
-        f = paper.result_path(p, r, tmp_path)
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text("{}")
+    mark_done(done)
     left, _ = dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu", tmp_path)
     assert [r.key for r in left] == [r.key for r in every if r not in done] and len(left) == 8
-    for r in every:
-        paper.result_path(p, r, tmp_path).parent.mkdir(parents=True, exist_ok=True)
-        paper.result_path(p, r, tmp_path).write_text("{}")
+    mark_done(every)
     with pytest.raises(SystemExit, match="already in"):
         dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu", tmp_path)
     with pytest.raises(SystemExit, match="no preset"):
