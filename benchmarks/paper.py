@@ -52,9 +52,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 ALGO_ORDER = ("fed-bc", "fed-cql", "cql", "drpo")
 ALGO_LABEL = {"fed-bc": "Fed-BC", "fed-cql": "Fed-CQL", "cql": "CQL (alone)", "drpo": "DRPO",
-              "fed-bc-3e-4": "Fed-BC at lr 3e-4"}
-# Named variants of a method: a table column of its own (key -> (algorithm, BC overrides))
-VARIANTS = {"fed-bc-3e-4": ("fed-bc", {"lr": 3e-4})}
+              "fed-bc-3e-4": "Fed-BC at lr 3e-4", "drpo-returns-gradient": "DRPO, penalty's gradient stopped at G"}
+# Named variants of a method: a table column of its own (key -> (algorithm, {"bc"/"drpo": overrides}))
+VARIANTS = {"fed-bc-3e-4": ("fed-bc", {"bc": {"lr": 3e-4}}),
+            "drpo-returns-gradient": ("drpo", {"drpo": {"cql_calibration": "returns-gradient"}})}
 EXPERIMENTS = ("table", "agents", "trajectories", "local_steps", "lambdas", "q_scale", "q_scale_long")
 
 
@@ -93,6 +94,8 @@ class Preset:
     # other presets whose finished runs a run here copies when they are the same computation
     # (:func:`find_identical`): a rerun at new DRPO defaults need not train Fed-BC again
     reuse_from: tuple[str, ...] = ()
+    final_episodes: int = 0  # > 0: the final policy evaluated again with this many episodes
+    grad_norms_every: int = 0  # > 0: the actor's gradient norm from each term, every this many local steps
 
 
 PRESETS = {
@@ -110,6 +113,15 @@ PRESETS = {
     "claim-v2": Preset("claim-v2", 5, 5, 1000, 10, 10, 1, (0, 1, 2), datasets=("hopper-medium-v2",),
                        transitions=5000, methods=("drpo", "fed-cql", "cql", "fed-bc"), planned=("table",),
                        reuse_from=("claim",)),
+    # The verdict at the paper's per-agent budget (issue 68): the claim-v2 column at the paper's 20
+    # rounds x 1,000 local steps (20,000 actor steps per agent), the critic as the paper writes it
+    # (CQL(H), eq. cql) with the temperature at 3e-4, today's default critic as the named variant
+    # drpo-returns-gradient; every setting a default change could move is written out. The final
+    # policy is evaluated again over 50 episodes; the actor's per-term gradient norms every 50 steps.
+    "verdict": Preset("verdict", 5, 5, 1000, 20, 10, 1, (0, 1, 2), datasets=("hopper-medium-v2",),
+                      transitions=5000, methods=("drpo", "drpo-returns-gradient", "fed-cql", "cql", "fed-bc"),
+                      drpo={"cql_calibration": "none", "alpha_lr": 3e-4, "td_weight": 2.0}, planned=("table",),
+                      final_episodes=50, grad_norms_every=50),
     # The claim at a scale that can show it (issue: 10k actor steps per agent, three seeds): the
     # paper's 1,000 local steps per round, agents holding the paper's ~5,000 transitions each
     # (whole hopper-medium episodes: ~20 of them), 10 rounds; every round checkpointed.
@@ -169,8 +181,9 @@ def plan(p: Preset, experiment: str, seeds: tuple[int, ...]) -> list[RunSpec]:
         if experiment == "table":
             for d in p.datasets:
                 for m in p.methods:
-                    a, bc = VARIANTS.get(m, (m, {}))
-                    runs.append(RunSpec("table", f"{m}-{short(d)}-s{s}", a, (d,), s, **base, bc=bc,
+                    a, over = VARIANTS.get(m, (m, {}))
+                    runs.append(RunSpec("table", f"{m}-{short(d)}-s{s}", a, (d,), s, **base, bc=over.get("bc", {}),
+                                        drpo=over.get("drpo", {}),
                                         variant={"dataset": short(d), **({"method": m} if m != a else {})}))
         elif experiment in ("agents", "trajectories"):
             grid = p.agents_grid if experiment == "agents" else p.trajectories_grid
@@ -233,6 +246,7 @@ def sim_config(p: Preset, r: RunSpec, device: str = "cpu"):
                      transitions=p.transitions,
                      rounds=r.rounds or p.rounds, local_steps=r.local_steps, eval_episodes=p.eval_episodes,
                      eval_every=r.eval_every or p.eval_every, seed=r.seed, device=device,
+                     final_eval_episodes=p.final_episodes, grad_norms_every=p.grad_norms_every,
                      drpo=cfg(DRPOConfig, {**p.drpo, **r.drpo}), bc=cfg(BCConfig, {**p.bc, **r.bc}))
 
 
@@ -266,6 +280,7 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1,
            "seed": r.seed, "agents": r.agents, "trajectories": r.trajectories, "local_steps": r.local_steps,
            "rounds": cfg.rounds, "variant": r.variant, "config": cfg.as_dict(),
            "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
+           **({"final_long": summary["final_long"]} if "final_long" in summary else {}),
            "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": revision,
            "device_name": _device_name(cfg.device), "torch": torch.__version__,
            "shards": json.loads((work / "config.json").read_text())["shards"]}
@@ -566,7 +581,7 @@ def _ms(xs: list[float]) -> str:
 
 def columns(p: Preset) -> tuple[str, ...]:
     """The preset's methods in the paper's column order, named variants beside their method."""
-    order = ("fed-bc", "fed-bc-3e-4", "fed-cql", "cql", "drpo")
+    order = ("fed-bc", "fed-bc-3e-4", "fed-cql", "cql", "drpo", "drpo-returns-gradient")
     return tuple(m for m in order if m in p.methods)
 
 

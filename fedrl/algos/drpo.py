@@ -145,7 +145,8 @@ def _returns(batch: Batch) -> torch.Tensor:
 
 def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, noise: Noise, cfg: DRPOConfig,
                 coefs: Coefs, log_alpha: torch.Tensor | None, alpha: torch.Tensor, act_dim: int,
-                twin_dim: int, data_reg: bool, global_reg: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+                twin_dim: int, data_reg: bool, global_reg: bool,
+                grad_params: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """The losses of one DRPO step (temperature, actor, critic; each one value per learner), and
     its diagnostics. The single learner (``twin_dim=0``, its critics called as they are: ``(2, B)``)
     and the batched one (``twin_dim=1``, :meth:`EnsembleCritic.grouped`: ``(L, 2, B)``) both run
@@ -153,7 +154,10 @@ def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, nois
 
     ``cfg`` gives the structural settings (sample counts, the Q scale, the action clip);
     ``coefs`` the weights and the TD target's action (``cfg``'s own are not read); ``data_reg`` / ``global_reg`` whether the lambda terms are
-    computed at all (a learner whose lambda is 0 in a batch that computes them multiplies by 0)."""
+    computed at all (a learner whose lambda is 0 in a batch that computes them multiplies by 0).
+
+    ``grad_params``: the policy's parameters, to also measure the norm of the actor's gradient
+    from each of its terms (:func:`actor_grad_norms`; costs five more backward passes)."""
     obs, act, rew, next_obs, done = batch[:5]
     floor = None
     if isinstance(coefs.calibrate, torch.Tensor):  # per learner: the floor, or -inf (no calibration)
@@ -191,6 +195,7 @@ def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, nois
     actor = actor_loss(q_pi, log_pi, alpha, nll_data, nll_global,
                        coefs.lambda1, coefs.lambda2, cfg.q_scale, coefs.q_norm)
     losses.append(actor.total)
+    grad_norms = actor_grad_norms(actor, coefs, grad_params, twin_dim) if grad_params is not None else {}
 
     # Critic: TD target from pi(.|s') and the target critics; CQL(H) proposals.
     with torch.no_grad():
@@ -231,8 +236,30 @@ def drpo_losses(policy, global_policy, critic, critic_target, batch: Batch, nois
             "td_target": y.mean(dim=-1),
             "cql_logsumexp": c_cql.detach() / 2.0 + q_data_mean,
             "entropy": -log_pi.detach().mean(dim=-1),
+            **grad_norms,
         }
     return losses, diag
+
+
+def actor_grad_norms(actor: ActorLoss, coefs: Coefs, params: list[torch.Tensor],
+                     twin_dim: int) -> dict[str, torch.Tensor]:
+    """The norm of the gradient of L_pi with respect to the policy's ``params`` from each of its
+    terms as weighted in L_pi (the Q term, alpha log pi, lambda1 D(pi, pi_b), lambda2 D(pi, pi_bar))
+    and from the whole: which term steers the actor. Per learner: with ``twin_dim`` the parameters
+    are stacked ``(L, ...)`` and each learner's norm sums over its own slice. A term that is off
+    (its lambda's regulariser not computed) has norm 0. The graph is kept for the step's backward."""
+    terms = {"grad_q": actor.q_term, "grad_entropy": actor.entropy_term,
+             "grad_lambda1": coefs.lambda1 * actor.reg_data, "grad_lambda2": coefs.lambda2 * actor.reg_global,
+             "grad_actor": actor.total}
+    out = {}
+    for name, term in terms.items():
+        if not term.requires_grad:
+            out[name] = torch.zeros_like(actor.total.detach())
+            continue
+        grads = torch.autograd.grad(term.sum(), params, retain_graph=True, allow_unused=True)
+        sq = [g.pow(2).flatten(start_dim=1 if twin_dim else 0).sum(dim=-1) for g in grads if g is not None]
+        out[name] = torch.stack(sq).sum(dim=0).sqrt() if sq else torch.zeros_like(actor.total.detach())
+    return out
 
 
 class DRPOLearner:
@@ -342,16 +369,19 @@ class DRPOLearner:
                      cfg.q_norm, cfg.target_action == "mean", cfg.cql_calibration != "none",
                      cfg.cql_calibration == "returns-gradient")
 
-    def update(self, batch: Batch, noise: Noise | None = None) -> dict[str, torch.Tensor]:
+    def update(self, batch: Batch, noise: Noise | None = None, grad_norms: bool = False) -> dict[str, torch.Tensor]:
         """One DRPO step: temperature, actor and critic losses, one backward, one Polyak update.
-        ``noise``: the step's draws (default: drawn from the learner's generator)."""
+        ``noise``: the step's draws (default: drawn from the learner's generator). ``grad_norms``:
+        also report the actor's gradient norm from each term (:func:`actor_grad_norms`); the step
+        itself is unchanged."""
         cfg = self.cfg
         if noise is None:
             noise = draw_noise(self.gen, (), batch.obs.shape[0], self.act_dim, cfg, cfg.lambda2 > 0,
                                batch.obs.device, batch.obs.dtype)
         losses, diag = drpo_losses(self.policy, self.global_policy, self.critic, self.critic_target, batch, noise,
                                    cfg, self.coefs(), self.log_alpha, self.alpha, self.act_dim, 0,
-                                   cfg.lambda1 > 0, cfg.lambda2 > 0)
+                                   cfg.lambda1 > 0, cfg.lambda2 > 0,
+                                   [q for q in self.policy.parameters() if q.requires_grad] if grad_norms else None)
 
         # The three losses touch disjoint parameters, so one backward serves all of them.
         opts = [self.actor_opt, self.critic_opt]

@@ -86,8 +86,14 @@ class LocalTrainer:
 
     def __init__(self, agent: int, cfg: DRPOConfig | BCConfig, transitions: Transitions,
                  obs_mean: np.ndarray, obs_std: np.ndarray, seed: int, device: torch.device,
-                 federate_critic: bool = False, local_normalizer: bool = False) -> None:
+                 federate_critic: bool = False, local_normalizer: bool = False, grad_norms_every: int = 0) -> None:
+        """``grad_norms_every``: on every this many-th local step of a round (its first included),
+        a DRPO learner also measures the actor's gradient norm from each term; a round's metrics
+        hold their mean over those steps (0: never; the training is the same either way)."""
+        if grad_norms_every < 0:
+            raise ValueError(f"grad_norms_every must be >= 0, got {grad_norms_every}")
         self.agent, self.cfg, self.device = agent, cfg, device
+        self.grad_norms_every = grad_norms_every if isinstance(cfg, DRPOConfig) else 0
         self.federate_critic, self.local_normalizer = federate_critic, local_normalizer
         self.obs_mean, self.obs_std = obs_mean, obs_std
         self.buffer = TensorBuffer(transitions, obs_mean, obs_std, device, returns_gamma(cfg))
@@ -119,8 +125,9 @@ class LocalTrainer:
                 raise RoundInterrupted(f"local round abandoned after {i} of {steps} steps")
             if progress is not None:
                 progress(i, steps)
-            for k, v in self.learner.update(self.buffer.sample(self.cfg.batch_size, self.learner.gen)).items():
-                logs.setdefault(k, []).append(v)
+            probe = {"grad_norms": True} if self.grad_norms_every and i % self.grad_norms_every == 0 else {}
+            for k, v in self.learner.update(self.buffer.sample(self.cfg.batch_size, self.learner.gen), **probe).items():
+                logs.setdefault(k, []).append(v)  # a probed diagnostic: its mean over the probed steps
         metrics = {k: float(torch.stack(v).float().mean()) for k, v in logs.items()}
         return LocalResult(self.agent, self.learner.shared_state(self.federate_critic, copy),
                            len(self.buffer), metrics, time.perf_counter() - t0)

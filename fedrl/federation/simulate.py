@@ -81,6 +81,12 @@ class SimConfig(FederationOptions):
     transitions (the paper's agents hold ~5,000: 5 trajectories of ~1,000 steps)."""
     eval_every: int = 1
     """Evaluate every this many rounds (the last round is always evaluated)."""
+    final_eval_episodes: int = 0
+    """With > 0, the final policy is evaluated once more with this many episodes (their own seed),
+    reported as the summary's ``final_long`` (0: not)."""
+    grad_norms_every: int = 0
+    """With > 0, DRPO/CQL agents measure the actor's gradient norm from each of its terms on every
+    this many-th local step (per-agent engine; the training is unchanged; 0: never)."""
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda or cuda:N."""
 
@@ -90,6 +96,9 @@ class SimConfig(FederationOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("final_eval_episodes", "grad_norms_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{self.option_name(name)}: must be >= 0, got {getattr(self, name)}")
         for name in ("trajectories", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{self.option_name(name)}: must be >= 1, got {getattr(self, name)}")
@@ -211,7 +220,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     else:
         trainers = [
             LocalTrainer(s.agent, hp, s.transitions, m, sd, cfg.seed, device, federate_critic,
-                         local_normalizer=cfg.obs_norm == "local")
+                         local_normalizer=cfg.obs_norm == "local", grad_norms_every=cfg.grad_norms_every)
             for s, (m, sd) in zip(shards, norms)
         ]
         learners = {f"learner/{i}/": tr.learner for i, tr in enumerate(trainers)}
@@ -320,6 +329,17 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         "best": max(curve, key=lambda c: c["return_mean"]) if curve else None,
         "curve": curve,
     }
+    if cfg.final_eval_episodes:
+        long_seed = derive_seed(cfg.seed, SEED_EVAL, 1) % 2**31  # episodes of their own, not the rounds'
+
+        def long_eval(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+            load_prefixed(eval_policy, state, POLICY)
+            return evaluate(eval_policy, env.gym_id, cfg.final_eval_episodes, long_seed).as_dict()
+
+        long = round_evaluation(cfg.algo, [long_eval(s) for s in final_states])
+        summary["final_long"] = {"episodes": cfg.final_eval_episodes, **curve_point(cfg.rounds, long)}
+        log(f"final policy over {cfg.final_eval_episodes} episodes: return {long['return_mean']:.1f} "
+            f"± {long['return_std']:.1f}, score {long['score_mean']:.1f}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: its results are the record
     _clear_agent_checkpoints(out)
