@@ -1,6 +1,6 @@
 """One-line mis-wirings of the learning code, each of which the test suite must notice.
 
-    python -m benchmarks.mutants [--only NAME,...] [--list] [--tests FILE,...]
+    python -m benchmarks.mutants [--only NAME,...] [--list] [--tests FILE,...] [--drop FILE,...]
 
 Each mutant is a single edit of one line of ``fedrl/`` (the kind of slip a reviewer would miss:
 max for min, the online critic for the target, s' for s, a sign, a coefficient, a gradient
@@ -44,6 +44,9 @@ D, C, N, B, A, BASE = ("fedrl/algos/drpo.py", "fedrl/algos/cql.py", "fedrl/algos
                        "fedrl/federation/aggregate.py", "fedrl/algos/base.py")
 BAT, BUF = "fedrl/algos/batched.py", "fedrl/data/buffer.py"
 BATCHED_TESTS = ("tests/unit/test_batched.py",)
+# the batched engine against the per-agent one at a preset's settings (one tau, one calibration, ...)
+ENGINE_TESTS = ("tests/unit/test_batched.py", "tests/integration/test_engines_agree.py", "tests/integration/test_cells.py")
+RND, CELLS = "fedrl/federation/round.py", "fedrl/federation/cells.py"
 SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/rounds.py"
 SIM_TESTS = ("tests/integration/test_simulate.py",)
 SERVICE_TESTS = ("tests/service/test_federation.py",)
@@ -94,7 +97,7 @@ MUTANTS = (
            "if False:"),
     Mutant("gradient-calibration-stops-above-the-floor", C, "torch.where(raw_pi < f, raw_pi.detach(), raw_pi)",
            "torch.where(raw_pi > f, raw_pi.detach(), raw_pi)"),
-    Mutant("gradient-calibration-mask-of-another-learner", C, "m = gradient_only.reshape(-1, *[1] * (q_pi.ndim - 1))",
+    Mutant("batched-calibration-mask-of-another-learner", C, "m = gradient_only.reshape(-1, *[1] * (q_pi.ndim - 1))",
            "m = gradient_only.flip(0).reshape(-1, *[1] * (q_pi.ndim - 1))", BATCHED_TESTS),
     Mutant("calibration-floor-of-another-state", BUF, "self.dones[idx], None if self.returns is None else self.returns[idx])",
            "self.dones[idx], None if self.returns is None else self.returns[idx.roll(1)])",
@@ -131,6 +134,32 @@ MUTANTS = (
            "x = x.expand(groups, k, *x.shape[2:]).transpose(0, 1).reshape(self.ensemble, *x.shape[2:])", BATCHED_TESTS),
     Mutant("batched-temperature-of-another", BAT, "self.log_alpha.copy_(torch.stack([ln.log_alpha.detach() for ln in learners]))",
            "self.log_alpha.copy_(torch.stack([ln.log_alpha.detach() for ln in learners]).roll(1, 0))", BATCHED_TESTS),
+    # ...and the branches a batch takes when its learners agree (a preset's cells: one tau, one
+    # calibration, one set of lambdas), which only the engines' agreement at such settings sees
+    Mutant("batched-polyak-shared-tau-inverted", BAT, "torch._foreach_lerp_(targets, sources, self.tau)",
+           "torch._foreach_lerp_(targets, sources, 1 - self.tau)", ENGINE_TESTS),
+    Mutant("batched-sends-online-critic-as-target", BAT,
+           'st |= {f"{CRITIC_TARGET}.{k}": v for k, v in self.member_critic(m, self.critic_target).items()}',
+           'st |= {f"{CRITIC_TARGET}.{k}": v for k, v in self.member_critic(m).items()}', ENGINE_TESTS),
+    Mutant("batched-target-critic-from-global-critic", BAT,
+           "        for prefix, module in ((CRITIC, self.critic), (CRITIC_TARGET, self.critic_target)):",
+           "        for prefix, module in ((CRITIC, self.critic), (CRITIC, self.critic_target)):", ENGINE_TESTS),
+    Mutant("batched-fixed-alpha-as-log", BAT, 'self._fixed_alpha = v("alpha_init")',
+           'self._fixed_alpha = v("alpha_init").exp()', ENGINE_TESTS),
+    Mutant("batched-temperature-from-zero-is-one", BAT, "math.log(c.alpha_init) if c.alpha_init > 0 else -math.inf",
+           "math.log(c.alpha_init) if c.alpha_init > 0 else 0.0", ENGINE_TESTS),
+    Mutant("batched-actor-moments-always-reset", BAT,
+           "        if self.cfg.reset_actor_optimizer:\n            self.actor_opt.state.clear()",
+           "        if True:\n            self.actor_opt.state.clear()", ENGINE_TESTS),
+    Mutant("batched-off-term-reported", BAT,
+           'diag["reg_data"] = torch.where(self.coefs.lambda1 > 0, diag["reg_data"], 0.0)',
+           'diag["reg_data"] = diag["reg_data"]', ENGINE_TESTS),
+    Mutant("batched-local-normalizer-of-another", RND, "np.stack([m for m, _ in self.norms])",
+           "np.stack([m for m, _ in self.norms[::-1]])", ENGINE_TESTS),
+    Mutant("batched-member-draws-of-first-seed", RND, "make_generator(derive_seed(s, SEED_AGENT_RNG, a), device)",
+           "make_generator(derive_seed(seeds[0], SEED_AGENT_RNG, a), device)", ENGINE_TESTS),
+    Mutant("batched-cells-never-federate-critics", CELLS, 'federate_critic = first.federate == "policy+critic"',
+           "federate_critic = False", ENGINE_TESTS),
     # aggregation (aggregate.py)
     Mutant("fedavg-not-normalised", A, "return [wi / total for wi in w]", "return [wi for wi in w]"),
     Mutant("samples-weighting-ignored", A, "return [float(n) for n in num_samples]", "return [1.0] * len(num_samples)"),
@@ -171,12 +200,16 @@ def run_mutant(m: Mutant, tree: Path, tests: tuple[str, ...]) -> tuple[bool, flo
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.mutants", description=__doc__.split("\n\n")[1])
-    p.add_argument("--only", default="", help="comma-separated mutant names (default: all)")
+    p.add_argument("--only", default="", help="comma-separated mutant names, or groups: a name's first word "
+                   "('batched' is every batched-* mutant) (default: all)")
+    p.add_argument("--drop", default="", help="comma-separated test files left out of every mutant's tests: "
+                   "which mutants survive without them (each such test's reason to exist)")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--tests", default=",".join(TESTS), help="comma-separated test files run against each mutant")
     a = p.parse_args(argv)
-    chosen = [m for m in MUTANTS if not a.only or m.name in a.only.split(",")]
-    unknown = set(filter(None, a.only.split(","))) - {m.name for m in MUTANTS}
+    only = set(filter(None, a.only.split(",")))
+    chosen = [m for m in MUTANTS if not only or m.name in only or m.name.split("-")[0] in only]
+    unknown = only - {m.name for m in MUTANTS} - {m.name.split("-")[0] for m in MUTANTS}
     if unknown:
         raise SystemExit(f"unknown mutants: {', '.join(sorted(unknown))} (see --list)")
     if a.list:
@@ -184,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name:30s} {m.path}")
         return 0
     tests = tuple(a.tests.split(","))
+    drop = set(filter(None, a.drop.split(",")))
     with tempfile.TemporaryDirectory(prefix="fedrl-mutants-") as d:
         tree = Path(d) / "tree"
         # the committed tree, not the working one: a mutant must be judged against the tests that land
@@ -192,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             survived = []
             for m in chosen:
-                killed, secs, detail = run_mutant(m, tree, m.tests or tests)
+                mine = tuple(t for t in (m.tests or tests) if t not in drop)
+                if not mine:
+                    print(f"-        {m.name:30s} no test left once {', '.join(sorted(drop))} are dropped", flush=True)
+                    survived.append(m.name)
+                    continue
+                killed, secs, detail = run_mutant(m, tree, mine)
                 print(f"{'killed  ' if killed else 'SURVIVED'} {m.name:30s} {secs:5.0f}s  {detail}", flush=True)
                 if not killed:
                     survived.append(m.name)

@@ -300,6 +300,10 @@ class BatchedDRPO(_Stacked):
         losses, diag = drpo_losses(self.policy, self.global_policy, self.critic, self.critic_target,
                                    batch, noise, cfg, self.coefs, self.log_alpha, self.alpha, self.act_dim, 1,
                                    self.data_reg, self.global_reg)
+        # a member whose lambda is 0 reports its term as a single learner does, as 0 (the batch
+        # computed it for the members whose lambda is not)
+        diag["reg_data"] = torch.where(self.coefs.lambda1 > 0, diag["reg_data"], 0.0)
+        diag["reg_global"] = torch.where(self.coefs.lambda2 > 0, diag["reg_global"], 0.0)
         opts = list(self._optimizers().values())
         for o in opts:
             o.zero_grad(set_to_none=True)

@@ -10,7 +10,8 @@ from fedrl.data.d4rl import Transitions
 
 
 class TensorBuffer:
-    """Normalised transitions on one device; :meth:`sample` draws a batch with replacement."""
+    """Normalised transitions on one device, in torch's default float type (the networks' own:
+    float32, or float64 where a test sets it); :meth:`sample` draws a batch with replacement."""
 
     def __init__(self, tr: Transitions, obs_mean: np.ndarray, obs_std: np.ndarray,
                  device: torch.device, returns_gamma: float | None = None) -> None:
@@ -19,8 +20,10 @@ class TensorBuffer:
         if len(tr) == 0:
             raise ValueError("an agent's shard has no transitions")
 
+        dtype = torch.get_default_dtype()
+
         def t(x: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.float32, device=device)
+            return torch.as_tensor(np.ascontiguousarray(x), dtype=dtype, device=device)
 
         self.obs = t((tr.obs - obs_mean) / obs_std)
         self.next_obs = t((tr.next_obs - obs_mean) / obs_std)

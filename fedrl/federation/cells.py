@@ -92,13 +92,15 @@ def check_cells(cells: Sequence[Cell]) -> None:
 
 def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None] | None = None,
               deadline: float | None = None, round_seconds_hint: float | None = None,
-              eval_workers: int = 1, trace_every: int = 0) -> dict[str, dict[str, Any]]:
+              eval_workers: int = 1, trace_every: int = 0, draws: str = "batch") -> dict[str, dict[str, Any]]:
     """Train ``cells`` together under ``work`` (``work/<key>/rounds.jsonl`` for each, one checkpoint
     for all). ``deadline`` (``time.time()``): no round starts that would end after it (a round's
     time is the last one's, or ``round_seconds_hint`` before the first). ``eval_workers`` > 1
     splits each round's evaluation over that many processes (a GPU machine's idle cores).
     ``trace_every``: each agent's round record also holds its diagnostics' means over every
-    that many local steps (``trace``).
+    that many local steps (``trace``). ``draws="per-agent"``: each agent draws its minibatches and
+    noise as its cell's per-agent simulation does (:class:`BatchedTrainer`), so every cell computes
+    its own ``fedrl simulate`` run up to float rounding (the check of this module).
     Returns per cell ``{"curve", "final", "best", "rounds_done", "finished", ...}``."""
     check_cells(cells)
     log = log or print
@@ -139,7 +141,7 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
             agents, cfgs, trs, ns, seeds = group_data[g]
             agents.append(s.agent), cfgs.append(hp), trs.append(s.transitions), ns.append(nm), seeds.append(cfg.seed)
     trainers = {g: BatchedTrainer(*group_data[g][:4], group_data[g][4], device, federate_critic,
-                                  local_normalizer=first.obs_norm == "local", rng_stream=k)
+                                  local_normalizer=first.obs_norm == "local", rng_stream=k, draws=draws)
                 for k, g in enumerate(("drpo", "bc")) if groups[g]}
     done = 0
     ck = work / CHECKPOINT
@@ -249,7 +251,7 @@ def _checkpoint(path: Path, r: int, cells: Sequence[Cell], states: list[_CellSta
         if st.cell.cfg.algo == "cql":
             tensors |= {f"agent_state/{ci}/{i}/{k}": v for i, s in enumerate(st.agent_states) for k, v in s.items()}
     for g, tr in trainers.items():
-        tensors |= {f"group/{g}/{k}": v for k, v in tr.learner.checkpoint().items()}
+        tensors |= {f"group/{g}/{k}": v for k, v in tr.checkpoint().items()}
     meta = {"round": r, "cells": [{"key": c.key, "sim": _settings(c.cfg)} for c in cells],
             "curves": [st.curve for st in states]}
     _atomic_save(tensors, meta, path)
@@ -275,5 +277,5 @@ def _resume(path: Path, cells: Sequence[Cell], states: list[_CellState], trainer
                            if st.cell.cfg.algo == "cql" else [st.global_state] * st.agents)
         st.curve = list(meta["curves"][ci])
     for g, tr in trainers.items():
-        tr.learner.restore(part(f"group/{g}/"))
+        tr.restore(part(f"group/{g}/"))
     return int(meta["round"])

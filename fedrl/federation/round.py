@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from fedrl.algos import BCConfig, BCLearner, DRPOConfig, DRPOLearner, cql_config
-from fedrl.algos.base import Learner
+from fedrl.algos.base import Batch, Learner, generator_tensor
+from fedrl.algos.drpo import Noise
 from fedrl.common.device import derive_seed, make_generator, tune_allocator
 from fedrl.data.buffer import TensorBuffer
 from fedrl.data.d4rl import Transitions
@@ -24,6 +25,7 @@ _INIT_LOCK = threading.Lock()
 
 # Seed streams derived from the run seed; keeping them apart keeps runs reproducible.
 SEED_GLOBAL_INIT, SEED_AGENT_INIT, SEED_AGENT_RNG, SEED_EVAL, SEED_SHARDS, SEED_BATCH_RNG = range(6)
+DRAWS = ("batch", "per-agent")  # where a batched trainer's members draw from (BatchedTrainer)
 
 
 class RoundInterrupted(Exception):
@@ -128,7 +130,7 @@ class LocalTrainer:
             probe = {"grad_norms": True} if self.grad_norms_every and i % self.grad_norms_every == 0 else {}
             for k, v in self.learner.update(self.buffer.sample(self.cfg.batch_size, self.learner.gen), **probe).items():
                 logs.setdefault(k, []).append(v)  # a probed diagnostic: its mean over the probed steps
-        metrics = {k: float(torch.stack(v).float().mean()) for k, v in logs.items()}
+        metrics = {k: float(torch.stack(v).double().mean()) for k, v in logs.items()}
         return LocalResult(self.agent, self.learner.shared_state(self.federate_critic, copy),
                            len(self.buffer), metrics, time.perf_counter() - t0)
 
@@ -144,23 +146,35 @@ class BatchedTrainer:
 
     def __init__(self, agents: Sequence[int], cfgs: Sequence[DRPOConfig | BCConfig], shards: Sequence[Transitions],
                  norms: Sequence[tuple[np.ndarray, np.ndarray]], seed: int | Sequence[int], device: torch.device,
-                 federate_critic: bool = False, local_normalizer: bool = False, rng_stream: int = 0) -> None:
+                 federate_critic: bool = False, local_normalizer: bool = False, rng_stream: int = 0,
+                 draws: str = "batch") -> None:
         """``seed``: the run's seed, or one per agent (agents of several runs, e.g. a paper cell
         each: agent i's initial weights are those of agent ``agents[i]`` of a run seeded
-        ``seed[i]``); the batch's own draws come from the first seed and ``rng_stream``."""
+        ``seed[i]``); the batch's own draws come from the first seed and ``rng_stream``.
+
+        ``draws``: ``batch`` (the default) draws every member's minibatch and noise in one call
+        per kind from the batch's generator. ``per-agent`` draws member i's from a generator of
+        its own, seeded and used in the order of agent ``agents[i]``'s :class:`LocalTrainer`:
+        the batch then computes the per-agent engine's numbers, up to float rounding (how the
+        batched engine is checked against it; on a GPU it costs a few small calls per member a
+        step)."""
         from fedrl.algos.batched import build_batched
         from fedrl.data.buffer import StackedBuffer
 
         if not (len(agents) == len(cfgs) == len(shards) == len(norms)):
             raise ValueError("one agent, config, shard and normaliser each")
+        if draws not in DRAWS:
+            raise ValueError(f"draws: choose {', '.join(DRAWS)}, got {draws!r}")
         self.agents, self.cfgs, self.device = list(agents), list(cfgs), device
         self.federate_critic, self.local_normalizer, self.norms = federate_critic, local_normalizer, list(norms)
-        self.buffer = StackedBuffer([TensorBuffer(tr, m, sd, device, returns_gamma(c))
-                                     for tr, (m, sd), c in zip(shards, norms, cfgs)])
+        self.buffers = [TensorBuffer(tr, m, sd, device, returns_gamma(c)) for tr, (m, sd), c in zip(shards, norms, cfgs)]
+        self.buffer = StackedBuffer(self.buffers)
         self.sizes = [len(tr) for tr in shards]
         obs_dim, act_dim = shards[0].obs.shape[1], shards[0].actions.shape[1]
         seeds = [seed] * len(self.agents) if isinstance(seed, int) else list(seed)
         self.gen = make_generator(derive_seed(seeds[0], SEED_BATCH_RNG, rng_stream), device)
+        self.member_gens = [make_generator(derive_seed(s, SEED_AGENT_RNG, a), device)
+                            for a, s in zip(self.agents, seeds)] if draws == "per-agent" else []
         self.learner = build_batched(self.cfgs, obs_dim, act_dim, device, self.gen)
         # each agent's initial weights exactly as its LocalTrainer's (built on the CPU, then stacked)
         singles = [build_learner(c, obs_dim, act_dim, torch.device("cpu"), derive_seed(s, SEED_AGENT_INIT, a),
@@ -185,7 +199,9 @@ class BatchedTrainer:
         for i in range(steps):
             if progress is not None:
                 progress(i, steps)
-            for k, v in self.learner.update(self.buffer.sample(batch, self.gen)).items():
+            step = self.learner.update(*self._member_draws(batch)) if self.member_gens else \
+                self.learner.update(self.buffer.sample(batch, self.gen))
+            for k, v in step.items():
                 sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
                 if trace_every:
                     chunk[k] = chunk[k] + v.detach() if k in chunk else v.detach().clone()
@@ -203,3 +219,43 @@ class BatchedTrainer:
                 m["trace"] = [{k: (v if k == "step" else round(v[i], 5)) for k, v in row.items()} for row in trace]
             out.append(LocalResult(a, st, n, m, secs))
         return out
+
+    def _member_draws(self, batch_size: int) -> tuple[Batch, Noise | None]:
+        """Every member's minibatch and (DRPO) noise from its own generator, in its
+        :class:`LocalTrainer`'s order (the minibatch, then the step's noise), stacked ``(L, ...)``."""
+        from fedrl.algos.drpo import draw_noise
+
+        batches, noises = [], []
+        drpo = isinstance(self.cfgs[0], DRPOConfig)
+        for buf, cfg, gen in zip(self.buffers, self.cfgs, self.member_gens):
+            b = buf.sample(batch_size, gen)
+            batches.append(b)
+            if drpo:
+                noises.append(draw_noise(gen, (), batch_size, b.actions.shape[-1], cfg, cfg.lambda2 > 0,
+                                         b.obs.device, b.obs.dtype))
+        returns = None
+        if any(b.returns is not None for b in batches):  # rows of members that read none hold 0, unread
+            returns = torch.stack([b.returns if b.returns is not None else torch.zeros_like(b.rewards) for b in batches])
+        stacked = Batch(*(torch.stack([getattr(b, k) for b in batches]) for k in Batch._fields[:5]), returns)
+        if not drpo:
+            return stacked, None
+        glob = None
+        if self.learner.global_reg:  # a member whose lambda2 is 0 draws none; its zeros are multiplied by 0
+            ref = next(n.glob for n in noises if n.glob is not None)
+            glob = torch.stack([n.glob if n.glob is not None else torch.zeros_like(ref) for n in noises])
+        each = {k: torch.stack([getattr(n, k) for n in noises]) for k in ("pi", "next", "cur", "rand")}
+        return stacked, Noise(glob=glob, **each)
+
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """The batched learner's :meth:`checkpoint` and, with per-agent draws, each member's generator."""
+        return self.learner.checkpoint() | {f"member_rng/{i}": generator_tensor(g) for i, g in enumerate(self.member_gens)}
+
+    def restore(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Continue from a :meth:`checkpoint` of a trainer with the same members and draws."""
+        gens = {k: v for k, v in state.items() if k.startswith("member_rng/")}
+        if len(gens) != len(self.member_gens):
+            have, want = ("per-agent" if gens else "batch"), ("per-agent" if self.member_gens else "batch")
+            raise ValueError(f"a checkpoint of draws={have!r} cannot continue with draws={want!r}")
+        for i, g in enumerate(self.member_gens):
+            g.set_state(gens[f"member_rng/{i}"])
+        self.learner.restore({k: v for k, v in state.items() if not k.startswith("member_rng/")})

@@ -36,6 +36,7 @@ from fedrl.envs.evaluation import evaluate
 from fedrl.federation.aggregate import agent_weights, aggregate
 from fedrl.federation.options import FederationOptions
 from fedrl.federation.round import (
+    DRAWS,
     SEED_EVAL,
     SEED_SHARDS,
     BatchedTrainer,
@@ -173,7 +174,7 @@ def has_checkpoint(out: str | Path) -> bool:
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
         on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         checkpoint: bool = False, parallel_agents: int = 1, progress: bool = False,
-        engine: str = "auto") -> dict[str, Any]:
+        engine: str = "auto", draws: str = "batch") -> dict[str, Any]:
     """Run the federation; write ``config.json``, ``rounds.jsonl``, ``summary.json``,
     ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``.
     ``on_round(r, global_state)`` sees every new global model (the equivalence tests use it).
@@ -190,7 +191,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     ``engine``: ``per-agent`` trains each agent's own learner (the services' path, and the
     reference); ``batched`` trains every agent as one batched model (:class:`BatchedTrainer`: the
     same losses, each agent's own data and hyperparameters, its draws from the batch's generator);
-    ``auto`` picks :func:`resolve_engine`'s."""
+    ``auto`` picks :func:`resolve_engine`'s. ``draws`` (batched engine): ``per-agent`` draws each
+    agent's minibatches and noise as the per-agent engine does (:class:`BatchedTrainer`), so the
+    two engines compute the same run up to float rounding."""
     if parallel_agents < 1:
         raise ValueError(f"parallel agents must be >= 1, got {parallel_agents}")
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -215,8 +218,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     trainers: list[LocalTrainer] = []
     if engine == "batched":
         batched = BatchedTrainer([s.agent for s in shards], [hp] * len(shards), [s.transitions for s in shards],
-                                 norms, cfg.seed, device, federate_critic, local_normalizer=cfg.obs_norm == "local")
-        learners = {"batched/": batched.learner}
+                                 norms, cfg.seed, device, federate_critic, local_normalizer=cfg.obs_norm == "local",
+                                 draws=draws)
+        learners = {"batched/": batched}
     else:
         trainers = [
             LocalTrainer(s.agent, hp, s.transitions, m, sd, cfg.seed, device, federate_critic,
