@@ -146,8 +146,6 @@ MUTANTS = (
            "        for prefix, module in ((CRITIC, self.critic), (CRITIC, self.critic_target)):", ENGINE_TESTS),
     Mutant("batched-fixed-alpha-as-log", BAT, 'self._fixed_alpha = v("alpha_init")',
            'self._fixed_alpha = v("alpha_init").exp()', ENGINE_TESTS),
-    Mutant("batched-temperature-from-zero-is-one", BAT, "math.log(c.alpha_init) if c.alpha_init > 0 else -math.inf",
-           "math.log(c.alpha_init) if c.alpha_init > 0 else 0.0", ENGINE_TESTS),
     Mutant("batched-actor-moments-always-reset", BAT,
            "        if self.cfg.reset_actor_optimizer:\n            self.actor_opt.state.clear()",
            "        if True:\n            self.actor_opt.state.clear()", ENGINE_TESTS),
