@@ -6,7 +6,6 @@ Layer 8, the top of the core: may import every layer below it."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -15,14 +14,13 @@ from pathlib import Path
 
 from fedrl.algos import ALGOS, BCConfig, DRPOConfig
 from fedrl.common import argtypes
-from fedrl.common.device import DEVICE_CHOICES
 from fedrl.data.errors import DatasetError
 from fedrl.data.normalize import NORM_CHOICES
-from fedrl.federation.aggregate import AGGREGATIONS, WEIGHTINGS
+from fedrl.federation.choices import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS
 
 
 def _simulate_parser(sub: argparse._SubParsersAction) -> None:
-    from fedrl.federation.aggregate import FEDERATE_CHOICES
+    from fedrl.common.device import DEVICE_CHOICES
     from fedrl.federation.simulate import DEFAULT_DATASET, ENGINES, SimConfig
 
     d, hp, bc = SimConfig(), DRPOConfig(), BCConfig()
@@ -66,6 +64,12 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="write the whole state to OUT/checkpoint.safetensors after every round (and each "
                         "agent's, as it finishes its local round, to OUT/agents-in-round/); the same command "
                         "again continues a stopped run where it stopped, training no finished agent again")
+    p.add_argument("--config", default=None,
+                   help="JSON file of run settings: SimConfig's fields, with 'drpo' and 'bc' objects of every "
+                        "hyperparameter (docs/reference/config.md); the flags given override it")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="a setting of the same kind, over --config, e.g. --set drpo.alpha_lr=1e-4 --set "
+                        "'drpo={\"cql_calibration\": \"none\"}' --set final_eval_episodes=50")
     g = p.add_argument_group("DRPO / CQL hyperparameters (defaults: the paper's table)")
     g.add_argument("--lambda1", type=float, default=hp.lambda1)
     g.add_argument("--lambda2", type=float, default=hp.lambda2)
@@ -85,33 +89,14 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_simulate(a: argparse.Namespace) -> int:
-    from fedrl.federation.simulate import (
-        DEFAULT_DATASET,
-        SimConfig,
-        has_checkpoint,
-        refuse_a_used_folder,
-        run,
-    )
+    from fedrl.federation.simulate import has_checkpoint, refuse_a_used_folder, run
 
     if a.threads:
         import torch
         torch.set_num_threads(a.threads)
 
-    hidden = tuple(a.hidden)
-    cfg = SimConfig(
-        algo=a.algo, datasets=tuple(a.dataset or [DEFAULT_DATASET]), env=a.env, agents=a.agents,
-        trajectories=a.trajectories, transitions=a.transitions, rounds=a.rounds, local_steps=a.local_steps,
-        eval_episodes=a.eval_episodes, eval_every=a.eval_every, seed=a.seed, device=a.device,
-        obs_norm=a.obs_norm, weighting=a.weighting, federate=a.federate,
-        aggregation=a.aggregation, trim_fraction=a.trim_fraction,
-        drpo=DRPOConfig(hidden=hidden, lambda1=a.lambda1, lambda2=a.lambda2, cql_weight=a.cql_weight,
-                        td_weight=a.td_weight,
-                        q_scale=a.q_scale, actor_lr=a.actor_lr, critic_lr=a.critic_lr,
-                        batch_size=a.batch_size, gamma=a.gamma),
-        bc=dataclasses.replace(BCConfig(), hidden=hidden, loss=a.bc_loss, lr=a.bc_lr,
-                               batch_size=a.batch_size),
-    )
-    out = a.out or f"runs/{a.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = _sim_settings(a)
+    out = a.out or f"runs/{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not (a.checkpoint and has_checkpoint(out)):
         refuse_a_used_folder(out, ("config.json", "rounds.jsonl", "summary.json"))
     summary = run(cfg, out, checkpoint=a.checkpoint, parallel_agents=a.parallel_agents, progress=True,
@@ -123,12 +108,66 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
     return 0
 
 
+# simulate's flags that are settings: flag dest -> (where, field); "both": DRPO's and BC's
+_SIM_FLAGS = {"algo": ("", "algo"), "dataset": ("", "datasets"), "env": ("", "env"), "agents": ("", "agents"),
+              "trajectories": ("", "trajectories"), "transitions": ("", "transitions"), "rounds": ("", "rounds"),
+              "local_steps": ("", "local_steps"), "eval_episodes": ("", "eval_episodes"),
+              "eval_every": ("", "eval_every"), "seed": ("", "seed"), "device": ("", "device"),
+              "obs_norm": ("", "obs_norm"), "weighting": ("", "weighting"), "federate": ("", "federate"),
+              "aggregation": ("", "aggregation"), "trim_fraction": ("", "trim_fraction"),
+              "lambda1": ("drpo", "lambda1"), "lambda2": ("drpo", "lambda2"), "cql_weight": ("drpo", "cql_weight"),
+              "td_weight": ("drpo", "td_weight"), "q_scale": ("drpo", "q_scale"), "actor_lr": ("drpo", "actor_lr"),
+              "critic_lr": ("drpo", "critic_lr"), "gamma": ("drpo", "gamma"), "batch_size": ("both", "batch_size"),
+              "hidden": ("both", "hidden"), "bc_loss": ("bc", "loss"), "bc_lr": ("bc", "lr")}
+
+
+def _sim_settings(a: argparse.Namespace):
+    """``fedrl simulate``'s settings from --config, then each --set, then the flags given (a flag
+    not given leaves the file's value, or the default)."""
+    from fedrl.federation.simulate import parse_sim_config
+
+    data = _settings_file(a.config)
+    for kv in a.set:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise ValueError(f"--set {kv!r}: expected KEY=VALUE")
+        try:
+            value = json.loads(v)
+        except json.JSONDecodeError:
+            value = v
+        head, dot, field = k.partition(".")
+        if dot:  # drpo.alpha_lr=...
+            if head not in ("drpo", "bc"):
+                raise ValueError(f"--set {kv!r}: only drpo.FIELD and bc.FIELD have parts")
+            data.setdefault(head, {})
+            if not isinstance(data[head], dict):
+                raise ValueError(f"--set {kv!r}: {head} is not an object in the settings")
+            data[head][field] = value
+        elif k in ("drpo", "bc") and isinstance(value, dict) and isinstance(data.get(k), dict):
+            data[k] = {**data[k], **value}
+        else:
+            data[k] = value
+    given = getattr(a, "given", None)  # None (called without main): every flag counts
+    for dest in _SIM_FLAGS if given is None else given:
+        if dest not in _SIM_FLAGS or (dest == "dataset" and a.dataset is None):
+            continue
+        where, field = _SIM_FLAGS[dest]
+        value = list(getattr(a, dest)) if dest in ("dataset", "hidden") else getattr(a, dest)
+        for part in (("drpo", "bc") if where == "both" else (where,)):
+            if part:
+                data.setdefault(part, {})[field] = value
+            else:
+                data[field] = value
+    return parse_sim_config(data)
+
+
 def _evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="roll a saved policy out in MuJoCo")
     p.add_argument("policy", help="a global_policy.safetensors written by a run")
     p.add_argument("--env", default=None, help="default: the env recorded in the file")
     p.add_argument("--episodes", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (for scripts)")
     p.set_defaults(func=_cmd_evaluate)
 
 
@@ -140,7 +179,17 @@ def _cmd_evaluate(a: argparse.Namespace) -> int:
     env = a.env or meta.get("env_id")
     if not env:
         raise ValueError(f"{a.policy}: no env recorded in the file; pass --env")
-    print(json.dumps(evaluate(pol, env, a.episodes, a.seed).as_dict()))
+    res = evaluate(pol, env, a.episodes, a.seed).as_dict()
+    if a.json:
+        print(json.dumps(res))
+        return 0
+    print(f"{a.policy} on {env}, {a.episodes} episodes (seed {a.seed}), the deterministic policy tanh(mu(s)):\n"
+          f"return {res['return_mean']:.1f} ± {res['return_std']:.1f}   D4RL score {res['score_mean']:.1f} "
+          f"± {res['score_std']:.1f}")
+    rets = res.get("returns") or []
+    if rets:
+        print(f"episodes: min {min(rets):.1f}, max {max(rets):.1f}"
+              + (f", mean length {sum(res['lengths']) / len(res['lengths']):.0f} steps" if res.get("lengths") else ""))
     return 0
 
 
@@ -380,6 +429,22 @@ CTL_START_DEFAULTS = {"rounds": 10, "local_steps": 1000, "eval_episodes": 10}
 
 
 DEFAULT_PORT = 50051  # the aggregator's --port default
+CTL_CONNECT_TIMEOUT = 10.0  # fedrl ctl's wait for an aggregator that does not answer yet, by default
+
+
+def _nothing_listens(target: str) -> bool:
+    """Whether ``HOST:PORT`` refuses a TCP connection outright (no server there). A name that does
+    not resolve, a filtered port or a slow network are not refusals: gRPC's wait reports those."""
+    import socket
+
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def _target(text: str) -> str:
@@ -400,8 +465,10 @@ def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}",
                    help=f"aggregator HOST[:PORT] (port {DEFAULT_PORT} when not given; default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of tables")
-    p.add_argument("--connect-timeout", type=argtypes.positive_seconds, default=10.0,
-                   help="seconds to wait for the aggregator to answer (e.g. while its pod starts; default %(default)s)")
+    p.add_argument("--connect-timeout", type=argtypes.positive_seconds, default=None,
+                   help=f"seconds to wait for the aggregator to answer, also while nothing listens yet (e.g. "
+                        f"while its pod starts). Default: {CTL_CONNECT_TIMEOUT:g} s, and a target where nothing "
+                        f"listens (connection refused) is an error at once")
     from fedrl.wire.security import add_tls_arg
     add_tls_arg(p)
     p.epilog = 'The admin token, when the aggregator requires tokens, is read from $FEDRL_ADMIN_TOKEN.'
@@ -429,6 +496,9 @@ def _ctl_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--force", action="store_true", help="write over an existing --out file")
     sp = csub.add_parser("stop", help="stop the active run")
     sp.add_argument("--reason", default="stopped by operator", help="recorded with the run (default: %(default)s)")
+    for each in csub.choices.values():  # --json before or after the command: `ctl --json watch`, `ctl watch --json`
+        each.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                          help="print JSON (for scripts) instead of tables")
     p.set_defaults(func=_cmd_ctl)
 
 
@@ -456,8 +526,12 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
                 data[k] = json.loads(v)
             except json.JSONDecodeError:
                 data[k] = v
+    if a.connect_timeout is None and _nothing_listens(a.target):
+        print(f"fedrl ctl: error: nothing listens at {a.target} (connection refused): is the aggregator running? "
+              "(--connect-timeout S waits for one that is starting)", file=sys.stderr)
+        return 1
     try:
-        with ControlClient(a.target, connect_timeout=a.connect_timeout, tls=tls,
+        with ControlClient(a.target, connect_timeout=a.connect_timeout or CTL_CONNECT_TIMEOUT, tls=tls,
                            token=os.environ.get("FEDRL_ADMIN_TOKEN") or None) as c:
             current = c.status() if a.ctl_cmd == "start" else None
             if current is not None and a.if_idle and current["state"] in ("waiting_for_agents", "running"):
@@ -544,13 +618,18 @@ def _cmd_certs(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; ``only="ctl"``: just ``fedrl ctl``, whose commands talk to an
+    aggregator and never need torch (building the other commands' options loads it: ~1.2 s)."""
     p = argparse.ArgumentParser(prog="fedrl", description="Federated offline RL (DRPO)")
     import fedrl
 
     p.add_argument("--version", action="version", version=f"fedrl {fedrl.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     argtypes.defaults_help(sub)  # every command's help shows the real defaults
+    if only == "ctl":
+        _ctl_parser(sub)
+        return p
     _simulate_parser(sub)
     _evaluate_parser(sub)
     _data_parser(sub)
@@ -558,6 +637,19 @@ def build_parser() -> argparse.ArgumentParser:
     _ctl_parser(sub)
     _certs_parser(sub)
     return p
+
+
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The options of ``parser`` that ``argv`` sets (not their defaults)."""
+    saved = [(act, act.default) for act in parser._actions]
+    try:
+        for act, _ in saved:
+            act.default = argparse.SUPPRESS
+        ns, _ = parser.parse_known_args(argv)
+    finally:
+        for act, d in saved:
+            act.default = d
+    return set(vars(ns))
 
 
 def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
@@ -571,10 +663,13 @@ def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only="ctl" if argv[:1] == ["ctl"] else None)
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the subcommand they were given to, with its usage (not fedrl's)
         _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    if argv[:1] == ["simulate"]:  # which flags were given (over --config): simulate's settings
+        args.given = _given(_chosen_parser(parser, args), argv[1:])
     prog = _chosen_parser(parser, args).prog.split()
     prog = " ".join(prog[:2])  # "fedrl ctl", "fedrl data", "fedrl up": every error of a command the same way
     try:

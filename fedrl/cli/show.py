@@ -50,7 +50,9 @@ def status(st: dict[str, Any]) -> str:
                          f"local steps, env {env}")
         if st.get("message"):
             lines.append(f"message: {st['message']}")
-        lines.append(f"last evaluation: {evaluation(st.get('last_evaluation'))}")
+        ended = st["state"] in ("finished", "stopped", "failed")
+        lines.append(f"last evaluation: {evaluation(st.get('last_evaluation'))}" if st.get("last_evaluation") or not ended
+                     else "last evaluation: none (no evaluator evaluated this run)")
     agents = st.get("agents", [])
     if agents:
         rows = []

@@ -11,9 +11,7 @@ import torch
 
 from fedrl.wire.codec import Flat, all_finite
 
-WEIGHTINGS = ("uniform", "samples")
-AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
-FEDERATE_CHOICES = ("policy", "policy+critic")  # what is averaged: the policy (paper) or it and the critics
+from fedrl.federation.choices import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS  # noqa: F401 - importers read them here
 
 
 class AggregationError(ValueError):

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from fedrl.algos import ALGOS, BCConfig, DRPOConfig
 from fedrl.data.normalize import NORM_CHOICES
-from fedrl.federation.aggregate import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS
+from fedrl.federation.choices import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,34 @@ class SimConfig(FederationOptions):
         return d
 
 
+def parse_sim_config(data: dict[str, Any]) -> SimConfig:
+    """A :class:`SimConfig` from a JSON object of its fields (``drpo`` and ``bc`` objects of
+    :class:`DRPOConfig`'s and :class:`BCConfig`'s fields): ``fedrl simulate --config/--set``.
+    Raises ``ValueError`` naming the field: an unknown one, a wrong type, a value out of range."""
+    from fedrl.algos import BCConfig, DRPOConfig
+    from fedrl.federation.runconfig import _sub_config
+
+    if not isinstance(data, dict):
+        raise ValueError(f"settings must be a JSON object, got {type(data).__name__}")
+    data = dict(data)
+    nested = {k: _sub_config(cls, data.pop(k), k) for k, cls in (("drpo", DRPOConfig), ("bc", BCConfig)) if k in data}
+    if "datasets" in data:
+        ds = data.pop("datasets")
+        if isinstance(ds, str):
+            ds = [ds]
+        if not isinstance(ds, list) or not ds or not all(isinstance(d, str) and d for d in ds):
+            raise ValueError(f"datasets: expected a list of dataset names or paths, got {ds!r}")
+        nested["datasets"] = tuple(ds)
+    if "env" in data and data["env"] is not None and not isinstance(data["env"], str):
+        raise ValueError(f"env: expected a string, got {data['env']!r}")
+    top = {k: data.pop(k) for k in ("env",) if k in data}
+    try:
+        base = _sub_config(SimConfig, data, "settings")
+        return dataclasses.replace(base, **top, **nested)
+    except ValueError as e:
+        raise ValueError(str(e).removeprefix("settings.").removeprefix("settings: ")) from None
+
+
 def parse_source(spec: str, default_agents: int) -> tuple[str, int]:
     """``PATH`` or ``PATH:N`` -> (path, agents)."""
     head, sep, tail = spec.rpartition(":")

@@ -4,9 +4,7 @@ dicts out. :class:`fedrl.cli.client.ControlClient` (scripts, notebooks, ``fedrl 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fedrl.proto.v1 import (
     control_pb2,
@@ -14,10 +12,12 @@ from fedrl.proto.v1 import (
     federation_pb2,
     federation_pb2_grpc,
 )
-from fedrl.wire.codec import assemble, payload_metadata
 from fedrl.wire.rpc import create_channel, wait_ready, weights_calls
 from fedrl.wire.security import TLSFiles
 from fedrl.wire.serde import event_from_proto, read_weight_messages, status_from_proto
+
+if TYPE_CHECKING:  # torch comes with the codec, loaded only by the calls that fetch weights (fedrl ctl
+    import torch   # status, watch, stop... never load it)
 
 
 class ControlCalls:
@@ -31,7 +31,7 @@ class ControlCalls:
                 wait_ready(self.channel, connect_timeout)
             except Exception:
                 self.channel.close()
-                raise ConnectionError(f"no aggregator answering at {target} within {connect_timeout:.0f}s") from None
+                raise ConnectionError(f"no aggregator answering at {target} within {connect_timeout:g} s") from None
         self.control = control_pb2_grpc.ControlStub(self.channel)
         self.fed = federation_pb2_grpc.FederationStub(self.channel)
 
@@ -82,6 +82,8 @@ class ControlCalls:
         """A global version's tensors (verified), the metadata it was written with (its run,
         algorithm, environment, hyperparameters), its version and its run: of ``run_id``
         (default: the current run) or any stored run, ``version`` -1 the latest."""
+        from fedrl.wire.codec import assemble, payload_metadata
+
         fetch, _ = weights_calls(self.channel)
         manifest, chunks = read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),
                                                       timeout=max(self.timeout, 120)))
@@ -90,6 +92,8 @@ class ControlCalls:
 
     def fetch_global(self, run_id: str = "", version: int = -1) -> dict[str, torch.Tensor]:
         """Tensors of a global version (verified: size, checksum, names, shapes, finiteness)."""
+        from fedrl.wire.codec import assemble
+
         fetch, _ = weights_calls(self.channel)
         return assemble(*read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),
                                                     timeout=max(self.timeout, 120))))

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fedrl.wire.codec import MAX_MESSAGE_BYTES
+from fedrl.wire.manifest import MAX_MESSAGE_BYTES
 from fedrl.wire.security import TLSFiles, TokenClientInterceptor
 
 log = logging.getLogger(__name__)

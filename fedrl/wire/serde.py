@@ -9,7 +9,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from fedrl.proto.v1 import control_pb2, federation_pb2, weights_pb2
-from fedrl.wire.codec import CodecError, Encoded, Manifest, TensorSpec
+from fedrl.wire.manifest import CodecError, Encoded, Manifest, TensorSpec
 
 
 def manifest_to_proto(m: Manifest) -> weights_pb2.WeightsManifest:

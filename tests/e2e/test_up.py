@@ -44,8 +44,10 @@ def test_up_runs_the_federation_and_writes_the_run_folder(stand_dataset, tmp_pat
     logs = sorted(p.name for p in (out / "logs").iterdir())
     assert logs == ["agent-0.log", "agent-1.log", "aggregator.log", "evaluator.log"]
     # The saved policy evaluates with the CLI a user would use next.
-    ev = fedrl("evaluate", str(out / "global_policy.safetensors"), "--episodes", "1")
+    ev = fedrl("evaluate", str(out / "global_policy.safetensors"), "--episodes", "1", "--json")
     assert ev.returncode == 0 and json.loads(ev.stdout)["env_id"] == "Hopper-v5"
+    ev = fedrl("evaluate", str(out / "global_policy.safetensors"), "--episodes", "1")  # for a person: a table
+    assert ev.returncode == 0 and "on Hopper-v5, 1 episodes" in ev.stdout and "D4RL score" in ev.stdout
 
 
 def test_up_refuses_a_missing_dataset_before_starting_anything(tmp_path):

@@ -48,7 +48,7 @@ def test_cli_writes_a_complete_run_folder(tmp_path, random_dataset):
     assert "policy.head.weight" in weights and "policy.obs_mean" in weights
     # the saved policy evaluates itself (env and sizes from the file) and matches the run's last eval
     ev = subprocess.run([sys.executable, "-m", "fedrl.cli", "evaluate", str(out / "global_policy.safetensors"),
-                         "--episodes", "2", "--seed", "0"], capture_output=True, text=True, timeout=120)
+                         "--episodes", "2", "--seed", "0", "--json"], capture_output=True, text=True, timeout=120)
     assert ev.returncode == 0, ev.stderr
     assert json.loads(ev.stdout)["env_id"] == "Hopper-v5" and len(json.loads(ev.stdout)["returns"]) == 2
     # The same command again does not write over this run.

@@ -79,8 +79,10 @@ def test_ctl_command_line(aggregator):
     assert p.returncode == 0 and vs["run_id"] == st["run_id"] and vs["versions"] == []  # never began
     p = ctl("versions", "--run", "../../etc")
     assert p.returncode == 1 and "NOT_FOUND" in p.stderr
-    p = _ctl("127.0.0.1:1", "status")
-    assert p.returncode == 1 and "no aggregator answering at 127.0.0.1:1" in p.stderr
+    p = _ctl("127.0.0.1:1", "status")  # nothing listens: said at once
+    assert p.returncode == 1 and "nothing listens at 127.0.0.1:1 (connection refused)" in p.stderr
+    p = _ctl("127.0.0.1:1", "--connect-timeout", "0.5", "status")  # asked to wait: it waits, then says so
+    assert p.returncode == 1 and "no aggregator answering at 127.0.0.1:1 within 0.5 s" in p.stderr
 
 
 def test_health_and_reflection(aggregator, caplog):
@@ -283,13 +285,15 @@ def test_ctl_stop_reaches_agents_in_the_middle_of_their_round(aggregator, agent_
         with ControlClient(aggregator.target) as c:
             c.start(json.loads(run_config(local_steps=1_000_000)))
             wait_for(lambda: all(a["steps_done"] > 0 for a in c.status()["agents"]), what="agents training")
-            t0 = time.monotonic()
             p = _ctl(aggregator.target, "stop", "--reason", "enough")
             assert p.returncode == 0, p.stderr
+            t0 = time.monotonic()  # the run is stopped: ctl returned after the aggregator applied it
             wait_for(lambda: sum("abandoned" in r.getMessage() for r in caplog.records) == 2, timeout=10,
                      what="both agents to abandon their round")
             took = time.monotonic() - t0
     abandoned = [r for r in caplog.records if "abandoned" in r.getMessage()]
     assert all(r.levelname == "INFO" and "was stopped" in r.getMessage() for r in abandoned), abandoned
-    assert took < 4.0, took  # ctl's own process start included
+    # the agents' part: their next probe (every 0.2 s here) sees the stop; ctl's own start-up (a
+    # Python process, loaded or not) is not theirs to answer for and is no longer counted
+    assert took < 3.0, took
     assert not [r for r in caplog.records if "update refused" in r.getMessage() or "not taken" in r.getMessage()]

@@ -83,3 +83,65 @@ def test_the_thread_default_follows_the_container_limit_else_one(monkeypatch, tm
     assert threads.default_threads()[0] == 3
     monkeypatch.setattr(threads, "cpu_quota", lambda: 64.0)
     assert threads.default_threads()[0] == 4  # never more than the CPUs it may run on
+
+
+def _simulate_settings(argv: list[str]):
+    from fedrl.cli import _chosen_parser, _given, _sim_settings
+
+    p = fedrl_parser()
+    a = p.parse_args(["simulate", *argv])
+    a.given = _given(_chosen_parser(p, a), argv)
+    return _sim_settings(a)
+
+
+def test_simulate_takes_every_setting_from_a_file_and_set_and_the_flags_given_win(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text('{"agents": 3, "rounds": 7, "drpo": {"alpha_lr": 1e-4, "cql_calibration": "none", "lambda1": 0.5}}')
+    c = _simulate_settings(["--config", str(f), "--set", "drpo.lambda1=0.3", "--set", "final_eval_episodes=50",
+                            "--set", 'bc={"lr": 0.001}', "--agents", "4", "--hidden", "8", "8"])
+    assert (c.agents, c.rounds, c.final_eval_episodes) == (4, 7, 50)  # the flag over the file
+    assert (c.drpo.alpha_lr, c.drpo.cql_calibration, c.drpo.lambda1) == (1e-4, "none", 0.3)  # --set over the file
+    assert c.drpo.hidden == c.bc.hidden == (8, 8) and c.bc.lr == 0.001
+    # a flag left at its default does not undo the file
+    c = _simulate_settings(["--config", str(f)])
+    assert c.agents == 3 and c.drpo.lambda1 == 0.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "nope=1"], "unknown field(s) nope"),
+    (["--set", "drpo.nope=1"], "drpo: unknown field(s) nope"),
+    (["--set", 'agents="x"'], "agents: expected a finite number, got 'x'"),
+    (["--set", "agents"], "expected KEY=VALUE"),
+    (["--set", "rounds.x=1"], "only drpo.FIELD and bc.FIELD"),
+])
+def test_simulate_names_a_bad_setting(argv, message):
+    with pytest.raises(ValueError) as e:
+        _simulate_settings(argv)
+    assert message in str(e.value)
+
+
+def test_ctl_json_goes_before_or_after_its_command():
+    p = fedrl_parser()
+    assert p.parse_args(["ctl", "watch", "--json"]).json and p.parse_args(["ctl", "--json", "watch"]).json
+    assert not p.parse_args(["ctl", "watch"]).json
+
+
+def test_ctl_loads_no_torch_and_a_closed_port_is_an_error_at_once():
+    """ctl only talks to the aggregator: it must not pay torch's import (1-2 s), and with nothing
+    listening it says so instead of waiting out its connect timeout."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import sys; from fedrl.cli import main; rc = main(['ctl', '--target', '127.0.0.1:%d', 'status']); "
+            "print('torch' in sys.modules); sys.exit(rc)" % port)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 1 and "nothing listens at 127.0.0.1:%d (connection refused)" % port in p.stderr
+    assert p.stdout.split()[0] == "False", "fedrl ctl imported torch"
+    assert took < 8, f"a closed port took {took:.1f}s (the connect timeout is 10 s)"
