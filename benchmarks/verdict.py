@@ -1,0 +1,293 @@
+"""DRPO's verdict at the paper's per-agent budget (the ``verdict`` preset of ``benchmarks.paper``).
+
+    python -m benchmarks.paper run --preset verdict --experiment table [--only KEY]   (the cells)
+    python -m benchmarks.verdict data-returns      (the data's discounted return, per seed; once)
+    python -m benchmarks.verdict render            (table, figure, sentence -> README, BENCHMARKS.md)
+
+Hopper-medium, 5 agents x 20 rounds x 1,000 local steps (20,000 actor steps per agent, the
+paper's), each agent ~5,000 transitions, seeds 0-2; Fed-BC, Fed-CQL, CQL alone and DRPO with the
+critic as the paper writes it (CQL(H), ``cql_calibration="none"``), and DRPO at the critic that
+was the default before (``returns-gradient``) as a named variant. Every round is evaluated (10
+episodes) and the final policy again over 50. ``render`` reads the result files only:
+
+- the table: per method, the final score (50 episodes), the mean of the last 5 rounds' scores and
+  the best round, as mean ± std over seeds and per seed;
+- ``verdict.png``: every method's score by round (mean ± std over seeds) and beneath it, by round,
+  Q on the data against the data's discounted return, the NLL of the data's actions, the
+  policy's entropy, the temperature, and DRPO's actor gradient from each term of L_pi;
+- the sentence: whether the paper's ordering DRPO > Fed-CQL > CQL > Fed-BC holds on the mean of
+  the last 5 rounds, by how much, and the seeds' spread; until all 15 cells are in it says how
+  many are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks import paper
+
+PRESET = paper.PRESETS["verdict"]
+ORDER = ("drpo", "fed-cql", "cql", "fed-bc")  # the paper's ordering, best first
+COLUMNS = ("fed-bc", "fed-cql", "cql", "drpo", "drpo-returns-gradient")
+LABEL = {**paper.ALGO_LABEL, "drpo": "DRPO (paper's critic)", "drpo-returns-gradient": "DRPO, gradient stopped at G"}
+LAST = 5  # rounds averaged for "the last rounds" (the objective defaults are chosen by)
+DATA_RETURNS = "data_returns.json"
+PAPERS = "`none`, the paper's"
+
+
+def _folder(root: Path) -> Path:
+    return Path(root) / f"paper-{PRESET.name}"
+
+
+def cells(root: Path = paper.RESULTS) -> list[dict[str, Any]]:
+    return [r for r in paper.load_results(PRESET, "table", root) if r.get("curve")]
+
+
+def per_seed(r: dict[str, Any]) -> dict[str, Any]:
+    """A cell's three numbers: the final score over 50 episodes, the last rounds' mean, the best round."""
+    scores = [c["score_mean"] for c in r["curve"]]
+    best = max(r["curve"], key=lambda c: c["score_mean"])
+    long = r.get("final_long")
+    return {"seed": r["seed"], "final50": long["score_mean"] if long else None,
+            "last": float(np.mean(scores[-LAST:])), "best": best["score_mean"], "best_round": best["round"]}
+
+
+def summary(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {m: [] for m in COLUMNS}
+    for r in results:
+        out.setdefault(paper.method(r), []).append(per_seed(r))
+    return {m: sorted(v, key=lambda x: x["seed"]) for m, v in out.items()}
+
+
+def _ms(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    return f"{np.mean(xs):.1f} ± {np.std(xs):.1f}" if len(xs) > 1 else f"{xs[0]:.1f}"
+
+
+def _seed_line(x: dict[str, Any]) -> str:
+    final = "-" if x["final50"] is None else f"{x['final50']:.1f}"
+    return f"s{x['seed']}: {final} / {x['last']:.1f} / {x['best']:.1f} (r{x['best_round']})"
+
+
+def table_md(results: list[dict[str, Any]]) -> str:
+    s = summary(results)
+    rows = [f"| method | final, 50 episodes | mean of the last {LAST} rounds | best round | seeds | "
+            f"by seed: final / last {LAST} / best (round) |", "| --- | --- | --- | --- | --- | --- |"]
+    for m in COLUMNS:
+        xs = s.get(m, [])
+        rows.append(f"| {LABEL[m]} | {_ms([x['final50'] for x in xs])} | {_ms([x['last'] for x in xs])} | "
+                    f"{_ms([x['best'] for x in xs])} | {len(xs)} of {len(PRESET.seeds)} | "
+                    f"{'<br>'.join(_seed_line(x) for x in xs) or 'not run yet'} |")
+    return "\n".join(rows)
+
+
+def _complete(s: dict[str, list[dict[str, Any]]], methods) -> bool:
+    return all(len(s.get(m, [])) == len(PRESET.seeds) for m in methods)
+
+
+def sentence(results: list[dict[str, Any]]) -> str:
+    """The verdict in one sentence, from the mean of the last rounds over seeds (none until every
+    cell of the ordering is in)."""
+    s = summary(results)
+    n, want = len(results), len(COLUMNS) * len(PRESET.seeds)
+    if not _complete(s, ORDER):
+        return (f"**No verdict yet**: {n} of {want} cells are in (`python -m benchmarks.paper status --preset "
+                f"{PRESET.name}`).")
+    m = {a: float(np.mean([x["last"] for x in s[a]])) for a in ORDER}
+    sd = {a: float(np.std([x["last"] for x in s[a]])) for a in ORDER}
+    holds = all(m[a] > m[b] for a, b in zip(ORDER, ORDER[1:]))
+    names = {"drpo": "DRPO", "fed-cql": "Fed-CQL", "cql": "CQL alone", "fed-bc": "Fed-BC"}
+    ranked = sorted(ORDER, key=lambda a: -m[a])
+    gap = m["drpo"] - max(m[a] for a in ORDER[1:])
+    lead = (f"DRPO leads the next best by {gap:.1f} points" if gap > 0 else
+            f"{names[ranked[0]]} leads DRPO by {m[ranked[0]] - m['drpo']:.1f} points")
+    return (f"**At the paper's per-agent budget** (20 rounds x 1,000 local steps; 5 agents here, where the paper "
+            f"has 10), the paper's ordering DRPO > Fed-CQL > CQL > Fed-BC **{'holds' if holds else 'does not hold'}** "
+            f"on the mean score of the last {LAST} rounds over {len(PRESET.seeds)} seeds: "
+            + ", ".join(f"{names[a]} {m[a]:.1f} ± {sd[a]:.1f}" for a in ranked)
+            + f" (ranked); {lead}; the seeds' spread is at most {max(sd.values()):.1f} points.")
+
+
+def critic_choice(results: list[dict[str, Any]]) -> str:
+    """Which critic DRPO's default should be, by the mean of the last rounds over seeds: the
+    paper's when it scores at least as well as the gradient stop (issue 68's rule)."""
+    s = summary(results)
+    pair = ("drpo", "drpo-returns-gradient")
+    if not _complete(s, pair):
+        return (f"Not decided yet: {sum(len(s.get(m, [])) for m in pair)} of {2 * len(PRESET.seeds)} DRPO cells "
+                "are in.")
+    a, b = ([x["last"] for x in s[m]] for m in pair)
+    paper_wins = np.mean(a) >= np.mean(b)
+    return (f"DRPO's mean score over the last {LAST} rounds, over {len(a)} seeds: the paper's critic (`none`) "
+            f"{_ms(a)}, the gradient stop (`returns-gradient`) {_ms(b)}: the default is "
+            f"**{PAPERS if paper_wins else '`returns-gradient`'}**.")
+
+
+GRADS = (("grad_q", "Q term"), ("grad_entropy", "alpha log pi"), ("grad_lambda1", "lambda1 D(pi, pi_b)"),
+         ("grad_lambda2", "lambda2 D(pi, pi_bar)"), ("grad_actor", "all of L_pi"))
+
+
+def _by_round(rs: list[dict[str, Any]], key: str) -> np.ndarray | None:
+    """``key``'s per-round values (agents' mean) of each run, ``(runs, rounds)``, or None."""
+    rows = [r["losses_per_round"][key] for r in rs if key in r.get("losses_per_round", {})]
+    n = min((len(x) for x in rows), default=0)
+    return np.array([x[:n] for x in rows]) if rows and n else None
+
+
+def grads_md(results: list[dict[str, Any]], rounds: tuple[int, ...] = (1, 2, 3, 5, 10, 15, 20)) -> str:
+    """DRPO's actor gradient norm from each term of L_pi by round (mean over agents, probed steps and
+    seeds): whether the Q term's growth drowns the regularisers."""
+    rows = []
+    for m in ("drpo", "drpo-returns-gradient"):
+        rs = [r for r in results if paper.method(r) == m]
+        cols = {k: _by_round(rs, k) for k, _ in GRADS}
+        q = _by_round(rs, "q_data")
+        if cols["grad_q"] is None:
+            continue
+        if not rows:
+            rows = ["| method | round | Q on the data | " + " | ".join(n for _, n in GRADS) +
+                    " | Q term / regularisers |", "| --- | --- | --- | " + " | ".join("---" for _ in GRADS) + " | --- |"]
+        for r in rounds:
+            if r > cols["grad_q"].shape[1]:
+                continue
+            v = {k: float(c[:, r - 1].mean()) for k, c in cols.items() if c is not None}
+            reg = v.get("grad_lambda1", 0.0) + v.get("grad_lambda2", 0.0)
+            ratio = f"{v['grad_q'] / reg:.1f}" if reg else "-"
+            q_here = f"{float(q[:, r - 1].mean()):.1f}" if q is not None else "-"
+            rows.append(f"| {LABEL[m]} | {r} | {q_here} | " + " | ".join(f"{v[k]:.3g}" if k in v else "-" for k, _ in GRADS)
+                        + f" | {ratio} |")
+    return "\n".join(rows) if rows else "not run yet"
+
+
+def data_returns(root: Path = paper.RESULTS) -> dict[str, float]:
+    """The data's discounted return (gamma 0.99; mean over the agents' transitions of the return-to-go
+    from each), per seed: what Q on the data estimates. Computed from the dataset and each seed's
+    shards, then kept in the results folder (render reads the file)."""
+    from fedrl.data.d4rl import to_transitions
+    from fedrl.data.registry import load
+
+    tr = to_transitions(load(PRESET.datasets[0]))
+    out = {}
+    for r in cells(root):
+        if str(r["seed"]) in out:
+            continue
+        rtg = np.concatenate([tr.of_episodes(sh["episodes"]).returns_to_go(0.99) for sh in r["shards"]])
+        out[str(r["seed"])] = round(float(rtg.mean()), 2)
+    path = _folder(root) / DATA_RETURNS
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**old, **out}, indent=1, sort_keys=True) + "\n")
+    return {**old, **out}
+
+
+def figure(results: list[dict[str, Any]], path: Path, data_return: float | None) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not results:
+        return False
+    fig = plt.figure(figsize=(13, 8.5))
+    grid = fig.add_gridspec(3, 3, height_ratios=(1.4, 1, 1))
+    top = fig.add_subplot(grid[0, :])
+    panels = [fig.add_subplot(grid[1 + i // 3, i % 3]) for i in range(6)]
+    colours = dict(zip(COLUMNS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for m in COLUMNS:
+        rs = [r for r in results if paper.method(r) == m]
+        if not rs:
+            continue
+        n = min(len(r["curve"]) for r in rs)
+        rounds = [c["round"] for c in rs[0]["curve"][:n]]
+        ys = np.array([[c["score_mean"] for c in r["curve"][:n]] for r in rs])
+        top.plot(rounds, ys.mean(0), color=colours[m], label=f"{LABEL[m]} (n={len(rs)})")
+        if len(rs) > 1:
+            top.fill_between(rounds, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), color=colours[m], alpha=0.15)
+        for ax, key, title in zip(panels, ("q_data", "critic_td", "reg_data", "entropy", "alpha"),
+                                  ("Q on the data", "TD error (critic)", "NLL of the data's actions (DRPO)",
+                                   "policy entropy", "temperature alpha")):
+            v = _by_round(rs, key)
+            if v is None or (key == "reg_data" and not np.any(v)):
+                continue
+            x = np.arange(1, v.shape[1] + 1)
+            ax.plot(x, v.mean(0), color=colours[m])
+            ax.set_title(title, fontsize=9)
+    if data_return is not None:
+        panels[0].axhline(data_return, color="k", ls=":", label=f"data's discounted return ({data_return:.0f})")
+        panels[0].legend(fontsize=7)
+    drpo = [r for r in results if paper.method(r) == "drpo"]
+    ax = panels[5]
+    for (k, name), style in zip(GRADS[:4], ("-", "--", "-.", ":")):
+        v = _by_round(drpo, k)
+        if v is not None:
+            ax.plot(np.arange(1, v.shape[1] + 1), v.mean(0), style, color="k", label=name)
+    if ax.lines:
+        ax.set_yscale("log")
+        ax.legend(fontsize=6)
+    ax.set_title("DRPO (paper's critic): actor gradient norm by term", fontsize=9)
+    top.set_ylabel("D4RL score")
+    top.set_title("hopper-medium, 5 agents x 1,000 local steps a round: mean ± std over seeds", fontsize=10)
+    top.legend(fontsize=8, ncol=3)
+    for a in (top, *panels):
+        a.grid(alpha=0.3)
+        a.set_xlabel("round", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def blocks(root: Path = paper.RESULTS) -> dict[str, str]:
+    results = cells(root)
+    table, said = table_md(results), sentence(results)
+    return {"verdict-table": table + "\n\n" + said, "verdict-grads": grads_md(results),
+            "verdict-critic": critic_choice(results), "readme-verdict": table + "\n\n" + said}
+
+
+README_MD = Path(__file__).resolve().parents[1] / "README.md"
+CHOICES_MD = Path(__file__).resolve().parents[1] / "docs" / "explanation" / "choices.md"
+
+
+def cmd_render(a) -> int:
+    root = Path(a.results)
+    out = _folder(root)
+    out.mkdir(parents=True, exist_ok=True)
+    dr_path = out / DATA_RETURNS
+    drs = json.loads(dr_path.read_text()) if dr_path.exists() else {}
+    results = cells(root)
+    if figure(results, out / "verdict.png", float(np.mean(list(drs.values()))) if drs else None):
+        print(f"wrote {out / 'verdict.png'}")
+    b = blocks(root)
+    (out / "verdict.md").write_text("\n\n".join(f"### {k}\n\n{v}" for k, v in b.items()) + "\n")
+    if a.update_md:
+        for path, names in ((paper.BENCHMARKS_MD, ("verdict-table", "verdict-grads")), (README_MD, ("readme-verdict",)),
+                            (CHOICES_MD, ("verdict-critic",))):
+            path.write_text(paper.replace_blocks(path.read_text(), {k: b[k] for k in names}))
+            print(f"updated {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.verdict", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("data-returns", help="the data's discounted return per seed, kept beside the results")
+    d.add_argument("--results", default=str(paper.RESULTS))
+    d.set_defaults(func=lambda a: print(json.dumps(data_returns(Path(a.results)))) or 0)
+    r = sub.add_parser("render", help="table, figure and sentence; README, BENCHMARKS.md and choices.md blocks")
+    r.add_argument("--results", default=str(paper.RESULTS))
+    r.add_argument("--no-update-md", dest="update_md", action="store_false")
+    r.set_defaults(func=cmd_render)
+    a = ap.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
