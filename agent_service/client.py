@@ -350,7 +350,8 @@ class Agent:
             self.trainer = LocalTrainer(
                 self.cfg.index, hp, self.shard.transitions, np.asarray(task.obs_mean, np.float32),
                 np.asarray(task.obs_std, np.float32), rc.seed, self.cfg.device,
-                federate_critic=rc.federate == "policy+critic", local_normalizer=rc.obs_norm == "local")
+                federate_critic=rc.federate == "policy+critic", local_normalizer=rc.obs_norm == "local",
+                update_clip=rc.dp_clip)
             self.trainer_run = task.run_id
             # names, dtypes and shapes a base version must have (views of the live tensors)
             self.base_reference = self.trainer.learner.shared_state(self.trainer.federate_critic)

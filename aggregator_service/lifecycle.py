@@ -24,6 +24,7 @@ from aggregator_service.records import (
     Run,
     replay_journal,
 )
+from fedrl.federation.privacy import privacy_spent
 from fedrl.federation.runconfig import (
     ConfigError,
     parse_run_config,
@@ -180,7 +181,8 @@ class RunLifecycle:
         return {"run_id": run.run_id, "state": run.state, "round": run.round, "rounds": run.cfg.rounds,
                 "global_version": run.version, "agents": agents, "message": run.message,
                 "last_evaluation": last, "config_json": run.config_json, "env_id": run.env_id,
-                "evaluated_versions": sorted(run.evaluations), "evaluators_following": self.evaluators_following()}
+                "evaluated_versions": sorted(run.evaluations), "evaluators_following": self.evaluators_following(),
+                **({"privacy": privacy_spent(run.cfg, run.version)} if run.cfg.dp_clip else {})}
 
     def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5) -> Iterator[dict[str, Any]]:
         """Events of the current run with version > ``after_version``, then live ones, until it ends."""

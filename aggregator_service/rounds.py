@@ -29,6 +29,7 @@ from aggregator_service.records import (
 from fedrl.algos.config import config_to_dict
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
+from fedrl.federation.privacy import PRIVACY_EPSILON, clip_update, epsilon, noise_generator, noisy_average
 from fedrl.federation.round import algo_config, initial_global_state
 from fedrl.federation.runconfig import MAX_MODEL_BYTES, model_bytes
 from fedrl.wire.codec import (
@@ -282,11 +283,18 @@ class Rounds:
     def _close_round(self, run: Run) -> None:
         order = [a for a in run.selected if a in run.submissions]
         subs = [run.submissions[a] for a in order]
+        cfg = run.cfg
         try:
-            w = agent_weights(run.cfg.weighting, [s.num_samples for s in subs])
-            new = aggregate(run.cfg.aggregation, [s.state for s in subs], w, run.cfg.trim_fraction,
-                            [s.flat for s in subs], self._average_memory)
-        except AggregationError as e:
+            w = agent_weights(cfg.weighting, [s.num_samples for s in subs])
+            if cfg.dp_clip:  # each update clipped here too: an agent that did not cannot void the guarantee
+                states = [clip_update(s.state, run.global_state, cfg.dp_clip)[0] for s in subs]
+                new = aggregate(cfg.aggregation, states, w, cfg.trim_fraction)
+                if cfg.dp_noise:
+                    new = noisy_average(new, len(subs), cfg.dp_clip, cfg.dp_noise, self._dp_noise())
+            else:
+                new = aggregate(cfg.aggregation, [s.state for s in subs], w, cfg.trim_fraction,
+                                [s.flat for s in subs], self._average_memory)
+        except (AggregationError, ValueError) as e:
             self._fail(run, f"aggregation failed in round {run.round}: {e}")
             return
         v = run.version + 1
@@ -295,6 +303,8 @@ class Rounds:
         for s in subs:
             for k, x in s.metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + x / len(subs)
+        if cfg.dp_clip:  # what the run has spent once this round's version is out
+            metrics[PRIVACY_EPSILON] = epsilon(cfg.dp_noise, run.round, cfg.dp_delta)
         seconds = time.time() - run.round_opened
         try:
             # Journal first, then the version: a restart that finds version v also finds whose
@@ -321,11 +331,24 @@ class Rounds:
         self._log_event(run, run.closing)
         run.events.append(run.closing)  # announced only now that the version is on disk
         run.closing = None
+        if cfg.dp_clip:
+            self.metrics.privacy_spent(metrics[PRIVACY_EPSILON])
         if run.round >= run.cfg.rounds:
             run.state, run.ended = "finished", time.time()
             self._event(run, "RUN_FINISHED")
+        elif cfg.dp_epsilon_budget and (e := epsilon(cfg.dp_noise, run.round + 1, cfg.dp_delta)) > cfg.dp_epsilon_budget:
+            run.state, run.ended = "stopped", time.time()
+            run.message = (f"privacy budget: round {run.round + 1} would spend epsilon {e:.3g} at delta "
+                           f"{cfg.dp_delta:g}, over the budget of {cfg.dp_epsilon_budget:g}")
+            self._event(run, "RUN_STOPPED", message=run.message)
         else:
             self._open_round(run, run.round + 1)
+
+    def _dp_noise(self):
+        """The generator of differential privacy's noise, from the OS's secure source, made once."""
+        if getattr(self, "_noise", None) is None:
+            self._noise = noise_generator()
+        return self._noise
 
     def _tick_loop(self, tick: float) -> None:
         was_active = False

@@ -213,7 +213,9 @@ class Launcher:
             self.log(f"run {st['run_id']}: {cfg.run.algo}, {cfg.run.rounds} rounds x {cfg.run.local_steps} local steps")
             rounds = self._follow(client, st["run_id"])
             final = client.status()
-            ok = final["state"] == "finished"
+            # a run that stopped at its privacy budget did what it was asked to
+            ok = final["state"] == "finished" or (final["state"] == "stopped"
+                                                  and final.get("message", "").startswith("privacy budget"))
             if final["global_version"] > 0:
                 client.save_policy(self.out / "global_policy.safetensors", final["global_version"])
         summary = self._write_results(rounds, final)
@@ -222,7 +224,10 @@ class Launcher:
         best, last = summary["best"], summary["final"]
         scores = (f"best score {best['score_mean']:.1f} (round {best['round']}), final {last['score_mean']:.1f}; "
                   if best else "")
-        self.log(f"run {final.get('run_id')} {final['state']} in {time.monotonic() - t_run:.0f}s: {scores}"
+        dp = final.get("privacy")
+        spent = (f"privacy spent: epsilon {dp['epsilon']:.3g} at delta {dp['delta']:g} over {dp['rounds']} rounds; "
+                 if dp else "")
+        self.log(f"run {final.get('run_id')} {final['state']} in {time.monotonic() - t_run:.0f}s: {scores}{spent}"
                  f"run folder {self.out}")
         return 0 if ok else 1
 
@@ -340,7 +345,9 @@ class Launcher:
               if "return_mean" in r else "")
         losses = "  ".join(f"{k[5:]}={v:.3g}" for k, v in r.items()
                            if k in ("loss_critic_td", "loss_cql_penalty", "loss_reg_data", "loss_bc_loss"))
-        return f"round {r['round']:3d}/{self.cfg.run.rounds}  {ev}  {losses}  [{r['seconds']:.1f}s]"
+        eps = r.get("loss_privacy_epsilon")
+        spent = f"  epsilon {eps:.3g} (delta {self.cfg.run.dp_delta:g})" if eps is not None else ""
+        return f"round {r['round']:3d}/{self.cfg.run.rounds}  {ev}  {losses}{spent}  [{r['seconds']:.1f}s]"
 
     def _write_results(self, rounds: dict[int, dict[str, Any]], final: dict) -> None:
         rows = [rounds[v] for v in sorted(rounds)]
@@ -367,6 +374,8 @@ class Launcher:
         summary = {"run_id": final.get("run_id"), "state": final["state"], "message": final.get("message", ""),
                    "env_id": env, "rounds": len(rows), "final": curve[-1] if curve else None,
                    "best": max(curve, key=lambda c: c["return_mean"]) if curve else None}
+        if final.get("privacy"):
+            summary["privacy"] = final["privacy"]
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 

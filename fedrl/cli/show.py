@@ -50,6 +50,11 @@ def status(st: dict[str, Any]) -> str:
                          f"local steps, env {env}")
         if st.get("message"):
             lines.append(f"message: {st['message']}")
+        dp = st.get("privacy")
+        if dp:
+            budget = f", budget {dp['epsilon_budget']:g}" if dp.get("epsilon_budget") else ""
+            lines.append(f"privacy spent: epsilon {dp['epsilon']:.3g} at delta {dp['delta']:g} after {dp['rounds']} "
+                         f"rounds (noise multiplier {dp['noise_multiplier']:g}, clip {dp['clip']:g}{budget})")
         ended = st["state"] in ("finished", "stopped", "failed")
         lines.append(f"last evaluation: {evaluation(st.get('last_evaluation'))}" if st.get("last_evaluation") or not ended
                      else "last evaluation: none (no evaluator evaluated this run)")

@@ -79,6 +79,10 @@ def check_cells(cells: Sequence[Cell]) -> None:
     shape; keys must be unique."""
     if not cells:
         raise ValueError("no cells to run")
+    private = [c.key for c in cells if c.cfg.dp_clip]
+    if private:
+        raise ValueError(f"cells {', '.join(private)}: differential privacy clips each agent's update in the "
+                         "per-agent engine (fedrl.federation.simulate), not in a batch")
     keys = [c.key for c in cells]
     if len(set(keys)) != len(keys):
         raise ValueError(f"cell keys repeat: {sorted(k for k in set(keys) if keys.count(k) > 1)}")

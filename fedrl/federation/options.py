@@ -8,6 +8,7 @@ and the same check, which the two paths' equivalence (same config and seed, same
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -51,6 +52,16 @@ class FederationOptions:
     in [0, 0.5)."""
     federate: str = "policy"
     """What is averaged: policy (paper) or policy+critic."""
+    dp_clip: float = 0.0
+    """Differential privacy (agent-level DP-FedAvg; docs/guides/security.md): each agent clips its
+    update to this L2 norm before sending it (0 = off)."""
+    dp_noise: float = 0.0
+    """The noise multiplier sigma: the round's sum of clipped updates gets Gaussian noise of std
+    sigma * dp_clip (0 = clipping alone, no privacy guarantee)."""
+    dp_delta: float = 1e-5
+    """The delta at which the privacy spent, epsilon, is reported."""
+    dp_epsilon_budget: float = 0.0
+    """Stop before a round that would spend more than this epsilon (0 = no budget)."""
     drpo: DRPOConfig = field(default_factory=DRPOConfig)
     """DRPO / CQL hyperparameters (defaults: the paper's table)."""
     bc: BCConfig = field(default_factory=BCConfig)
@@ -76,5 +87,32 @@ class FederationOptions:
                 raise ValueError(f"{opt(name)}: must be >= {low}, got {getattr(self, name)}")
         if not 0.0 <= self.trim_fraction < 0.5:  # also refuses NaN
             raise ValueError(f"{opt('trim_fraction')}: must be in [0, 0.5), got {self.trim_fraction}")
+        self._check_privacy()
         if self.federate == "policy+critic" and self.algo == "fed-bc":
             raise ValueError(f"{opt('federate')}: policy+critic needs a critic; fed-bc has none")
+
+    def _check_privacy(self) -> None:
+        opt = self.option_name
+        for name in ("dp_clip", "dp_noise", "dp_epsilon_budget"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{opt(name)}: must be a finite number >= 0, got {v}")
+        if not 0.0 < self.dp_delta < 1.0:
+            raise ValueError(f"{opt('dp_delta')}: must be in (0, 1), got {self.dp_delta}")
+        if not self.dp_clip:
+            for name in ("dp_noise", "dp_epsilon_budget"):
+                if getattr(self, name):
+                    raise ValueError(f"{opt(name)}: needs {opt('dp_clip')} > 0 (differential privacy clips "
+                                     "every update first)")
+            return
+        if self.dp_epsilon_budget and not self.dp_noise:
+            raise ValueError(f"{opt('dp_epsilon_budget')}: without {opt('dp_noise')} every round spends an "
+                             "infinite epsilon")
+        # what DP-FedAvg's guarantee is computed for: one average of every agent's clipped update
+        refused = {"algo": ("cql", "each agent alone shares nothing to privatise"),
+                   "aggregation": (("median", "trimmed-mean"), "it reads individual updates; DP's noise is on their average"),
+                   "weighting": ("samples", "an agent's weight would scale its sensitivity: use uniform"),
+                   "obs_norm": ("local", "each agent's own normaliser would travel in its update, unprivatised")}
+        for name, (bad, why) in refused.items():
+            if getattr(self, name) in ((bad,) if isinstance(bad, str) else bad):
+                raise ValueError(f"{opt(name)}: {getattr(self, name)!r} cannot run with {opt('dp_clip')}: {why}")

@@ -88,12 +88,19 @@ class LocalTrainer:
 
     def __init__(self, agent: int, cfg: DRPOConfig | BCConfig, transitions: Transitions,
                  obs_mean: np.ndarray, obs_std: np.ndarray, seed: int, device: torch.device,
-                 federate_critic: bool = False, local_normalizer: bool = False, grad_norms_every: int = 0) -> None:
+                 federate_critic: bool = False, local_normalizer: bool = False, grad_norms_every: int = 0,
+                 update_clip: float = 0.0) -> None:
         """``grad_norms_every``: on every this many-th local step of a round (its first included),
         a DRPO learner also measures the actor's gradient norm from each term; a round's metrics
-        hold their mean over those steps (0: never; the training is the same either way)."""
+        hold their mean over those steps (0: never; the training is the same either way).
+        ``update_clip`` > 0: the update a round returns is clipped to that L2 norm
+        (:func:`fedrl.federation.privacy.clip_update`; differential privacy's first half), and
+        its metrics hold ``update_norm``, the norm before, and ``clipped`` (1 when it was cut)."""
         if grad_norms_every < 0:
             raise ValueError(f"grad_norms_every must be >= 0, got {grad_norms_every}")
+        if update_clip < 0:
+            raise ValueError(f"update_clip must be >= 0, got {update_clip}")
+        self.update_clip = update_clip
         self.agent, self.cfg, self.device = agent, cfg, device
         self.grad_norms_every = grad_norms_every if isinstance(cfg, DRPOConfig) else 0
         self.federate_critic, self.local_normalizer = federate_critic, local_normalizer
@@ -131,8 +138,13 @@ class LocalTrainer:
             for k, v in self.learner.update(self.buffer.sample(self.cfg.batch_size, self.learner.gen), **probe).items():
                 logs.setdefault(k, []).append(v)  # a probed diagnostic: its mean over the probed steps
         metrics = {k: float(torch.stack(v).double().mean()) for k, v in logs.items()}
-        return LocalResult(self.agent, self.learner.shared_state(self.federate_critic, copy),
-                           len(self.buffer), metrics, time.perf_counter() - t0)
+        state = self.learner.shared_state(self.federate_critic, copy or bool(self.update_clip))
+        if self.update_clip:
+            from fedrl.federation.privacy import clip_update
+
+            state, norm = clip_update(state, global_state, self.update_clip)
+            metrics |= {"update_norm": norm, "clipped": float(norm > self.update_clip)}
+        return LocalResult(self.agent, state, len(self.buffer), metrics, time.perf_counter() - t0)
 
 
 class BatchedTrainer:

@@ -87,7 +87,7 @@ def model_bytes(hidden, obs_dim: int, act_dim: int, federate_critic: bool) -> in
     return 4 * n
 
 _INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes")
-_FLOATS = ("round_timeout", "join_timeout", "trim_fraction")
+_FLOATS = ("round_timeout", "join_timeout", "trim_fraction", "dp_clip", "dp_noise", "dp_delta", "dp_epsilon_budget")
 _STRINGS = ("algo", "obs_norm", "weighting", "aggregation", "federate")
 
 

@@ -232,6 +232,13 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     if engine == "batched" and parallel_agents > 1:
         raise ValueError("--parallel-agents runs the per-agent engine's agents in threads; the batched engine "
                          "trains them all in one model (pass --engine per-agent, or leave --parallel-agents out)")
+    if draws not in DRAWS:
+        raise ValueError(f"draws: choose {', '.join(DRAWS)}, got {draws!r}")
+    if engine == "batched" and cfg.grad_norms_every:
+        raise ValueError("--grad-norms-every is measured by the per-agent engine only (pass --engine per-agent)")
+    if engine == "batched" and cfg.dp_clip:
+        raise ValueError("--dp-clip: differential privacy clips each agent's update in the per-agent engine "
+                         "(pass --engine per-agent)")
     seed_everything(cfg.seed)
     t_start = time.perf_counter()
 
@@ -252,7 +259,8 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     else:
         trainers = [
             LocalTrainer(s.agent, hp, s.transitions, m, sd, cfg.seed, device, federate_critic,
-                         local_normalizer=cfg.obs_norm == "local", grad_norms_every=cfg.grad_norms_every)
+                         local_normalizer=cfg.obs_norm == "local", grad_norms_every=cfg.grad_norms_every,
+                         update_clip=cfg.dp_clip)
             for s, (m, sd) in zip(shards, norms)
         ]
         learners = {f"learner/{i}/": tr.learner for i, tr in enumerate(trainers)}
@@ -298,9 +306,23 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     def step_done(_i: int, _n: int) -> None:
         bar.update(1)
 
+    noise_gen = None
+    if cfg.dp_clip and cfg.dp_noise:
+        from fedrl.federation.privacy import noise_generator
+
+        noise_gen = noise_generator()
+    stopped, rounds_run = "", done_rounds
     with bar, open(out / "rounds.jsonl", "w") as jl:
         jl.writelines(x + "\n" for x in lines)  # a round after the checkpoint's is done again
         for r in range(done_rounds + 1, cfg.rounds + 1):
+            if cfg.dp_epsilon_budget:
+                from fedrl.federation.privacy import epsilon
+
+                if (e := epsilon(cfg.dp_noise, r, cfg.dp_delta)) > cfg.dp_epsilon_budget:
+                    stopped = (f"stopped before round {r}: it would spend epsilon {e:.3g} at delta "
+                               f"{cfg.dp_delta:g}, over the budget of {cfg.dp_epsilon_budget:g}")
+                    log(stopped)
+                    break
             t0 = time.perf_counter()
 
             def train(i: int):
@@ -330,12 +352,19 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             else:
                 w = agent_weights(cfg.weighting, [res.num_samples for res in results])
                 global_state = aggregate(cfg.aggregation, [res.state for res in results], w, cfg.trim_fraction)
+                if noise_gen is not None:
+                    from fedrl.federation.privacy import noisy_average
+
+                    global_state = noisy_average(global_state, len(results), cfg.dp_clip, cfg.dp_noise, noise_gen)
                 if on_round is not None:
                     on_round(r, global_state)
             train_s = time.perf_counter() - t0
             rec: dict[str, Any] = {"round": r, "train_seconds": train_s,
                                    "agents": [{"agent": res.agent, "num_samples": res.num_samples,
                                                "seconds": res.seconds, **res.metrics} for res in results]}
+            rounds_run = r
+            if cfg.dp_clip:
+                rec["privacy"] = privacy_record(cfg, r, [res.metrics for res in results])
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
                 rec["eval"] = round_evaluation(cfg.algo, [eval_state(s) for s in agent_states]
                                                if cfg.algo == "cql" else [eval_state(global_state)])
@@ -361,6 +390,10 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         "best": max(curve, key=lambda c: c["return_mean"]) if curve else None,
         "curve": curve,
     }
+    if stopped:
+        summary["stopped"] = stopped
+    if cfg.dp_clip:
+        summary["privacy"] = privacy_record(cfg, rounds_run, [])
     if cfg.final_eval_episodes:
         long_seed = derive_seed(cfg.seed, SEED_EVAL, 1) % 2**31  # episodes of their own, not the rounds'
 
@@ -369,7 +402,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             return evaluate(eval_policy, env.gym_id, cfg.final_eval_episodes, long_seed).as_dict()
 
         long = round_evaluation(cfg.algo, [long_eval(s) for s in final_states])
-        summary["final_long"] = {"episodes": cfg.final_eval_episodes, **curve_point(cfg.rounds, long)}
+        summary["final_long"] = {"episodes": cfg.final_eval_episodes, **curve_point(rounds_run, long)}
         log(f"final policy over {cfg.final_eval_episodes} episodes: return {long['return_mean']:.1f} "
             f"± {long['return_std']:.1f}, score {long['score_mean']:.1f}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -387,6 +420,18 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
               if curve else "")
     log(f"done in {summary['wall_seconds']:.1f}s{scores}; results in {out}")
     return summary
+
+
+def privacy_record(cfg: SimConfig, rounds: int, metrics: list[dict[str, float]]) -> dict[str, Any]:
+    """What differential privacy has spent after ``rounds`` rounds, and this round's clipping."""
+    from fedrl.federation.privacy import epsilon
+
+    rec: dict[str, Any] = {"epsilon": epsilon(cfg.dp_noise, rounds, cfg.dp_delta), "delta": cfg.dp_delta,
+                           "noise_multiplier": cfg.dp_noise, "clip": cfg.dp_clip, "rounds": rounds}
+    if metrics:
+        rec["clipped_fraction"] = float(np.mean([m.get("clipped", 0.0) for m in metrics]))
+        rec["update_norm_median"] = float(np.median([m.get("update_norm", 0.0) for m in metrics]))
+    return rec
 
 
 def round_evaluation(algo: str, evaluations: list[dict[str, Any]]) -> dict[str, Any]:
@@ -529,4 +574,6 @@ def _round_line(r: int, rounds: int, rec: dict[str, Any]) -> str:
     ev = rec.get("eval")
     score = (f"return {ev['return_mean']:8.1f} ± {ev['return_std']:6.1f}  score {ev['score_mean']:6.1f}"
              if ev else "(not evaluated)")
-    return f"round {r:3d}/{rounds}  {score}  {losses}  [{rec['seconds']:.1f}s]"
+    dp = rec.get("privacy")
+    spent = f"  epsilon {dp['epsilon']:.3g} (delta {dp['delta']:g})" if dp else ""
+    return f"round {r:3d}/{rounds}  {score}  {losses}{spent}  [{rec['seconds']:.1f}s]"

@@ -307,6 +307,9 @@ class AggregatorMetrics:
                                     "round may close with a quorum.", registry=r)
         self.last_round_closed = Gauge(f"{p}_last_round_closed_timestamp_seconds", "Unix time the last "
                                        "round closed.", registry=r)
+        self.privacy_epsilon = Gauge(f"{p}_privacy_epsilon", "Differential privacy spent by the current run "
+                                     "so far: epsilon at the run's dp_delta (0 without dp_clip; +Inf with "
+                                     "clipping and no noise).", registry=r)
 
     def bind(self, snapshot: Callable[[], Mapping[str, float]]) -> None:
         """Read the gauges that describe state from ``snapshot()`` at scrape time."""
@@ -317,6 +320,9 @@ class AggregatorMetrics:
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason if reason in REJECT_REASONS else "other").inc()
+
+    def privacy_spent(self, epsilon: float) -> None:
+        self.privacy_epsilon.set(epsilon)
 
     def round_closed(self, seconds: float) -> None:
         self.rounds_completed.inc()

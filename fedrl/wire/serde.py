@@ -314,6 +314,8 @@ def status_to_proto(s: dict) -> control_pb2.RunStatus:
     ev = evaluation_to_proto(s.get("last_evaluation"))
     if ev is not None:
         msg.last_evaluation.CopyFrom(ev)
+    if s.get("privacy"):
+        msg.privacy.CopyFrom(control_pb2.PrivacySpent(**s["privacy"]))
     return msg
 
 
@@ -338,6 +340,10 @@ def status_from_proto(p: control_pb2.RunStatus) -> dict:
                      "steps_total": a.steps_total} for a in p.agents]}
     if p.HasField("last_evaluation"):
         d["last_evaluation"] = evaluation_from_proto(p.last_evaluation)
+    if p.HasField("privacy"):
+        q = p.privacy
+        d["privacy"] = {"epsilon": q.epsilon, "delta": q.delta, "rounds": q.rounds, "noise_multiplier": q.noise_multiplier,
+                        "clip": q.clip, "epsilon_budget": q.epsilon_budget}
     return d
 
 

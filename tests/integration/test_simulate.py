@@ -507,3 +507,22 @@ def test_engine_choice_is_checked_and_auto_keeps_the_cpu_per_agent(tmp_path, ran
         resolve_engine("fast", torch.device("cpu"))
     with pytest.raises(ValueError, match="parallel-agents"):
         run(tiny(random_dataset), tmp_path, log=lambda m: None, engine="batched", parallel_agents=2)
+
+
+def test_differential_privacy_reports_its_epsilon_each_round_and_stops_at_its_budget(tmp_path, random_dataset):
+    """Each round's record holds the epsilon spent so far (rising), the clipping it did, and the
+    run stops, saying why, before the round that would exceed its budget."""
+    from fedrl.federation.privacy import epsilon
+
+    cfg = SimConfig(algo="fed-bc", datasets=(str(random_dataset),), agents=3, trajectories=2, rounds=5, local_steps=5,
+                    eval_episodes=0, device="cpu", bc=BCConfig(hidden=(16, 16), batch_size=16, lr=1e-2), dp_clip=0.01,
+                    dp_noise=1.0, dp_epsilon_budget=epsilon(1.0, 3, 1e-5) + 1e-9)
+    logs = []
+    summary = run(cfg, tmp_path / "dp", log=logs.append)
+    rows = [json.loads(x) for x in (tmp_path / "dp" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]  # the 4th would exceed the budget
+    eps = [r["privacy"]["epsilon"] for r in rows]
+    assert eps == sorted(eps) and eps[-1] == pytest.approx(epsilon(1.0, 3, 1e-5))
+    assert all(r["privacy"]["clipped_fraction"] == 1.0 for r in rows)  # a clip of 0.01 cuts every update
+    assert summary["stopped"].startswith("stopped before round 4: it would spend epsilon")
+    assert summary["privacy"]["rounds"] == 3 and any("epsilon" in m for m in logs)

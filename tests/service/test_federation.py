@@ -690,3 +690,46 @@ def test_the_aggregator_logs_its_lifecycle_one_line_per_event(aggregator, agent_
     line = json.loads(JSONFormatter().format(closed))  # what --log-format json writes
     assert line["kind"] == "ROUND_CLOSED" and line["version"] == 1 and line["level"] == "INFO"
     assert line["message"] == closed.getMessage() and line["logger"] == "fedrl.aggregator"
+
+
+def test_differential_privacy_spends_its_budget_and_says_so(aggregator, agent_threads, stand_dataset):
+    """A DP run reports its epsilon in each ROUND_CLOSED event, its status and the metrics, and stops,
+    saying why, before the round that would exceed its budget."""
+    from fedrl.federation.privacy import epsilon
+
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=1)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+    budget = epsilon(1.0, 2, 1e-5) + 1e-9
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
+        algo="fed-bc", rounds=4, dp_clip=0.5, dp_noise=1.0, dp_epsilon_budget=budget)), timeout=10)
+    st = wait_for(lambda: (s := status(aggregator))["state"] in ("stopped", "finished", "failed") and s,
+                  what="the run to end")
+    assert st["state"] == "stopped" and st["global_version"] == 2, st
+    assert st["message"].startswith("privacy budget: round 3 would spend epsilon")
+    assert st["privacy"]["rounds"] == 2 and st["privacy"]["epsilon"] == pytest.approx(epsilon(1.0, 2, 1e-5))
+    events = list(aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10))
+    closed = [e for e in events if e.kind == control_pb2.RoundEvent.ROUND_CLOSED]
+    assert [round(e.metrics["privacy_epsilon"], 6) for e in closed] == \
+        [round(epsilon(1.0, r, 1e-5), 6) for r in (1, 2)]
+    assert aggregator.coord.metrics.privacy_epsilon._value.get() == pytest.approx(epsilon(1.0, 2, 1e-5))
+
+
+def test_the_aggregator_clips_an_update_its_agent_did_not(aggregator):
+    """Under dp_clip an agent that sends its update unclipped cannot void the bound: the average the
+    aggregator stores moved by at most the clip (no noise here, to see the bound itself)."""
+    from fedrl.federation.privacy import update_norm
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(rounds=2, dp_clip=0.5)), timeout=5))
+    manifest, chunks = read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5))
+    g = assemble(manifest, chunks)
+    far = {k: (v + 1.0 if k.startswith("policy.trunk") else v.clone()) for k, v in g.items()}  # norm >> 0.5
+    assert update_norm(far, g) > 30
+    for a in ("a0", "a1"):
+        assert submit(aggregator, a, far, st["run_id"]).accepted
+    wait_for(lambda: status(aggregator)["global_version"] == 1, what="round 1 to close")
+    v1 = aggregator.store.load_version(st["run_id"], 1)
+    assert update_norm(v1, g) == pytest.approx(0.5, rel=1e-5)

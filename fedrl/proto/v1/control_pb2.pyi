@@ -117,7 +117,7 @@ class AgentInfo(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., agent_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., connected: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., rounds_submitted: _Optional[int] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "round", "rounds", "global_version", "agents", "message", "last_evaluation", "config_json", "env_id", "evaluated_versions", "evaluators_following")
+    __slots__ = ("run_id", "state", "round", "rounds", "global_version", "agents", "message", "last_evaluation", "config_json", "env_id", "evaluated_versions", "evaluators_following", "privacy")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class RunStatus(_message.Message):
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
     EVALUATED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     EVALUATORS_FOLLOWING_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: str
     round: int
@@ -142,7 +143,24 @@ class RunStatus(_message.Message):
     env_id: str
     evaluated_versions: _containers.RepeatedScalarFieldContainer[int]
     evaluators_following: int
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., global_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., message: _Optional[str] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., config_json: _Optional[str] = ..., env_id: _Optional[str] = ..., evaluated_versions: _Optional[_Iterable[int]] = ..., evaluators_following: _Optional[int] = ...) -> None: ...
+    privacy: PrivacySpent
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., global_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., message: _Optional[str] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., config_json: _Optional[str] = ..., env_id: _Optional[str] = ..., evaluated_versions: _Optional[_Iterable[int]] = ..., evaluators_following: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySpent, _Mapping]] = ...) -> None: ...
+
+class PrivacySpent(_message.Message):
+    __slots__ = ("epsilon", "delta", "rounds", "noise_multiplier", "clip", "epsilon_budget")
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    epsilon: float
+    delta: float
+    rounds: int
+    noise_multiplier: float
+    clip: float
+    epsilon_budget: float
+    def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., rounds: _Optional[int] = ..., noise_multiplier: _Optional[float] = ..., clip: _Optional[float] = ..., epsilon_budget: _Optional[float] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("after_version",)

@@ -1,0 +1,116 @@
+"""Agent-level differential privacy (DP-FedAvg): clipping, the noise, the accountant, the settings.
+
+Each protection's test fails when the protection is removed: an unclipped update breaks the norm
+bound, a missing noise breaks the std test, an accountant that is not the library's (or none)
+breaks the epsilon checks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedrl.algos import BCConfig, DRPOConfig
+from fedrl.data.d4rl import Transitions
+from fedrl.federation.privacy import clip_update, epsilon, noisy_average, update_norm
+from fedrl.federation.round import LocalTrainer
+from fedrl.federation.runconfig import parse_run_config
+from fedrl.federation.simulate import SimConfig
+
+O, A = 5, 2
+
+
+def transitions(n: int = 300) -> Transitions:
+    rng = np.random.default_rng(0)
+    obs = rng.normal(size=(n + 1, O))
+    return Transitions(obs[:-1], np.tanh(rng.normal(size=(n, A))) * 0.9, rng.uniform(0, 1, n), obs[1:],
+                       np.zeros(n), np.arange(n) // 50)
+
+
+def test_clipping_scales_the_update_into_the_ball_and_leaves_the_normaliser():
+    g = torch.Generator().manual_seed(0)
+    base = {"policy.w": torch.randn(30, 20, generator=g), "policy.obs_mean": torch.zeros(4),
+            "policy.obs_std": torch.ones(4)}
+    state = {"policy.w": base["policy.w"] + 3 * torch.randn(30, 20, generator=g), "policy.obs_mean": torch.zeros(4),
+             "policy.obs_std": torch.ones(4)}
+    before = update_norm(state, base)
+    out, norm = clip_update(state, base, 1.5)
+    assert norm == pytest.approx(before) and before > 10
+    assert update_norm(out, base) == pytest.approx(1.5, rel=1e-6)
+    d0, d1 = (state["policy.w"] - base["policy.w"]).flatten(), (out["policy.w"] - base["policy.w"]).flatten()
+    assert torch.nn.functional.cosine_similarity(d0, d1, dim=0) > 1 - 1e-6  # the same direction
+    assert torch.equal(out["policy.obs_std"], state["policy.obs_std"])
+    small, _ = clip_update(state, base, 1e6)  # inside the ball: unchanged
+    assert torch.equal(small["policy.w"], state["policy.w"])
+    with pytest.raises(ValueError, match="global model lacks: policy.v"):
+        clip_update({**state, "policy.v": torch.ones(2)}, base, 1.0)
+
+
+@pytest.mark.parametrize("cfg", [DRPOConfig(hidden=(16, 16), batch_size=32, cql_n_actions=2, actor_lr=1e-2,
+                                            critic_lr=1e-2),
+                                 BCConfig(hidden=(16, 16), batch_size=32, lr=1e-2)], ids=["drpo", "bc"])
+def test_an_agents_round_returns_an_update_of_norm_at_most_the_clip(cfg):
+    torch.set_num_threads(1)
+    t = LocalTrainer(0, cfg, transitions(), np.zeros(O), np.ones(O), seed=3, device=torch.device("cpu"),
+                     federate_critic=isinstance(cfg, DRPOConfig), update_clip=0.05)
+    g0 = t.learner.shared_state(isinstance(cfg, DRPOConfig))
+    res = t.train_round(g0, 20, copy=False)
+    assert res.metrics["update_norm"] > 0.05 and res.metrics["clipped"] == 1.0  # it had to cut
+    assert update_norm(res.state, g0) <= 0.05 * (1 + 1e-5)
+    if isinstance(cfg, DRPOConfig):
+        assert any(k.startswith("critic.") for k in res.state)  # the critics are clipped with the policy
+
+
+def test_the_noise_has_the_mechanisms_std_on_every_learned_coordinate():
+    n, clip, sigma = 5, 2.0, 1.3
+    mean = {"policy.w": torch.zeros(400, 500), "policy.obs_mean": torch.full((7,), 3.0)}
+    out = noisy_average(mean, n, clip, sigma, torch.Generator().manual_seed(1))
+    z = out["policy.w"].double().flatten()
+    want = sigma * clip / n  # std of N(0, (sigma C)^2) on the sum, divided by n
+    # 200,000 draws: the sample std is within 0.5% of the truth with overwhelming probability
+    assert float(z.std()) == pytest.approx(want, rel=5e-3)
+    assert abs(float(z.mean())) < 5 * want / math.sqrt(z.numel())
+    assert float(((z / want) ** 4).mean()) == pytest.approx(3.0, rel=0.05)  # Gaussian tails (kurtosis 3)
+    assert torch.equal(out["policy.obs_mean"], mean["policy.obs_mean"])
+    a = noisy_average(mean, n, clip, sigma, torch.Generator().manual_seed(2))["policy.w"]
+    assert abs(float(torch.corrcoef(torch.stack([a.flatten(), out["policy.w"].flatten()]))[0, 1])) < 0.02
+
+
+def test_epsilon_is_the_libraries_and_within_the_closed_form_rdp_bound():
+    from dp_accounting import dp_event, rdp
+
+    for sigma, rounds, delta in ((1.0, 20, 1e-5), (4.0, 10, 1e-5), (0.8, 3, 1e-6)):
+        acc = rdp.RdpAccountant()
+        acc.compose(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(sigma), rounds))
+        assert epsilon(sigma, rounds, delta) == pytest.approx(acc.get_epsilon(delta), rel=1e-9)
+        # the Gaussian mechanism's RDP is alpha / (2 sigma^2) a round (Mironov 2017); with the
+        # classic conversion eps <= min_alpha rounds * alpha / (2 sigma^2) + log(1/delta) / (alpha - 1);
+        # the library's conversion is tighter, never looser
+        bound = min(rounds * a / (2 * sigma**2) + math.log(1 / delta) / (a - 1) for a in np.linspace(1.01, 200, 20000))
+        assert 0.8 * bound < epsilon(sigma, rounds, delta) <= bound
+    assert epsilon(1.0, 0, 1e-5) == 0.0 and epsilon(0.0, 1, 1e-5) == math.inf
+    assert epsilon(1.0, 10, 1e-5) < epsilon(1.0, 20, 1e-5)  # composition spends more
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"dp_noise": 1.0}, "dp_noise: needs dp_clip > 0"),
+    ({"dp_clip": 1.0, "aggregation": "median"}, "aggregation: 'median' cannot run with dp_clip"),
+    ({"dp_clip": 1.0, "aggregation": "trimmed-mean"}, "aggregation: 'trimmed-mean' cannot run with dp_clip"),
+    ({"dp_clip": 1.0, "weighting": "samples"}, "weighting: 'samples' cannot run with dp_clip"),
+    ({"dp_clip": 1.0, "obs_norm": "local"}, "obs_norm: 'local' cannot run with dp_clip"),
+    ({"dp_clip": 1.0, "dp_epsilon_budget": 5.0}, "dp_epsilon_budget: without dp_noise"),
+    ({"dp_clip": -1.0}, "dp_clip: must be a finite number >= 0"),
+    ({"dp_clip": 1.0, "dp_delta": 1.0}, "dp_delta: must be in (0, 1)"),
+])
+def test_settings_that_void_the_guarantee_are_refused_by_name(settings, says):
+    with pytest.raises(ValueError) as e:
+        parse_run_config(settings)
+    assert says in str(e.value)
+
+
+def test_the_agents_alone_baseline_has_nothing_to_privatise():
+    with pytest.raises(ValueError, match="algo: 'cql' cannot run with --dp-clip"):
+        SimConfig(algo="cql", dp_clip=1.0)
