@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from fedrl.algos.base import POLICY, load_prefixed, prefixed_state
 from fedrl.algos.nets import TanhGaussianPolicy
@@ -30,9 +30,22 @@ def save_policy(policy: TanhGaussianPolicy, path: str | Path, metadata: Mapping[
     meta = {k: json.dumps(v) for k, v in (metadata or {}).items()}
     meta["log_std_bounds"] = json.dumps([policy.log_std_min, policy.log_std_max])
     tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp), metadata=meta)
+    with open(tmp, "wb") as f:
+        f.write(_sorted_header(save(state, metadata=meta)))
     os.replace(tmp, path)
     return path
+
+
+def _sorted_header(raw: bytes) -> bytes:
+    """A safetensors file with its JSON header's keys sorted: the library writes the metadata in
+    a hash map's order, which changes from process to process, so the same policy saved twice
+    differed byte-wise. The header keeps its length (the library pads it with spaces), so the
+    tensors' offsets stay as they are."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.dumps(json.loads(raw[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    if len(header) > n:  # cannot happen (the same keys, compactly); keep the library's file
+        return raw
+    return raw[:8] + header + b" " * (n - len(header)) + raw[8 + n:]
 
 
 def policy_from_state(state: Mapping[str, torch.Tensor], log_std_min: float = -5.0,

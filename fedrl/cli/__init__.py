@@ -587,9 +587,13 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
                 except (ValueError, OSError) as e:  # no run yet; the file cannot be written
                     print(f"fedrl ctl: error: {e}", file=sys.stderr)
                     return 1
-                out = {"path": a.out, **{k: meta[k] for k in ("run_id", "version", "env_id", "algo")}}
+                import hashlib
+
+                digest = hashlib.sha256(Path(a.out).read_bytes()).hexdigest()
+                out = {"path": a.out, **{k: meta[k] for k in ("run_id", "version", "env_id", "algo")}, "sha256": digest}
                 print(dumps(out) if a.json else f"saved version {out['version']} of run {out['run_id']} "
-                      f"({out['algo']}, {out['env_id']}) to {a.out}")
+                      f"({out['algo']}, {out['env_id']}) to {a.out}: its policy alone, sha256 {digest[:16]} "
+                      "(the same bytes at every fetch; `ctl versions` lists the stored version's own)")
     except grpc.RpcError as e:
         print(f"fedrl ctl: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

@@ -88,7 +88,8 @@ def versions(v: dict[str, Any]) -> str:
     rows = [[x["version"], x["version"], when(x["time_unix"]), size(x["size_bytes"]), x["sha256"][:16],
              f"{x['score_mean']:.1f}" if x.get("score_mean") is not None else "-",
              f"{x['return_mean']:.1f}" if x.get("return_mean") is not None else "-"] for x in v["versions"]]
-    head = f"run {v['run_id']}: {len(rows)} stored versions (version v is the model after round v)"
+    head = (f"run {v['run_id']}: {len(rows)} stored versions (version v is the model after round v; sha256 of the "
+            "stored file, the whole global model as served: `ctl fetch` writes its policy alone, another file)")
     return head + "\n\n" + table(["version", "round", "stored", "size", "sha256 (first 16)", "score", "return"], rows)
 
 

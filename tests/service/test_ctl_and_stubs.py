@@ -122,11 +122,11 @@ def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path)
         run_id = c.status()["run_id"]
     p = ctl("--json", "fetch", "--out", str(out))
     assert p.returncode == 0, p.stderr
+    import hashlib
     assert json.loads(p.stdout) == {"path": str(out), "run_id": run_id, "version": 0, "env_id": "Hopper-v5",
-                                    "algo": "drpo"}
+                                    "algo": "drpo", "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
     p = ctl("--json", "versions")  # version 0, stored, with its checksum
     v0 = json.loads(p.stdout)["versions"][0]
-    import hashlib
     path = aggregator.store.version_path(run_id, 0)
     assert v0["version"] == 0 and v0["size_bytes"] == path.stat().st_size
     assert v0["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and v0["score_mean"] is None
@@ -143,8 +143,9 @@ def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path)
     before = out.read_bytes()  # an existing file is kept unless --force
     p = ctl("fetch", "--out", str(out))
     assert p.returncode == 1 and "exists; pass --force" in p.stderr and out.read_bytes() == before
-    p = ctl("fetch", "--out", str(out), "--force")
+    p = ctl("fetch", "--out", str(out), "--force")  # a second fetch of a version writes the same bytes
     assert p.returncode == 0, p.stderr
+    assert out.read_bytes() == before and hashlib.sha256(before).hexdigest()[:16] in p.stdout
 
 
 def test_services_write_json_logs_for_collectors(tmp_path):
