@@ -184,12 +184,16 @@ class Agent:
             channel.close()
 
     def _session(self, channel: grpc.Channel, delay: float) -> float:
-        """Join and work on one channel until it fails; returns the next reconnection delay."""
+        """Join and work on one channel until it fails; returns the next reconnection delay.
+
+        The delay grows (doubling, to ``backoff_max``, each wait jittered) until a round goes
+        through: a Join alone does not reset it, since a Join that succeeds between refusals for
+        capacity (the streams after it refused) would otherwise bring the agent back every 0.2 s."""
+        rounds_before = self.rounds_done
         try:
             stub = federation_pb2_grpc.FederationStub(channel)
             self._weights_calls = weights_calls(channel)  # FetchGlobal / SubmitUpdate, weights as bytes
             self._join(stub)
-            delay = self.cfg.backoff_initial
             self._loop(channel, stub)
         except CodecError as e:
             # The global model failed verification on the way here (damaged in transit, a bad
@@ -204,6 +208,8 @@ class Agent:
             code = e.code()
             if self._stop.is_set():
                 raise
+            if self.rounds_done > rounds_before:  # this connection did work: start the backoff over
+                delay = self.cfg.backoff_initial
             if code not in RETRYABLE and code != grpc.StatusCode.NOT_FOUND:
                 log.error("giving up: %s %s", code.name, e.details())
                 raise

@@ -61,9 +61,9 @@ class AgentThreads:
         shards, env = load_shards([dataset], n, trajectories, seed, None, lambda m: None)
         for s in shards:
             aid = f"agent-{s.agent}"
+            kw = {"task_wait": 1.0, "backoff_initial": 0.05, "backoff_max": 0.5, **agent_kw}  # quick, unless asked
             a = Agent(AgentConfig(target, aid, s.agent, env.gym_id, torch.device("cpu"),
-                                  task_wait=1.0, backoff_initial=0.05, backoff_max=0.5,
-                                  tls=tls_for(aid), token=token_for(aid), **agent_kw), s)
+                                  tls=tls_for(aid), token=token_for(aid), **kw), s)
             t = threading.Thread(target=a.run, daemon=True)
             t.start()
             self.agents.append(a)

@@ -293,3 +293,38 @@ def test_an_agent_refused_for_capacity_backs_off_and_comes_in_when_there_is_room
     finally:
         agents.stop()
         agg.close()
+
+
+def test_an_agent_kept_out_for_capacity_backs_off_although_its_joins_succeed(tmp_path, idle, stand_dataset):
+    """Joins go through (they have reserved workers) while the task streams after them are refused
+    for capacity: the agent's retries still back off (a successful Join used to reset the delay to
+    0.2 s, and two agents made 356 retries in 40 s)."""
+    from .conftest import AgentThreads
+
+    workers = 12
+    agg = Aggregator(tmp_path / "s", max_workers=workers, streams_per_identity=100, stream_idle_seconds=30)
+    agents = AgentThreads()
+    try:
+        flood = own_connection(agg.target)
+        idle.open(flood, workers)
+        end = time.monotonic() + 10
+        while agg.server.guard._open < agg.server.guard.total and time.monotonic() < end:
+            time.sleep(0.05)
+        joins = []
+        real = agg.coord.join
+
+        def counted(*a, **kw):
+            joins.append(time.monotonic())
+            return real(*a, **kw)
+
+        agg.coord.join = counted
+        agents.start(agg.target, str(stand_dataset), 1, 2, seed=1, backoff_initial=0.2, backoff_max=10.0)  # the defaults
+        time.sleep(8.0)
+        # doubling from 0.2 s (each wait 0.5-1.5x): at most ~7 attempts in 8 s; without backoff ~40
+        gaps = [round(b - a, 2) for a, b in zip(joins, joins[1:])]
+        assert 2 <= len(joins) <= 8, f"{len(joins)} joins in 8 s, gaps {gaps}"
+        assert agents.threads[0].is_alive()
+        flood.close()
+    finally:
+        agents.stop()
+        agg.close()
