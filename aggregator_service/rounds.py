@@ -31,7 +31,7 @@ from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.privacy import PRIVACY_EPSILON, clip_update, epsilon, noise_generator, noisy_average
 from fedrl.federation.round import algo_config, initial_global_state
-from fedrl.federation.runconfig import MAX_MODEL_BYTES, model_bytes
+from fedrl.federation.runconfig import MAX_MODEL_BYTES, check_step_bytes, model_bytes
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
     CodecError,
@@ -229,6 +229,9 @@ class Rounds:
         if size > MAX_MODEL_BYTES:  # before anything is built
             self._fail(run, f"the global model would be {size / 2**20:.0f} MiB (hidden {list(hp.hidden)}, obs_dim "
                             f"{obs_dim}, act_dim {act_dim}); a run's model may be at most {MAX_MODEL_BYTES >> 20} MiB")
+            return
+        if problem := check_step_bytes(hp, obs_dim, act_dim):  # the agents could not take a step
+            self._fail(run, f"{problem} (obs_dim {obs_dim}, act_dim {act_dim})")
             return
         state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
                                      cfg.federate == "policy+critic")

@@ -47,6 +47,9 @@ class RunConfig(FederationOptions):
         for k in ("round_timeout", "join_timeout"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"{k}: must be > 0 seconds, got {getattr(self, k)}")
+        hp = self.bc if self.algo == "fed-bc" else self.drpo  # the learner's settings (CQL: DRPO's, lambdas 0)
+        if problem := check_step_bytes(hp, 1, 1):  # on the smallest task there is: one observation, one action
+            raise ValueError(f"{'drpo' if hasattr(hp, 'cql_n_actions') else 'bc'}: {problem}")
 
     @property
     def quorum(self) -> int:
@@ -85,6 +88,37 @@ def model_bytes(hidden, obs_dim: int, act_dim: int, federate_critic: bool) -> in
     if federate_critic:
         n += 2 * 2 * mlp(obs_dim + act_dim, 1)
     return 4 * n
+
+# The most memory one local step may need (an estimate, :func:`step_bytes`): a run whose first
+# step no agent could allocate is refused, instead of its agents failing and the run waiting for
+# ever. 32 GiB leaves the paper's sizes (~0.1 GiB a step) 300 times room.
+MAX_STEP_BYTES = 32 << 30
+
+
+def step_bytes(hp, obs_dim: int, act_dim: int) -> int:
+    """An estimate of one local step's memory (float32): the activations of every network
+    evaluation the step backpropagates through, their gradients and one temporary (x3). DRPO's
+    and CQL's is dominated by the twin critic over B x (1 + 3N) state-action rows; BC's by the
+    policy over B states."""
+    width = sum(hp.hidden)
+    if hasattr(hp, "cql_n_actions"):
+        rows = hp.batch_size * (1 + 3 * hp.cql_n_actions) * 2 + hp.batch_size * 2  # critics; the TD target's
+        floats = rows * (obs_dim + act_dim + width + 1) + hp.batch_size * (1 + hp.global_samples) * (obs_dim + width + 2 * act_dim)
+    else:
+        floats = hp.batch_size * (obs_dim + width + 2 * act_dim)
+    return 4 * 3 * floats
+
+
+def check_step_bytes(hp, obs_dim: int, act_dim: int) -> str:
+    """Why a local step of ``hp`` on these dimensions is too large to run ('' when it is not)."""
+    need = step_bytes(hp, obs_dim, act_dim)
+    if need <= MAX_STEP_BYTES:
+        return ""
+    what = f"batch_size {hp.batch_size}" + (f" x (1 + 3 x cql_n_actions {hp.cql_n_actions}) critic rows"
+                                             if hasattr(hp, "cql_n_actions") else "")
+    return (f"one local step would need about {need / 2**30:,.0f} GiB ({what}, hidden {list(hp.hidden)}); "
+            f"a run's step may need at most {MAX_STEP_BYTES >> 30} GiB")
+
 
 _INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes")
 _FLOATS = ("round_timeout", "join_timeout", "trim_fraction", "dp_clip", "dp_noise", "dp_delta", "dp_epsilon_budget")

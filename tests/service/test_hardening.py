@@ -205,3 +205,38 @@ def test_a_run_whose_every_agent_sends_non_finite_updates_fails_saying_why(aggre
     assert_refused(lambda: submit(aggregator, "a1", nan, st["run_id"]), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
     s = status(aggregator)
     assert s["state"] == "failed" and "every agent's update had NaN or Inf values" in s["message"], s["message"]
+
+
+def test_settings_whose_first_step_cannot_be_allocated_are_refused_at_start(aggregator):
+    """batch_size 65,536 x cql_n_actions 1,024 is inside each field's cap, but a step would need
+    ~2,300 GiB: StartRun refuses it with the estimate (the agents used to fail their first step and
+    the run stayed at round 1 for ever), and nothing starts."""
+    import json
+
+    cfg = json.loads(run_config())
+    cfg["drpo"] = {**cfg["drpo"], "batch_size": 65_536, "cql_n_actions": 1_024, "hidden": [256, 256]}
+    assert_refused(lambda: aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=json.dumps(cfg)),
+                                                       timeout=5), grpc.StatusCode.INVALID_ARGUMENT,
+                   "one local step would need about")
+    assert status(aggregator)["state"] == "idle"
+
+
+def test_a_step_too_large_for_the_agents_task_fails_the_run_at_once_saying_why(aggregator):
+    """Fine on the smallest task, too large on the agents' one (a wide observation): the run fails
+    when it begins, naming the estimate, instead of waiting for agents that cannot train."""
+    import json
+
+    from fedrl.federation.runconfig import MAX_STEP_BYTES, step_bytes
+    from fedrl.algos import DRPOConfig
+
+    # the largest batch whose step fits on a 1-dim task but not on the 5,000-dim one joined below
+    hp = DRPOConfig(hidden=[256, 256], cql_n_actions=64, batch_size=1024)
+    assert step_bytes(hp, 1, 1) <= MAX_STEP_BYTES < step_bytes(hp, 5000, 3) * 100
+    big = next(b for b in range(1024, 65_537, 1024)
+               if step_bytes(DRPOConfig(hidden=[256, 256], cql_n_actions=64, batch_size=b), 5000, 3) > MAX_STEP_BYTES)
+    cfg = json.loads(run_config(agents=1))
+    cfg["drpo"] = {**cfg["drpo"], "batch_size": big, "cql_n_actions": 64, "hidden": [256, 256]}
+    join(aggregator, "a0", 0, obs_dim=5000)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=json.dumps(cfg)), timeout=5)
+    st = wait_for(lambda: (s := status(aggregator))["state"] == "failed" and s, what="the run to fail")
+    assert "one local step would need about" in st["message"] and "obs_dim 5000" in st["message"]
