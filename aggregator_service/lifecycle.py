@@ -234,8 +234,8 @@ class RunLifecycle:
             try:
                 state = self.store.load_version(run_id, v)
                 break
-            except Exception as e:  # unreadable: fall back to the one before (logged loudly)
-                log.error("run %s: version %d in the state directory is unreadable (%s); trying %d",
+            except Exception as e:  # unreadable or damaged: fall back to the one before (logged loudly)
+                log.error("run %s: version %d in the state directory cannot be resumed (%s); trying %d",
                           run_id, v, e, v - 1)
         if state is None:
             self._fail(run, "restarted, but no stored global version could be read")

@@ -26,6 +26,7 @@ from aggregator_service.records import (
     Submission,
     env_mismatch,
 )
+from aggregator_service.store import DamagedVersion
 from fedrl.algos.config import config_to_dict
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
@@ -103,11 +104,14 @@ class Rounds:
             if not stored:
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, f"run {run_id} has no stored version", "unknown_version")
             v = stored[-1] if version < 0 else version
-        try:  # an older version: its stored bytes, sent as written
-            payload = self.store.version_path(run_id, v).read_bytes()
+        try:  # an older version: its stored bytes, sent as written once their checksum holds
+            payload = self.store.read_version(run_id, v)
         except FileNotFoundError:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} of run {run_id} is not stored",
                                "unknown_version") from None
+        except DamagedVersion as e:
+            log.error("%s; not served", e)
+            raise ServiceError(grpc.StatusCode.DATA_LOSS, str(e), "corrupt_version") from None
         try:
             return encoded_from_payload(payload, run_id, v, v)
         except CodecError as e:
@@ -238,7 +242,7 @@ class Rounds:
         run.env_id = cfg.env or (envs.pop() if envs else "")
         enc = self._encode(run, 0, state)
         try:
-            self.store.save_version(run.run_id, 0, enc.pieces())
+            self.store.save_version(run.run_id, 0, enc.pieces(), enc.manifest.checksum)
         except OSError as e:
             self._fail(run, f"cannot write version 0 to the state directory: {e}")
             return
@@ -319,7 +323,7 @@ class Rounds:
                                           metrics=metrics, seconds=seconds)
                 self.store.append_event(run.run_id, closing, durable=True)
                 run.closing = closing
-            self.store.save_version(run.run_id, v, enc.pieces())
+            self.store.save_version(run.run_id, v, enc.pieces(), enc.manifest.checksum)
         except OSError as e:
             msg = f"cannot persist version {v}; round {run.round} stays open: {e}"
             if run.message != msg:

@@ -4,6 +4,8 @@ Layout::
 
     <state-dir>/runs/<run_id>/config.json          the validated run config
     <state-dir>/runs/<run_id>/v000003.safetensors  global version 3 (policy.*, maybe critic.*)
+    <state-dir>/runs/<run_id>/v000003.xxh3          its XXH3-128, written with it: every read
+                                                   (a late fetch, a restart) checks it
     <state-dir>/runs/<run_id>/events.jsonl         round events (a round's close is journaled
                                                    just before its version is written)
     <state-dir>/runs/<run_id>/participants.json    the agents a running run selected, their
@@ -27,13 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+import xxhash
+from safetensors.torch import load
 
 # Bytes handed to one write() call. On the Linux this project is measured on (6.18, ext4), a
 # 30 MB file written by writes of 2 MiB or more took ~70 ms of CPU in the kernel's copy
 # (copy_folio_from_iter_atomic), by 1 MiB writes 6.4 ms (docs/performance.md, *The version
 # write*). The aggregator writes a version of that size every round.
 WRITE_SLICE = 1 << 20
+
+
+class DamagedVersion(ValueError):
+    """A stored version whose bytes are not those written (or whose values are not finite)."""
 
 
 def _fsync_dir(d: Path) -> None:
@@ -73,17 +80,48 @@ class Store:
             shutil.rmtree(d, ignore_errors=True)
             raise
 
-    def save_version(self, run_id: str, version: int, payload: bytes | Sequence[bytes | memoryview]) -> Path:
+    def save_version(self, run_id: str, version: int, payload: bytes | Sequence[bytes | memoryview],
+                     checksum: str | None = None) -> Path:
         """Write a version's safetensors bytes (what the aggregator also sends: one serialisation),
         given whole or as its pieces in order (``Encoded.pieces``: written from the tensors, with
-        no joined copy of the payload first)."""
+        no joined copy of the payload first), and beside them their XXH3-128 (``checksum``, the
+        manifest's, or computed here), which every later read checks."""
         path = self.version_path(run_id, version)
-        self._write_bytes(path, payload, keep_cached=False)
+        pieces = (payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else tuple(payload)
+        if checksum is None:
+            h = xxhash.xxh3_128()
+            for piece in pieces:
+                h.update(piece)
+            checksum = h.hexdigest()
+        self._write_bytes(path, pieces, keep_cached=False)
+        self._write_bytes(self.checksum_path(run_id, version), checksum.encode())
         _fsync_dir(path.parent)
         return path
 
+    def checksum_path(self, run_id: str, version: int) -> Path:
+        return self.run_dir(run_id) / f"v{version:06d}.xxh3"
+
+    def read_version(self, run_id: str, version: int) -> bytes:
+        """A stored version's bytes, checked against the checksum written with them
+        (:class:`DamagedVersion` when they differ; a version stored before checksums were kept is
+        read as it is). FileNotFoundError when it is not stored."""
+        data = self.version_path(run_id, version).read_bytes()
+        try:
+            want = self.checksum_path(run_id, version).read_text().strip()
+        except FileNotFoundError:
+            return data
+        if xxhash.xxh3_128_hexdigest(data) != want:
+            raise DamagedVersion(f"version {version} of run {run_id} is damaged on disk: its bytes are not those "
+                                 "written (their checksum differs from the one stored with them)")
+        return data
+
     def load_version(self, run_id: str, version: int) -> dict[str, torch.Tensor]:
-        return load_file(str(self.version_path(run_id, version)))
+        """A stored version's tensors, its checksum checked and every value finite."""
+        state = load(self.read_version(run_id, version))
+        bad = sorted(k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+        if bad:
+            raise DamagedVersion(f"version {version} of run {run_id} holds non-finite values ({', '.join(bad[:3])})")
+        return state
 
     def versions(self, run_id: str) -> list[int]:
         return sorted(int(p.stem[1:]) for p in self.run_dir(run_id).glob("v*.safetensors"))

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -458,3 +459,66 @@ def test_a_version_is_written_in_slices_and_leaves_the_page_cache_once_on_disk(t
     assert path.read_bytes() == enc.payload
     monkeypatch.setattr(store_mod, "WRITE_SLICE", 1000)  # slices that cut the header and the tensors
     assert store.save_version("run", 2, enc.pieces()).read_bytes() == enc.payload
+
+
+def _rewrite_tensor_bytes(path, edit) -> None:
+    """A stored version whose tensor bytes ``edit(bytearray)`` changes in place, its safetensors
+    structure intact (a flipped bit on disk; a NaN written by a faulty writer)."""
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    edit(raw, 8 + n)  # where the tensors' bytes start
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["flipped-byte", "nan"])
+def test_restart_skips_a_newest_version_whose_bytes_are_not_those_written(tmp_path, caplog, damage):
+    """A version file still parses but holds other bytes (a flipped byte) or a NaN: a restart used
+    to resume it (the agents then refused the NaN model and the run wedged); now its checksum gives
+    it away, the run resumes from the version before, and the log says why."""
+    import struct
+
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+
+    store, run_id, g = _run_rounds(tmp_path, rounds=3, done=2)
+
+    def edit(raw, start):
+        if damage == "nan":
+            raw[start:start + 4] = struct.pack("<f", float("nan"))
+        else:
+            raw[start + 5] ^= 0x01
+
+    _rewrite_tensor_bytes(store.version_path(run_id, 2), edit)
+    with caplog.at_level("ERROR"):
+        second = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
+    try:
+        st = second.status()
+        assert st["global_version"] == 1 and st["round"] == 2, st
+        assert all(torch.isfinite(v).all() for v in second.run.global_state.values())
+        assert any("version 2" in r.getMessage() and "damaged on disk" in r.getMessage() for r in caplog.records)
+    finally:
+        second.close()
+
+
+def test_a_damaged_stored_version_is_refused_not_served_and_ctl_fetch_fails(tmp_path):
+    """An older version whose tensor bytes changed on disk used to be served under a fresh, valid
+    checksum, and `ctl fetch --run` exited 0; now FetchGlobal says DATA_LOSS and ctl exits 1."""
+    import subprocess
+    import sys
+
+    from .conftest import Aggregator
+
+    store, run_id, g = _run_rounds(tmp_path, rounds=2, done=2)  # finished: every version from disk
+    _rewrite_tensor_bytes(store.version_path(run_id, 1), lambda raw, start: raw.__setitem__(start + 9, raw[start + 9] ^ 4))
+    agg = Aggregator(tmp_path / "state")
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=1), timeout=10))
+        assert e.value.code() == grpc.StatusCode.DATA_LOSS and "damaged on disk" in e.value.details()
+        list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=2), timeout=10))  # intact
+        p = subprocess.run([sys.executable, "-m", "fedrl.cli", "ctl", "--target", agg.target, "fetch", "--run",
+                            run_id, "--version", "1", "--out", str(tmp_path / "p.safetensors")],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1 and "DATA_LOSS" in p.stderr and not (tmp_path / "p.safetensors").exists()
+    finally:
+        agg.close()

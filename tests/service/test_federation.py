@@ -109,7 +109,7 @@ def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_
     old.write_bytes(b"\x08" + old.read_bytes()[1:])
     assert_refused(lambda: list(aggregator.fed.FetchGlobal(
         federation_pb2.FetchRequest(run_id=done["run_id"], version=0), timeout=10)),
-        grpc.StatusCode.DATA_LOSS, "stored version 0 is unreadable")
+        grpc.StatusCode.DATA_LOSS, "version 0 of run")
     assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
     def sample(name, method, kind, **labels):
         return aggregator.metrics.registry.get_sample_value(name, {
