@@ -19,6 +19,8 @@ from aggregator_service.records import (
     EVALUATOR_SEEN_SECONDS,
     AgentRecord,
     check_moments,
+    env_mismatch,
+    task_of,
 )
 from fedrl.federation.runconfig import (
     JOIN_LIMITS,
@@ -29,16 +31,29 @@ log = logging.getLogger("fedrl.aggregator")
 
 class AgentRegistry:
     def _check_task(self, rec: AgentRecord, run) -> None:
-        """While a run is active, an agent of another task is refused at Join (naming the
-        difference): the run's task is its env and the dimensions of the agents it has (those it
-        selected, or those connected while it waits), so one agent cannot end a run."""
+        """While a run is active, an agent of another task is refused at Join, naming the
+        difference; no single agent decides the task for the others:
+
+        - a run config that names ``env`` is the task: a Join that cannot be evaluated there is
+          refused, whoever came first;
+        - a running run's task is that of the agents it selected;
+        - while a run without ``env`` waits, a Join is refused only when it differs from peers
+          that agree among themselves (two or more): a lone first Join fixes nothing, and the run
+          begins with the largest group that agrees (:meth:`_maybe_begin`)."""
         if run is None or run.state not in ACTIVE:
             return
         now = time.time()
+        if run.cfg.env is not None:
+            problem = env_mismatch(run.cfg.env, {rec.env_id} if rec.env_id else set(), rec.obs_dim, rec.act_dim)
+            if problem:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"agent {rec.agent_id}: another task than run {run.run_id}'s: {problem}", "other_task")
         if run.state == "running":
             peers = [self.agents[a] for a in run.selected if a in self.agents and a != rec.agent_id]
         else:
             peers = [a for a in self.agents.values() if a.agent_id != rec.agent_id and self._connected(a, now)]
+            if len({task_of(a) for a in peers}) != 1 or len(peers) < 2:
+                return  # no agreeing majority yet: the run's start decides
         env = run.env_id or run.cfg.env or next((a.env_id for a in peers if a.env_id), "")
         dims = next(((a.obs_dim, a.act_dim) for a in peers), None)
         diff = []

@@ -160,6 +160,11 @@ def check_moments(rec: AgentRecord) -> None:
                            "bad_moments")
 
 
+def task_of(a: AgentRecord) -> tuple[str, int, int]:
+    """The task an agent's data is from: its env (or '' when it named none) and dimensions."""
+    return (a.env_id or "", a.obs_dim, a.act_dim)
+
+
 def env_mismatch(env_name: str, agent_envs: set[str], obs_dim: int, act_dim: int) -> str:
     """Why the run config's ``env`` cannot evaluate the agents' policies ("" when it can)."""
     from fedrl.envs import env_info

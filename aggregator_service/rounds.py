@@ -25,6 +25,7 @@ from aggregator_service.records import (
     Run,
     Submission,
     env_mismatch,
+    task_of,
 )
 from aggregator_service.store import DamagedVersion
 from fedrl.algos.config import config_to_dict
@@ -206,14 +207,26 @@ class Rounds:
         present = [a for a in self.agents.values() if self._connected(a, now)]
         if len(present) < run.cfg.agents:
             return
-        chosen = sorted(present, key=lambda a: (a.index, a.agent_id))[: run.cfg.agents]
-        dims = {(a.obs_dim, a.act_dim) for a in chosen}
-        envs = {a.env_id for a in chosen if a.env_id}
-        if len(dims) != 1 or len(envs) > 1:
-            self._fail(run, f"agents disagree on the task: dims {sorted(dims)}, envs {sorted(envs)}")
-            return
-        obs_dim, act_dim = dims.pop()
         cfg = run.cfg
+        if cfg.env is not None:  # the config names the task: only agents it can evaluate count
+            problems = {a.agent_id: env_mismatch(cfg.env, {a.env_id} if a.env_id else set(), a.obs_dim, a.act_dim)
+                        for a in present}
+            if all(problems.values()):  # not one agent of its task: the config, not an agent, is wrong
+                first = min(present, key=lambda a: (a.index, a.agent_id))
+                self._fail(run, problems[first.agent_id])
+                return
+            present = [a for a in present if not problems[a.agent_id]]
+        groups: dict[tuple[str, int, int], list] = {}
+        for a in sorted(present, key=lambda a: (a.index, a.agent_id)):
+            groups.setdefault(task_of(a), []).append(a)
+        # the largest group that agrees on the task (ties: the group of the lowest index); agents
+        # of another task are left out, and one that disagreed from the start decides nothing
+        largest = max(groups.values(), key=len, default=[])
+        if len(largest) < cfg.agents:
+            return  # not enough agents of one task yet: the join timeout says so if it stays so
+        chosen = largest[: cfg.agents]
+        envs = {a.env_id for a in chosen if a.env_id}
+        obs_dim, act_dim = chosen[0].obs_dim, chosen[0].act_dim
         if cfg.env is not None:  # the evaluation env must be the agents' task
             problem = env_mismatch(cfg.env, envs, obs_dim, act_dim)
             if problem:
@@ -380,9 +393,13 @@ class Rounds:
                     continue
                 now = time.time()
                 if run.state == "waiting_for_agents" and now - run.created > run.cfg.join_timeout:
-                    present = sum(self._connected(a, now) for a in self.agents.values())
-                    self._fail(run, f"only {present} of the {run.cfg.agents} agents the run needs were connected "
-                                    f"within {run.cfg.join_timeout:.0f}s")
+                    live = [a for a in self.agents.values() if self._connected(a, now)]
+                    tasks = {task_of(a) for a in live}
+                    split = (f" (they hold {len(tasks)} different tasks: "
+                             + "; ".join(f"{e or 'no env'} {o}/{d}" for e, o, d in sorted(tasks)) + ")"
+                             if len(tasks) > 1 else "")
+                    self._fail(run, f"only {len(live)} of the {run.cfg.agents} agents the run needs were connected "
+                                    f"within {run.cfg.join_timeout:.0f}s{split}")
                     self.cond.notify_all()
                 elif run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
                     msg = (f"round {run.round} is past its deadline with {len(run.submissions)} of the "

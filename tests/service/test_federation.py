@@ -391,11 +391,12 @@ def test_join_and_task_refusals(aggregator):
     t0 = time.monotonic()
     task = f.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.3), timeout=5)
     assert task.kind == federation_pb2.Task.WAIT and 0.25 < time.monotonic() - t0 < 3
-    # Agents whose data disagree on dimensions fail the run with the reason.
+    # Agents whose data disagree on dimensions: no group of one task is large enough, so the run
+    # waits for one (neither decides for the other) and fails at its join timeout, saying why.
     join(aggregator, "a1", 1, obs_dim=17)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
-    st = status(aggregator)
-    assert st["state"] == "failed" and "agents disagree" in st["message"]
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(join_timeout=0.5)), timeout=5)
+    st = wait_for(lambda: (s := status(aggregator))["state"] == "failed" and s, what="the run to fail")
+    assert "they hold 2 different tasks" in st["message"] and "Hopper-v5 17/3" in st["message"]
     assert_refused(lambda: f.FetchGlobal(federation_pb2.FetchRequest(run_id="nope", version=0), timeout=5).next(),
                    grpc.StatusCode.NOT_FOUND, "unknown run 'nope'")
 

@@ -49,10 +49,40 @@ def test_a_join_of_another_task_is_refused_and_the_run_goes_on(aggregator):
 
 def test_a_join_of_another_task_is_refused_while_the_run_waits_for_agents(aggregator):
     join(aggregator, "a0", 0)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
-    assert_refused(lambda: join(aggregator, "other", 1, obs_dim=17), grpc.StatusCode.FAILED_PRECONDITION,
-                   "obs_dim 17, act_dim 3 (the run's: 11, 3)")
     join(aggregator, "a1", 1)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=3)), timeout=5)
+    # two agents that agree are the task; one that differs from them is refused
+    assert_refused(lambda: join(aggregator, "other", 2, obs_dim=17), grpc.StatusCode.FAILED_PRECONDITION,
+                   "obs_dim 17, act_dim 3 (the run's: 11, 3)")
+    join(aggregator, "a2", 2)
+    assert wait_for(lambda: status(aggregator)["state"] == "running")
+
+
+def test_a_first_join_of_another_task_decides_nothing_for_the_honest_agents(aggregator):
+    """A squatter joins first with a made-up task (obs_dim 12): it used to fix the run's task, every
+    honest agent after it was refused and gave up, and the run failed at its join timeout. Now the
+    honest agents join, the run begins with the largest group that agrees, and the squatter is
+    left out (and refused when it joins again)."""
+    join(aggregator, "squat", 0, obs_dim=12)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2)), timeout=5)
+    join(aggregator, "h1", 1)
+    join(aggregator, "h2", 2)
+    st = wait_for(lambda: (s := status(aggregator))["state"] == "running" and s, what="the run to begin")
+    assert sorted(aggregator.coord.run.selected) == ["h1", "h2"]
+    assert_refused(lambda: join(aggregator, "squat", 0, obs_dim=12), grpc.StatusCode.FAILED_PRECONDITION,
+                   "obs_dim 12, act_dim 3 (the run's: 11, 3)")
+    assert st["round"] == 1
+
+
+def test_a_run_config_that_names_its_env_is_the_task_whoever_joins_first(aggregator):
+    """With env in the run config no Join decides: a squatter of another task is refused at once,
+    first or not, and the honest agents begin the run."""
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2, env="Hopper-v5")),
+                                timeout=5)
+    assert_refused(lambda: join(aggregator, "squat", 0, obs_dim=12), grpc.StatusCode.FAILED_PRECONDITION,
+                   "cannot evaluate the agents' 12-dim observations")
+    join(aggregator, "h1", 1)
+    join(aggregator, "h2", 2)
     assert wait_for(lambda: status(aggregator)["state"] == "running")
 
 
