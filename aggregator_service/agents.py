@@ -85,6 +85,10 @@ class AgentRegistry:
                                f"agent {rec.agent_id}: observation moments must have obs_dim={rec.obs_dim} "
                                "entries and a positive count")
         if rec.stats is not None:
+            if rec.stats.count != rec.num_samples:  # else a few samples could weigh as a billion in the pool
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: observation moments "
+                                   f"over {rec.stats.count} observations, but num_samples is {rec.num_samples}: "
+                                   "the moments must be those of the agent's own samples")
             if rec.stats.count > JOIN_LIMITS["num_samples"]:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: observation count must "
                                    f"be at most {JOIN_LIMITS['num_samples']}, got {rec.stats.count}")

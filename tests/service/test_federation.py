@@ -632,6 +632,7 @@ def test_each_agent_gets_its_own_normaliser_in_every_task(aggregator):
     ("obs_dim", 300_000, "obs_dim must be in"),
     ("agent_index", -2**63, "index must be in"),
     ("num_samples", 2**40, "num_samples must be in"),
+    ("count", 10**9, "over 1000000000 observations, but num_samples is 100"),  # a pool-weight of a billion
 ])
 def test_join_validates_what_an_agent_declares_and_nothing_changes(aggregator, field, value, says):
     """Moments that are not finite (or whose mean and std are not), absurd dimensions, indices and
@@ -641,6 +642,8 @@ def test_join_validates_what_an_agent_declares_and_nothing_changes(aggregator, f
     moments = dict(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)
     if field in ("sum", "sum_sq"):
         moments[field] = [value] * 11
+    elif field == "count":
+        moments[field] = value
     else:
         kw[field] = value
         if field == "obs_dim":
