@@ -28,7 +28,7 @@ from fedrl.wire.codec import (
     specs_of,
 )
 from fedrl.wire.memory import BufferPool
-from fedrl.wire.rpc import StopFlag, create_channel, weights_calls
+from fedrl.wire.rpc import StopFlag, create_channel, nothing_listens, weights_calls
 from fedrl.wire.security import TLSFiles
 from fedrl.wire.serde import (
     chunk_frame,
@@ -213,8 +213,11 @@ class Agent:
             if code not in RETRYABLE and code != grpc.StatusCode.NOT_FOUND:
                 log.error("giving up: %s %s", code.name, e.details())
                 raise
-            log.warning("aggregator at %s unavailable (%s: %s); retrying in %.1fs", self.cfg.target,
-                        code.name, e.details(), delay)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and nothing_listens(self.cfg.target):
+                log.warning("no aggregator at %s (connection refused); retrying in %.1fs", self.cfg.target, delay)
+            else:
+                log.warning("aggregator at %s unavailable (%s: %s); retrying in %.1fs", self.cfg.target,
+                            code.name, e.details(), delay)
             self.metrics.reconnects.inc()
             self._stop.wait(delay * (0.5 + random.random()))
             delay = min(delay * 2, self.cfg.backoff_max)

@@ -453,21 +453,6 @@ DEFAULT_PORT = 50051  # the aggregator's --port default
 CTL_CONNECT_TIMEOUT = 10.0  # fedrl ctl's wait for an aggregator that does not answer yet, by default
 
 
-def _nothing_listens(target: str) -> bool:
-    """Whether ``HOST:PORT`` refuses a TCP connection outright (no server there). A name that does
-    not resolve, a filtered port or a slow network are not refusals: gRPC's wait reports those."""
-    import socket
-
-    host, _, port = target.rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError):
-        return False
-    return False
-
-
 def _target(text: str) -> str:
     """``HOST[:PORT]`` (an IPv6 address in brackets): the aggregator's default port when none is given."""
     text = text.strip()
@@ -540,7 +525,9 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
     if a.ctl_cmd == "start":  # the settings are read before any connection: a bad file is named at once
         data = _settings_file(a.config) if a.config else dict(CTL_START_DEFAULTS)
         data.update(_set_pairs(a.set))
-    if a.connect_timeout is None and _nothing_listens(a.target):
+    from fedrl.wire.rpc import nothing_listens
+
+    if a.connect_timeout is None and nothing_listens(a.target):
         print(f"fedrl ctl: error: nothing listens at {a.target} (connection refused): is the aggregator running? "
               "(--connect-timeout S waits for one that is starting)", file=sys.stderr)
         return 1

@@ -543,3 +543,18 @@ class ServiceError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.code, self.message, self.reason = code, message, reason or code.name.lower()
+
+
+def nothing_listens(target: str, timeout: float = 2.0) -> bool:
+    """Whether ``HOST:PORT`` refuses a TCP connection outright (no server there). A name that does
+    not resolve, a filtered port or a slow network are not refusals: gRPC's own wait reports those."""
+    import socket
+
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False

@@ -522,3 +522,27 @@ def test_a_damaged_stored_version_is_refused_not_served_and_ctl_fetch_fails(tmp_
         assert p.returncode == 1 and "DATA_LOSS" in p.stderr and not (tmp_path / "p.safetensors").exists()
     finally:
         agg.close()
+
+
+def test_an_agent_with_no_aggregator_says_connection_refused(stand_dataset, caplog):
+    """Nothing listens at the agent's target: it used to log DEADLINE_EXCEEDED every few seconds;
+    it says the connection is refused, and keeps retrying."""
+    import socket
+
+    from .conftest import AgentThreads
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free a moment ago: nothing listens there
+    agents = AgentThreads()
+    try:
+        with caplog.at_level("WARNING"):
+            agents.start(f"127.0.0.1:{port}", str(stand_dataset), 1, 2, seed=1, connect_timeout=0.5)
+            end = time.monotonic() + 20
+            while not any("connection refused" in r.getMessage() for r in caplog.records) and time.monotonic() < end:
+                time.sleep(0.05)
+        said = [r.getMessage() for r in caplog.records if r.name == "fedrl.agent"]
+        assert any(f"no aggregator at 127.0.0.1:{port} (connection refused)" in m for m in said), said
+        assert not any("DEADLINE_EXCEEDED" in m for m in said) and agents.threads[0].is_alive()
+    finally:
+        agents.stop()
