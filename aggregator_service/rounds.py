@@ -51,8 +51,10 @@ from fedrl.wire.serde import chunk_frame
 log = logging.getLogger("fedrl.aggregator")
 
 class Rounds:
-    def next_task(self, agent_id: str, wait: float) -> dict[str, Any]:
-        """A task for the agent: TRAIN, STOP, or WAIT after at most ``wait`` seconds."""
+    def next_task(self, agent_id: str, wait: float, probe: bool = False) -> dict[str, Any]:
+        """A task for the agent: TRAIN, STOP, or WAIT after at most ``wait`` seconds. A run's STOP
+        is given once per agent, to its task call; a ``probe`` (a training agent asking whether its
+        task stands) is told STOP without using it up, so the call after it gets STOP too."""
         end = time.monotonic() + max(0.0, min(wait, self.max_task_wait))
         with self.cond:
             while True:
@@ -70,7 +72,8 @@ class Rounds:
                             task["base"] = enc  # sent inline: one RPC less per agent per round
                         return task
                     if run.state not in ACTIVE and a.stop_sent_for != run.run_id:
-                        a.stop_sent_for = run.run_id
+                        if not probe:
+                            a.stop_sent_for = run.run_id
                         return {"kind": "STOP", "run_id": run.run_id}
                 left = end - time.monotonic()
                 if left <= 0 or self._closed:

@@ -144,7 +144,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         between agents only in their normalisers (none with pooled statistics): each distinct
         one is serialised once. A ``probe`` gets no base weights."""
         try:
-            t = self.coord.next_task(agent_id, wait)
+            t = self.coord.next_task(agent_id, wait, probe=probe)
         except ServiceError as e:
             _abort(context, e)
         base = t.pop("base", None)

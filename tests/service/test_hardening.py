@@ -270,3 +270,19 @@ def test_a_step_too_large_for_the_agents_task_fails_the_run_at_once_saying_why(a
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=json.dumps(cfg)), timeout=5)
     st = wait_for(lambda: (s := status(aggregator))["state"] == "failed" and s, what="the run to fail")
     assert "one local step would need about" in st["message"] and "obs_dim 5000" in st["message"]
+
+
+def test_a_probe_told_stop_does_not_use_the_stop_up(aggregator):
+    """A training agent's probe that learns of a stopped run used to consume the run's one STOP,
+    so the agent's next NextTask got WAIT and it never heard the run had ended."""
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    wait_for(lambda: status(aggregator)["state"] == "running")
+    aggregator.control.StopRun(control_pb2.StopRunRequest(reason="enough"), timeout=5)
+    probe = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", probe=True), timeout=5)
+    assert probe.kind == federation_pb2.Task.STOP
+    task = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.2), timeout=5)
+    assert task.kind == federation_pb2.Task.STOP
+    again = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.2), timeout=5)
+    assert again.kind == federation_pb2.Task.WAIT  # told once
