@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     server = create_server([
         (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord, auth, a.max_workers),
          "fedrl.v1.Federation"),
-        (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(coord), "fedrl.v1.Control"),
+        (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(coord, auth), "fedrl.v1.Control"),
     ], a.host, a.port, a.max_workers, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls,
         **stream_limits(a))
     log.info("serving on %s:%d (%s%s), state in %s", a.host, server.port,

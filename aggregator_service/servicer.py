@@ -19,7 +19,7 @@ from fedrl.proto.v1 import (
 )
 from fedrl.wire.codec import Assembler, CodecError
 from fedrl.wire.rpc import EVALUATOR_HEADER, ServiceError, codec_status
-from fedrl.wire.security import Authenticator
+from fedrl.wire.security import EVALUATOR, Authenticator
 from fedrl.wire.serde import (
     evaluation_from_proto,
     event_to_proto,
@@ -36,6 +36,10 @@ from fedrl.wire.serde import (
 log = logging.getLogger("fedrl.aggregator")
 SESSION_MIN_WAIT = 1.0  # seconds: an idle session's WAIT heartbeats come no more often than this
 SESSION = "/fedrl.v1.Federation/Session"
+# Watch streams counted as evaluators following the runs when no token can say who is one (a
+# finished run's watchers wait for its evaluations while one follows): an honest deployment has
+# one or two evaluators.
+MAX_UNVERIFIED_FOLLOWERS = 4
 RESERVED_THREADS = 16  # RPC threads left for control calls, watchers and evaluators beside the agents' streams
 
 
@@ -282,8 +286,11 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, coord: Coordinator, auth: Authenticator | None = None) -> None:
+        """``auth``: the server's tokens, to tell an evaluator that follows the runs from a caller
+        that only says it is one."""
         self.coord = coord
+        self.auth = auth or Authenticator()
 
     def StartRun(self, request, context):
         try:
@@ -301,7 +308,13 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             _abort(context, e)
 
     def WatchRounds(self, request, context):
-        follower = any(k == EVALUATOR_HEADER for k, _ in context.invocation_metadata())
+        meta = context.invocation_metadata()
+        follower = any(k == EVALUATOR_HEADER for k, _ in meta)
+        if follower and self.auth.enabled:  # only the evaluator's own token makes a follower
+            who = self.auth.identify(meta)
+            follower = who is not None and who[0] == EVALUATOR
+        elif follower and self.coord.evaluators >= MAX_UNVERIFIED_FOLLOWERS:
+            follower = False  # without tokens anyone can send the header: only a few count
         if follower:  # counted while its stream is open (and seen, even when there is no run yet)
             self.coord.evaluator_attached(+1)
         try:

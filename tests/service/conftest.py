@@ -29,7 +29,7 @@ class Aggregator:
         self.server = create_server([
             (federation_pb2_grpc.add_FederationServicer_to_server, servicer(self.coord, auth),
              "fedrl.v1.Federation"),
-            (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(self.coord), "fedrl.v1.Control"),
+            (control_pb2_grpc.add_ControlServicer_to_server, ControlServicer(self.coord, auth), "fedrl.v1.Control"),
         ], "127.0.0.1", port, interceptors=[self.metrics.grpc, AuthInterceptor(auth)], tls=tls, **server_kw)
         self.target = f"127.0.0.1:{self.server.port}"
         self.channel = create_channel(self.target, tls)

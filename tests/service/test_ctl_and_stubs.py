@@ -298,3 +298,32 @@ def test_ctl_stop_reaches_agents_in_the_middle_of_their_round(aggregator, agent_
     # Python process, loaded or not) is not theirs to answer for and is no longer counted
     assert took < 3.0, took
     assert not [r for r in caplog.records if "update refused" in r.getMessage() or "not taken" in r.getMessage()]
+
+
+def test_without_tokens_only_a_few_watchers_count_as_evaluators(aggregator):
+    """Without tokens anyone can send the evaluator header; 40 such streams held a plain watcher
+    open long after its run. Now at most MAX_UNVERIFIED_FOLLOWERS of them count."""
+    import threading
+    import time
+
+    from aggregator_service.servicer import MAX_UNVERIFIED_FOLLOWERS
+    from fedrl.proto.v1 import control_pb2
+    from fedrl.wire.rpc import EVALUATOR_HEADER
+
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    calls = [aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10,
+                                            metadata=((EVALUATOR_HEADER, "1"),)) for _ in range(10)]
+    for c in calls:
+        threading.Thread(target=_drain, args=(c,), daemon=True).start()
+    time.sleep(1.0)
+    assert aggregator.coord.evaluators == MAX_UNVERIFIED_FOLLOWERS
+    for c in calls:
+        c.cancel()
+    assert wait_for(lambda: aggregator.coord.evaluators == 0)
+
+
+def _drain(call):
+    try:
+        list(call)
+    except grpc.RpcError:
+        pass

@@ -3,6 +3,8 @@ and the exact status a caller without the right credentials gets."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -282,3 +284,37 @@ def test_no_other_certificate_passes_for_the_aggregator_even_by_the_dialled_host
         ch.close()
     finally:
         srv.stop(0)
+
+
+def test_only_the_evaluators_token_makes_a_following_evaluator(secure_aggregator, ca):
+    """With tokens on, the evaluator header alone counted its sender as a following evaluator (and
+    held plain watchers open after a run); now only the evaluator's token does."""
+    import threading
+
+    from fedrl.wire.rpc import EVALUATOR_HEADER
+
+    agg = secure_aggregator
+    ch0, _, admin = stubs(agg, ca, "admin", ADMIN)
+    admin.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)  # a run to watch
+    ch0.close()
+    calls = []
+    for client, token in (("admin", ADMIN), ("evaluator", EVALUATOR)):
+        ch, _, control = stubs(agg, ca, client, token)
+        call = control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10,
+                                   metadata=((EVALUATOR_HEADER, "1"),))
+        calls.append((ch, call))
+
+        def drain(c=call):
+            try:
+                list(c)
+            except grpc.RpcError:
+                pass
+
+        threading.Thread(target=drain, daemon=True).start()
+        time.sleep(0.5)
+        if token == ADMIN:
+            assert agg.coord.evaluators == 0  # the admin posing as an evaluator is not one
+    assert wait_for(lambda: agg.coord.evaluators == 1)
+    for ch, call in calls:
+        call.cancel()
+        ch.close()
