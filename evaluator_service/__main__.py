@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-policy-mb", type=argtypes.at_least(1), default=64,
                    help="largest policy an on-demand Evaluate accepts, in MiB; a larger declared size is "
                         "refused (RESOURCE_EXHAUSTED) before anything is allocated (default %(default)s)")
+    # the default is evaluator_service.servicer.MAX_INFLIGHT_BYTES in MiB
+    p.add_argument("--max-inflight-mb", type=argtypes.at_least(1), default=256,
+                   help="what all on-demand Evaluate streams together may be receiving at once, by their declared "
+                        "sizes, in MiB; a stream past it is refused (RESOURCE_EXHAUSTED) at once (default %(default)s)")
     p.add_argument("--threads", type=argtypes.at_least(0), default=0, help=f"torch CPU threads; {THREADS_RULE}")
     add_log_args(p)
     p.add_argument("--health-port", type=argtypes.port, default=None,
@@ -72,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     follower = (Follower(a.aggregator, a.seed, a.num_envs, metrics=metrics, tls=tls,
                          token=os.environ.get("FEDRL_EVALUATOR_TOKEN") or None) if a.aggregator else None)
     server = create_server([(evaluator_pb2_grpc.add_EvaluatorServicer_to_server,
-                             EvaluatorServicer(follower, a.num_envs, metrics, a.max_policy_mb << 20), "fedrl.v1.Evaluator")],
+                             EvaluatorServicer(follower, a.num_envs, metrics, a.max_policy_mb << 20,
+                                               a.max_inflight_mb << 20), "fedrl.v1.Evaluator")],
                            a.host, a.port, interceptors=[metrics.grpc, AuthInterceptor(auth)], tls=tls,
                            **stream_limits(a))
     log = logging.getLogger("fedrl.evaluator")

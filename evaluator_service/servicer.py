@@ -19,14 +19,38 @@ MAX_EPISODES = 1000
 # The largest policy an on-demand Evaluate accepts (the paper's is ~280 KB): a declared size above
 # it is refused before anything is allocated (--max-policy-mb).
 MAX_POLICY_BYTES = 64 << 20
+# What all on-demand Evaluate streams together may be receiving at once, by their declared sizes
+# (--max-inflight-mb): each stream reserves its declared size before it reads a chunk, so 56
+# streams of 60 MiB can no longer hold ~4.7 GiB; one past the budget is refused at once.
+MAX_INFLIGHT_BYTES = 256 << 20
 
 
 class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
     def __init__(self, follower: Follower | None, num_envs: int = 10,
-                 metrics: EvaluatorMetrics | None = None, max_policy_bytes: int = MAX_POLICY_BYTES) -> None:
+                 metrics: EvaluatorMetrics | None = None, max_policy_bytes: int = MAX_POLICY_BYTES,
+                 max_inflight_bytes: int = MAX_INFLIGHT_BYTES) -> None:
         self.follower, self.num_envs, self.max_policy_bytes = follower, num_envs, max_policy_bytes
+        self.max_inflight_bytes = max(max_inflight_bytes, max_policy_bytes)  # one policy always fits
         self.metrics = metrics or (follower.metrics if follower else EvaluatorMetrics())
         self._lock = threading.Lock()  # one on-demand rollout at a time (CPU bound)
+        self._budget = threading.Lock()
+        self.inflight = 0  # bytes reserved by the Evaluate streams open now
+
+    def _reserve(self, n: int) -> bool:
+        with self._budget:
+            if self.inflight + n > self.max_inflight_bytes:
+                return False
+            self.inflight += n
+            return True
+
+    def _release(self, n: int) -> None:
+        with self._budget:
+            self.inflight -= n
+            idle = self.inflight == 0
+        if idle:
+            from fedrl.wire.memory import release_free_memory
+
+            release_free_memory()  # the streams' buffers go back to the OS, not to malloc's arenas
 
     def Evaluate(self, request_iterator, context):
         first = next(request_iterator, None)
@@ -48,13 +72,22 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"declared size {manifest.total_bytes} bytes exceeds this evaluator's limit of "
                               f"{self.max_policy_bytes} bytes (--max-policy-mb)")
-            asm = Assembler(manifest, grow=True)  # checks the manifest; memory follows the bytes received
-            for p in parts:
-                if p.WhichOneof("part") != "chunk":
-                    raise ValueError("a weights stream has exactly one manifest, first")
-                asm.add(p.chunk)
-            state = asm.finish()
-            policy = policy_from_state(state)
+            if not self._reserve(manifest.total_bytes):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.inflight >> 20} MiB of policies are being received; with this one's "
+                              f"{manifest.total_bytes >> 20} MiB it would pass this evaluator's "
+                              f"{self.max_inflight_bytes >> 20} MiB (--max-inflight-mb): retry later")
+            try:
+                asm = Assembler(manifest, grow=True)  # memory follows the bytes received
+                for p in parts:
+                    if p.WhichOneof("part") != "chunk":
+                        raise ValueError("a weights stream has exactly one manifest, first")
+                    asm.add(p.chunk)
+                state = asm.finish()
+                policy = policy_from_state(state)
+                del asm, state
+            finally:
+                self._release(manifest.total_bytes)
         except CodecError as e:
             context.abort(codec_status(e.reason), str(e))
         except ValueError as e:

@@ -210,8 +210,8 @@ def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, a
     real_next_task = aggregator.coord.next_task
     damaged: list[str] = []
 
-    def next_task_damaging_the_first_two(agent_id, wait_seconds):
-        t = real_next_task(agent_id, wait_seconds)
+    def next_task_damaging_the_first_two(agent_id, wait_seconds, **kw):
+        t = real_next_task(agent_id, wait_seconds, **kw)
         base = t.get("base")
         if base is not None and len(damaged) < 2:
             damaged.append(agent_id)
@@ -294,6 +294,8 @@ def test_evaluate_refuses_a_declared_size_above_its_limit_before_allocating(eval
     from fedrl.wire.serde import manifest_to_proto
 
     assert build_parser().parse_args([]).max_policy_mb << 20 == MAX_POLICY_BYTES
+    from evaluator_service.servicer import MAX_INFLIGHT_BYTES
+    assert build_parser().parse_args([]).max_inflight_mb << 20 == MAX_INFLIGHT_BYTES
     n = (2 << 30) // 4 - 64
     m = Manifest("", 0, 0, (TensorSpec("policy.head.weight", "F32", (n,)),), 0, n * 4 + 128, "0" * 32)
 

@@ -286,3 +286,61 @@ def test_a_probe_told_stop_does_not_use_the_stop_up(aggregator):
     assert task.kind == federation_pb2.Task.STOP
     again = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.2), timeout=5)
     assert again.kind == federation_pb2.Task.WAIT  # told once
+
+
+def test_the_evaluator_holds_a_memory_budget_across_its_streams(tmp_path):
+    """Streams each sending a 60 MiB policy could together take gigabytes (24 took an evaluator from
+    299 to 2,345 MiB). A real evaluator with --max-inflight-mb 100: while one 60 MiB stream is
+    being received a second is refused at once (RESOURCE_EXHAUSTED, naming the flag); once the
+    first ends, another is taken."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc, weights_pb2
+    from fedrl.wire.rpc import create_channel
+
+    pf = tmp_path / "port"
+    p = subprocess.Popen([sys.executable, "-m", "evaluator_service", "--port", "0", "--port-file", str(pf),
+                          "--max-inflight-mb", "100"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    n = 60 << 20
+    manifest = weights_pb2.WeightsManifest(
+        run_id="r", tensors=[weights_pb2.TensorSpec(name="policy.x", dtype="F32", shape=[n // 4 - 1024])],
+        total_bytes=n, encoding="safetensors", xxh3_128="0" * 32)
+    release = threading.Event()
+
+    def parts(hold: bool):
+        yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1))
+        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(manifest=manifest))
+        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(chunk=b"\x00" * 1024))
+        if hold:
+            release.wait(60)
+
+    def code(call):
+        try:
+            call.result(timeout=30)
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+
+    try:
+        end = time.monotonic() + 60
+        while not pf.exists():
+            assert p.poll() is None and time.monotonic() < end, "the evaluator did not start"
+            time.sleep(0.05)
+        ch = create_channel(f"127.0.0.1:{pf.read_text()}")
+        stub = evaluator_pb2_grpc.EvaluatorStub(ch)
+        first = stub.Evaluate.future(parts(hold=True), timeout=60)
+        time.sleep(1.5)  # its manifest is in: 60 MiB reserved
+        c, details = code(stub.Evaluate.future(parts(hold=False), timeout=30))
+        assert c == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight-mb" in details, (c, details)
+        release.set()
+        assert code(first)[0] == grpc.StatusCode.DATA_LOSS  # truncated: refused, its reservation given back
+        c, details = code(stub.Evaluate.future(parts(hold=False), timeout=30))
+        assert c == grpc.StatusCode.DATA_LOSS, (c, details)  # taken (then refused as truncated), not for room
+        ch.close()
+    finally:
+        release.set()
+        p.terminate()
+        p.wait(30)
