@@ -45,6 +45,31 @@ class ObsStats:
         return mean.astype(np.float32), np.maximum(np.sqrt(var), STD_FLOOR).astype(np.float32)
 
 
+# How far (in the agents' median std, per dimension) an agent's mean may lie from the agents'
+# median mean, and by what factor its std may differ from their median std, before its moments
+# are left out of the pool. Agents with data of one task differ by a few stds at most; a poisoner
+# declaring mean 10^6 and std 0 is at millions. Honest pools are the exact pooled moments.
+OUTLIER_FACTOR = 100.0
+
+
+def consistent(stats: list[ObsStats]) -> list[bool]:
+    """Which agents' moments enter the pool: with three or more agents, those that do not sit
+    :data:`OUTLIER_FACTOR` median stds or more from the others' median (one agent's moments
+    cannot then make every other agent's data degenerate: a mean of 10^6 and a std of 0 used to
+    leave the honest agents' normalised data at -2,700 with a spread of 10^-3); with one or two
+    agents there is no majority to judge by, and all enter."""
+    if len(stats) < 3:
+        return [True] * len(stats)
+    per = [s.mean_std() for s in stats]
+    means = np.array([m for m, _ in per], dtype=np.float64)
+    stds = np.array([sd for _, sd in per], dtype=np.float64)
+    med_mean, med_std = np.median(means, axis=0), np.median(stds, axis=0)
+    far = (np.abs(means - med_mean) > OUTLIER_FACTOR * med_std).any(axis=1)
+    odd = ((stds > OUTLIER_FACTOR * med_std) | (stds * OUTLIER_FACTOR < med_std)).any(axis=1)
+    ok = ~(far | odd)
+    return ok.tolist() if ok.sum() * 2 > len(stats) else [True] * len(stats)  # no majority: judge nothing
+
+
 def identity(dim: int) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(dim, np.float32), np.ones(dim, np.float32)
 
@@ -57,7 +82,7 @@ def global_normalizer(mode: str, stats: list[ObsStats]) -> tuple[np.ndarray, np.
     if mode == "none":
         return identity(len(stats[0].total))
     if mode == "pooled":
-        return ObsStats.pool(stats).mean_std()
+        return ObsStats.pool([s for s, ok in zip(stats, consistent(stats)) if ok]).mean_std()
     per = [s.mean_std() for s in stats]
     return (np.mean([m for m, _ in per], axis=0, dtype=np.float64).astype(np.float32),
             np.mean([sd for _, sd in per], axis=0, dtype=np.float64).astype(np.float32))

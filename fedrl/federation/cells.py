@@ -44,6 +44,7 @@ from fedrl.federation.simulate import (
     _atomic_save,
     _settings,
     curve_point,
+    recorded_settings,
     load_shards,
     round_evaluation,
 )
@@ -268,7 +269,7 @@ def _resume(path: Path, cells: Sequence[Cell], states: list[_CellState], trainer
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["fedrl_checkpoint"])
     want = [{"key": c.key, "sim": _settings(c.cfg)} for c in cells]
-    if meta["cells"] != want:
+    if [{"key": c["key"], "sim": recorded_settings(c["sim"])} for c in meta["cells"]] != want:
         raise ValueError(f"{path} is a checkpoint of other cells or settings; pass another work folder")
     tensors = load_file(str(path))
 

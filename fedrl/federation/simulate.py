@@ -468,6 +468,20 @@ def _settings(cfg: SimConfig) -> dict[str, Any]:
     return json.loads(json.dumps(cfg.as_dict()))
 
 
+def recorded_settings(have: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's recorded settings with the options added since it was written at their
+    defaults (each new option's default leaves runs as they were: a run checkpointed before it
+    existed ran that way), so a stopped run resumes under a newer code's settings."""
+    from fedrl.algos import BCConfig, DRPOConfig
+
+    defaults = _settings(SimConfig(drpo=DRPOConfig(), bc=BCConfig()))
+    out = {**defaults, **have}
+    for k in ("drpo", "bc"):
+        if isinstance(have.get(k), dict):
+            out[k] = {**defaults[k], **have[k]}
+    return out
+
+
 def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -512,9 +526,10 @@ def _resume_agents(out: Path, cfg: SimConfig, r: int, trainers: list[LocalTraine
     for path in sorted((out / AGENTS_IN_ROUND).glob("agent-*.safetensors")):
         with safe_open(str(path), "pt") as f:
             meta = json.loads(f.metadata()["fedrl_checkpoint"])
-        if meta["sim"] != want:
+        if recorded_settings(meta["sim"]) != want:
             raise ValueError(f"{path} is a checkpoint of another configuration (differs in "
-                             f"{', '.join(_differences(meta['sim'], want))}); pass another --out or the same settings")
+                             f"{', '.join(_differences(recorded_settings(meta['sim']), want))}); "
+                             "pass another --out or the same settings")
         if meta["round"] != r or meta["agent"] not in by_agent:
             continue
         tensors = load_file(str(path))
@@ -535,8 +550,8 @@ def _resume(out: Path, cfg: SimConfig, learners: dict[str, Any], n_agents: int,
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["fedrl_checkpoint"])
     want = _settings(cfg)
-    if meta["sim"] != want:
-        diff = _differences(meta["sim"], want)
+    if recorded_settings(meta["sim"]) != want:
+        diff = _differences(recorded_settings(meta["sim"]), want)
         raise ValueError(f"{path} is a checkpoint of another configuration (differs in {', '.join(diff)}); "
                          "pass another --out or the same settings")
     if meta.get("engine", "per-agent") != engine:

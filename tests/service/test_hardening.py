@@ -344,3 +344,22 @@ def test_the_evaluator_holds_a_memory_budget_across_its_streams(tmp_path):
         release.set()
         p.terminate()
         p.wait(30)
+
+
+def test_one_poisoned_join_cannot_make_the_honest_agents_data_degenerate(aggregator):
+    """A Join with mean 10^6 and std 0 (inside every bound) among three honest agents used to move
+    the pooled normaliser so that the honest data normalised to about -2,700 with a spread of
+    10^-3. Its moments now stay out of the pool: the honest data keep mean 0 and std 1 to within
+    1e-6 (the exact pool of the honest agents: their moments here are equal)."""
+    import numpy as np
+
+    honest_mean, honest_std = 1.0, 2.0
+    for i in range(3):
+        join(aggregator, f"h{i}", i, moments=(100 * honest_mean, 100 * (honest_std**2 + honest_mean**2)))
+    join(aggregator, "poison", 3, moments=(100 * 1e6, 100 * 1e12))  # mean 1e6, std 0
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=4)), timeout=5)
+    wait_for(lambda: status(aggregator)["state"] == "running")
+    g = aggregator.coord.run.global_state
+    mean, std = g["policy.obs_mean"].double().numpy(), g["policy.obs_std"].double().numpy()
+    assert np.allclose((honest_mean - mean) / std, 0.0, atol=1e-6)  # the honest data's normalised mean
+    assert np.allclose(honest_std / std, 1.0, atol=1e-6)  # and spread

@@ -265,3 +265,21 @@ def test_truncated_and_foreign_hdf5_name_the_file(tmp_path, random_dataset):
         f.create_dataset("images", data=np.zeros((3, 4)))
     with pytest.raises(DatasetError, match=r"foreign.hdf5.*observations"):
         load_d4rl(foreign)
+
+
+def test_the_pool_leaves_out_only_moments_far_from_the_majoritys():
+    from fedrl.data.normalize import ObsStats, consistent, global_normalizer
+
+    rng = np.random.default_rng(0)
+    honest = [ObsStats.of(rng.normal(loc=3 * i, scale=1 + i, size=(500, 4))) for i in range(4)]  # of one task
+    assert consistent(honest) == [True] * 4
+    exact = ObsStats.pool(honest).mean_std()
+    assert all(np.array_equal(a, b) for a, b in zip(global_normalizer("pooled", honest), exact))  # unchanged
+    poison = ObsStats(500, np.full(4, 500 * 1e6), np.full(4, 500 * 1e12))
+    assert consistent([*honest, poison]) == [True] * 4 + [False]
+    assert all(np.array_equal(a, b) for a, b in zip(global_normalizer("pooled", [*honest, poison]), exact))
+    tiny = ObsStats(500, np.full(4, 500 * 0.5), np.full(4, 500 * 0.25 + 500 * 1e-8))  # std 1e-4: far narrower
+    assert consistent([*honest, tiny])[-1] is False
+    # two agents: nothing to judge by, both enter; a majority decides, even one of poisoners
+    assert consistent([honest[0], poison]) == [True, True]
+    assert consistent([honest[0], poison, poison]) == [False, True, True]
