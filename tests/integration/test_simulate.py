@@ -526,3 +526,30 @@ def test_differential_privacy_reports_its_epsilon_each_round_and_stops_at_its_bu
     assert all(r["privacy"]["clipped_fraction"] == 1.0 for r in rows)  # a clip of 0.01 cuts every update
     assert summary["stopped"].startswith("stopped before round 4: it would spend epsilon")
     assert summary["privacy"]["rounds"] == 3 and any("epsilon" in m for m in logs)
+
+
+def test_a_checkpoint_from_before_an_option_existed_resumes(tmp_path, random_dataset):
+    """A run checkpointed by an older version of the code has no entry for options added since
+    (the verdict cells' checkpoints predate dp_*): it resumes, those options at their defaults;
+    one that recorded another value for an option is still refused."""
+    from safetensors.torch import load_file as load, save_file
+    from safetensors import safe_open
+
+    cfg = tiny(random_dataset, algo="fed-bc", rounds=2)
+    cut = tmp_path / "cut"
+    with pytest.raises(_Killed):
+        run(cfg, cut, log=_raise_on("round   1/2"), checkpoint=True)
+    ck = cut / "checkpoint.safetensors"
+    with safe_open(str(ck), "pt") as f:
+        meta = json.loads(f.metadata()["fedrl_checkpoint"])
+    tensors = load(str(ck))
+    for k in ("dp_clip", "dp_noise", "dp_delta", "dp_epsilon_budget"):
+        del meta["sim"][k]  # as the code before them wrote it
+    save_file(tensors, str(ck), {"fedrl_checkpoint": json.dumps(meta)})
+    logs = []
+    run(cfg, cut, log=logs.append, checkpoint=True)
+    assert any(m.startswith("resuming") for m in logs)
+    with pytest.raises(_Killed):
+        run(cfg, tmp_path / "cut2", log=_raise_on("round   1/2"), checkpoint=True)
+    with pytest.raises(ValueError, match="differs in dp_clip"):
+        run(dataclasses.replace(cfg, dp_clip=1.0), tmp_path / "cut2", log=lambda m: None, checkpoint=True)
