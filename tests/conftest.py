@@ -12,6 +12,17 @@ from fedrl.data.d4rl import RawDataset, write_d4rl
 from fedrl.data.make import rollout_dataset
 
 
+@pytest.fixture
+def float64():
+    """torch's default float type float64 for one test (equality checks at float64 rounding)."""
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Never touch the user's ~/.cache/fedrl or ~/.d4rl from a test."""

@@ -42,14 +42,6 @@ PAPER_CRITIC = dataclasses.replace(DRPO, cql_calibration="none")  # the verdict 
 BC = BCConfig(hidden=(16, 16), batch_size=32)
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 def worst(got: dict, want: dict) -> tuple[float, str]:
     """The largest |got - want| as a multiple of the tolerance, and where."""
     assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())

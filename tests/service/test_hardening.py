@@ -131,21 +131,50 @@ def test_settings_that_cannot_train_are_refused_at_start(aggregator, drpo, says)
     assert status(aggregator)["state"] == "idle"
 
 
+def _evaluator(tmp_path, *flags: str):
+    """A real evaluator process on a free port, once it serves: (process, target)."""
+    import subprocess
+    import sys
+    import time
+
+    pf = tmp_path / "port"
+    p = subprocess.Popen([sys.executable, "-m", "evaluator_service", "--port", "0", "--port-file", str(pf), *flags],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 60
+    while not pf.exists():
+        if p.poll() is not None or time.monotonic() > end:
+            p.terminate()
+            raise AssertionError("the evaluator did not start")
+        time.sleep(0.05)
+    return p, f"127.0.0.1:{pf.read_text()}"
+
+
+def _declaring(nbytes: int, hold=None):
+    """An Evaluate stream that declares a policy of ``nbytes`` and sends 1 KiB of it, then waits for
+    ``hold`` (an Event) before it ends."""
+    from fedrl.proto.v1 import evaluator_pb2, weights_pb2
+
+    manifest = weights_pb2.WeightsManifest(
+        run_id="r", tensors=[weights_pb2.TensorSpec(name="policy.x", dtype="F32", shape=[nbytes // 4 - 1024])],
+        total_bytes=nbytes, encoding="safetensors", xxh3_128="0" * 32)
+    yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1))
+    yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(manifest=manifest))
+    yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(chunk=b"\x00" * 1024))
+    if hold is not None:
+        hold.wait(60)
+
+
 def test_the_evaluators_memory_follows_the_bytes_received_not_those_declared(tmp_path):
     """Streams each declaring a 60 MiB policy (under --max-policy-mb) and sending 1 KiB held the
     declared size each (40 of them took an evaluator from 255 MiB to 2.8 GiB); now its memory
     grows by what was sent. A real evaluator process, 8 such streams held open."""
-    import subprocess
-    import sys
     import threading
     import time
 
-    from fedrl.proto.v1 import evaluator_pb2, weights_pb2
+    from fedrl.proto.v1 import evaluator_pb2_grpc
     from fedrl.wire.rpc import create_channel
 
-    pf = tmp_path / "port"
-    p = subprocess.Popen([sys.executable, "-m", "evaluator_service", "--port", "0", "--port-file", str(pf)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p, target = _evaluator(tmp_path)
 
     def rss_mb() -> float:
         for line in open(f"/proc/{p.pid}/status"):
@@ -154,29 +183,12 @@ def test_the_evaluators_memory_follows_the_bytes_received_not_those_declared(tmp
         raise AssertionError("no VmRSS")
 
     release = threading.Event()
-    n = 60 << 20
-    manifest = weights_pb2.WeightsManifest(
-        run_id="r", tensors=[weights_pb2.TensorSpec(name="policy.x", dtype="F32", shape=[n // 4 - 1024])],
-        total_bytes=n, encoding="safetensors", xxh3_128="0" * 32)
-
-    def parts():
-        yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1))
-        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(manifest=manifest))
-        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(chunk=b"\x00" * 1024))
-        release.wait(60)
-
     try:
-        end = time.monotonic() + 60
-        while not pf.exists():
-            assert p.poll() is None and time.monotonic() < end, "the evaluator did not start"
-            time.sleep(0.05)
-        ch = create_channel(f"127.0.0.1:{pf.read_text()}")
-        from fedrl.proto.v1 import evaluator_pb2_grpc
-
+        ch = create_channel(target)
         stub = evaluator_pb2_grpc.EvaluatorStub(ch)
         time.sleep(1.0)
         before = rss_mb()
-        calls = [stub.Evaluate.future(parts(), timeout=60) for _ in range(8)]
+        calls = [stub.Evaluate.future(_declaring(60 << 20, release), timeout=60) for _ in range(8)]
         time.sleep(3.0)  # every stream has sent its header, manifest and chunk
         grew = rss_mb() - before
         release.set()
@@ -293,29 +305,14 @@ def test_the_evaluator_holds_a_memory_budget_across_its_streams(tmp_path):
     299 to 2,345 MiB). A real evaluator with --max-inflight-mb 100: while one 60 MiB stream is
     being received a second is refused at once (RESOURCE_EXHAUSTED, naming the flag); once the
     first ends, another is taken."""
-    import subprocess
-    import sys
     import threading
     import time
 
-    from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc, weights_pb2
+    from fedrl.proto.v1 import evaluator_pb2_grpc
     from fedrl.wire.rpc import create_channel
 
-    pf = tmp_path / "port"
-    p = subprocess.Popen([sys.executable, "-m", "evaluator_service", "--port", "0", "--port-file", str(pf),
-                          "--max-inflight-mb", "100"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    n = 60 << 20
-    manifest = weights_pb2.WeightsManifest(
-        run_id="r", tensors=[weights_pb2.TensorSpec(name="policy.x", dtype="F32", shape=[n // 4 - 1024])],
-        total_bytes=n, encoding="safetensors", xxh3_128="0" * 32)
+    p, target = _evaluator(tmp_path, "--max-inflight-mb", "100")
     release = threading.Event()
-
-    def parts(hold: bool):
-        yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1))
-        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(manifest=manifest))
-        yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(chunk=b"\x00" * 1024))
-        if hold:
-            release.wait(60)
 
     def code(call):
         try:
@@ -325,19 +322,15 @@ def test_the_evaluator_holds_a_memory_budget_across_its_streams(tmp_path):
         return grpc.StatusCode.OK, ""
 
     try:
-        end = time.monotonic() + 60
-        while not pf.exists():
-            assert p.poll() is None and time.monotonic() < end, "the evaluator did not start"
-            time.sleep(0.05)
-        ch = create_channel(f"127.0.0.1:{pf.read_text()}")
+        ch = create_channel(target)
         stub = evaluator_pb2_grpc.EvaluatorStub(ch)
-        first = stub.Evaluate.future(parts(hold=True), timeout=60)
+        first = stub.Evaluate.future(_declaring(60 << 20, release), timeout=60)
         time.sleep(1.5)  # its manifest is in: 60 MiB reserved
-        c, details = code(stub.Evaluate.future(parts(hold=False), timeout=30))
+        c, details = code(stub.Evaluate.future(_declaring(60 << 20), timeout=30))
         assert c == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight-mb" in details, (c, details)
         release.set()
         assert code(first)[0] == grpc.StatusCode.DATA_LOSS  # truncated: refused, its reservation given back
-        c, details = code(stub.Evaluate.future(parts(hold=False), timeout=30))
+        c, details = code(stub.Evaluate.future(_declaring(60 << 20), timeout=30))
         assert c == grpc.StatusCode.DATA_LOSS, (c, details)  # taken (then refused as truncated), not for room
         ch.close()
     finally:

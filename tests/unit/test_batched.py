@@ -61,14 +61,6 @@ def shards(sizes=SIZES, seed: int = 0, gammas=None) -> list[TensorBuffer]:
     return out
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 def to64(buffers: list[TensorBuffer]) -> list[TensorBuffer]:
     for b in buffers:
         for k in ("obs", "next_obs", "actions", "rewards", "dones", "returns"):

@@ -35,14 +35,6 @@ def transitions(n: int = 300, seed: int = 0) -> Transitions:
                        (rng.uniform(size=n) < 0.05).astype(np.float64), np.arange(n) // 50)
 
 
-@pytest.fixture
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 def buffer64() -> TensorBuffer:
     buf = TensorBuffer(transitions(), np.zeros(O), np.ones(O), torch.device("cpu"))
     for k in ("obs", "next_obs", "actions", "rewards", "dones"):
