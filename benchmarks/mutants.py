@@ -171,8 +171,8 @@ MUTANTS = (
            "results[0].state", SIM_TESTS),
     Mutant("service-global-is-first-agent", COORD, "enc = self._encode(run, v, new)", "enc = self._encode(run, v, subs[0].state)",
            SERVICE_TESTS),
-    Mutant("service-ignores-sample-counts", COORD, "agent_weights(run.cfg.weighting, [s.num_samples for s in subs])",
-           "agent_weights(run.cfg.weighting, [1 for s in subs])", SERVICE_TESTS),
+    Mutant("service-ignores-sample-counts", COORD, "agent_weights(cfg.weighting, [s.num_samples for s in subs])",
+           "agent_weights(cfg.weighting, [1 for s in subs])", SERVICE_TESTS),
 )
 
 

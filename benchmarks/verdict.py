@@ -193,8 +193,14 @@ def figure(results: list[dict[str, Any]], path: Path, data_return: float | None)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not results:
-        return False
+    if not results:  # the page shows the figure from the start: say what it waits for
+        fig, ax = plt.subplots(figsize=(8, 2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"no verdict cell has finished yet (0 of {len(COLUMNS) * len(PRESET.seeds)})",
+                ha="center", va="center", fontsize=12)
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        return True
     fig = plt.figure(figsize=(13, 8.5))
     grid = fig.add_gridspec(3, 3, height_ratios=(1.4, 1, 1))
     top = fig.add_subplot(grid[0, :])
