@@ -128,13 +128,7 @@ def _sim_settings(a: argparse.Namespace):
 
     data = _settings_file(a.config)
     for kv in a.set:
-        k, sep, v = kv.partition("=")
-        if not sep or not k:
-            raise ValueError(f"--set {kv!r}: expected KEY=VALUE")
-        try:
-            value = json.loads(v)
-        except json.JSONDecodeError:
-            value = v
+        ((k, value),) = _set_pairs([kv]).items()
         head, dot, field = k.partition(".")
         if dot:  # drpo.alpha_lr=...
             if head not in ("drpo", "bc"):

@@ -424,10 +424,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 
 def privacy_record(cfg: SimConfig, rounds: int, metrics: list[dict[str, float]]) -> dict[str, Any]:
     """What differential privacy has spent after ``rounds`` rounds, and this round's clipping."""
-    from fedrl.federation.privacy import epsilon
+    from fedrl.federation.privacy import privacy_spent
 
-    rec: dict[str, Any] = {"epsilon": epsilon(cfg.dp_noise, rounds, cfg.dp_delta), "delta": cfg.dp_delta,
-                           "noise_multiplier": cfg.dp_noise, "clip": cfg.dp_clip, "rounds": rounds}
+    rec: dict[str, Any] = privacy_spent(cfg, rounds)
     if metrics:
         rec["clipped_fraction"] = float(np.mean([m.get("clipped", 0.0) for m in metrics]))
         rec["update_norm_median"] = float(np.median([m.get("update_norm", 0.0) for m in metrics]))
