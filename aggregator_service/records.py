@@ -90,9 +90,10 @@ class Run:
     accepted_before: dict[str, tuple[int, int]] = field(default_factory=dict)
     # The ROUND_CLOSED event journaled for a close whose version is not yet written.
     closing: dict[str, Any] | None = None
-    # The round's updates refused as non-finite, by agent (what the last one said): when every
-    # selected agent's is, the run cannot train and fails instead of waiting for ever.
-    non_finite: dict[str, str] = field(default_factory=dict)
+    # The round's updates refused as non-finite, by agent: (what the last one said, when). When
+    # every selected agent's is, and each agent has since gone silent (an agent whose update is
+    # refused so gives up), the run cannot train and fails instead of waiting for ever.
+    non_finite: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[dict[str, Any]]:

@@ -168,18 +168,32 @@ class Rounds:
     def update_refused(self, agent_id: str, reason: str, detail: str) -> None:
         """An update of ``agent_id`` was refused (``reason``: the codec's). Non-finite values from
         every selected agent in one round mean the settings cannot train: the run fails, saying so,
-        instead of waiting for agents that give up on it."""
+        instead of waiting for agents that give up on it (see :meth:`_check_non_finite`)."""
         if reason != "non_finite":
             return
         with self.cond:
             run = self.run
             if run is None or run.state != "running" or agent_id not in run.selected:
                 return
-            run.non_finite[agent_id] = detail
-            if not run.submissions and set(run.non_finite) >= set(run.selected):
-                self._fail(run, f"round {run.round}: every agent's update had NaN or Inf values ({detail}); "
-                                "these settings cannot train")
-                self.cond.notify_all()
+            run.non_finite[agent_id] = (detail, time.time())
+            self._check_non_finite(run, time.time())
+
+    def _check_non_finite(self, run: Run, now: float) -> None:
+        """Fails ``run`` once every selected agent's update of the round was refused as non-finite
+        and no update was taken, and each of those agents has been silent since (not connected, not
+        seen after its refusal): an agent that trains to NaN gives up. The silence is what makes the
+        refusals the agents' own. Without tokens anyone can send an update under an agent's id; the
+        agent, still alive, keeps calling, and its round goes on. Under the lock."""
+        if not run.non_finite or run.submissions or not set(run.non_finite) >= set(run.selected):
+            return
+        for agent_id, (_, at) in run.non_finite.items():
+            a = self.agents.get(agent_id)
+            if a is not None and (a.last_seen > at or self._connected(a, now)):
+                return
+        detail = next(iter(run.non_finite.values()))[0]
+        self._fail(run, f"round {run.round}: every agent's update had NaN or Inf values ({detail}), and "
+                        "every agent has gone; these settings cannot train")
+        self.cond.notify_all()
 
     def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor],
                metrics: Mapping[str, float], seconds: float, flat: Flat | None = None) -> int:
@@ -404,7 +418,9 @@ class Rounds:
                     self._fail(run, f"only {len(live)} of the {run.cfg.agents} agents the run needs were connected "
                                     f"within {run.cfg.join_timeout:.0f}s{split}")
                     self.cond.notify_all()
-                elif run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
+                elif run.state == "running" and run.non_finite:
+                    self._check_non_finite(run, now)
+                if run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
                     msg = (f"round {run.round} is past its deadline with {len(run.submissions)} of the "
                            f"{run.cfg.quorum} updates it needs; waiting for agents")
                     if run.message != msg:

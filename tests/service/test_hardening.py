@@ -225,28 +225,72 @@ def test_a_global_model_larger_than_the_limit_is_refused_before_it_is_built(aggr
     assert not list(aggregator.store.root.rglob("v*.safetensors"))
 
 
-def test_a_run_whose_every_agent_sends_non_finite_updates_fails_saying_why(aggregator):
-    """Settings that train to NaN: each agent's update is refused and the agents give up; the run
-    used to wait at round 1 for ever. Once every selected agent's update of a round was refused as
-    non-finite, the run fails, saying so. One such agent is not enough."""
+@pytest.fixture
+def quick_aggregator(tmp_path):
+    """An aggregator whose agents count as gone 6 s after their last call (max_task_wait 0.5)."""
+    from tests.service.conftest import Aggregator
+
+    agg = Aggregator(tmp_path / "state", task_wait=0.5)
+    yield agg
+    agg.close()
+
+
+def _nan_round(agg):
+    """a0 and a1 in a started run; the global model, and a NaN copy of it."""
     import torch
 
     from fedrl.wire.codec import assemble
     from fedrl.wire.serde import read_weight_parts, status_from_proto
+
+    join(agg, "a0", 0)
+    join(agg, "a1", 1)
+    st = status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5))
+    g = assemble(*read_weight_parts(agg.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+    return st["run_id"], g, {k: torch.full_like(v, float("nan")) for k, v in g.items()}
+
+
+def test_a_run_whose_every_agent_sends_non_finite_updates_fails_saying_why(quick_aggregator):
+    """Settings that train to NaN: each agent's update is refused and the agents give up; the run
+    used to wait at round 1 for ever. Once every selected agent's update of a round was refused as
+    non-finite and every one of them has gone silent, the run fails, saying so. One such agent is
+    not enough, and neither is the refusal alone while the agents might still be there."""
     from tests.service.test_federation import submit
 
-    join(aggregator, "a0", 0)
-    join(aggregator, "a1", 1)
-    st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()),
-                                                       timeout=5))
-    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
-    nan = {k: torch.full_like(v, float("nan")) for k, v in g.items()}
-    assert_refused(lambda: submit(aggregator, "a0", nan, st["run_id"]), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
-    assert status(aggregator)["state"] == "running"  # one agent's is not the run's
-    assert_refused(lambda: submit(aggregator, "a1", nan, st["run_id"]), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
-    s = status(aggregator)
-    assert s["state"] == "failed" and "every agent's update had NaN or Inf values" in s["message"], s["message"]
+    agg = quick_aggregator
+    run_id, _, nan = _nan_round(agg)
+    assert_refused(lambda: submit(agg, "a0", nan, run_id), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
+    assert status(agg)["state"] == "running"  # one agent's is not the run's
+    assert_refused(lambda: submit(agg, "a1", nan, run_id), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
+    assert status(agg)["state"] == "running"  # until the agents are gone (6 s here)
+    assert wait_for(lambda: status(agg)["state"] == "failed", timeout=15)
+    assert "every agent's update had NaN or Inf values" in status(agg)["message"]
+
+
+def test_non_finite_updates_sent_under_live_agents_ids_do_not_end_the_run(quick_aggregator):
+    """Issue 63, finding 7: without tokens anyone can send an update under a selected agent's id,
+    and two refused NaN updates used to end any run at once. Now a refusal counts only once its
+    agent has gone silent: the agents here keep calling, so their round goes on, and the update
+    of an agent not in the run is refused before it is read, and counts for nothing."""
+    import time
+
+    from tests.service.test_federation import submit
+
+    agg = quick_aggregator
+    run_id, g, nan = _nan_round(agg)
+    join(agg, "outsider", 2)
+    assert_refused(lambda: submit(agg, "outsider", nan, run_id), grpc.StatusCode.PERMISSION_DENIED,
+                   "not a participant")
+    for victim in ("a0", "a1"):  # the forger's updates, under the participants' ids
+        assert_refused(lambda: submit(agg, victim, nan, run_id), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
+    until = time.monotonic() + 8  # past the 6 s after which a silent agent counts as gone
+    while time.monotonic() < until:  # the real agents, alive, ask for their task
+        for a in ("a0", "a1"):
+            agg.fed.NextTask(federation_pb2.TaskRequest(agent_id=a, wait_seconds=0.2), timeout=5)
+        assert status(agg)["state"] == "running", status(agg)["message"]
+    submit(agg, "a0", g, run_id)  # and their real updates are taken
+    submit(agg, "a1", g, run_id)
+    assert wait_for(lambda: status(agg)["round"] >= 2 or status(agg)["state"] == "completed")
 
 
 def test_settings_whose_first_step_cannot_be_allocated_are_refused_at_start(aggregator):
