@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ import grpc
 
 from fedrl.federation.runconfig import RunConfig
 from fedrl.ops.local_prometheus import PrometheusError
+from fedrl.ops.metrics import METRICS_TOKEN_ENV
 
 STARTUP_TIMEOUT = 120.0
 
@@ -91,6 +93,8 @@ class Launcher:
         self.client_tls = None
         self.data_return: float | None = None  # the agents' data's mean episode return, for the plot
         self.admin_token: str | None = None
+        # the local Prometheus's credential on every metrics endpoint: its scrapes come first
+        self.metrics_token = secrets.token_urlsafe(24)
 
     # -- processes ---------------------------------------------------------------------------
     def _port_file(self, name: str) -> Path:
@@ -101,7 +105,8 @@ class Launcher:
     def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
         logf = open(self.out / "logs" / f"{name}.log", "w")
         self.logs.append(logf)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cfg.extra_env, **self.child_env.get(name, {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", METRICS_TOKEN_ENV: self.metrics_token, **self.cfg.extra_env,
+               **self.child_env.get(name, {})}
         metrics = ["--metrics-port", "0", "--metrics-port-file", str(self._port_file(f"{name}.metrics"))]
         p = subprocess.Popen([self.cfg.python, "-m", module, *args, *metrics], stdout=logf,
                              stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -268,7 +273,8 @@ class Launcher:
             job = "fedrl-agent" if name.startswith("agent-") else f"fedrl-{name}"
             jobs.setdefault(job, []).append((f"127.0.0.1:{port}", name))
         folder = self.out / "prometheus"
-        config = write_config(folder, jobs, tls_dir=self.out / "tls" / "admin" if self.cfg.secure else None)
+        config = write_config(folder, jobs, tls_dir=self.out / "tls" / "admin" if self.cfg.secure else None,
+                              token=self.metrics_token)
         if not (folder / "rules.yml").exists():
             self.log(f"warning: alert rules not loaded: {RULES_FILE} is not here (it ships in the "
                      "source checkout's deploy/, not in an installed wheel); metrics are scraped without them")

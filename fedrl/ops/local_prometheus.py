@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedrl.wire.devca import metrics_name
+
 REPO_DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES_FILE = REPO_DEPLOY / "components" / "monitoring" / "rules" / "fedrl.rules.yml"  # plain Prometheus rules
 PROMETHEUS_RULE = REPO_DEPLOY / "components" / "monitoring" / "prometheusrule.yaml"  # generated from it
@@ -92,13 +94,15 @@ if __name__ == "__main__":
 
 def write_config(folder: Path, targets: Mapping[str, Sequence[tuple[str, str]]],
                  scrape_interval: str = "2s", rules_file: Path | None = RULES_FILE,
-                 tls_dir: Path | None = None) -> Path:
+                 tls_dir: Path | None = None, token: str | None = None) -> Path:
     """Write ``prometheus.yml`` (and ``rules.yml``) into ``folder``.
 
     ``targets`` maps a job name to ``(host:port, instance label)`` pairs; every target also
     gets the ``service`` label the Kubernetes ServiceMonitors attach, so rules and dashboard
     queries read the same either way. With ``tls_dir`` (ca.crt, tls.crt, tls.key) it scrapes
     over HTTPS, presenting that client certificate (the services' metrics under mutual TLS).
+    With ``token`` it sends it as the bearer token the endpoints take as the scraper's
+    (``FEDRL_METRICS_TOKEN``), so its scrapes get through whatever other clients hold.
     """
     folder.mkdir(parents=True, exist_ok=True)
     cfg: dict[str, Any] = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval}}
@@ -109,14 +113,18 @@ def write_config(folder: Path, targets: Mapping[str, Sequence[tuple[str, str]]],
         {"job_name": job, "static_configs": [
             {"targets": [t], "labels": {"instance": inst, "service": job}} for t, inst in pairs]}
         for job, pairs in targets.items()]
+    if token is not None:
+        for sc in cfg["scrape_configs"]:
+            sc["authorization"] = {"type": "Bearer", "credentials": token}
     if tls_dir is not None:
         d = Path(tls_dir).resolve()
         for sc in cfg["scrape_configs"]:
             sc["scheme"] = "https"
-            # every metrics endpoint's certificate names fedrl-metrics (fedrl.wire.devca), whatever
-            # address it is scraped at
+            # a metrics endpoint's certificate names its role, fedrl-metrics-<role>
+            # (fedrl.wire.devca), whatever address it is scraped at; the job fedrl-<role> scrapes it
             sc["tls_config"] = {"ca_file": str(d / "ca.crt"), "cert_file": str(d / "tls.crt"),
-                                "key_file": str(d / "tls.key"), "server_name": "fedrl-metrics"}
+                                "key_file": str(d / "tls.key"),
+                                "server_name": metrics_name(sc["job_name"].removeprefix("fedrl-"))}
     path = folder / "prometheus.yml"
     path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
     return path

@@ -10,7 +10,7 @@ directory per role, each certificate good for its role only:
                                 names and the --evaluator-host names only
     <out>/<client>/             calls only (client usage, no host names): one per agent, admin;
                                 with metrics.crt/metrics.key beside it to serve the process's
-                                metrics endpoint (server usage, named ``fedrl-metrics`` only)
+                                metrics endpoint (server usage, named only ``fedrl-metrics-<role>``)
 
 Every certificate names its role in its subject's OU (``aggregator``, ``evaluator``, ``agent``,
 ``admin``) and its identity in its CN (the agent id, ``admin``): under mutual TLS the aggregator
@@ -36,9 +36,14 @@ SERVICE_NAMES = {
     "aggregator": ("fedrl-aggregator", "fedrl-aggregator.fedrl.svc", "fedrl-aggregator.fedrl.svc.cluster.local"),
     "evaluator": ("fedrl-evaluator", "fedrl-evaluator.fedrl.svc", "fedrl-evaluator.fedrl.svc.cluster.local"),
 }
-# Every certificate that serves metrics carries this name: a scraper dialling pod IPs verifies
-# it; no gRPC client takes it for a service (they verify fedrl-aggregator / fedrl-evaluator).
-METRICS_NAME = "fedrl-metrics"
+
+
+def metrics_name(role: str) -> str:
+    """The name every certificate that serves a ``role``'s metrics carries (``fedrl-metrics-agent``):
+    a scraper dialling pod IPs verifies it, so an agent's certificate is never taken for the
+    aggregator's metrics; no gRPC client takes it for a service (they verify fedrl-aggregator /
+    fedrl-evaluator)."""
+    return f"fedrl-metrics-{role}"
 
 
 def client_role(name: str) -> str:
@@ -130,13 +135,13 @@ def make_dev_ca(out: str | os.PathLike, hosts: Sequence[str] = DEFAULT_HOSTS,
             raise ValueError("a client may not be called 'aggregator'")
         usage = [server] if role == "aggregator" else [server, client]  # the evaluator also calls
         extra = hosts if role == "aggregator" else evaluator_hosts
-        write(out / role, leaf(SERVICE_NAMES[role][0], role, (*SERVICE_NAMES[role], METRICS_NAME, *extra), usage))
+        write(out / role, leaf(SERVICE_NAMES[role][0], role, (*SERVICE_NAMES[role], metrics_name(role), *extra), usage))
     for name in clients:
         if name == "evaluator":
             continue
         role = client_role(name)
         write(out / name, leaf(name, role, (), [client]))
-        # a metrics endpoint's certificate names only fedrl-metrics (scrapers verify that name),
-        # never an address a gRPC client could dial and take it for a service's
-        write(out / name, leaf(name, "metrics", (METRICS_NAME,), [server]), prefix="metrics")
+        # a metrics endpoint's certificate names only fedrl-metrics-<role> (scrapers verify that
+        # name), never an address a gRPC client could dial and take it for a service's
+        write(out / name, leaf(name, "metrics", (metrics_name(role),), [server]), prefix="metrics")
     return out

@@ -158,7 +158,9 @@ def test_tls_and_tokens_are_optional_in_local_and_mandatory_in_gpu(rendered):
     for m in monitors:  # metrics are mutual TLS too where the services are
         ep = (m["spec"].get("endpoints") or m["spec"]["podMetricsEndpoints"])[0]
         assert ep.get("scheme") == "https" and ep["tlsConfig"]["keySecret"]["name"] == "fedrl-tls-admin"
-        assert ep["tlsConfig"]["serverName"] == "fedrl-metrics"
+        role = {"ServiceMonitor": m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"],
+                "PodMonitor": "agent"}[m["kind"]]
+        assert ep["tlsConfig"]["serverName"] == f"fedrl-metrics-{role}", m["metadata"]["name"]  # its role's
     assert (overlay == "gpu") == bool(monitors)
     agg_env = {e["name"] for e in workloads(docs)["fedrl-aggregator"]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert {"FEDRL_ADMIN_TOKEN", "FEDRL_EVALUATOR_TOKEN", "FEDRL_AGENT_TOKENS"} <= agg_env

@@ -76,3 +76,18 @@ def test_local_prometheus_config_loads_the_deployments_rules_and_says_when_it_ca
     assert "rule_files" not in cfg and not (tmp_path / "b" / "rules.yml").exists()
     assert cfg["scrape_configs"][0]["static_configs"][0]["labels"] == {"instance": "aggregator",
                                                                        "service": "fedrl-aggregator"}
+
+
+def test_local_prometheus_scrapes_with_the_metrics_token_and_each_roles_certificate_name(tmp_path):
+    """``fedrl up``'s Prometheus sends the metrics token (its scrapes come first) and, under TLS,
+    verifies each job's role name: an agent's metrics certificate cannot pass for the aggregator's."""
+    import json
+
+    from fedrl.ops.local_prometheus import write_config
+
+    jobs = {"fedrl-aggregator": [("127.0.0.1:9", "aggregator")], "fedrl-agent": [("127.0.0.1:8", "agent-0")]}
+    cfg = json.loads(write_config(tmp_path / "c", jobs, tls_dir=tmp_path, token="t" * 32, rules_file=None).read_text())
+    by_job = {sc["job_name"]: sc for sc in cfg["scrape_configs"]}
+    assert {j: sc["tls_config"]["server_name"] for j, sc in by_job.items()} == {
+        "fedrl-aggregator": "fedrl-metrics-aggregator", "fedrl-agent": "fedrl-metrics-agent"}
+    assert all(sc["authorization"] == {"type": "Bearer", "credentials": "t" * 32} for sc in by_job.values())

@@ -261,3 +261,126 @@ def test_one_clients_silent_or_trickling_connections_leave_the_others_scrapes_al
     finally:
         for s in flood:
             s.close()
+
+
+class _Holders:
+    """Idle connections to a metrics port, ``per_address`` from each of ``addresses``, each
+    reopened within ~20 ms of being closed: the issue-63 flood, kept up for as long as it runs."""
+
+    def __init__(self, port: int, addresses, per_address: int) -> None:
+        import threading
+
+        self.port, self.slots = port, [a for a in addresses for _ in range(per_address)]
+        self.socks: list = [None] * len(self.slots)
+        self.stop = threading.Event()
+        self.reopened = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _open(self, i: int) -> None:
+        import errno
+        import socket
+
+        s = socket.socket()
+        s.bind((self.slots[i], 0))
+        s.setblocking(False)  # a connect that waits on the listen queue holds up no other slot
+        if s.connect_ex(("127.0.0.1", self.port)) in (0, errno.EINPROGRESS):
+            self.socks[i] = s
+        else:
+            s.close()
+            self.socks[i] = None
+
+    def _run(self) -> None:
+        import socket
+
+        while not self.stop.wait(0.02):
+            for i, s in enumerate(self.socks):
+                alive = s is not None
+                if alive:
+                    try:
+                        alive = s.recv(1) != b""
+                    except (BlockingIOError, socket.timeout):
+                        pass
+                    except OSError:
+                        alive = False
+                if not alive:
+                    if s is not None:
+                        s.close()
+                        self.reopened += 1
+                    self._open(i)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for s in self.socks:
+            if s is not None:
+                s.close()
+
+
+@pytest.mark.parametrize("flood", ["own address", "nine addresses"])
+@pytest.mark.parametrize("credential", ["token", "certificate"])
+def test_the_scrapers_credential_gets_its_scrapes_through_any_flood(tmp_path, credential, flood):
+    """Issue 63, finding 5: connections held by others, from the scraper's own address (8), or
+    from it and 8 other loopback addresses (8 each), reopened as soon as they close, left 1-3 of
+    30 scrapes working. A scrape with the scraper's credential (the metrics token, or the admin's
+    certificate under mutual TLS) now gets a spare slot kept for it: 30 of 30 get through."""
+    import ssl
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from fedrl.ops.metrics import serve_metrics
+    from fedrl.wire.devca import make_dev_ca
+    from fedrl.wire.security import TLSFiles
+
+    reg = CollectorRegistry()
+    Counter("probe_total", "a counter", registry=reg).inc()
+    token = "s" * 32
+    ctx = None
+    if credential == "certificate":
+        make_dev_ca(tmp_path / "ca")
+        port = serve_metrics(reg, "127.0.0.1", 0, TLSFiles.from_dir(tmp_path / "ca" / "aggregator"))
+        ctx = ssl.create_default_context(cafile=str(tmp_path / "ca" / "ca.crt"))
+        ctx.check_hostname = False
+        ctx.load_cert_chain(str(tmp_path / "ca" / "admin" / "tls.crt"), str(tmp_path / "ca" / "admin" / "tls.key"))
+        url, headers = f"https://127.0.0.1:{port}/metrics", {}
+    else:
+        port = serve_metrics(reg, "127.0.0.1", 0, token=token)
+        url, headers = f"http://127.0.0.1:{port}/metrics", {"Authorization": f"Bearer {token}"}
+    others = [f"127.0.0.{i}" for i in range(2, 10)] if flood == "nine addresses" else []
+    holders = _Holders(port, ["127.0.0.1", *others], 8)
+    try:
+        time.sleep(1.0)  # every slot held
+        ok = 0
+        for _ in range(30):
+            try:
+                req = urllib.request.Request(url, headers=headers)
+                ok += "probe_total 1.0" in urllib.request.urlopen(req, context=ctx, timeout=5).read().decode()
+            except OSError:
+                pass
+            time.sleep(0.1)
+        assert ok == 30, f"{ok} of 30 scrapes with the credential answered beside the flood"
+        if others:
+            assert holders.reopened >= 1  # the 8 past the 64 slots were cut off and came back
+    finally:
+        holders.close()
+
+
+def test_a_scrape_without_the_credential_gets_no_priority(tmp_path):
+    """The control: the same flood from the scraper's own address, and a wrong token: the scrape
+    gets a spare slot, shows no credential, and is turned away (503)."""
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from fedrl.ops import metrics as m
+
+    port = m.serve_metrics(CollectorRegistry(), "127.0.0.1", 0, token="s" * 32)
+    flood = _Holders(port, ["127.0.0.1"], 8)
+    try:
+        time.sleep(0.5)  # every slot of the address held
+        with pytest.raises(OSError):
+            urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer " + "x" * 32}), timeout=5).read()
+    finally:
+        flood.close()
