@@ -50,6 +50,7 @@ RND, CELLS = "fedrl/federation/round.py", "fedrl/federation/cells.py"
 SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/rounds.py"
 SIM_TESTS = ("tests/integration/test_simulate.py",)
 SERVICE_TESTS = ("tests/service/test_federation.py",)
+SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
 MUTANTS = (
     # DRPO / CQL update (drpo.py)
     Mutant("actor-max-of-twins", D, "q_pi = q(obs, pi_a).min(dim=twin_dim)", "q_pi = q(obs, pi_a).max(dim=twin_dim)"),
@@ -173,6 +174,17 @@ MUTANTS = (
            SERVICE_TESTS),
     Mutant("service-ignores-sample-counts", COORD, "agent_weights(cfg.weighting, [s.num_samples for s in subs])",
            "agent_weights(cfg.weighting, [1 for s in subs])", SERVICE_TESTS),
+    # secure aggregation (secagg.py): the masks that must cancel, the shares handed out
+    Mutant("secagg-pairwise-signs-agree", SA, "return m if me == lo else (np.uint64(0) - m)", "return m",
+           SA_TESTS),
+    Mutant("secagg-self-mask-left-in", SA, "total -= prg(_hkdf(seed, _SELF_INFO, self.params.context), size)",
+           "pass", SA_TESTS),
+    Mutant("secagg-dropped-masks-added-twice", SA,
+           "total += pairwise_mask(sk, self.roster[u].mask_key, v, u, self.params, size)",
+           "total -= pairwise_mask(sk, self.roster[u].mask_key, v, u, self.params, size)", SA_TESTS),
+    Mutant("secagg-shares-swapped", SA, "self._held[a][1] if a in u3 else self._held[a][0]",
+           "self._held[a][0] if a in u3 else self._held[a][1]", SA_TESTS),
+    Mutant("secagg-second-answer-allowed", SA, "        if self._answered:\n", "        if False:\n", SA_TESTS),
 )
 
 

@@ -1,0 +1,373 @@
+"""Secure aggregation (Bonawitz et al. 2017, "Practical Secure Aggregation for Privacy-Preserving
+Machine Learning", the semi-honest protocol with dropouts): the aggregator learns the sum of the
+agents' vectors and nothing else about any one of them.
+
+The protocol only, with no I/O: every message is a value (bytes and dicts of bytes) that a caller
+carries. The primitives are well-kept libraries': X25519 key agreement, HKDF-SHA256, ChaCha20 as
+the mask generator and ChaCha20-Poly1305 for the shares come from ``cryptography``; Shamir's
+secret sharing of 16-byte seeds (over GF(2^128)) from PyCryptodome.
+
+One round, for the agents U that take part (n of them; threshold t):
+
+1. **Keys.** Each agent makes two X25519 key pairs: one to encrypt shares to its peers, one whose
+   agreement with each peer's gives their pairwise mask seed. The second's private key comes
+   from a 16-byte seed so that it can be shared. The aggregator relays the public keys.
+2. **Shares.** Each agent draws a self-mask seed b_u and splits both seeds into n Shamir shares,
+   any t of which rebuild them. It encrypts each peer's two shares to that peer (the key from their
+   agreement, the round and both ids authenticated). The aggregator relays the ciphertexts, which
+   it cannot read. U2: the agents whose shares came.
+3. **Masked input.** Each agent u of U2 sends y_u = x_u + PRG(b_u) + sum over peers v of U2 of
+   +-PRG(s_uv) in Z_(2^64) (+ when u's id sorts before v's). U3: those whose y_u came.
+4. **Unmasking.** The aggregator tells the agents of U3 who survived (U3) and who dropped
+   (U2 - U3). Each answers once per round: for a survivor, its share of b_v; for a dropped agent,
+   its share of its pairwise seed; never both for one agent (both would unmask that agent's
+   input), and not at all when fewer than t survived. With t answers the aggregator rebuilds the
+   survivors' self masks and the dropped agents' pairwise masks with the survivors, and
+   subtracts them: what remains is the survivors' sum.
+
+Vectors are fixed point in Z_(2^64): :func:`quantize` clips each value to [-clip, clip] and keeps
+``frac_bits`` fractional bits. A sum of n of them is exact while n * clip * 2^frac_bits < 2^63;
+its rounding error is at most n * 2^-(frac_bits + 1) per entry (:func:`rounding_bound`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+RING_BITS = 64
+SEED_BYTES = 16
+# The domain of every derived key: a key of one use is never one of another.
+_PAIR_INFO, _SHARE_INFO, _SELF_INFO, _SK_INFO = (b"fedrl secagg v1 " + s for s in
+                                                 (b"pairwise mask", b"share key", b"self mask", b"mask key"))
+
+
+class SecAggError(Exception):
+    """A step of the protocol that cannot go on; the message says why."""
+
+
+@dataclass(frozen=True)
+class SecAggParams:
+    """One round's settings. ``context`` names the round (run id, round), bound into every key and
+    ciphertext: nothing of one round serves in another."""
+
+    threshold: int
+    context: bytes
+    frac_bits: int = 32
+    clip: float = 2.0 ** 15
+
+    def __post_init__(self) -> None:
+        if self.threshold < 2:
+            raise SecAggError(f"threshold {self.threshold}: at least 2 (one agent's sum is its input)")
+        if not 0 <= self.frac_bits <= 48:
+            raise SecAggError(f"frac_bits {self.frac_bits}: in [0, 48]")
+        if not 0 < self.clip:
+            raise SecAggError(f"clip {self.clip}: positive")
+
+    def check_capacity(self, n: int) -> None:
+        """Refuse ``n`` agents whose clipped sum could wrap around the ring."""
+        if n * self.clip * 2.0 ** self.frac_bits >= 2.0 ** (RING_BITS - 1):
+            raise SecAggError(f"{n} agents x clip {self.clip} x 2^{self.frac_bits} reaches 2^63: the sum "
+                              "could wrap; lower clip or frac_bits")
+
+
+# ---------------------------------------------------------------------------------------------
+# fixed point
+# ---------------------------------------------------------------------------------------------
+def quantize(x: np.ndarray, params: SecAggParams) -> np.ndarray:
+    """``x`` clipped to [-clip, clip], times 2^frac_bits, rounded, as uint64 (two's complement)."""
+    v = np.clip(np.asarray(x, dtype=np.float64), -params.clip, params.clip)
+    return np.rint(v * 2.0 ** params.frac_bits).astype(np.int64).view(np.uint64)
+
+
+def dequantize(s: np.ndarray, params: SecAggParams) -> np.ndarray:
+    """A ring element (a sum of quantized vectors) back to float64."""
+    return np.asarray(s, dtype=np.uint64).view(np.int64).astype(np.float64) / 2.0 ** params.frac_bits
+
+
+def rounding_bound(n: int, params: SecAggParams) -> float:
+    """The most a dequantized sum of ``n`` vectors inside [-clip, clip] can differ from theirs."""
+    return n * 2.0 ** -(params.frac_bits + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# primitives, all from cryptography / PyCryptodome
+# ---------------------------------------------------------------------------------------------
+def _hkdf(secret: bytes, info: bytes, context: bytes, length: int = 32) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=hashlib.sha256(context).digest(),
+                info=info).derive(secret)
+
+
+def _x25519_from_seed(seed: bytes, context: bytes):
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    return X25519PrivateKey.from_private_bytes(_hkdf(seed, _SK_INFO, context))
+
+
+def _public_bytes(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def _agree(private, peer_public: bytes) -> bytes:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+
+    try:
+        return private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError as e:  # a malformed or low-order public key
+        raise SecAggError(f"a public key cannot be used: {e}") from None
+
+
+def prg(seed: bytes, size: int) -> np.ndarray:
+    """``size`` uint64 values from a 32-byte seed: the ChaCha20 keystream, nonce zero (each seed
+    is used for one mask only)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    enc = Cipher(algorithms.ChaCha20(seed, b"\0" * 16), mode=None).encryptor()
+    return np.frombuffer(enc.update(b"\0" * (8 * size)), dtype=np.uint64)
+
+
+def _seal(key: bytes, plain: bytes, aad: bytes) -> bytes:
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    nonce = os.urandom(12)
+    return nonce + ChaCha20Poly1305(key).encrypt(nonce, plain, aad)
+
+
+def _open(key: bytes, sealed: bytes, aad: bytes) -> bytes:
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    try:
+        return ChaCha20Poly1305(key).decrypt(sealed[:12], sealed[12:], aad)
+    except (InvalidTag, ValueError):
+        raise SecAggError("a share's ciphertext does not authenticate (altered, or not for this agent "
+                          "or round)") from None
+
+
+def _split(secret: bytes, t: int, n: int) -> list[tuple[int, bytes]]:
+    from Crypto.Protocol.SecretSharing import Shamir
+
+    return Shamir.split(t, n, secret)
+
+
+def _combine(shares: Iterable[tuple[int, bytes]]) -> bytes:
+    from Crypto.Protocol.SecretSharing import Shamir
+
+    return Shamir.combine(list(shares))
+
+
+def _aad(params: SecAggParams, sender: str, receiver: str) -> bytes:
+    return b"\0".join((params.context, sender.encode(), receiver.encode()))
+
+
+def _ordered(ids: Iterable[str]) -> list[str]:
+    return sorted(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# the agent's side
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PublicKeys:
+    """What an agent advertises: its key for shares, its key for pairwise masks."""
+
+    share_key: bytes
+    mask_key: bytes
+
+
+class AgentSession:
+    """One agent's part in one round."""
+
+    def __init__(self, agent_id: str, params: SecAggParams, random: Callable[[int], bytes] = os.urandom) -> None:
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+        self.id, self.params = agent_id, params
+        self._share_sk = X25519PrivateKey.generate()
+        self._mask_seed = random(SEED_BYTES)
+        self._mask_sk = _x25519_from_seed(self._mask_seed, params.context)
+        self._self_seed = random(SEED_BYTES)
+        self._roster: dict[str, PublicKeys] = {}
+        self._index: dict[str, int] = {}
+        self._held: dict[str, tuple[bytes, bytes]] = {}  # peer -> (its mask-seed share, its self-seed share)
+        self._answered = False
+        self._masked_for: frozenset[str] | None = None
+
+    def advertise(self) -> PublicKeys:
+        return PublicKeys(_public_bytes(self._share_sk), _public_bytes(self._mask_sk))
+
+    def share_keys(self, roster: Mapping[str, PublicKeys]) -> dict[str, bytes]:
+        """The encrypted shares of both seeds, one ciphertext per peer of ``roster`` (U1, which
+        must hold this agent's own keys unchanged and at least ``threshold`` agents)."""
+        if self._roster:
+            raise SecAggError(f"agent {self.id}: shares were already made for this round")
+        mine = roster.get(self.id)
+        if mine != self.advertise():
+            raise SecAggError(f"agent {self.id}: the roster does not hold this agent's own keys")
+        if len(roster) < self.params.threshold:
+            raise SecAggError(f"{len(roster)} agents advertised keys, fewer than the threshold "
+                              f"{self.params.threshold}")
+        if len({k.share_key for k in roster.values()} | {k.mask_key for k in roster.values()}) != 2 * len(roster):
+            raise SecAggError("two agents of the roster advertise the same key")
+        self.params.check_capacity(len(roster))
+        ids = _ordered(roster)
+        self._roster = dict(roster)
+        self._index = {a: i + 1 for i, a in enumerate(ids)}  # Shamir's points 1..n
+        t, n = self.params.threshold, len(ids)
+        mask_shares = dict(_split(self._mask_seed, t, n))
+        self_shares = dict(_split(self._self_seed, t, n))
+        out = {}
+        for peer in ids:
+            i = self._index[peer]
+            plain = mask_shares[i] + self_shares[i]
+            key = _hkdf(_agree(self._share_sk, roster[peer].share_key), _SHARE_INFO, self.params.context)
+            out[peer] = _seal(key, plain, _aad(self.params, self.id, peer))
+        return out
+
+    def receive_shares(self, sealed: Mapping[str, bytes]) -> None:
+        """The ciphertexts addressed to this agent, by sender; each is opened and kept."""
+        if not self._roster:
+            raise SecAggError(f"agent {self.id}: shares came before the roster")
+        for sender, blob in sealed.items():
+            if sender not in self._roster:
+                raise SecAggError(f"a share from {sender!r}, who is not in the round's roster")
+            key = _hkdf(_agree(self._share_sk, self._roster[sender].share_key), _SHARE_INFO, self.params.context)
+            plain = _open(key, blob, _aad(self.params, sender, self.id))
+            if len(plain) != 2 * SEED_BYTES:
+                raise SecAggError(f"a share from {sender!r} has {len(plain)} bytes")
+            self._held[sender] = (plain[:SEED_BYTES], plain[SEED_BYTES:])
+
+    def masked_input(self, x: np.ndarray, shared: Iterable[str]) -> np.ndarray:
+        """``x`` (uint64, already quantized) masked for the agents ``shared`` (U2: those whose
+        shares were sent; it must include this agent)."""
+        u2 = frozenset(shared)
+        if self.id not in u2 or not u2 <= set(self._roster):
+            raise SecAggError(f"agent {self.id}: the agents that shared must include it and be in the roster")
+        if len(u2) < self.params.threshold:
+            raise SecAggError(f"{len(u2)} agents shared, fewer than the threshold {self.params.threshold}")
+        if self._masked_for is not None:
+            raise SecAggError(f"agent {self.id}: already sent its masked input for this round")
+        self._masked_for = u2
+        x = np.asarray(x, dtype=np.uint64)
+        y = x + prg(_hkdf(self._self_seed, _SELF_INFO, self.params.context), x.size)
+        for peer in _ordered(u2 - {self.id}):
+            m = pairwise_mask(self._mask_sk, self._roster[peer].mask_key, self.id, peer, self.params, x.size)
+            y = y + m
+        return y
+
+    def unmask(self, survivors: Iterable[str], dropped: Iterable[str]) -> dict[str, tuple[int, bytes]]:
+        """The shares the aggregator may have: for each survivor its self-seed share, for each
+        dropped agent its mask-seed share, as ``{agent: (point, share)}``. Answered once per
+        round, only to a request whose two sets are disjoint, together the agents that shared
+        (U2), with at least ``threshold`` survivors including this agent."""
+        u3, d = frozenset(survivors), frozenset(dropped)
+        if self._answered:
+            raise SecAggError(f"agent {self.id}: it already answered an unmasking request this round; a "
+                              "second could ask for the other share of an agent")
+        if u3 & d:
+            raise SecAggError(f"the request names {sorted(u3 & d)} as both survived and dropped: both shares "
+                              "of one agent would unmask its input")
+        if self._masked_for is None or u3 | d != self._masked_for or self.id not in u3:
+            raise SecAggError(f"agent {self.id}: the request's agents are not those it masked for")
+        if len(u3) < self.params.threshold:
+            raise SecAggError(f"{len(u3)} agents survived, fewer than the threshold {self.params.threshold}")
+        missing = sorted(a for a in u3 | d if a not in self._held)
+        if missing:
+            raise SecAggError(f"agent {self.id}: holds no shares of {missing}")
+        self._answered = True
+        point = self._index[self.id]
+        # for a survivor only its self-seed share, for a dropped agent only its mask-seed share
+        return {a: (point, self._held[a][1] if a in u3 else self._held[a][0]) for a in u3 | d}
+
+
+def pairwise_mask(private, peer_public: bytes, me: str, peer: str, params: SecAggParams, size: int) -> np.ndarray:
+    """The mask ``me`` adds for ``peer``: +PRG(s) when ``me`` sorts first, -PRG(s) otherwise, where
+    s is their X25519 agreement run through HKDF with both ids: the two masks cancel in a sum."""
+    lo, hi = sorted((me, peer))
+    seed = _hkdf(_agree(private, peer_public), _PAIR_INFO + b"\0" + lo.encode() + b"\0" + hi.encode(),
+                 params.context)
+    m = prg(seed, size)
+    return m if me == lo else (np.uint64(0) - m)
+
+
+# ---------------------------------------------------------------------------------------------
+# the aggregator's side
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ServerSession:
+    """The aggregator's part in one round: it relays and finally unmasks, and sees only ciphertexts,
+    masked inputs and the shares it is allowed."""
+
+    params: SecAggParams
+    roster: dict[str, PublicKeys] = field(default_factory=dict)
+    sealed: dict[str, dict[str, bytes]] = field(default_factory=dict)  # sender -> receiver -> blob
+    masked: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def add_keys(self, agent_id: str, keys: PublicKeys) -> None:
+        if agent_id in self.roster:
+            raise SecAggError(f"agent {agent_id} already advertised its keys this round")
+        self.roster[agent_id] = keys
+
+    def add_shares(self, agent_id: str, sealed: Mapping[str, bytes]) -> None:
+        if agent_id not in self.roster:
+            raise SecAggError(f"shares from {agent_id}, who advertised no keys")
+        if set(sealed) != set(self.roster):
+            raise SecAggError(f"shares from {agent_id} are not one per agent of the roster")
+        self.sealed[agent_id] = dict(sealed)
+
+    def shares_for(self, agent_id: str) -> dict[str, bytes]:
+        """The ciphertexts addressed to ``agent_id``, by sender."""
+        return {s: blobs[agent_id] for s, blobs in self.sealed.items()}
+
+    @property
+    def shared(self) -> list[str]:
+        """U2: the agents whose shares came."""
+        return _ordered(self.sealed)
+
+    def add_masked(self, agent_id: str, y: np.ndarray) -> None:
+        if agent_id not in self.sealed:
+            raise SecAggError(f"a masked input from {agent_id}, whose shares did not come")
+        if self.masked and next(iter(self.masked.values())).shape != np.shape(y):
+            raise SecAggError(f"a masked input from {agent_id} of another size")
+        self.masked[agent_id] = np.asarray(y, dtype=np.uint64)
+
+    def unmask_request(self) -> tuple[list[str], list[str]]:
+        """(survivors U3, dropped U2 - U3), once every masked input that will come has come."""
+        u3 = _ordered(self.masked)
+        if len(u3) < self.params.threshold:
+            raise SecAggError(f"{len(u3)} masked inputs came, fewer than the threshold {self.params.threshold}: "
+                              "the round cannot be unmasked")
+        return u3, [a for a in self.shared if a not in self.masked]
+
+    def finish(self, answers: Mapping[str, Mapping[str, tuple[int, bytes]]]) -> np.ndarray:
+        """The survivors' sum from the agents' ``answers`` to :meth:`unmask_request` (at least
+        ``threshold`` of them)."""
+        u3, dropped = self.unmask_request()
+        answers = {a: r for a, r in answers.items() if a in u3}
+        if len(answers) < self.params.threshold:
+            raise SecAggError(f"{len(answers)} agents answered the unmasking, fewer than the threshold "
+                              f"{self.params.threshold}: the sum cannot be recovered")
+        size = next(iter(self.masked.values())).size
+        total = np.zeros(size, dtype=np.uint64)
+        for a in u3:
+            total += self.masked[a]
+        for a in u3:  # each survivor's self mask
+            seed = _combine(r[a] for r in answers.values())
+            total -= prg(_hkdf(seed, _SELF_INFO, self.params.context), size)
+        for v in dropped:  # each dropped agent's pairwise masks with the survivors
+            seed = _combine(r[v] for r in answers.values())
+            sk = _x25519_from_seed(seed, self.params.context)
+            if _public_bytes(sk) != self.roster[v].mask_key:
+                raise SecAggError(f"the shares of {v}'s mask key rebuild another key: an answer is wrong")
+            for u in u3:
+                # u added pairwise_mask(u, v); the same mask, computed from v's side, is its negative
+                total += pairwise_mask(sk, self.roster[u].mask_key, v, u, self.params, size)
+        return total
