@@ -52,6 +52,9 @@ def _simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--federate", choices=FEDERATE_CHOICES, default=d.federate)
     p.add_argument("--aggregation", choices=AGGREGATIONS, default=d.aggregation)
     p.add_argument("--trim-fraction", type=float, default=d.trim_fraction)
+    p.add_argument("--secagg-threshold", type=int, default=d.secagg_threshold,
+                   help="secure aggregation: with t >= 2 each round's average is taken under pairwise masks "
+                        "and recovered while at least t agents answer (0: off; docs/guides/privacy.md)")
     p.add_argument("--out", default=None, help="run folder (default runs/<algo>-<time>)")
     p.add_argument("--parallel-agents", type=argtypes.at_least(1), default=1,
                    help="agents trained at once, one thread each (with --threads 1: the same numbers as one "
@@ -115,6 +118,7 @@ _SIM_FLAGS = {"algo": ("", "algo"), "dataset": ("", "datasets"), "env": ("", "en
               "eval_every": ("", "eval_every"), "seed": ("", "seed"), "device": ("", "device"),
               "obs_norm": ("", "obs_norm"), "weighting": ("", "weighting"), "federate": ("", "federate"),
               "aggregation": ("", "aggregation"), "trim_fraction": ("", "trim_fraction"),
+              "secagg_threshold": ("", "secagg_threshold"),
               "lambda1": ("drpo", "lambda1"), "lambda2": ("drpo", "lambda2"), "cql_weight": ("drpo", "cql_weight"),
               "td_weight": ("drpo", "td_weight"), "q_scale": ("drpo", "q_scale"), "actor_lr": ("drpo", "actor_lr"),
               "critic_lr": ("drpo", "critic_lr"), "gamma": ("drpo", "gamma"), "batch_size": ("both", "batch_size"),

@@ -62,6 +62,11 @@ class FederationOptions:
     """The delta at which the privacy spent, epsilon, is reported."""
     dp_epsilon_budget: float = 0.0
     """Stop before a round that would spend more than this epsilon (0 = no budget)."""
+    secagg_threshold: int = 0
+    """Secure aggregation (docs/guides/privacy.md): with t >= 2, every round's average is taken
+    under the masks of Bonawitz et al. 2017, so that no single update is seen, and recovered
+    while at least t agents answer (0 = off). With dp_noise, each agent adds its share of the
+    noise (distributed DP)."""
     drpo: DRPOConfig = field(default_factory=DRPOConfig)
     """DRPO / CQL hyperparameters (defaults: the paper's table)."""
     bc: BCConfig = field(default_factory=BCConfig)
@@ -88,8 +93,23 @@ class FederationOptions:
         if not 0.0 <= self.trim_fraction < 0.5:  # also refuses NaN
             raise ValueError(f"{opt('trim_fraction')}: must be in [0, 0.5), got {self.trim_fraction}")
         self._check_privacy()
+        self._check_secagg()
         if self.federate == "policy+critic" and self.algo == "fed-bc":
             raise ValueError(f"{opt('federate')}: policy+critic needs a critic; fed-bc has none")
+
+    def _check_secagg(self) -> None:
+        opt, t = self.option_name, self.secagg_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t == 1:
+            raise ValueError(f"{opt('secagg_threshold')}: 0 (off) or an integer >= 2, got {t!r}")
+        if not t:
+            return
+        refused = {"algo": ("cql", "each agent alone shares nothing to aggregate"),
+                   "aggregation": (("median", "trimmed-mean"), "it needs the individual updates that secure "
+                                   "aggregation hides; each agent checks and clips its own")}
+        for name, (bad, why) in refused.items():
+            if getattr(self, name) in ((bad,) if isinstance(bad, str) else bad):
+                raise ValueError(f"{opt(name)}: {getattr(self, name)!r} cannot run with "
+                                 f"{opt('secagg_threshold')}: {why}")
 
     def _check_privacy(self) -> None:
         opt = self.option_name

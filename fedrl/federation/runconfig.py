@@ -47,6 +47,9 @@ class RunConfig(FederationOptions):
         for k in ("round_timeout", "join_timeout"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"{k}: must be > 0 seconds, got {getattr(self, k)}")
+        if self.secagg_threshold:
+            raise ValueError("secagg_threshold: the services do not run secure aggregation yet; `fedrl simulate "
+                             "--secagg-threshold` does (docs/guides/privacy.md)")
         hp = self.bc if self.algo == "fed-bc" else self.drpo  # the learner's settings (CQL: DRPO's, lambdas 0)
         if problem := check_step_bytes(hp, 1, 1):  # on the smallest task there is: one observation, one action
             raise ValueError(f"{'drpo' if hasattr(hp, 'cql_n_actions') else 'bc'}: {problem}")
@@ -120,7 +123,7 @@ def check_step_bytes(hp, obs_dim: int, act_dim: int) -> str:
             f"a run's step may need at most {MAX_STEP_BYTES >> 30} GiB")
 
 
-_INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes")
+_INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes", "secagg_threshold")
 _FLOATS = ("round_timeout", "join_timeout", "trim_fraction", "dp_clip", "dp_noise", "dp_delta", "dp_epsilon_budget")
 _STRINGS = ("algo", "obs_norm", "weighting", "aggregation", "federate")
 

@@ -371,3 +371,71 @@ class ServerSession:
                 # u added pairwise_mask(u, v); the same mask, computed from v's side, is its negative
                 total += pairwise_mask(sk, self.roster[u].mask_key, v, u, self.params, size)
         return total
+
+
+# ---------------------------------------------------------------------------------------------
+# a round's weighted average, every agent in this process (fedrl simulate)
+# ---------------------------------------------------------------------------------------------
+def agent_vector(state: Mapping, alpha: float, params: SecAggParams, noise_std: float = 0.0,
+                 generator=None) -> np.ndarray:
+    """What one agent masks: ``alpha * state`` (every tensor flattened in order, float64) and
+    ``alpha`` last, quantized. With ``noise_std`` the agent first adds its share of differential
+    privacy's noise to its state. The agent checks its own update: a non-finite value, or one
+    past the clipping range, is refused here (no one else sees it to check)."""
+    import torch
+
+    parts = []
+    for k, v in state.items():
+        x = v.detach().to("cpu", torch.float64).reshape(-1)
+        if noise_std > 0:
+            x = x + noise_std * torch.randn(x.shape, generator=generator, dtype=torch.float64)
+        parts.append(x.numpy())
+    flat = np.concatenate([*parts, [1.0]]) * alpha
+    if not np.isfinite(flat).all():
+        raise SecAggError("the update holds NaN or Inf: it is not sent")
+    top = float(np.abs(flat).max())
+    if top > params.clip:
+        raise SecAggError(f"a weighted value of magnitude {top:.3g} is past the clipping range {params.clip:g}")
+    return quantize(flat, params)
+
+
+def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0, generator=None,
+                  drop: Iterable[int] = ()) -> tuple[dict, dict]:
+    """FedAvg of ``states`` with ``weights`` (public: each agent's sample count, or 1) taken by the
+    protocol, every agent and the aggregator here: (the average, a record of the round). Agents
+    of index in ``drop`` leave after sharing their keys (their masks are then removed). The
+    average differs from plain FedAvg's by at most ``bound`` per value (the record's)."""
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    ids = [f"agent-{i:05d}" for i in range(len(states))]
+    total = float(sum(weights))
+    alphas = [w / total for w in weights]
+    agents = {a: AgentSession(a, params) for a in ids}
+    server = ServerSession(params)
+    for a, s in agents.items():
+        server.add_keys(a, s.advertise())
+    for a, s in agents.items():
+        server.add_shares(a, s.share_keys(server.roster))
+    for a, s in agents.items():
+        s.receive_shares(server.shares_for(a))
+    gone = {ids[i] for i in drop}
+    for i, a in enumerate(ids):
+        if a not in gone:
+            x = agent_vector(states[i], alphas[i], params, noise_std, generator)
+            server.add_masked(a, agents[a].masked_input(x, server.shared))
+    survivors, dropped = server.unmask_request()
+    answers = {a: agents[a].unmask(survivors, dropped) for a in survivors}
+    s = dequantize(server.finish(answers), params)
+    weight = s[-1]
+    ref = states[0]
+    out, pos = {}, 0
+    for k, v in ref.items():
+        n = v.numel()
+        out[k] = torch.from_numpy(s[pos:pos + n] / weight).view(v.shape).to(v.dtype)
+        pos += n
+    bound = rounding_bound(len(survivors), params) * (1 + max(1.0, float(np.abs(s[:-1]).max(initial=0.0)) / weight)) / weight
+    return out, {"threshold": params.threshold, "agents": len(ids), "survivors": len(survivors),
+                 "dropped": len(dropped), "bound": bound, "seconds": time.perf_counter() - t0}

@@ -236,6 +236,10 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         raise ValueError(f"draws: choose {', '.join(DRAWS)}, got {draws!r}")
     if engine == "batched" and cfg.grad_norms_every:
         raise ValueError("--grad-norms-every is measured by the per-agent engine only (pass --engine per-agent)")
+    if cfg.secagg_threshold:
+        n_total = sum(parse_source(spec, cfg.agents)[1] for spec in cfg.datasets)
+        if cfg.secagg_threshold > n_total:
+            raise ValueError(f"--secagg-threshold {cfg.secagg_threshold}: more than the run's {n_total} agents")
     if engine == "batched" and cfg.dp_clip:
         raise ValueError("--dp-clip: differential privacy clips each agent's update in the per-agent engine "
                          "(pass --engine per-agent)")
@@ -351,8 +355,11 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 agent_states = [res.state for res in results]
             else:
                 w = agent_weights(cfg.weighting, [res.num_samples for res in results])
-                global_state = aggregate(cfg.aggregation, [res.state for res in results], w, cfg.trim_fraction)
-                if noise_gen is not None:
+                if cfg.secagg_threshold:
+                    global_state, sa_rec = secure_average(cfg, r, [res.state for res in results], w, noise_gen)
+                else:
+                    global_state = aggregate(cfg.aggregation, [res.state for res in results], w, cfg.trim_fraction)
+                if noise_gen is not None and not cfg.secagg_threshold:
                     from fedrl.federation.privacy import noisy_average
 
                     global_state = noisy_average(global_state, len(results), cfg.dp_clip, cfg.dp_noise, noise_gen)
@@ -365,6 +372,8 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             rounds_run = r
             if cfg.dp_clip:
                 rec["privacy"] = privacy_record(cfg, r, [res.metrics for res in results])
+            if cfg.secagg_threshold:
+                rec["secure_aggregation"] = sa_rec
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
                 rec["eval"] = round_evaluation(cfg.algo, [eval_state(s) for s in agent_states]
                                                if cfg.algo == "cql" else [eval_state(global_state)])
@@ -420,6 +429,19 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
               if curve else "")
     log(f"done in {summary['wall_seconds']:.1f}s{scores}; results in {out}")
     return summary
+
+
+def secure_average(cfg: SimConfig, r: int, states: list, weights: list[float], noise_gen) -> tuple[dict, dict]:
+    """Round ``r``'s FedAvg under secure aggregation (fedrl.federation.secagg), and its record.
+    With DP noise, each agent adds its share: std sigma * C / sqrt(t), so that any t or more
+    survivors' sum carries at least the central mechanism's N(0, (sigma * C)^2)."""
+    import math
+
+    from fedrl.federation.secagg import SecAggParams, secure_fedavg
+
+    params = SecAggParams(threshold=cfg.secagg_threshold, context=f"simulate/{cfg.seed}/{r}".encode())
+    std = cfg.dp_noise * cfg.dp_clip / math.sqrt(cfg.secagg_threshold) if noise_gen is not None else 0.0
+    return secure_fedavg(states, weights, params, std, noise_gen)
 
 
 def privacy_record(cfg: SimConfig, rounds: int, metrics: list[dict[str, float]]) -> dict[str, Any]:
