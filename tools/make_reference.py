@@ -1,13 +1,15 @@
 """Write the documentation's reference pages from the code that holds their text.
 
-    python tools/make_reference.py          (rewrites docs/reference/{cli,config,rpcs,metrics}.md)
+    python tools/make_reference.py          (rewrites docs/reference/{cli,config,rpcs,metrics,layout}.md)
     python tools/make_reference.py --check  (exit 1, naming the page, when one is stale)
 
 - ``cli.md``: the ``--help`` of every command (``fedrl`` and its subcommands, the three services);
 - ``config.md``: the run configuration's fields (``RunConfig``, ``SimConfig``) and the algorithm
   settings (``DRPOConfig``, ``BCConfig``) with their defaults and the docstring under each field;
 - ``rpcs.md``: every service, RPC and message of ``protos/fedrl/v1`` with its comments;
-- ``metrics.md``: every Prometheus metric a service exports, with its type, labels and help.
+- ``metrics.md``: every Prometheus metric a service exports, with its type, labels and help;
+- ``layout.md``: every package and module of the tree, the core's packages in their layers' order,
+  each with the first sentence of its docstring.
 
 ``tests/test_docs.py`` runs ``--check`` and ``mkdocs build --strict``.
 """
@@ -190,7 +192,54 @@ def metrics_md() -> str:
     return HEADER + "\n".join(out)
 
 
-PAGES = {"cli.md": cli_md, "config.md": config_md, "rpcs.md": rpcs_md, "metrics.md": metrics_md}
+def _first_sentence(path: Path) -> str:
+    """The first sentence of a module's (or package's) docstring, on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    text = " ".join(doc.split("\n\n")[0].split())
+    m = re.match(r"(.+?(?<!\bal)(?<!e\.g)(?<!i\.e)(?<!\bvs)\.)(\s|$)", text)
+    return m.group(1) if m else text
+
+
+def _layer(pkg: Path) -> float:
+    doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text())) or ""
+    m = re.search(r"Layer (\d+)", doc)
+    return float(m.group(1)) if m else 5.5  # the generated stubs: part of the wire layer
+
+
+def _modules(pkg: Path, indent: str = "") -> list[str]:
+    out = []
+    for f in sorted(pkg.glob("*.py")):
+        if f.name != "__init__.py" and not f.name.endswith("_pb2.py") and not f.name.endswith("_pb2_grpc.py"):
+            out.append(f"{indent}- `{f.name}`: {_first_sentence(f)}")
+    for d in sorted(x for x in pkg.iterdir() if (x / "__init__.py").exists()):
+        out.append(f"{indent}- `{d.name}/`: {_first_sentence(d / '__init__.py')}")
+        out += _modules(d, indent + "  ")
+    return out
+
+
+def layout_md() -> str:
+    out = ["# Code layout", "",
+           "The core's packages are layers, bottom to top; each imports only its own layer and those below it, "
+           "which `tests/test_layout.py` checks (with no import cycle, no service imported by the core or by "
+           "another service, protobuf types only in `wire/`, `proto/` and the servicers).", "",
+           "## protos/fedrl/v1/", "", "The wire contract: " + ", ".join(
+               f"`{f.name}`" for f in sorted((ROOT / "protos" / "fedrl" / "v1").glob("*.proto"))) + ".", "",
+           "## fedrl/: the core, bottom layer first", ""]
+    for pkg in sorted((d for d in (ROOT / "fedrl").iterdir() if (d / "__init__.py").exists()), key=_layer):
+        out += [f"### fedrl/{pkg.name}/", "", _first_sentence(pkg / "__init__.py"), ""]
+        out += _modules(pkg) + [""]
+    for top in ("aggregator_service", "agent_service", "evaluator_service", "benchmarks"):
+        out += [f"## {top}/", "", _first_sentence(ROOT / top / "__init__.py"), ""] + _modules(ROOT / top) + [""]
+    out += ["## Elsewhere", "",
+            "- `tests/`: " + ", ".join(f"`{d.name}/`" for d in sorted((ROOT / "tests").iterdir())
+                                      if d.is_dir() and not d.name.startswith((".", "_"))) + " and `test_*.py` at the top;",
+            "- `deploy/`: kustomize `base/`, `overlays/`, `components/` (monitoring, secure); the Dockerfile is at the root;",
+            "- `docs/`: this site (`mkdocs.yml`); `tools/`: the reference pages' generator.", ""]
+    return HEADER + "\n".join(out)
+
+
+PAGES = {"cli.md": cli_md, "config.md": config_md, "rpcs.md": rpcs_md, "metrics.md": metrics_md,
+         "layout.md": layout_md}
 
 
 def main(argv: list[str] | None = None) -> int:

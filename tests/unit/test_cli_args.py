@@ -86,7 +86,8 @@ def test_the_thread_default_follows_the_container_limit_else_one(monkeypatch, tm
 
 
 def _simulate_settings(argv: list[str]):
-    from fedrl.cli import _chosen_parser, _given, _sim_settings
+    from fedrl.cli import _chosen_parser, _given
+    from fedrl.cli.simulate import _sim_settings
 
     p = fedrl_parser()
     a = p.parse_args(["simulate", *argv])
