@@ -17,6 +17,7 @@ from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.round import LocalTrainer, RoundInterrupted, algo_config
 from fedrl.federation.runconfig import parse_run_config
+from fedrl.federation.secagg import SecAggError
 from fedrl.ops.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
 from fedrl.wire.codec import (
@@ -130,6 +131,7 @@ class Agent:
         self._awaited_since: float | None = None
         self.trainer: LocalTrainer | None = None
         self.trainer_run = ""
+        self.run_config = None  # the run config of trainer_run
         self.rounds_done = 0
         # The task whose update was sent and not yet confirmed (by the next task on the Session
         # stream, or a submit call's reply). If the connection breaks first, the next Join's
@@ -362,10 +364,52 @@ class Agent:
                 federate_critic=rc.federate == "policy+critic", local_normalizer=rc.obs_norm == "local",
                 update_clip=rc.dp_clip)
             self.trainer_run = task.run_id
+            self.run_config = rc
             # names, dtypes and shapes a base version must have (views of the live tensors)
             self.base_reference = self.trainer.learner.shared_state(self.trainer.federate_critic)
             self._base_specs = specs_of(self.base_reference)  # what a base version's manifest lists
         return self.trainer
+
+    def _secure_aggregation(self, stub, task, res) -> None:
+        """Round ``task``'s update by secure aggregation (fedrl/federation/secagg.py): keys, the
+        seeds' shares sealed to the others, the masked update, the shares that unmask the sum.
+        With differential privacy the agent adds its share of the noise first: N(0, (sigma * C)^2
+        / t), so that any t or more agents' sum carries at least the central noise."""
+        import math
+
+        from fedrl.federation.privacy import noise_generator
+        from fedrl.federation.secagg import AgentSession, PublicKeys, SecAggParams, agent_vector
+
+        rc = self.run_config
+        params = SecAggParams(threshold=rc.secagg_threshold, context=f"{task.run_id}/{task.round}".encode())
+        me = AgentSession(self.cfg.agent_id, params)
+        pk = me.advertise()
+        reply = self._secagg_call(stub, task, keys=federation_pb2.SecAggKeys(share_key=pk.share_key,
+                                                                             mask_key=pk.mask_key))
+        roster = {a: PublicKeys(bytes(k.share_key), bytes(k.mask_key)) for a, k in reply.roster.keys.items()}
+        alpha = reply.roster.alpha[self.cfg.agent_id]
+        reply = self._secagg_call(stub, task, shares=federation_pb2.SecAggShares(sealed=me.share_keys(roster)))
+        me.receive_shares({a: bytes(b) for a, b in reply.relay.sealed.items()})
+        std = rc.dp_noise * rc.dp_clip / math.sqrt(rc.secagg_threshold) if rc.dp_noise else 0.0
+        x = agent_vector(res.state, alpha, params, std, noise_generator() if std else None)
+        y = me.masked_input(x, list(reply.relay.shared))
+        reply = self._secagg_call(stub, task, masked=federation_pb2.SecAggMasked(
+            vector=y.astype("<u8").tobytes(), metrics=res.metrics, train_seconds=res.seconds))
+        answer = me.unmask(list(reply.unmask.survivors), list(reply.unmask.dropped))
+        self._secagg_call(stub, task, answer=federation_pb2.SecAggAnswer(
+            shares={a: federation_pb2.SecAggShare(point=p, share=sh) for a, (p, sh) in answer.items()}))
+        self._submitted(task)
+
+    def _secagg_call(self, stub, task, **step):
+        """One step, sent again while the reply says the others are not all there yet."""
+        msg = federation_pb2.SecAggMessage(agent_id=self.cfg.agent_id, run_id=task.run_id, round=task.round,
+                                           wait_seconds=self.cfg.task_wait, **step)
+        while True:
+            reply = stub.SecureAggregation(msg, timeout=self.cfg.task_wait + self.cfg.rpc_timeout)
+            if not reply.pending:
+                return reply
+            if self._stop.is_set():
+                raise RoundInterrupted("stopped during secure aggregation")
 
     def _train(self, stub, task, weights: bytes | memoryview | None = None):
         """Train on ``task``. A small update is returned as (header, its Encoded payload) for the
@@ -408,6 +452,12 @@ class Agent:
             probe.close()
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         self._train_seconds = res.seconds
+        if self.run_config.secagg_threshold:  # the update goes masked, never in the clear
+            try:
+                self._secure_aggregation(stub, task, res)
+            except SecAggError as e:  # this agent's own check, or a step it must refuse
+                log.error("round %d: no part in the secure aggregation: %s", task.round, e)
+            return None
         # An update too large for one message is streamed as chunk messages: they are built as it
         # is encoded, each chunk hashed in its message (one pass over the model, not two).
         streamed = sum(t.nbytes for t in res.state.values()) > self.cfg.inline_max_bytes

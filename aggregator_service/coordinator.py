@@ -14,24 +14,7 @@ import threading
 
 from aggregator_service.agents import AgentRegistry
 from aggregator_service.lifecycle import RunLifecycle
-from aggregator_service.records import (  # noqa: F401  (the names its users import from here)
-    ACTIVE,
-    AGENT_ID,
-    AGENT_TTL,
-    AVERAGE_POOL_MIN_BYTES,
-    AVERAGES_KEPT,
-    EVALUATOR_SEEN_SECONDS,
-    MAX_AGENTS,
-    OBS_MEAN_MAX,
-    OBS_STD_MAX,
-    RUN_ID,
-    AgentRecord,
-    Run,
-    Submission,
-    check_moments,
-    env_mismatch,
-    replay_journal,
-)
+from aggregator_service.records import AGENT_TTL, MAX_AGENTS, AgentRecord, Run
 from aggregator_service.rounds import Rounds
 from aggregator_service.store import Store
 from fedrl.ops.metrics import AggregatorMetrics

@@ -94,6 +94,9 @@ class Run:
     # every selected agent's is, and each agent has since gone silent (an agent whose update is
     # refused so gives up), the run cannot train and fails instead of waiting for ever.
     non_finite: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # The round's secure aggregation (aggregator_service.secure_round.SecureRound), when the run
+    # config sets secagg_threshold.
+    secure: Any = None
 
 
 def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[dict[str, Any]]:

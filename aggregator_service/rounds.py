@@ -27,6 +27,7 @@ from aggregator_service.records import (
     env_mismatch,
     task_of,
 )
+from aggregator_service.secure_round import SecureRound
 from aggregator_service.store import DamagedVersion
 from fedrl.algos.config import config_to_dict
 from fedrl.data.normalize import ObsStats, global_normalizer
@@ -34,6 +35,7 @@ from fedrl.federation.aggregate import AggregationError, agent_weights, aggregat
 from fedrl.federation.privacy import PRIVACY_EPSILON, clip_update, epsilon, noise_generator, noisy_average
 from fedrl.federation.round import algo_config, initial_global_state
 from fedrl.federation.runconfig import MAX_MODEL_BYTES, check_step_bytes, model_bytes
+from fedrl.federation.secagg import SecAggError, SecAggParams, average_from_sum, dequantize
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
     CodecError,
@@ -44,6 +46,7 @@ from fedrl.wire.codec import (
     encode,
     encoded_from_payload,
 )
+from fedrl.wire.manifest import MAX_MESSAGE_BYTES
 from fedrl.wire.memory import release_free_memory
 from fedrl.wire.rpc import ServiceError
 from fedrl.wire.serde import chunk_frame
@@ -61,7 +64,8 @@ class Rounds:
                 a = self._agent(agent_id)
                 run = self.run
                 if run is not None and agent_id in run.selected:
-                    if (run.state == "running" and agent_id not in run.submissions):
+                    if (run.state == "running" and agent_id not in run.submissions
+                            and not (run.secure is not None and run.secure.took_part(agent_id))):
                         mean, std = run.norms[agent_id]
                         task = {"kind": "TRAIN", "run_id": run.run_id, "round": run.round,
                                 "base_version": run.version, "local_steps": run.cfg.local_steps,
@@ -160,6 +164,10 @@ class Rounds:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"update trained from version {m.base_version}, round {run.round} "
                                f"distributes version {run.version}", "wrong_base")
+        if run.cfg.secagg_threshold:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"run {run.run_id} takes its updates by secure aggregation (SecureAggregation), "
+                               "never in the clear", "secagg_only")
         if agent_id in run.submissions:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
                                f"agent {agent_id!r} already submitted for round {run.round}", "duplicate")
@@ -264,6 +272,11 @@ class Rounds:
             self._fail(run, f"the global model would be {size / 2**20:.0f} MiB (hidden {list(hp.hidden)}, obs_dim "
                             f"{obs_dim}, act_dim {act_dim}); a run's model may be at most {MAX_MODEL_BYTES >> 20} MiB")
             return
+        if cfg.secagg_threshold and 8 * (size // 4 + 1) + 4096 > MAX_MESSAGE_BYTES:
+            self._fail(run, f"secure aggregation sends each agent's masked model in one message of 8 bytes a value: "
+                            f"this model's would be {8 * (size // 4 + 1) / 2**20:.1f} MiB, over the "
+                            f"{MAX_MESSAGE_BYTES >> 20} MiB a message may be")
+            return
         if problem := check_step_bytes(hp, obs_dim, act_dim):  # the agents could not take a step
             self._fail(run, f"{problem} (obs_dim {obs_dim}, act_dim {act_dim})")
             return
@@ -315,6 +328,15 @@ class Rounds:
         run.round, run.submissions, run.non_finite = r, {}, {}
         run.round_opened = time.time()
         run.deadline = run.round_opened + run.cfg.round_timeout
+        run.secure = None
+        if run.cfg.secagg_threshold:
+            weights = agent_weights(run.cfg.weighting, [self.agents[a].num_samples if a in self.agents else 1
+                                                        for a in run.selected])
+            run.secure = SecureRound(
+                SecAggParams(threshold=run.cfg.secagg_threshold, context=f"{run.run_id}/{r}".encode()),
+                list(run.selected), dict(zip(run.selected, weights)),
+                sum(t.numel() for t in run.global_state.values()), run.round_opened, run.cfg.round_timeout,
+                run.deadline)
         self._event(run, "ROUND_OPENED", agents=list(run.selected))
 
     def _close_round(self, run: Run) -> None:
@@ -334,12 +356,30 @@ class Rounds:
         except (AggregationError, ValueError) as e:
             self._fail(run, f"aggregation failed in round {run.round}: {e}")
             return
+        self._commit_round(run, new, order, [s.metrics for s in subs])
+
+    def _close_secure(self, run: Run) -> None:
+        """The round's version from its secure aggregation's sum (every step closed)."""
+        sec = run.secure
+        try:
+            new = average_from_sum(dequantize(sec.total(), sec.params), run.global_state)
+        except SecAggError as e:
+            self._fail(run, f"round {run.round}: secure aggregation failed: {e}")
+            return
+        order = [a for a in run.selected if a in sec.survivors]
+        self._commit_round(run, new, order, [sec.metrics[a][0] for a in order])
+
+    def _commit_round(self, run: Run, new: dict[str, torch.Tensor], order: list[str],
+                      agent_metrics: list[Mapping[str, float]]) -> None:
+        """Write round ``run.round``'s version ``new``, made from the updates of ``order``, journal
+        it and announce it; a version that cannot be written leaves the round open."""
+        cfg = run.cfg
         v = run.version + 1
         enc = self._encode(run, v, new)
         metrics: dict[str, float] = {}
-        for s in subs:
-            for k, x in s.metrics.items():
-                metrics[k] = metrics.get(k, 0.0) + x / len(subs)
+        for m in agent_metrics:
+            for k, x in m.items():
+                metrics[k] = metrics.get(k, 0.0) + x / len(agent_metrics)
         if cfg.dp_clip:  # what the run has spent once this round's version is out
             metrics[PRIVACY_EPSILON] = epsilon(cfg.dp_noise, run.round, cfg.dp_delta)
         seconds = time.time() - run.round_opened
@@ -381,6 +421,60 @@ class Rounds:
         else:
             self._open_round(run, run.round + 1)
 
+    def secure_step(self, agent_id: str, run_id: str, round_: int, step: str, msg: Any,
+                    wait: float) -> dict[str, Any] | None:
+        """One secure aggregation step of ``agent_id`` (``msg``: its message for ``step``): what
+        the step gives it once closed, or None (pending) after at most ``wait`` seconds."""
+        end = time.monotonic() + max(0.0, min(wait, self.max_task_wait))
+        with self.cond:
+            self._agent(agent_id)
+            run = self.run
+            if run is None or run.run_id != run_id:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"secure aggregation for run {run_id!r}, but the active run is "
+                                   f"{run.run_id if run else 'none'!r}", "wrong_run")
+            if agent_id not in run.selected:
+                raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"agent {agent_id!r} is not a participant of run {run.run_id}", "not_selected")
+            if run.state != "running" or run.secure is None:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"run {run.run_id} is {run.state} and "
+                                   f"{'takes no secure aggregation' if run.state == 'running' else 'has no open round'}",
+                                   "closed_round")
+            if round_ != run.round:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"secure aggregation for round {round_}, but round {run.round} is open", "stale_round")
+            sec = run.secure
+            sec.offer(agent_id, step, msg)
+            self._advance_secure(run, time.time())
+            while True:
+                if run.secure is not sec:  # the round closed: every step of it has
+                    return {"done": True} if step == "answer" else None
+                out = sec.reply(agent_id, step)
+                if out is not None:
+                    return out
+                left = end - time.monotonic()
+                if left <= 0 or self._closed or run.state != "running":
+                    return None
+                self.cond.wait(left)
+
+    def _advance_secure(self, run: Run, now: float) -> None:
+        """Close the secure aggregation's open steps that can close; its last closes the round.
+        Below its threshold the run fails, and nothing is stored. Under the lock."""
+        sec = run.secure
+        try:
+            moved = False
+            while sec.advance(now):
+                moved = True
+        except SecAggError as e:
+            self._fail(run, f"round {run.round}: {e}")
+            self.cond.notify_all()
+            return
+        if sec.done:
+            self._close_secure(run)
+            moved = True
+        if moved:
+            self.cond.notify_all()
+
     def _dp_noise(self):
         """The generator of differential privacy's noise, from the OS's secure source, made once."""
         if getattr(self, "_noise", None) is None:
@@ -420,7 +514,9 @@ class Rounds:
                     self.cond.notify_all()
                 elif run.state == "running" and run.non_finite:
                     self._check_non_finite(run, now)
-                if run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
+                if run.state == "running" and run.secure is not None:
+                    self._advance_secure(run, now)  # its steps have their own deadlines
+                elif run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
                     msg = (f"round {run.round} is past its deadline with {len(run.submissions)} of the "
                            f"{run.cfg.quorum} updates it needs; waiting for agents")
                     if run.message != msg:

@@ -9,7 +9,8 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from aggregator_service.coordinator import AgentRecord, Coordinator
+from aggregator_service.coordinator import Coordinator
+from aggregator_service.records import AgentRecord
 from fedrl.data.normalize import ObsStats
 from fedrl.proto.v1 import (
     control_pb2,
@@ -84,7 +85,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
     # Unary calls that may hold a worker while they wait for a task (a long poll; an inline update
     # asking for its next task): counted with the streams, per caller and in all
     # (fedrl.wire.rpc.StreamGuard), so no caller can take every worker with them.
-    LONG_POLLS = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline")
+    LONG_POLLS = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline",
+                  "/fedrl.v1.Federation/SecureAggregation")
     # These answer with bytes: a Task (alone, or as the next_task of a SubmitReply), which is the
     # same for every agent of a round, weights included, is serialised once per round instead of
     # once per agent (fedrl.wire.rpc.create_server sends such replies as they are).
@@ -170,6 +172,37 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         if base is not None:
             self.coord.metrics.bytes_sent.inc(base.manifest.total_bytes)
         return kind, cached[1]
+
+    def SecureAggregation(self, request, context):
+        """One step of a round's secure aggregation (fedrl/federation/secagg.py): the step's
+        message is taken, and the reply waits (at most ``wait_seconds``) for the step to close."""
+        self.auth.check_agent(context, request.agent_id)
+        step = request.WhichOneof("step")
+        if step is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a SecureAggregation message names one step "
+                          "(keys, shares, masked or answer)")
+        try:
+            out = self.coord.secure_step(request.agent_id, request.run_id, int(request.round), step,
+                                         getattr(request, step), request.wait_seconds)
+        except ServiceError as e:
+            _abort(context, e)
+        reply = federation_pb2.SecAggReply()
+        if out is None:
+            reply.pending = True
+        elif step == "keys":
+            for a, k in out["roster"].items():
+                reply.roster.keys[a].share_key, reply.roster.keys[a].mask_key = k.share_key, k.mask_key
+            reply.roster.alpha.update(out["alpha"])
+            reply.roster.threshold = out["threshold"]
+        elif step == "shares":
+            reply.relay.sealed.update(out["sealed"])
+            reply.relay.shared.extend(out["shared"])
+        elif step == "masked":
+            reply.unmask.survivors.extend(out["survivors"])
+            reply.unmask.dropped.extend(out["dropped"])
+        else:
+            reply.done = True
+        return reply
 
     def FetchGlobal(self, request, context):
         try:

@@ -47,9 +47,8 @@ class RunConfig(FederationOptions):
         for k in ("round_timeout", "join_timeout"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"{k}: must be > 0 seconds, got {getattr(self, k)}")
-        if self.secagg_threshold:
-            raise ValueError("secagg_threshold: the services do not run secure aggregation yet; `fedrl simulate "
-                             "--secagg-threshold` does (docs/guides/privacy.md)")
+        if self.secagg_threshold > self.agents:
+            raise ValueError(f"secagg_threshold: {self.secagg_threshold} exceeds agents ({self.agents})")
         hp = self.bc if self.algo == "fed-bc" else self.drpo  # the learner's settings (CQL: DRPO's, lambdas 0)
         if problem := check_step_bytes(hp, 1, 1):  # on the smallest task there is: one observation, one action
             raise ValueError(f"{'drpo' if hasattr(hp, 'cql_n_actions') else 'bc'}: {problem}")

@@ -385,7 +385,8 @@ def agent_vector(state: Mapping, alpha: float, params: SecAggParams, noise_std: 
     import torch
 
     parts = []
-    for k, v in state.items():
+    for k in sorted(state):  # the order both sides use, whatever the dict's
+        v = state[k]
         x = v.detach().to("cpu", torch.float64).reshape(-1)
         if noise_std > 0:
             x = x + noise_std * torch.randn(x.shape, generator=generator, dtype=torch.float64)
@@ -399,6 +400,29 @@ def agent_vector(state: Mapping, alpha: float, params: SecAggParams, noise_std: 
     return quantize(flat, params)
 
 
+def average_from_sum(s: np.ndarray, ref: Mapping) -> dict:
+    """The average a dequantized sum of :func:`agent_vector`s gives: its values over its last
+    (the summed weight), as tensors of ``ref``'s names (in sorted order), shapes and dtypes."""
+    import torch
+
+    weight = s[-1]
+    if not weight > 0:
+        raise SecAggError(f"the summed weight is {weight}: nothing to average")
+    out, pos = {}, 0
+    for k in sorted(ref):
+        v = ref[k]
+        n = v.numel()
+        out[k] = torch.from_numpy(s[pos:pos + n] / weight).view(v.shape).to(v.dtype)
+        pos += n
+    return {k: out[k] for k in ref}
+
+
+def average_bound(s: np.ndarray, n: int, params: SecAggParams) -> float:
+    """How far the average of a sum ``s`` of ``n`` quantized vectors can be from the exact one."""
+    weight = s[-1]
+    return rounding_bound(n, params) * (1 + max(1.0, float(np.abs(s[:-1]).max(initial=0.0)) / weight)) / weight
+
+
 def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0, generator=None,
                   drop: Iterable[int] = ()) -> tuple[dict, dict]:
     """FedAvg of ``states`` with ``weights`` (public: each agent's sample count, or 1) taken by the
@@ -407,7 +431,6 @@ def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0,
     average differs from plain FedAvg's by at most ``bound`` per value (the record's)."""
     import time
 
-    import torch
 
     t0 = time.perf_counter()
     ids = [f"agent-{i:05d}" for i in range(len(states))]
@@ -429,13 +452,7 @@ def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0,
     survivors, dropped = server.unmask_request()
     answers = {a: agents[a].unmask(survivors, dropped) for a in survivors}
     s = dequantize(server.finish(answers), params)
-    weight = s[-1]
-    ref = states[0]
-    out, pos = {}, 0
-    for k, v in ref.items():
-        n = v.numel()
-        out[k] = torch.from_numpy(s[pos:pos + n] / weight).view(v.shape).to(v.dtype)
-        pos += n
-    bound = rounding_bound(len(survivors), params) * (1 + max(1.0, float(np.abs(s[:-1]).max(initial=0.0)) / weight)) / weight
+    out = average_from_sum(s, states[0])
+    bound = average_bound(s, len(survivors), params)
     return out, {"threshold": params.threshold, "agents": len(ids), "survivors": len(survivors),
                  "dropped": len(dropped), "bound": bound, "seconds": time.perf_counter() - t0}

@@ -41,6 +41,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/fedrl.v1.Federation/SubmitUpdate": frozenset({AGENT}),
     "/fedrl.v1.Federation/SubmitUpdateInline": frozenset({AGENT}),
     "/fedrl.v1.Federation/Session": frozenset({AGENT}),
+    "/fedrl.v1.Federation/SecureAggregation": frozenset({AGENT}),
     "/fedrl.v1.Federation/FetchGlobal": frozenset({AGENT, EVALUATOR, ADMIN}),
     "/fedrl.v1.Control/StartRun": frozenset({ADMIN}),
     "/fedrl.v1.Control/StopRun": frozenset({ADMIN}),

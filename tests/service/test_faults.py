@@ -89,7 +89,7 @@ def test_an_unwritable_state_directory_keeps_the_round_open_until_it_heals(open_
 def _agent(agent_id, index):
     import numpy as np
 
-    from aggregator_service.coordinator import AgentRecord
+    from aggregator_service.records import AgentRecord
     from fedrl.data.normalize import ObsStats
 
     return AgentRecord(agent_id, index, 100, 11, 3, "Hopper-v5", ObsStats(100, np.ones(11), 2 * np.ones(11)))
@@ -277,7 +277,7 @@ def test_a_close_is_on_the_disk_before_its_version_is_written(tmp_path, monkeypa
 
 
 def test_the_journal_replays_the_history_that_the_stored_versions_hold():
-    from aggregator_service.coordinator import replay_journal
+    from aggregator_service.records import replay_journal
 
     def ev(kind, version, tag=""):
         return {"kind": kind, "version": version, "tag": tag}

@@ -66,7 +66,10 @@ def messages(desc, depth: int = 0):
         if f.type == F.TYPE_MESSAGE:
             if f.message_type.GetOptions().map_entry:
                 k, v = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
-                parts[f.name] = st.dictionaries(_scalar(k), _scalar(v), max_size=4)
+                if v.type != F.TYPE_MESSAGE:
+                    parts[f.name] = st.dictionaries(_scalar(k), _scalar(v), max_size=4)
+                elif depth < 3:  # a map of messages (SecAggRoster.keys)
+                    parts[f.name] = st.dictionaries(_scalar(k), messages(v.message_type, depth + 1), max_size=4)
             elif depth < 3:
                 sub = messages(f.message_type, depth + 1)
                 parts[f.name] = st.lists(sub, max_size=3) if f.is_repeated else sub
@@ -79,7 +82,11 @@ def messages(desc, depth: int = 0):
             field = getattr(m, name)
             fd = desc.fields_by_name[name]
             if fd.type == F.TYPE_MESSAGE and fd.message_type.GetOptions().map_entry:
-                field.update(v)
+                if fd.message_type.fields_by_name["value"].type == F.TYPE_MESSAGE:
+                    for key, value in v.items():
+                        field[key].CopyFrom(value)
+                else:
+                    field.update(v)
             elif fd.is_repeated:
                 (field.extend(v) if fd.type != F.TYPE_MESSAGE else [field.add().CopyFrom(x) for x in v])
             elif fd.type == F.TYPE_MESSAGE:

@@ -9,6 +9,146 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SecAggMessage(_message.Message):
+    __slots__ = ("agent_id", "run_id", "round", "wait_seconds", "keys", "shares", "masked", "answer")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    run_id: str
+    round: int
+    wait_seconds: float
+    keys: SecAggKeys
+    shares: SecAggShares
+    masked: SecAggMasked
+    answer: SecAggAnswer
+    def __init__(self, agent_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., keys: _Optional[_Union[SecAggKeys, _Mapping]] = ..., shares: _Optional[_Union[SecAggShares, _Mapping]] = ..., masked: _Optional[_Union[SecAggMasked, _Mapping]] = ..., answer: _Optional[_Union[SecAggAnswer, _Mapping]] = ...) -> None: ...
+
+class SecAggKeys(_message.Message):
+    __slots__ = ("share_key", "mask_key")
+    SHARE_KEY_FIELD_NUMBER: _ClassVar[int]
+    MASK_KEY_FIELD_NUMBER: _ClassVar[int]
+    share_key: bytes
+    mask_key: bytes
+    def __init__(self, share_key: _Optional[bytes] = ..., mask_key: _Optional[bytes] = ...) -> None: ...
+
+class SecAggShares(_message.Message):
+    __slots__ = ("sealed",)
+    class SealedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    sealed: _containers.ScalarMap[str, bytes]
+    def __init__(self, sealed: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class SecAggMasked(_message.Message):
+    __slots__ = ("vector", "metrics", "train_seconds")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    vector: bytes
+    metrics: _containers.ScalarMap[str, float]
+    train_seconds: float
+    def __init__(self, vector: _Optional[bytes] = ..., metrics: _Optional[_Mapping[str, float]] = ..., train_seconds: _Optional[float] = ...) -> None: ...
+
+class SecAggShare(_message.Message):
+    __slots__ = ("point", "share")
+    POINT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    point: int
+    share: bytes
+    def __init__(self, point: _Optional[int] = ..., share: _Optional[bytes] = ...) -> None: ...
+
+class SecAggAnswer(_message.Message):
+    __slots__ = ("shares",)
+    class SharesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SecAggShare
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SecAggShare, _Mapping]] = ...) -> None: ...
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    shares: _containers.MessageMap[str, SecAggShare]
+    def __init__(self, shares: _Optional[_Mapping[str, SecAggShare]] = ...) -> None: ...
+
+class SecAggRoster(_message.Message):
+    __slots__ = ("keys", "alpha", "threshold")
+    class KeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SecAggKeys
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SecAggKeys, _Mapping]] = ...) -> None: ...
+    class AlphaEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.MessageMap[str, SecAggKeys]
+    alpha: _containers.ScalarMap[str, float]
+    threshold: int
+    def __init__(self, keys: _Optional[_Mapping[str, SecAggKeys]] = ..., alpha: _Optional[_Mapping[str, float]] = ..., threshold: _Optional[int] = ...) -> None: ...
+
+class SecAggRelay(_message.Message):
+    __slots__ = ("sealed", "shared")
+    class SealedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    sealed: _containers.ScalarMap[str, bytes]
+    shared: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sealed: _Optional[_Mapping[str, bytes]] = ..., shared: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SecAggUnmask(_message.Message):
+    __slots__ = ("survivors", "dropped")
+    SURVIVORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    survivors: _containers.RepeatedScalarFieldContainer[str]
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, survivors: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SecAggReply(_message.Message):
+    __slots__ = ("pending", "roster", "relay", "unmask", "done")
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    UNMASK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    pending: bool
+    roster: SecAggRoster
+    relay: SecAggRelay
+    unmask: SecAggUnmask
+    done: bool
+    def __init__(self, pending: _Optional[bool] = ..., roster: _Optional[_Union[SecAggRoster, _Mapping]] = ..., relay: _Optional[_Union[SecAggRelay, _Mapping]] = ..., unmask: _Optional[_Union[SecAggUnmask, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+
 class SessionMessage(_message.Message):
     __slots__ = ("hello", "update", "done", "progress")
     HELLO_FIELD_NUMBER: _ClassVar[int]

@@ -66,6 +66,11 @@ class FederationStub:
                 request_serializer=fedrl_dot_v1_dot_federation__pb2.SessionMessage.SerializeToString,
                 response_deserializer=fedrl_dot_v1_dot_federation__pb2.Task.FromString,
                 _registered_method=True)
+        self.SecureAggregation = channel.unary_unary(
+                '/fedrl.v1.Federation/SecureAggregation',
+                request_serializer=fedrl_dot_v1_dot_federation__pb2.SecAggMessage.SerializeToString,
+                response_deserializer=fedrl_dot_v1_dot_federation__pb2.SecAggReply.FromString,
+                _registered_method=True)
 
 
 class FederationServicer:
@@ -123,6 +128,19 @@ class FederationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecureAggregation(self, request, context):
+        """Secure aggregation (an addition: runs without secagg_threshold never call it): after
+        a TRAIN task, instead of its update, the agent takes four steps in order, each a call that
+        names the run and round: `keys`, `shares`, `masked`, `answer`. Each reply comes once every
+        agent expected at that step has sent it, or at the step's deadline with at least the
+        threshold; until then (at most wait_seconds) the reply is `pending` and the agent sends the
+        same message again. The aggregator sees only public keys, shares sealed to other agents,
+        masked vectors and the shares that unmask their sum (fedrl/federation/secagg.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +173,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=fedrl_dot_v1_dot_federation__pb2.SessionMessage.FromString,
                     response_serializer=fedrl_dot_v1_dot_federation__pb2.Task.SerializeToString,
+            ),
+            'SecureAggregation': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecureAggregation,
+                    request_deserializer=fedrl_dot_v1_dot_federation__pb2.SecAggMessage.FromString,
+                    response_serializer=fedrl_dot_v1_dot_federation__pb2.SecAggReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +342,33 @@ class Federation:
             '/fedrl.v1.Federation/Session',
             fedrl_dot_v1_dot_federation__pb2.SessionMessage.SerializeToString,
             fedrl_dot_v1_dot_federation__pb2.Task.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecureAggregation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedrl.v1.Federation/SecureAggregation',
+            fedrl_dot_v1_dot_federation__pb2.SecAggMessage.SerializeToString,
+            fedrl_dot_v1_dot_federation__pb2.SecAggReply.FromString,
             options,
             channel_credentials,
             insecure,

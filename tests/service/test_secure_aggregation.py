@@ -1,0 +1,125 @@
+"""Secure aggregation through the services (issue 64): a real aggregator on loopback and the
+agent service's own code, each round's update sent masked (SecureAggregation), never in the
+clear. The stored versions are the simulation's under the same protocol bit for bit; an agent
+that stops after masking is recovered; one gone before masking is left out; below the threshold
+the run fails, saying so, and no version is stored."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from fedrl.federation.round import RoundInterrupted
+from fedrl.federation.simulate import SimConfig
+from fedrl.federation.simulate import run as simulate
+from fedrl.proto.v1 import control_pb2
+from fedrl.wire.serde import status_from_proto
+from tests.service.test_federation import SMALL, SMALL_BC, one_thread, run_config, status, wait_for  # noqa: F401
+
+
+def _start(aggregator, agent_threads, data, n, **cfg):
+    agents = agent_threads.start(aggregator.target, str(data), n, 2, seed=7, session=True)
+    wait_for(lambda: len(status(aggregator)["agents"]) == n, what="agents to join")
+    st = status_from_proto(aggregator.control.StartRun(
+        control_pb2.StartRunRequest(config_json=run_config(agents=n, **cfg)), timeout=10))
+    assert st["state"] == "running", st
+    return agents, st["run_id"]
+
+
+def _stop_at(agent, step: str):
+    """``agent`` stops (as if killed) when it is about to send ``step``."""
+    call = agent._secagg_call
+
+    def stopping(stub, task, **kw):
+        if step in kw:
+            agent.stop()
+            raise RoundInterrupted(f"stopped before {step}")
+        return call(stub, task, **kw)
+
+    agent._secagg_call = stopping
+
+
+def _sim(tmp_path, data, n, rounds, t):
+    states = {}
+    simulate(SimConfig(algo="drpo", datasets=(str(data),), agents=n, trajectories=2, rounds=rounds, local_steps=3,
+                       eval_episodes=0, seed=7, device="cpu", drpo=SMALL, bc=SMALL_BC, secagg_threshold=t),
+             tmp_path / "sim", log=lambda m: None, on_round=lambda r, s: states.__setitem__(r, s))
+    return states
+
+
+def test_a_secure_run_equals_the_simulation_under_the_same_protocol(aggregator, agent_threads, stand_dataset,
+                                                                     tmp_path, one_thread):
+    """The ring sum does not depend on the masks: the service's versions are the simulation's
+    bits. No update travelled in the clear (no SubmitUpdate of either kind was taken)."""
+    sim = _sim(tmp_path, stand_dataset, 3, 2, 2)
+    _, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=2, secagg_threshold=2)
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]
+    for v in (1, 2):
+        stored = aggregator.store.load_version(run_id, v)
+        for k in stored:
+            assert torch.equal(stored[k], sim[v][k]), f"version {v}: {k} differs"
+    taken = sum(aggregator.metrics.registry.get_sample_value("grpc_server_handled_total", {
+        "grpc_type": kind, "grpc_service": "fedrl.v1.Federation", "grpc_method": m, "grpc_code": "OK"}) or 0
+        for m, kind in (("SubmitUpdate", "client_stream"), ("SubmitUpdateInline", "unary")))
+    assert taken == 0
+    assert aggregator.metrics.registry.get_sample_value("grpc_server_handled_total", {
+        "grpc_type": "unary", "grpc_service": "fedrl.v1.Federation", "grpc_method": "SecureAggregation",
+        "grpc_code": "OK"}) >= 3 * 2 * 4
+
+
+def test_an_agent_that_stops_after_masking_is_recovered(aggregator, agent_threads, stand_dataset, tmp_path,
+                                                       one_thread):
+    """agent-2 sends its masked update and stops before answering: the others' answers (2, the
+    threshold) rebuild its self mask, and its update is in the round's average, as in the
+    simulation where nobody stops."""
+    sim = _sim(tmp_path, stand_dataset, 3, 1, 2)
+    agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2,
+                            round_timeout=4.0)
+    _stop_at(agents[2], "answer")
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]
+    stored = aggregator.store.load_version(run_id, 1)
+    for k in stored:
+        assert torch.equal(stored[k], sim[1][k]), k
+
+
+def test_an_agent_gone_before_masking_is_left_out(aggregator, agent_threads, stand_dataset, one_thread):
+    agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2,
+                            round_timeout=4.0)
+    _stop_at(agents[2], "masked")
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]
+    closed = [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert [e["agents"] for e in closed] == [["agent-0", "agent-1"]]
+    v1 = aggregator.store.load_version(run_id, 1)
+    assert all(torch.isfinite(t).all() for t in v1.values())
+
+
+def test_below_the_threshold_the_run_fails_and_nothing_is_stored(aggregator, agent_threads, stand_dataset,
+                                                                  one_thread):
+    agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=3,
+                            round_timeout=4.0)
+    _stop_at(agents[2], "masked")
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "failed"
+    assert "the masked step closed with 2 of the 3 agents it waited for, fewer than the threshold 3" in done["message"]
+    assert aggregator.store.versions(run_id) == [0]
+
+
+def test_an_update_in_the_clear_is_refused_in_a_secure_run(aggregator, stand_dataset):
+    from fedrl.proto.v1 import federation_pb2
+    from fedrl.wire.codec import assemble
+    from fedrl.wire.serde import read_weight_parts
+    from tests.service.test_federation import assert_refused, join, submit
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    st = status_from_proto(aggregator.control.StartRun(
+        control_pb2.StartRunRequest(config_json=run_config(secagg_threshold=2)), timeout=5))
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+    for inline in (False, True):
+        assert_refused(lambda: submit(aggregator, "a0", g, st["run_id"], inline=inline),
+                       grpc.StatusCode.FAILED_PRECONDITION, "never in the clear")
+    assert status(aggregator)["round"] == 1
