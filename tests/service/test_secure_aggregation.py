@@ -48,9 +48,24 @@ def _sim(tmp_path, data, n, rounds, t):
 
 
 def test_a_secure_run_equals_the_simulation_under_the_same_protocol(aggregator, agent_threads, stand_dataset,
-                                                                     tmp_path, one_thread):
+                                                                     tmp_path, one_thread, monkeypatch):
     """The ring sum does not depend on the masks: the service's versions are the simulation's
-    bits. No update travelled in the clear (no SubmitUpdate of either kind was taken)."""
+    bits. No update travelled in the clear (no SubmitUpdate of either kind was taken), and what
+    the aggregator received of an agent looks uniform (a chi-square test of its bytes) and is
+    uncorrelated with the model it carries."""
+    import numpy as np
+
+    from aggregator_service.secure_round import SecureRound
+    from fedrl.federation.secagg import SecAggParams, quantize
+
+    seen = {}
+    take = SecureRound._take_masked
+
+    def recording(self, agent_id, msg):
+        seen.setdefault((agent_id, self.params.context), bytes(msg.vector))
+        return take(self, agent_id, msg)
+
+    monkeypatch.setattr(SecureRound, "_take_masked", recording)
     sim = _sim(tmp_path, stand_dataset, 3, 2, 2)
     _, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=2, secagg_threshold=2)
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
@@ -66,6 +81,16 @@ def test_a_secure_run_equals_the_simulation_under_the_same_protocol(aggregator, 
     assert aggregator.metrics.registry.get_sample_value("grpc_server_handled_total", {
         "grpc_type": "unary", "grpc_service": "fedrl.v1.Federation", "grpc_method": "SecureAggregation",
         "grpc_code": "OK"}) >= 3 * 2 * 4
+    assert len(seen) == 3 * 2
+    y = np.frombuffer(seen[("agent-0", f"{run_id}/1".encode())], dtype="<u8")
+    counts = np.bincount(y.view(np.uint8), minlength=256)
+    expected = y.nbytes / 256
+    assert float(((counts - expected) ** 2 / expected).sum()) < 330  # 255 dof: P(> 330) < 0.1 %
+    v1 = aggregator.store.load_version(run_id, 1)
+    x = quantize(np.concatenate([v1[k].double().reshape(-1).numpy() for k in sorted(v1)] + [np.ones(1)]) / 3,
+                 SecAggParams(threshold=2, context=b""))  # about what agent-0 masked: a third of the average
+    corr = np.corrcoef((y >> np.uint64(11)).astype(float), (x >> np.uint64(11)).astype(float))[0, 1]
+    assert abs(corr) < 0.05, corr
 
 
 def test_an_agent_that_stops_after_masking_is_recovered(aggregator, agent_threads, stand_dataset, tmp_path,

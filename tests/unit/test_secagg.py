@@ -192,3 +192,23 @@ def test_the_roster_must_hold_the_agents_own_keys_and_enough_agents():
         me.share_keys({"a0": other.advertise(), "a1": other.advertise(), "a2": AgentSession("a2", p).advertise()})
     with pytest.raises(SecAggError, match="fewer than the threshold"):
         me.share_keys({"a0": me.advertise(), "a1": other.advertise()})
+
+
+def test_an_agents_share_of_the_noise_has_the_stated_std_and_the_sum_at_least_the_central():
+    """Distributed DP: each agent adds N(0, s^2) to its own model before masking (s = sigma C /
+    sqrt(t) in the services and simulate). Measured on the unmasked sum of t agents' zero
+    models: std sqrt(t) * s = sigma C, the central mechanism's, within a chi-square interval."""
+    import torch
+
+    p = params(t=4, frac_bits=32, clip=100.0)
+    sigma_c, size = 0.8, 40_000
+    s = sigma_c / np.sqrt(p.threshold)
+    gen = torch.Generator().manual_seed(3)
+    zero = {"policy.w": torch.zeros(size)}
+    xs = {f"agent-{i}": sa.agent_vector(zero, 1.0, p, s, gen) for i in range(p.threshold)}
+    total, _ = run_round(xs, p)
+    noise = sa.dequantize(total, p)[:-1]
+    var = float(np.var(noise))
+    # var * n / sigma^2 ~ chi-square(n): within +-5 sd of its mean n (sd sqrt(2n))
+    assert abs(var / sigma_c ** 2 - 1) < 5 * np.sqrt(2 / size), var
+    assert abs(float(np.mean(noise))) < 5 * sigma_c / np.sqrt(size)
