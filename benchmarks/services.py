@@ -8,6 +8,9 @@
                                             (the overhead run alone: for before/after pairs)
     python -m benchmarks.services inprocess [--agents 10] [--rounds 500]
                                             (the round's own work, no gRPC: see bench_inprocess)
+    python -m benchmarks.services secagg    [--agents 10] [--rounds 30]
+                                            (a round with secure aggregation beside one without,
+                                            writes benchmarks/results/secagg-services.json)
 
 - overhead: the real aggregator process and N real agent processes, Hopper-size policy,
   zero local steps; wall time per round (from the aggregator's round events), with the agents'
@@ -200,6 +203,29 @@ def bench_overhead(agents: int, rounds: int) -> dict:
            "rounds": rounds, "cores": os.cpu_count(),
            "note": "cpu_seconds_whole_run include process start-up (imports, data loading) and joining; "
                    "cpu_ms_per_round_steady is measured after the first rounds"}
+    print(json.dumps(out))
+    return out
+
+
+def bench_secagg(agents: int, rounds: int) -> dict:
+    """A round of the real processes (Hopper-size policy, zero local steps, Session streams) with
+    secure aggregation at threshold ceil(2n/3), between two runs without: what the protocol adds
+    to a round, as a ratio measured in one run."""
+    t = -(-2 * agents // 3)
+    with tempfile.TemporaryDirectory() as d:
+        runs = [federation_rounds(agents, rounds, cfg, Path(d) / name)
+                for name, cfg in (("plain-1", {"algo": "drpo"}), ("secure", {"algo": "drpo", "secagg_threshold": t}),
+                                  ("plain-2", {"algo": "drpo"}))]
+    plain = float(np.median(np.concatenate([_steady_ms(runs[0]), _steady_ms(runs[2])])))
+    secure = float(np.median(_steady_ms(runs[1])))
+    out = {"command": f"python -m benchmarks.services secagg --agents {agents} --rounds {rounds}",
+           "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "agents": agents, "threshold": t,
+           "policy": "Hopper-v5, 2x256 (~280 KB)", "rounds_measured": len(_steady_ms(runs[1])),
+           "plain_round_ms_median": plain, "secure_round_ms_median": secure, "ratio": secure / plain,
+           "secure_cpu_ms_per_round_steady": runs[1]["cpu_ms_per_round_steady"],
+           "plain_cpu_ms_per_round_steady": runs[0]["cpu_ms_per_round_steady"],
+           "what": "round wall time (opening to close, from the aggregator's events) after the warm-up rounds; "
+                   "plain: the runs before and after the secure one together"}
     print(json.dumps(out))
     return out
 
@@ -579,7 +605,7 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.services")
-    p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all", "federation", "inprocess"))
+    p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all", "federation", "inprocess", "secagg"))
     p.add_argument("--transport", choices=("session", "calls"), default="session", help="federation only")
     p.add_argument("--agents", type=int, default=10)
     p.add_argument("--rounds", type=int, default=None,
@@ -605,6 +631,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.what == "inprocess":
         print(json.dumps(bench_inprocess(a.agents, overhead_rounds)))
+        return 0
+    if a.what == "secagg":
+        out = bench_secagg(a.agents, a.rounds or 30)
+        (RESULTS / "secagg-services.json").write_text(json.dumps(out, indent=1) + "\n")
         return 0
     res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                              "python": platform.python_version()},
