@@ -423,19 +423,9 @@ def average_bound(s: np.ndarray, n: int, params: SecAggParams) -> float:
     return rounding_bound(n, params) * (1 + max(1.0, float(np.abs(s[:-1]).max(initial=0.0)) / weight)) / weight
 
 
-def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0, generator=None,
-                  drop: Iterable[int] = ()) -> tuple[dict, dict]:
-    """FedAvg of ``states`` with ``weights`` (public: each agent's sample count, or 1) taken by the
-    protocol, every agent and the aggregator here: (the average, a record of the round). Agents
-    of index in ``drop`` leave after sharing their keys (their masks are then removed). The
-    average differs from plain FedAvg's by at most ``bound`` per value (the record's)."""
-    import time
-
-
-    t0 = time.perf_counter()
-    ids = [f"agent-{i:05d}" for i in range(len(states))]
-    total = float(sum(weights))
-    alphas = [w / total for w in weights]
+def share_in_process(ids: Iterable[str], params: SecAggParams) -> tuple[dict[str, AgentSession], ServerSession]:
+    """Steps 1 and 2 for agents ``ids``, all in this process: keys advertised, shares relayed and
+    opened. Returns the agents' sessions and the aggregator's."""
     agents = {a: AgentSession(a, params) for a in ids}
     server = ServerSession(params)
     for a, s in agents.items():
@@ -444,6 +434,22 @@ def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0,
         server.add_shares(a, s.share_keys(server.roster))
     for a, s in agents.items():
         s.receive_shares(server.shares_for(a))
+    return agents, server
+
+
+def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0, generator=None,
+                  drop: Iterable[int] = ()) -> tuple[dict, dict]:
+    """FedAvg of ``states`` with ``weights`` (public: each agent's sample count, or 1) taken by the
+    protocol, every agent and the aggregator here: (the average, a record of the round). Agents
+    of index in ``drop`` leave after sharing their keys (their masks are then removed). The
+    average differs from plain FedAvg's by at most ``bound`` per value (the record's)."""
+    import time
+
+    t0 = time.perf_counter()
+    ids = [f"agent-{i:05d}" for i in range(len(states))]
+    total = float(sum(weights))
+    alphas = [w / total for w in weights]
+    agents, server = share_in_process(ids, params)
     gone = {ids[i] for i in drop}
     for i, a in enumerate(ids):
         if a not in gone:

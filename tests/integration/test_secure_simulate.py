@@ -81,10 +81,11 @@ def test_settings_secure_aggregation_cannot_run_are_refused_by_name(random_datas
         tiny(random_dataset, **{"secagg_threshold": 2, **kw})
 
 
-def test_a_threshold_above_the_agents_and_the_services_are_refused(tmp_path, random_dataset):
+def test_a_threshold_above_the_agents_is_refused_in_simulate_and_the_services(tmp_path, random_dataset):
     with pytest.raises(ValueError, match="more than the run's 2 agents"):
         run(tiny(random_dataset, secagg_threshold=3), tmp_path / "r", log=lambda m: None)
     from fedrl.federation.runconfig import ConfigError, parse_run_config
 
-    with pytest.raises(ConfigError, match="the services do not run secure aggregation yet"):
-        parse_run_config(json.dumps({"algo": "drpo", "agents": 3, "secagg_threshold": 2}))
+    with pytest.raises(ConfigError, match=r"secagg_threshold: 4 exceeds agents \(3\)"):
+        parse_run_config(json.dumps({"algo": "drpo", "agents": 3, "secagg_threshold": 4}))
+    assert parse_run_config(json.dumps({"algo": "drpo", "agents": 3, "secagg_threshold": 3})).secagg_threshold == 3

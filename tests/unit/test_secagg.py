@@ -18,15 +18,7 @@ def params(t=3, **kw):
 
 def setup_round(ids, p):
     """Keys advertised and shares relayed for every agent of ``ids``: (agents, server)."""
-    agents = {a: AgentSession(a, p) for a in ids}
-    server = ServerSession(p)
-    for a, s in agents.items():
-        server.add_keys(a, s.advertise())
-    for a, s in agents.items():
-        server.add_shares(a, s.share_keys(server.roster))
-    for a, s in agents.items():
-        s.receive_shares(server.shares_for(a))
-    return agents, server
+    return sa.share_in_process(ids, p)
 
 
 def run_round(xs, p, drop_before_mask=(), silent_at_unmask=()):
