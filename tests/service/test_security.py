@@ -264,6 +264,10 @@ def test_no_other_certificate_passes_for_the_aggregator_even_by_the_dialled_host
         cert = x509.load_pem_x509_certificate((ca / path).read_bytes())
         names = [str(n.value) for n in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value]
         assert "aggregator.example" not in names and "127.0.0.1" not in names, (path, names)
+        # a metrics certificate names its role: a scraper checking the aggregator's metrics name
+        # takes neither the evaluator's nor an agent's (every one used to say fedrl-metrics)
+        own = {"evaluator/tls.crt": "fedrl-metrics-evaluator", "agent-1/metrics.crt": "fedrl-metrics-agent"}[path]
+        assert [n for n in names if n.startswith("fedrl-metrics")] == [own], (path, names)
     monkeypatch.setenv("FEDRL_TLS_SERVER_NAME", "-")
     srv, target, seen = _fake_aggregator((ca / f"{stolen}.crt").read_bytes(), (ca / f"{stolen}.key").read_bytes(),
                                          (ca / "ca.crt").read_bytes())
