@@ -335,8 +335,7 @@ class Rounds:
             run.secure = SecureRound(
                 SecAggParams(threshold=run.cfg.secagg_threshold, context=f"{run.run_id}/{r}".encode()),
                 list(run.selected), dict(zip(run.selected, weights)),
-                sum(t.numel() for t in run.global_state.values()), run.round_opened, run.cfg.round_timeout,
-                run.deadline)
+                sum(t.numel() for t in run.global_state.values()), run.cfg.round_timeout, run.deadline)
         self._event(run, "ROUND_OPENED", agents=list(run.selected))
 
     def _close_round(self, run: Run) -> None:

@@ -27,14 +27,13 @@ class SecureRound:
     their public weights (1 each, or their sample counts); ``size``: the values of the model."""
 
     def __init__(self, params: SecAggParams, selected: list[str], weights: Mapping[str, float], size: int,
-                 opened: float, timeout: float, first_deadline: float) -> None:
+                 timeout: float, first_deadline: float) -> None:
         self.params, self.size, self.timeout = params, size, timeout
         self.server = ServerSession(params)
         self.weights = dict(weights)
         self.step = 0  # the step open now (4: all done)
         self.expected: set[str] = set(selected)  # who the open step waits for
         self.deadline = first_deadline  # the keys step waits for training: the round's deadline
-        self.opened = opened
         self.alpha: dict[str, float] = {}
         self.metrics: dict[str, tuple[dict[str, float], float]] = {}
         self.answers: dict[str, dict[str, tuple[int, bytes]]] = {}
@@ -116,7 +115,7 @@ class SecureRound:
             have = set(self.survivors)
         self.step += 1
         self.expected = set(have) if step != "answer" else set()
-        self.opened, self.deadline = now, now + self.timeout
+        self.deadline = now + self.timeout
         return True
 
     @property

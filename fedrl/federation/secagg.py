@@ -169,10 +169,6 @@ def _aad(params: SecAggParams, sender: str, receiver: str) -> bytes:
     return b"\0".join((params.context, sender.encode(), receiver.encode()))
 
 
-def _ordered(ids: Iterable[str]) -> list[str]:
-    return sorted(ids)
-
-
 # ---------------------------------------------------------------------------------------------
 # the agent's side
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +214,7 @@ class AgentSession:
         if len({k.share_key for k in roster.values()} | {k.mask_key for k in roster.values()}) != 2 * len(roster):
             raise SecAggError("two agents of the roster advertise the same key")
         self.params.check_capacity(len(roster))
-        ids = _ordered(roster)
+        ids = sorted(roster)
         self._roster = dict(roster)
         self._index = {a: i + 1 for i, a in enumerate(ids)}  # Shamir's points 1..n
         t, n = self.params.threshold, len(ids)
@@ -258,7 +254,7 @@ class AgentSession:
         self._masked_for = u2
         x = np.asarray(x, dtype=np.uint64)
         y = x + prg(_hkdf(self._self_seed, _SELF_INFO, self.params.context), x.size)
-        for peer in _ordered(u2 - {self.id}):
+        for peer in sorted(u2 - {self.id}):
             m = pairwise_mask(self._mask_sk, self._roster[peer].mask_key, self.id, peer, self.params, x.size)
             y = y + m
         return y
@@ -330,7 +326,7 @@ class ServerSession:
     @property
     def shared(self) -> list[str]:
         """U2: the agents whose shares came."""
-        return _ordered(self.sealed)
+        return sorted(self.sealed)
 
     def add_masked(self, agent_id: str, y: np.ndarray) -> None:
         if agent_id not in self.sealed:
@@ -341,7 +337,7 @@ class ServerSession:
 
     def unmask_request(self) -> tuple[list[str], list[str]]:
         """(survivors U3, dropped U2 - U3), once every masked input that will come has come."""
-        u3 = _ordered(self.masked)
+        u3 = sorted(self.masked)
         if len(u3) < self.params.threshold:
             raise SecAggError(f"{len(u3)} masked inputs came, fewer than the threshold {self.params.threshold}: "
                               "the round cannot be unmasked")
