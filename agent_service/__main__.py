@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-seconds", type=argtypes.positive_seconds, default=10.0,
                    help="on a Session, report local-step progress while training at most this far apart "
                         "(keeps the stream inside the aggregator's --stream-idle-seconds)")
+    p.add_argument("--private-moments", action="store_true",
+                   help="send no observation moments at Join: a run with secagg_threshold sums them under "
+                        "secure aggregation (round 0); a plain run with obs_norm=pooled fails, saying so")
     add_log_args(p)
     add_tls_arg(p)
     p.epilog = ("Its bearer token, when the aggregator requires tokens: $FEDRL_AGENT_TOKEN, or its own "
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedrl-agent: error: {e}", file=sys.stderr)
         return 2
     agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device, tls=tls, token=token,
-                              session=a.transport == "session", progress_seconds=a.progress_seconds),
+                              session=a.transport == "session", progress_seconds=a.progress_seconds,
+                              share_moments=not a.private_moments),
                   shard, metrics)
     health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc], tls=tls)
     def on_signal(signum, _frame) -> None:

@@ -73,6 +73,9 @@ class AgentConfig:
     session: bool = True
     progress_seconds: float = 10.0  # a Session agent's progress messages while it trains, at most this far apart
     probe_seconds: float = 1.0  # while training, ask this often whether the task still stands (0: never)
+    # send the shard's observation moments at Join (pooled normalisation); False keeps them: a
+    # secure run then sums them under secure aggregation (a MOMENTS task), a plain one fails saying so
+    share_moments: bool = True
 
 
 class _TaskProbe:
@@ -230,9 +233,10 @@ class Agent:
         req = federation_pb2.JoinRequest(
             agent_id=self.cfg.agent_id, agent_index=self.cfg.index, num_samples=len(tr),
             obs_dim=tr.obs.shape[1], act_dim=tr.actions.shape[1], env_id=self.cfg.env_id,
-            obs_moments=federation_pb2.ObsMoments(count=self.stats.count, sum=self.stats.total.tolist(),
-                                                  sum_sq=self.stats.total_sq.tolist()),
             device=str(self.cfg.device))
+        if self.cfg.share_moments:
+            req.obs_moments.CopyFrom(federation_pb2.ObsMoments(
+                count=self.stats.count, sum=self.stats.total.tolist(), sum_sq=self.stats.total_sq.tolist()))
         reply = stub.Join(req, timeout=self.cfg.connect_timeout, wait_for_ready=True)
         log.info("joined as %s (run %s)", self.cfg.agent_id, reply.run_id or "none yet")
         sent, self._unacked = self._unacked, None
@@ -272,7 +276,9 @@ class Agent:
                                                                 wait_seconds=self.cfg.task_wait),
                                      timeout=self.cfg.task_wait + 30)
             current, task = task, None
-            if current.kind == federation_pb2.Task.TRAIN:
+            if current.kind == federation_pb2.Task.MOMENTS:
+                self._moments(stub, current)
+            elif current.kind == federation_pb2.Task.TRAIN:
                 update = self._train(stub, current)
                 if update is not None:
                     self._unacked = current
@@ -321,6 +327,10 @@ class Agent:
                     else:
                         answers.put(session_update(*update))
                         sent = self._unacked = task
+                elif task.kind == federation_pb2.Task.MOMENTS:
+                    self._moments(stub, task)
+                    answers.put(federation_pb2.SessionMessage(
+                        done=federation_pb2.TaskDone(round=task.round)).SerializeToString())
                 else:
                     self._other(task)
                 self._awaited_since = time.monotonic()
@@ -371,17 +381,46 @@ class Agent:
         return self.trainer
 
     def _secure_aggregation(self, stub, task, res) -> None:
-        """Round ``task``'s update by secure aggregation (fedrl/federation/secagg.py): keys, the
-        seeds' shares sealed to the others, the masked update, the shares that unmask the sum.
+        """Round ``task``'s update by secure aggregation (fedrl/federation/secagg.py).
         With differential privacy the agent adds its share of the noise first: N(0, (sigma * C)^2
         / t), so that any t or more agents' sum carries at least the central noise."""
         import math
 
         from fedrl.federation.privacy import noise_generator
-        from fedrl.federation.secagg import AgentSession, PublicKeys, SecAggParams, agent_vector
+        from fedrl.federation.secagg import SecAggParams, agent_vector
 
         rc = self.run_config
         params = SecAggParams(threshold=rc.secagg_threshold, context=f"{task.run_id}/{task.round}".encode())
+        std = rc.dp_noise * rc.dp_clip / math.sqrt(rc.secagg_threshold) if rc.dp_noise else 0.0
+        self._secure_steps(stub, task, params,
+                           lambda alpha: agent_vector(res.state, alpha, params, std, noise_generator() if std else None),
+                           federation_pb2.SecAggMasked(metrics=res.metrics, train_seconds=res.seconds))
+        self._submitted(task)
+
+    def _moments(self, stub, task) -> None:
+        """A MOMENTS task (round 0 of a secure run): this shard's observation moments, weighted by
+        its share of the samples, by secure aggregation; the aggregator sees only their sum. A
+        refusal of this agent's own (moments past the fixed point's range) is logged, and the
+        agent takes no part."""
+        from fedrl.federation.secagg import moments_params, moments_vector
+
+        rc = parse_run_config(task.run_config_json)
+        params = moments_params(rc.secagg_threshold, f"{task.run_id}/0".encode())
+        st = self.stats
+        try:
+            self._secure_steps(stub, task, params,
+                               lambda alpha: moments_vector(st.count, st.total, st.total_sq, alpha, params),
+                               federation_pb2.SecAggMasked())
+        except SecAggError as e:
+            log.error("the observation moments: no part in the secure aggregation: %s", e)
+            return
+        log.info("observation moments sent by secure aggregation (run %s)", task.run_id)
+
+    def _secure_steps(self, stub, task, params, vector, masked) -> None:
+        """The protocol's four steps for ``task``: keys, the seeds' shares sealed to the others,
+        the masked ``vector(alpha)`` (sent in ``masked``), the shares that unmask the sum."""
+        from fedrl.federation.secagg import AgentSession, PublicKeys
+
         me = AgentSession(self.cfg.agent_id, params)
         pk = me.advertise()
         reply = self._secagg_call(stub, task, keys=federation_pb2.SecAggKeys(share_key=pk.share_key,
@@ -390,15 +429,12 @@ class Agent:
         alpha = reply.roster.alpha[self.cfg.agent_id]
         reply = self._secagg_call(stub, task, shares=federation_pb2.SecAggShares(sealed=me.share_keys(roster)))
         me.receive_shares({a: bytes(b) for a, b in reply.relay.sealed.items()})
-        std = rc.dp_noise * rc.dp_clip / math.sqrt(rc.secagg_threshold) if rc.dp_noise else 0.0
-        x = agent_vector(res.state, alpha, params, std, noise_generator() if std else None)
-        y = me.masked_input(x, list(reply.relay.shared))
-        reply = self._secagg_call(stub, task, masked=federation_pb2.SecAggMasked(
-            vector=y.astype("<u8").tobytes(), metrics=res.metrics, train_seconds=res.seconds))
+        y = me.masked_input(vector(alpha), list(reply.relay.shared))
+        masked.vector = y.astype("<u8").tobytes()
+        reply = self._secagg_call(stub, task, masked=masked)
         answer = me.unmask(list(reply.unmask.survivors), list(reply.unmask.dropped))
         self._secagg_call(stub, task, answer=federation_pb2.SecAggAnswer(
             shares={a: federation_pb2.SecAggShare(point=p, share=sh) for a, (p, sh) in answer.items()}))
-        self._submitted(task)
 
     def _secagg_call(self, stub, task, **step):
         """One step, sent again while the reply says the others are not all there yet."""

@@ -95,8 +95,9 @@ class Run:
     # refused so gives up), the run cannot train and fails instead of waiting for ever.
     non_finite: dict[str, tuple[str, float]] = field(default_factory=dict)
     # The round's secure aggregation (aggregator_service.secure_round.SecureRound), when the run
-    # config sets secagg_threshold.
+    # config sets secagg_threshold; in round 0, the observation moments'.
     secure: Any = None
+    dims: tuple[int, int] = (0, 0)  # (obs_dim, act_dim) of the selected agents, from round 0 on
 
 
 def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[dict[str, Any]]:

@@ -35,7 +35,14 @@ from fedrl.federation.aggregate import AggregationError, agent_weights, aggregat
 from fedrl.federation.privacy import PRIVACY_EPSILON, clip_update, epsilon, noise_generator, noisy_average
 from fedrl.federation.round import algo_config, initial_global_state
 from fedrl.federation.runconfig import MAX_MODEL_BYTES, check_step_bytes, model_bytes
-from fedrl.federation.secagg import SecAggError, SecAggParams, average_from_sum, dequantize
+from fedrl.federation.secagg import (
+    SecAggError,
+    SecAggParams,
+    average_from_sum,
+    dequantize,
+    moments_from_sum,
+    moments_params,
+)
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
     CodecError,
@@ -64,7 +71,11 @@ class Rounds:
                 a = self._agent(agent_id)
                 run = self.run
                 if run is not None and agent_id in run.selected:
-                    if (run.state == "running" and agent_id not in run.submissions
+                    if run.state == "running" and run.round == 0:  # the moments' secure aggregation
+                        if not run.secure.took_part(agent_id):
+                            return {"kind": "MOMENTS", "run_id": run.run_id, "round": 0,
+                                    "run_config_json": run.config_json, "deadline_unix": run.deadline}
+                    elif (run.state == "running" and agent_id not in run.submissions
                             and not (run.secure is not None and run.secure.took_part(agent_id))):
                         mean, std = run.norms[agent_id]
                         task = {"kind": "TRAIN", "run_id": run.run_id, "round": run.round,
@@ -94,8 +105,9 @@ class Rounds:
             run = self.run
             current = run is not None and (not run_id or run_id == run.run_id)
             if current:
-                if run.state == "waiting_for_agents":
-                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the run has not started yet")
+                if run.state == "waiting_for_agents" or (run.state == "running" and not run.encoded):
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the run has not made its first "
+                                       "version yet")
                 v = run.version if version < 0 else version
                 enc = run.encoded.get(v)
                 if enc is not None:
@@ -257,15 +269,6 @@ class Rounds:
             if problem:
                 self._fail(run, problem)
                 return
-        if cfg.obs_norm != "none" and any(a.stats is None for a in chosen):
-            self._fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments")
-            return
-        stats = [a.stats for a in chosen] if cfg.obs_norm != "none" else [ObsStats(1, np.zeros(obs_dim), np.zeros(obs_dim))]
-        with np.errstate(all="ignore"):
-            g_mean, g_std = global_normalizer(cfg.obs_norm, stats)
-        if not (np.isfinite(g_mean).all() and np.isfinite(g_std).all()):  # each agent's were finite; their pool overflowed
-            self._fail(run, "the agents' pooled observation moments are not finite")
-            return
         hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
         size = model_bytes(hp.hidden, obs_dim, act_dim, cfg.federate == "policy+critic")
         if size > MAX_MODEL_BYTES:  # before anything is built
@@ -280,19 +283,58 @@ class Rounds:
         if problem := check_step_bytes(hp, obs_dim, act_dim):  # the agents could not take a step
             self._fail(run, f"{problem} (obs_dim {obs_dim}, act_dim {act_dim})")
             return
+        run.env_id = cfg.env or (envs.pop() if envs else "")
+        if cfg.secagg_threshold and cfg.obs_norm == "pooled":  # the moments too go masked: round 0
+            self._open_moments(run, chosen, obs_dim)
+            return
+        if cfg.obs_norm != "none" and any(a.stats is None for a in chosen):
+            private = [a.agent_id for a in chosen if a.stats is None]
+            self._fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments, and "
+                            f"{', '.join(private[:5])}{' ...' if len(private) > 5 else ''} kept theirs private: "
+                            f"set secagg_threshold to sum them under secure aggregation, or obs_norm=none")
+            return
+        stats = [a.stats for a in chosen] if cfg.obs_norm != "none" else [ObsStats(1, np.zeros(obs_dim), np.zeros(obs_dim))]
+        with np.errstate(all="ignore"):
+            g_mean, g_std = global_normalizer(cfg.obs_norm, stats)
+        run.selected = [a.agent_id for a in chosen]
+        own = {a.agent_id: a.stats.mean_std() for a in chosen} if cfg.obs_norm == "local" else {}
+        self._start(run, g_mean, g_std, obs_dim, act_dim, own)
+
+    def _open_moments(self, run: Run, chosen: list, obs_dim: int) -> None:
+        """Round 0 of a secure run with pooled normalisation: the chosen agents' observation
+        moments summed by secure aggregation (MOMENTS tasks); version 0 is made from the sum."""
+        run.selected = [a.agent_id for a in chosen]
+        run.state, run.round = "running", 0
+        run.round_opened = time.time()
+        run.deadline = run.round_opened + run.cfg.round_timeout
+        run.dims = (obs_dim, chosen[0].act_dim)
+        run.secure = SecureRound(moments_params(run.cfg.secagg_threshold, f"{run.run_id}/0".encode()),
+                                 list(run.selected), {a.agent_id: a.num_samples for a in chosen}, 2 * obs_dim,
+                                 run.cfg.round_timeout, run.deadline)
+        log.info("run %s: gathering the observation moments of %d agents by secure aggregation", run.run_id,
+                 len(chosen))
+
+    def _start(self, run: Run, g_mean: np.ndarray, g_std: np.ndarray, obs_dim: int, act_dim: int,
+               own: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Version 0 from the global normaliser, the participants (``run.selected``) written with
+        their normalisers (their ``own`` under obs_norm=local, else the global), round 1 opened."""
+        cfg = run.cfg
+        if not (np.isfinite(g_mean).all() and np.isfinite(g_std).all()):  # each agent's were finite; their pool overflowed
+            self._fail(run, "the agents' pooled observation moments are not finite")
+            return
+        hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
         state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
                                      cfg.federate == "policy+critic")
-        run.env_id = cfg.env or (envs.pop() if envs else "")
         enc = self._encode(run, 0, state)
         try:
             self.store.save_version(run.run_id, 0, enc.pieces(), enc.manifest.checksum)
         except OSError as e:
             self._fail(run, f"cannot write version 0 to the state directory: {e}")
             return
-        run.selected = [a.agent_id for a in chosen]
-        for a in chosen:
-            own = a.stats.mean_std() if cfg.obs_norm == "local" else (g_mean, g_std)
-            run.norms[a.agent_id] = (own[0].tolist(), own[1].tolist())
+        run.secure = None
+        for a in run.selected:
+            m, sd = own.get(a, (g_mean, g_std))
+            run.norms[a] = (m.tolist(), sd.tolist())
         try:
             self.store.save_participants(run.run_id, {"selected": run.selected, "norms": run.norms,
                                                       "env_id": run.env_id})
@@ -361,9 +403,15 @@ class Rounds:
         """The round's version from its secure aggregation's sum (every step closed)."""
         sec = run.secure
         try:
+            if run.round == 0:  # the observation moments: version 0 is made from their sum
+                mean, std = moments_from_sum(dequantize(sec.total(), sec.params), run.dims[0])
+                log.info("run %s: observation moments of %d agents pooled by secure aggregation", run.run_id,
+                         len(sec.survivors))
+                self._start(run, mean, std, *run.dims, {})
+                return
             new = average_from_sum(dequantize(sec.total(), sec.params), run.global_state)
         except SecAggError as e:
-            self._fail(run, f"round {run.round}: secure aggregation failed: {e}")
+            self._fail(run, f"{self._secure_name(run)}: secure aggregation failed: {e}")
             return
         order = [a for a in run.selected if a in sec.survivors]
         self._commit_round(run, new, order, [sec.metrics[a][0] for a in order])
@@ -465,7 +513,7 @@ class Rounds:
             while sec.advance(now):
                 moved = True
         except SecAggError as e:
-            self._fail(run, f"round {run.round}: {e}")
+            self._fail(run, f"{self._secure_name(run)}: {e}")
             self.cond.notify_all()
             return
         if sec.done:
@@ -473,6 +521,10 @@ class Rounds:
             moved = True
         if moved:
             self.cond.notify_all()
+
+    @staticmethod
+    def _secure_name(run: Run) -> str:
+        return "the observation moments (round 0)" if run.round == 0 else f"round {run.round}"
 
     def _dp_noise(self):
         """The generator of differential privacy's noise, from the OS's secure source, made once."""

@@ -261,7 +261,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         while context.is_active() and not self.coord.closed:
             kind, task = self._task(context, agent_id, wait)
             yield task
-            if kind != "TRAIN":
+            if kind not in ("TRAIN", "MOMENTS"):
                 continue
             while True:  # the answer to the task, after any progress
                 data = next(request_iterator, None)
@@ -275,6 +275,9 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                     self.coord.progress(agent_id, progress.round, progress.steps_done, progress.steps_total)
                 except ServiceError as e:
                     _abort(context, e)
+            if kind == "MOMENTS" and which != "done":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"a session answers a MOMENTS task with done, not {which or 'nothing'}")
             if which == "update":
                 if header is not None and header.agent_id != agent_id:
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the session of agent {agent_id!r} "

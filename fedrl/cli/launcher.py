@@ -200,6 +200,8 @@ class Launcher:
                     "--seed", str(cfg.run.seed), "--device", cfg.device, "--threads", str(cfg.agent_threads)]
             for d in datasets:
                 args += ["--dataset", d]
+            if cfg.run.secagg_threshold:  # the moments too are summed under the masks, never sent
+                args.append("--private-moments")
             self._spawn(f"agent-{i}", "agent_service", *args, *tls_args.get(f"agent-{i}", ()))
         self.log(f"aggregator on {target}; {n_agents} agents and "
                  f"{'an evaluator' if cfg.run.eval_episodes else 'no evaluator'} starting (logs in {self.out / 'logs'})")

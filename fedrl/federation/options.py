@@ -105,7 +105,9 @@ class FederationOptions:
             return
         refused = {"algo": ("cql", "each agent alone shares nothing to aggregate"),
                    "aggregation": (("median", "trimmed-mean"), "it needs the individual updates that secure "
-                                   "aggregation hides; each agent checks and clips its own")}
+                                   "aggregation hides; each agent checks and clips its own"),
+                   "obs_norm": ("local", "the global policy's normaliser would be made from each agent's "
+                                "moments in the clear; pooled moments are summed under the masks")}
         for name, (bad, why) in refused.items():
             if getattr(self, name) in ((bad,) if isinstance(bad, str) else bad):
                 raise ValueError(f"{opt(name)}: {getattr(self, name)!r} cannot run with "

@@ -433,6 +433,22 @@ def share_in_process(ids: Iterable[str], params: SecAggParams) -> tuple[dict[str
     return agents, server
 
 
+def secure_sum(vectors: Mapping[str, Callable[[], np.ndarray]], params: SecAggParams,
+               drop: Iterable[str] = ()) -> tuple[np.ndarray, list[str], list[str]]:
+    """The protocol's sum of the agents' vectors, every agent and the aggregator here: each
+    ``vectors[a]()`` is agent a's quantized vector (made only once it has the roster). Agents in
+    ``drop`` leave after sharing their keys (their masks are then removed). Returns the
+    dequantized sum, the survivors and the dropped."""
+    agents, server = share_in_process(vectors, params)
+    gone = set(drop)
+    for a, make in vectors.items():
+        if a not in gone:
+            server.add_masked(a, agents[a].masked_input(make(), server.shared))
+    survivors, dropped = server.unmask_request()
+    answers = {a: agents[a].unmask(survivors, dropped) for a in survivors}
+    return dequantize(server.finish(answers), params), survivors, dropped
+
+
 def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0, generator=None,
                   drop: Iterable[int] = ()) -> tuple[dict, dict]:
     """FedAvg of ``states`` with ``weights`` (public: each agent's sample count, or 1) taken by the
@@ -444,17 +460,78 @@ def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0,
     t0 = time.perf_counter()
     ids = [f"agent-{i:05d}" for i in range(len(states))]
     total = float(sum(weights))
-    alphas = [w / total for w in weights]
-    agents, server = share_in_process(ids, params)
-    gone = {ids[i] for i in drop}
-    for i, a in enumerate(ids):
-        if a not in gone:
-            x = agent_vector(states[i], alphas[i], params, noise_std, generator)
-            server.add_masked(a, agents[a].masked_input(x, server.shared))
-    survivors, dropped = server.unmask_request()
-    answers = {a: agents[a].unmask(survivors, dropped) for a in survivors}
-    s = dequantize(server.finish(answers), params)
+    vectors = {a: (lambda i=i: agent_vector(states[i], weights[i] / total, params, noise_std, generator))
+               for i, a in enumerate(ids)}
+    s, survivors, dropped = secure_sum(vectors, params, [ids[i] for i in drop])
     out = average_from_sum(s, states[0])
     bound = average_bound(s, len(survivors), params)
     return out, {"threshold": params.threshold, "agents": len(ids), "survivors": len(survivors),
                  "dropped": len(dropped), "bound": bound, "seconds": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------------------------
+# observation moments (pooled normalisation), round 0 of a secure run
+# ---------------------------------------------------------------------------------------------
+# Their own fixed point: a mean or a mean square may be far larger than a policy's weights. Each
+# agent sends alpha * mean and alpha * mean square (alpha = its share of the samples), each
+# within +-2^19 (a mean of magnitude up to 524,288, a root mean square up to 724), with 28
+# fractional bits: a sum of n is exact while n < 2^16, within n * 2^-29 of the exact one.
+MOMENTS_FRAC_BITS, MOMENTS_CLIP = 28, 2.0 ** 19
+
+
+def moments_params(threshold: int, context: bytes) -> SecAggParams:
+    """Round 0's settings: the run's threshold, the moments' fixed point."""
+    return SecAggParams(threshold=threshold, context=context, frac_bits=MOMENTS_FRAC_BITS, clip=MOMENTS_CLIP)
+
+
+def moments_vector(count: int, total: np.ndarray, total_sq: np.ndarray, alpha: float,
+                   params: SecAggParams) -> np.ndarray:
+    """What one agent masks in round 0: ``alpha`` times its observations' mean and mean square
+    per dimension, and ``alpha`` last, quantized. Refused (never sent) when not finite or past
+    the range, naming the dimension."""
+    if count <= 0:
+        raise SecAggError("no observations: nothing to pool")
+    mean = np.asarray(total, np.float64) / count
+    sq = np.asarray(total_sq, np.float64) / count
+    flat = np.concatenate([mean, sq, [1.0]]) * alpha
+    if not np.isfinite(flat).all():
+        raise SecAggError("the observation moments hold NaN or Inf: they are not sent")
+    over = np.flatnonzero(np.abs(flat) > params.clip)
+    if over.size:
+        i, d = int(over[0]), len(mean)
+        what = f"the mean of dimension {i}" if i < d else f"the mean square of dimension {i - d}"
+        raise SecAggError(f"{what} (weighted: {flat[i]:.4g}) is past secure aggregation's range "
+                          f"+-{params.clip:g}: normalise the observations first, or use obs_norm=none")
+    return quantize(flat, params)
+
+
+def moments_from_sum(s: np.ndarray, obs_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pooled (mean, std) from a dequantized sum of :func:`moments_vector`s: each over the
+    summed weight (the survivors' share of the samples), the std floored as in plain pooling."""
+    from fedrl.data.normalize import ObsStats
+
+    if len(s) != 2 * obs_dim + 1:
+        raise SecAggError(f"a moments sum of {len(s)} values; obs_dim {obs_dim} needs {2 * obs_dim + 1}")
+    weight = s[-1]
+    if not weight > 0:
+        raise SecAggError(f"the summed weight is {weight}: no moments to pool")
+    return ObsStats(1, s[:obs_dim] / weight, s[obs_dim:2 * obs_dim] / weight).mean_std()
+
+
+def secure_moments(stats, counts, params: SecAggParams, drop: Iterable[int] = ()
+                   ) -> tuple[tuple[np.ndarray, np.ndarray], dict]:
+    """Pooled normalisation of ``stats`` (fedrl.data.normalize.ObsStats, one per agent) by the
+    protocol, every agent here: ((mean, std), a record). ``counts``: the public sample counts.
+    The pooled mean and mean square are within the record's ``bound`` of the exact ones."""
+    import time
+
+    t0 = time.perf_counter()
+    ids = [f"agent-{i:05d}" for i in range(len(stats))]
+    total = float(sum(counts))
+    vectors = {a: (lambda i=i: moments_vector(stats[i].count, stats[i].total, stats[i].total_sq,
+                                              counts[i] / total, params))
+               for i, a in enumerate(ids)}
+    s, survivors, dropped = secure_sum(vectors, params, [ids[i] for i in drop])
+    return moments_from_sum(s, len(stats[0].total)), {
+        "threshold": params.threshold, "agents": len(ids), "survivors": len(survivors), "dropped": len(dropped),
+        "bound": average_bound(s, len(survivors), params), "seconds": time.perf_counter() - t0}

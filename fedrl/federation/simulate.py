@@ -248,7 +248,8 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 
     shards, env = load_shards(cfg.datasets, cfg.agents, cfg.trajectories, cfg.seed, cfg.env, log, cfg.transitions)
     stats = [ObsStats.of(s.transitions.obs) for s in shards]
-    g_norm = global_normalizer(cfg.obs_norm, stats)
+    g_norm, moments_rec = secure_normalizer(cfg, stats) if cfg.secagg_threshold and cfg.obs_norm == "pooled" \
+        else (global_normalizer(cfg.obs_norm, stats), None)
     norms = [agent_normalizer(cfg.obs_norm, st, g_norm) for st in stats]
     obs_dim, act_dim = shards[0].transitions.obs.shape[1], shards[0].transitions.actions.shape[1]
     hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
@@ -288,6 +289,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     (out / "config.json").write_text(json.dumps({
         "sim": cfg.as_dict(), "algorithm_hparams": config_to_dict(hp), "env_id": env.gym_id,
         "device": str(device), "engine": engine,
+        **({"secure_moments": moments_rec} if moments_rec else {}),
         "shards": [{"agent": s.agent, "source": s.source, "episodes": list(s.episodes),
                     "transitions": len(s.transitions)} for s in shards],
     }, indent=2))
@@ -442,6 +444,15 @@ def secure_average(cfg: SimConfig, r: int, states: list, weights: list[float], n
     params = SecAggParams(threshold=cfg.secagg_threshold, context=f"simulate/{cfg.seed}/{r}".encode())
     std = cfg.dp_noise * cfg.dp_clip / math.sqrt(cfg.secagg_threshold) if noise_gen is not None else 0.0
     return secure_fedavg(states, weights, params, std, noise_gen)
+
+
+def secure_normalizer(cfg: SimConfig, stats: list[ObsStats]) -> tuple[tuple[np.ndarray, np.ndarray], dict]:
+    """Pooled normalisation under secure aggregation (round 0 of a secure run): the agents'
+    moments summed by the protocol, as the services gather them (MOMENTS tasks)."""
+    from fedrl.federation.secagg import moments_params, secure_moments
+
+    params = moments_params(cfg.secagg_threshold, f"simulate/{cfg.seed}/0".encode())
+    return secure_moments(stats, [s.count for s in stats], params)
 
 
 def privacy_record(cfg: SimConfig, rounds: int, metrics: list[dict[str, float]]) -> dict[str, Any]:

@@ -1,16 +1,28 @@
 """``fedrl simulate --secagg-threshold``: the round's average taken by the secure aggregation
 protocol equals plain FedAvg within the stated rounding bound, with and without an agent that
-drops after sharing its keys; settings it cannot run are refused by name."""
+drops after sharing its keys, and so do the pooled observation moments (round 0); settings it
+cannot run are refused by name."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
+from fedrl.data.normalize import ObsStats
+
 from fedrl.federation.aggregate import fedavg
-from fedrl.federation.secagg import SecAggError, SecAggParams, secure_fedavg
+from fedrl.federation.secagg import (
+    SecAggError,
+    SecAggParams,
+    moments_from_sum,
+    moments_params,
+    moments_vector,
+    secure_fedavg,
+    secure_moments,
+)
 from fedrl.federation.simulate import run
 from tests.integration.test_simulate import tiny
 
@@ -64,6 +76,8 @@ def test_simulate_with_secure_aggregation_matches_plain_fedavg(tmp_path, random_
             log=lambda m: None, on_round=lambda r, g, sa=sa: seen.__setitem__(sa, g))
     rec = json.loads((tmp_path / "r2" / "rounds.jsonl").read_text().splitlines()[0])["secure_aggregation"]
     assert rec["threshold"] == 2 and rec["survivors"] == 3
+    moments = json.loads((tmp_path / "r2" / "config.json").read_text())["secure_moments"]
+    assert moments["survivors"] == 3 and 0 < moments["bound"] < 1e-6
     for k, v in seen[0].items():
         if v.is_floating_point():
             diff = (seen[2][k].double() - v.double()).abs().max().item()
@@ -74,6 +88,7 @@ def test_simulate_with_secure_aggregation_matches_plain_fedavg(tmp_path, random_
     ({"aggregation": "median"}, "cannot run with --secagg-threshold"),
     ({"aggregation": "trimmed-mean"}, "needs the individual updates"),
     ({"algo": "cql"}, "shares nothing to aggregate"),
+    ({"obs_norm": "local"}, "each agent's moments in the clear"),
     ({"secagg_threshold": 1}, "0 (off) or an integer >= 2"),
 ])
 def test_settings_secure_aggregation_cannot_run_are_refused_by_name(random_dataset, kw, says):
@@ -89,3 +104,52 @@ def test_a_threshold_above_the_agents_is_refused_in_simulate_and_the_services(tm
     with pytest.raises(ConfigError, match=r"secagg_threshold: 4 exceeds agents \(3\)"):
         parse_run_config(json.dumps({"algo": "drpo", "agents": 3, "secagg_threshold": 4}))
     assert parse_run_config(json.dumps({"algo": "drpo", "agents": 3, "secagg_threshold": 3})).secagg_threshold == 3
+
+
+def _moments(counts, seed=0):
+    """Observations of agents with different counts, means and spreads (float64)."""
+    rng = np.random.default_rng(seed)
+    return [ObsStats.of(rng.normal(loc=rng.uniform(-30, 30, 6), scale=rng.uniform(0.01, 20, 6), size=(n, 6)))
+            for n in counts]
+
+
+def _close(got, want, bound):
+    mean_g, std_g = got
+    mean_w, std_w = want
+    # the float32 the normaliser is kept in, beside the protocol's bound on the mean and mean square
+    tol_mean = bound + np.abs(mean_w) * 2.0 ** -23
+    assert (np.abs(mean_g - mean_w) <= tol_mean).all(), (mean_g - mean_w)
+    assert np.allclose(std_g, std_w, rtol=1e-5, atol=1e-6), (std_g - std_w)
+
+
+def test_the_secure_moments_are_the_pooled_moments_within_the_bound():
+    """Pooled by the protocol (each agent's mean and mean square weighted by its share of the
+    samples) or from the plain sums: the same normaliser. Counts differ by 100x, so an agent
+    weighted by anything else than its count would move the mean by whole units."""
+    stats, counts = _moments([40, 4_000, 700, 90]), [40, 4_000, 700, 90]
+    got, rec = secure_moments(stats, counts, moments_params(3, b"t"))
+    _close(got, ObsStats.pool(stats).mean_std(), rec["bound"])
+    assert rec["survivors"] == 4 and 0 < rec["bound"] < 1e-5
+    equal = np.average([s.total / s.count for s in stats], axis=0)  # what equal weights would give
+    assert np.abs(equal - ObsStats.pool(stats).mean_std()[0]).max() > 1.0
+
+
+def test_the_secure_moments_of_the_survivors_when_one_drops():
+    stats, counts = _moments([300, 50, 1_000], seed=1), [300, 50, 1_000]
+    got, rec = secure_moments(stats, counts, moments_params(2, b"t"), drop=[2])
+    _close(got, ObsStats.pool(stats[:2]).mean_std(), rec["bound"])
+    assert (rec["survivors"], rec["dropped"]) == (2, 1)
+
+
+def test_an_agent_refuses_moments_past_the_range_naming_the_dimension():
+    p = moments_params(2, b"t")
+    x = np.zeros((10, 4))
+    x[:, 2] = 1e3  # a mean square of 10^6: past 2^19
+    s = ObsStats.of(x)
+    with pytest.raises(SecAggError, match="the mean square of dimension 2"):
+        moments_vector(s.count, s.total, s.total_sq, 1.0, p)
+    s = ObsStats.of(np.full((3, 4), np.nan))
+    with pytest.raises(SecAggError, match="NaN or Inf"):
+        moments_vector(s.count, s.total, s.total_sq, 0.5, p)
+    with pytest.raises(SecAggError, match="needs 9"):
+        moments_from_sum(np.ones(7), 4)

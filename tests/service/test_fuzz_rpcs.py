@@ -295,21 +295,24 @@ def test_the_explicit_examples_set_every_kind_of_field():
 
 
 
-def test_secure_aggregation_steps_of_the_run_s_own_agents_answer_random_content_specifically(tmp_path):
+@pytest.mark.parametrize("obs_norm, round_", [("none", 1), ("pooled", 0)])
+def test_secure_aggregation_steps_of_the_run_s_own_agents_answer_random_content_specifically(tmp_path, obs_norm,
+                                                                                              round_):
     """The fuzz above reaches SecureAggregation with made-up agents and runs; here every message
-    names a real agent of an open secure run and its round, so the steps' own checks (sizes,
-    order, shares per roster agent) meet random content: never UNKNOWN/INTERNAL, and no version
-    is made of it."""
+    names a real agent of an open secure run and its round (1; or 0, the observation moments'),
+    so the steps' own checks (sizes, order, shares per roster agent) meet random content: never
+    UNKNOWN/INTERNAL, and no version is made of it."""
     agg = Aggregator(tmp_path / "state", task_wait=0.2)
     try:
         join(agg, "a0", 0)
         join(agg, "a1", 1)
         run_id = status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(
-            config_json=run_config(secagg_threshold=2)), timeout=5))["run_id"]
+            config_json=run_config(secagg_threshold=2, obs_norm=obs_norm)), timeout=5))["run_id"]
         name, method = next((n, m) for n, m in FED if m.name == "SecureAggregation")
+        assert agg.coord.run.round == round_
 
         def own(m, agent):
-            m.agent_id, m.run_id, m.round = agent, run_id, 1
+            m.agent_id, m.run_id, m.round = agent, run_id, round_
             return m.SerializeToString()
 
         for i, m in enumerate(explicit_messages(method.input_type)):
@@ -330,7 +333,7 @@ def test_secure_aggregation_steps_of_the_run_s_own_agents_answer_random_content_
         assert agg.coord.run.secure.step == 1
         each()
         s = status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
-        assert s["run_id"] == run_id and s["global_version"] == 0
-        assert agg.store.versions(run_id) == [0]
+        assert s["run_id"] == run_id and s["global_version"] == 0 and agg.coord.run.round == round_
+        assert agg.store.versions(run_id) == ([0] if round_ else [])
     finally:
         agg.close()

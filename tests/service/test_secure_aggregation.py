@@ -1,8 +1,9 @@
 """Secure aggregation through the services (issue 64): a real aggregator on loopback and the
 agent service's own code, each round's update sent masked (SecureAggregation), never in the
-clear. The stored versions are the simulation's under the same protocol bit for bit; an agent
-that stops after masking is recovered; one gone before masking is left out; below the threshold
-the run fails, saying so, and no version is stored."""
+clear, and the observation moments too (a MOMENTS task, round 0: the agents send none at Join).
+The stored versions are the simulation's under the same protocol bit for bit; an agent that
+stops after masking is recovered; one gone before masking is left out; below the threshold the
+run fails, saying so, and no version is stored."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ import grpc
 import torch
 
 from fedrl.federation.round import RoundInterrupted
-from fedrl.federation.simulate import SimConfig
+from fedrl.data.normalize import ObsStats
+from fedrl.federation.simulate import SimConfig, load_shards, secure_normalizer
 from fedrl.federation.simulate import run as simulate
 from fedrl.proto.v1 import control_pb2
 from fedrl.wire.serde import status_from_proto
 from tests.service.test_federation import SMALL, SMALL_BC, one_thread, run_config, status, wait_for  # noqa: F401
 
 
-def _start(aggregator, agent_threads, data, n, **cfg):
-    agents = agent_threads.start(aggregator.target, str(data), n, 2, seed=7, session=True)
+def _start(aggregator, agent_threads, data, n, session=True, **cfg):
+    agents = agent_threads.start(aggregator.target, str(data), n, 2, seed=7, session=session, share_moments=False)
     wait_for(lambda: len(status(aggregator)["agents"]) == n, what="agents to join")
     st = status_from_proto(aggregator.control.StartRun(
         control_pb2.StartRunRequest(config_json=run_config(agents=n, **cfg)), timeout=10))
@@ -26,12 +28,13 @@ def _start(aggregator, agent_threads, data, n, **cfg):
     return agents, st["run_id"]
 
 
-def _stop_at(agent, step: str):
-    """``agent`` stops (as if killed) when it is about to send ``step``."""
+def _stop_at(agent, step: str, round_: int = 1):
+    """``agent`` stops (as if killed) when it is about to send ``step`` of round ``round_`` (0:
+    the observation moments')."""
     call = agent._secagg_call
 
     def stopping(stub, task, **kw):
-        if step in kw:
+        if step in kw and task.round == round_:
             agent.stop()
             raise RoundInterrupted(f"stopped before {step}")
         return call(stub, task, **kw)
@@ -67,9 +70,16 @@ def test_a_secure_run_equals_the_simulation_under_the_same_protocol(aggregator, 
 
     monkeypatch.setattr(SecureRound, "_take_masked", recording)
     sim = _sim(tmp_path, stand_dataset, 3, 2, 2)
-    _, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=2, secagg_threshold=2)
+    _, run_id = _start(aggregator, agent_threads, stand_dataset, 3, session=False, rounds=2, secagg_threshold=2)
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "finished", done["message"]
+    assert all(a.stats is None for a in aggregator.coord.agents.values())  # no moments in the clear
+    v0 = aggregator.store.load_version(run_id, 0)
+    shards, _ = load_shards([str(stand_dataset)], 3, 2, 7, None, lambda m: None)
+    cfg = SimConfig(algo="drpo", datasets=(str(stand_dataset),), agents=3, secagg_threshold=2)
+    mean, std = secure_normalizer(cfg, [ObsStats.of(sh.transitions.obs) for sh in shards])[0]
+    norm = {k: v for k, v in v0.items() if k.endswith(("obs_mean", "obs_std"))}  # the policy's normaliser
+    assert norm and all(torch.equal(v, torch.from_numpy(mean if k.endswith("mean") else std)) for k, v in norm.items())
     for v in (1, 2):
         stored = aggregator.store.load_version(run_id, v)
         for k in stored:
@@ -81,7 +91,9 @@ def test_a_secure_run_equals_the_simulation_under_the_same_protocol(aggregator, 
     assert aggregator.metrics.registry.get_sample_value("grpc_server_handled_total", {
         "grpc_type": "unary", "grpc_service": "fedrl.v1.Federation", "grpc_method": "SecureAggregation",
         "grpc_code": "OK"}) >= 3 * 2 * 4
-    assert len(seen) == 3 * 2
+    assert len(seen) == 3 * 3  # the moments and two rounds, from each agent
+    obs_dim = len(mean)
+    assert len(seen[("agent-0", f"{run_id}/0".encode())]) == 8 * (2 * obs_dim + 1)
     y = np.frombuffer(seen[("agent-0", f"{run_id}/1".encode())], dtype="<u8")
     counts = np.bincount(y.view(np.uint8), minlength=256)
     expected = y.nbytes / 256
@@ -132,6 +144,28 @@ def test_below_the_threshold_the_run_fails_and_nothing_is_stored(aggregator, age
     assert aggregator.store.versions(run_id) == [0]
 
 
+def test_below_the_threshold_in_the_moments_round_no_version_is_made(aggregator, agent_threads, stand_dataset,
+                                                                      one_thread):
+    agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=3,
+                            round_timeout=4.0)
+    _stop_at(agents[2], "masked", round_=0)
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "failed"
+    assert done["message"].startswith("the observation moments (round 0): the masked step closed with 2 of the 3")
+    assert aggregator.store.versions(run_id) == []
+
+
+def test_a_plain_pooled_run_names_the_agents_that_keep_their_moments(aggregator, agent_threads, stand_dataset,
+                                                                      one_thread):
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7, share_moments=False)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+    st = status_from_proto(aggregator.control.StartRun(
+        control_pb2.StartRunRequest(config_json=run_config(agents=2, rounds=1)), timeout=10))
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "failed", st
+    assert "agent-0, agent-1 kept theirs private: set secagg_threshold" in done["message"]
+
+
 def test_an_update_in_the_clear_is_refused_in_a_secure_run(aggregator, stand_dataset):
     from fedrl.proto.v1 import federation_pb2
     from fedrl.wire.codec import assemble
@@ -141,10 +175,28 @@ def test_an_update_in_the_clear_is_refused_in_a_secure_run(aggregator, stand_dat
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
     st = status_from_proto(aggregator.control.StartRun(
-        control_pb2.StartRunRequest(config_json=run_config(secagg_threshold=2)), timeout=5))
+        control_pb2.StartRunRequest(config_json=run_config(secagg_threshold=2, obs_norm="none")), timeout=5))
     g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
         federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
     for inline in (False, True):
         assert_refused(lambda: submit(aggregator, "a0", g, st["run_id"], inline=inline),
                        grpc.StatusCode.FAILED_PRECONDITION, "never in the clear")
     assert status(aggregator)["round"] == 1
+
+
+def test_round_0_gathers_the_moments_before_any_version(aggregator):
+    """A secure pooled run starts with a MOMENTS task, and serves no version until their sum has
+    made version 0."""
+    from fedrl.proto.v1 import federation_pb2
+    from tests.service.test_federation import assert_refused, join
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    st = status_from_proto(aggregator.control.StartRun(
+        control_pb2.StartRunRequest(config_json=run_config(secagg_threshold=2)), timeout=5))
+    task = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=1), timeout=5)
+    assert (task.kind, task.round, task.run_id) == (federation_pb2.Task.MOMENTS, 0, st["run_id"])
+    assert status(aggregator)["round"] == 0
+    assert_refused(lambda: list(aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st["run_id"], version=0),
+                                                           timeout=5)),
+                   grpc.StatusCode.FAILED_PRECONDITION, "has not made its first version")

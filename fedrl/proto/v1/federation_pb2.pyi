@@ -235,10 +235,12 @@ class Task(_message.Message):
         WAIT: _ClassVar[Task.Kind]
         TRAIN: _ClassVar[Task.Kind]
         STOP: _ClassVar[Task.Kind]
+        MOMENTS: _ClassVar[Task.Kind]
     KIND_UNSPECIFIED: Task.Kind
     WAIT: Task.Kind
     TRAIN: Task.Kind
     STOP: Task.Kind
+    MOMENTS: Task.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]

@@ -135,7 +135,9 @@ class FederationServicer:
         agent expected at that step has sent it, or at the step's deadline with at least the
         threshold; until then (at most wait_seconds) the reply is `pending` and the agent sends the
         same message again. The aggregator sees only public keys, shares sealed to other agents,
-        masked vectors and the shares that unmask their sum (fedrl/federation/secagg.py).
+        masked vectors and the shares that unmask their sum (fedrl/federation/secagg.py). A MOMENTS
+        task (round 0, before version 0) takes the same four steps over the agent's observation
+        moments instead of a model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
