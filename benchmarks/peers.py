@@ -189,9 +189,11 @@ def _wait_port(port: int, proc: subprocess.Popen, log: Path, limit: float = 120.
     raise RuntimeError(f"nothing listened on {port} within {limit:.0f} s: " + log.read_text()[-2000:])
 
 
-def flower_deployment_rounds(py: Path, clients: int, rounds: int, n_params: int, tmp: Path) -> dict:
-    """Flower's deployment engine: a SuperLink, ``clients`` SuperNodes and ``flwr run`` of
-    ``benchmarks/flower_app``; every process is a child of this one and is ended on the way out."""
+def flower_deployment_rounds(py: Path, clients: int, rounds: int, n_params: int, tmp: Path, app: Path = APP,
+                             config: str = "", round_timeout: int = 60) -> dict:
+    """Flower's deployment engine: a SuperLink, ``clients`` SuperNodes and ``flwr run`` of ``app``
+    (``benchmarks/flower_app``; ``config``: more of its run config); every process is a child of
+    this one and is ended on the way out."""
     bin_dir = py.parent
     home = tmp / "flwr-home"  # Flower's config (the SuperLink connection) and app cache, not ~/.flwr
     home.mkdir()
@@ -218,12 +220,13 @@ def flower_deployment_rounds(py: Path, clients: int, rounds: int, n_params: int,
                                   stdout=files["supernodes"], stderr=subprocess.STDOUT, env=env, cwd=tmp)
                  for _ in range(clients)]
         procs.extend(nodes)
-        cfg = f"num-server-rounds={rounds} params={n_params} nodes={clients} round-timeout=60 out='{out}'"
-        run = subprocess.Popen([str(bin_dir / "flwr"), "run", str(APP), "bench", "--stream", "--run-config", cfg],
+        cfg = (f"num-server-rounds={rounds} params={n_params} nodes={clients} round-timeout={round_timeout} "
+               f"out='{out}' {config}").strip()
+        run = subprocess.Popen([str(bin_dir / "flwr"), "run", str(app), "bench", "--stream", "--run-config", cfg],
                                stdout=files["run"], stderr=subprocess.STDOUT, env=env, cwd=tmp)
         procs.append(run)
         w = Watch([link, *nodes], trees=True)
-        end = time.monotonic() + 120 + 60 * rounds  # the ServerApp gives up on a round after 60 s
+        end = time.monotonic() + 120 + round_timeout * rounds  # the ServerApp gives up on a round then
         at_first = None
         while not out.exists():
             if run.poll() is not None and not out.exists():

@@ -47,12 +47,13 @@ def _block(text: str, name: str) -> str:
 
 
 def test_every_rendered_number_matches_its_committed_result():
-    from benchmarks import critic_sink, image, readme
+    from benchmarks import critic_sink, image, privacy_cost, readme
 
     for path, blocks in ((readme.README, readme.blocks()), (readme.PERFORMANCE, readme.performance_blocks()),
                          (readme.BENCHMARKS, readme.benchmarks_blocks() | {"critic-sink": critic_sink.report_md()}),
                          (image.DEPLOY_README, {"image": image.block()}),
-                         (critic_sink.CHOICES_MD, critic_sink.choices_blocks())):
+                         (critic_sink.CHOICES_MD, critic_sink.choices_blocks()),
+                         (privacy_cost.PRIVACY_MD, privacy_cost.blocks())):
         text = path.read_text()
         for name, body in blocks.items():
             assert _block(text, name) == body, f"{path.name}: block {name} is stale: python -m benchmarks.readme render"

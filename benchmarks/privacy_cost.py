@@ -1,0 +1,189 @@
+"""The cost of agent-level differential privacy on hopper-medium (issue 64): Fed-BC and DRPO
+at noise multipliers that spend epsilon about 8, 4 and 1 at delta 1e-5 over the run's 10 rounds,
+beside the same runs without privacy.
+
+    python -m benchmarks.privacy_cost run [--only KEY,...]   # each cell in turn, one core
+    python -m benchmarks.privacy_cost status
+    python -m benchmarks.privacy_cost table                  # the markdown table of the results
+    python -m benchmarks.privacy_cost render                 # its blocks in docs/guides/privacy.md
+
+The setting (stated, not tuned): hopper-medium-v2, 5 agents x 5 trajectories (at least 5,000
+transitions each, the claim's data), 10 rounds, 10 evaluation episodes a round and 50 for the
+final policy; Fed-BC at 1,000 local steps a round (seeds 0-2), DRPO at today's defaults and 100
+local steps a round (seed 0: a DRPO step costs ~40x a BC step here; at 10 x 100 steps DRPO is in
+the early rounds where the claim's runs peaked). The clip C is near the median update norm of a
+run without privacy (Fed-BC 1.5-2.5 at 1,000 steps, DRPO 0.35-0.44 at 200; measured with
+``fedrl simulate --set dp_clip=1000000``): 2.0 and 0.3. Each agent clips its update; noise of std
+sigma x C goes on the sum of the 5 (central DP; secure aggregation's distributed noise adds at
+least as much). A cell takes ~3 min (Fed-BC) or ~20 min (DRPO) on one busy core; each is
+checkpointed every round under ``runs/privacy-cost/`` and resumes there. Results:
+``benchmarks/results/privacy-cost/<key>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results" / "privacy-cost"
+PRIVACY_MD = Path(__file__).resolve().parents[1] / "docs" / "guides" / "privacy.md"
+WORK = Path(__file__).resolve().parents[1] / "runs" / "privacy-cost"
+ROUNDS, DELTA = 10, 1e-5
+# sigma for epsilon ~8, ~4, ~1 at delta 1e-5 over 10 rounds of every agent (dp-accounting's RDP)
+SIGMAS = (0.0, 2.0, 3.6, 12.5)
+SETTINGS = {"fed-bc": {"local_steps": 1000, "clip": 2.0, "seeds": (0, 1, 2)},
+            "drpo": {"local_steps": 100, "clip": 0.3, "seeds": (0,)}}
+
+
+def cells() -> list[dict[str, Any]]:
+    return [{"key": f"{algo}-sigma{s:g}-s{seed}", "algo": algo, "sigma": s, "seed": seed, **st}
+            for algo, st in SETTINGS.items() for s in SIGMAS for seed in st["seeds"]]
+
+
+def sim_config(c: dict[str, Any]):
+    from fedrl.federation.simulate import SimConfig
+
+    dp = {"dp_clip": c["clip"], "dp_noise": c["sigma"], "dp_delta": DELTA} if c["sigma"] else {}
+    return SimConfig(algo=c["algo"], datasets=("hopper-medium-v2",), agents=5, trajectories=5, transitions=5000,
+                     rounds=ROUNDS, local_steps=c["local_steps"], eval_episodes=10, final_eval_episodes=50,
+                     seed=c["seed"], device="cpu", **dp)
+
+
+def execute(c: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.paper import code_revision
+    from fedrl.federation.simulate import run as simulate
+
+    torch.set_num_threads(1)
+    revision = code_revision()
+    cfg = sim_config(c)
+    work = WORK / c["key"]
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    summary = simulate(cfg, work, log=lambda m: print(f"{c['key']}: {m}", flush=True), checkpoint=True)
+    rounds = [json.loads(line) for line in (work / "rounds.jsonl").read_text().splitlines()]
+    out = {"key": c["key"], "algo": c["algo"], "sigma": c["sigma"], "seed": c["seed"], "clip": c["clip"],
+           "config": cfg.as_dict(), "curve": summary["curve"], "final": summary["final"],
+           "final_long": summary.get("final_long"),
+           "privacy": [r.get("privacy") for r in rounds],
+           "epsilon": (rounds[-1].get("privacy") or {}).get("epsilon") if c["sigma"] else None,
+           "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": revision}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS / f"{c['key']}.tmp"
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(RESULTS / f"{c['key']}.json")
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def load() -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+
+
+def _ms(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    return f"{np.mean(xs):.1f} ± {np.std(xs):.1f}" if len(xs) > 1 else f"{xs[0]:.1f}"
+
+
+def table_md(results: list[dict[str, Any]]) -> str:
+    """Per algorithm and sigma: epsilon spent, the final score over 50 episodes, the mean of the
+    last 3 rounds' scores (mean ± std over seeds), and the seeds done."""
+    lines = ["| method | sigma | clip C | epsilon at delta 1e-5 | final (50 episodes) | last 3 rounds | seeds |",
+             "|---|---|---|---|---|---|---|"]
+    label = {"fed-bc": "Fed-BC", "drpo": "DRPO"}
+    for algo, st in SETTINGS.items():
+        for s in SIGMAS:
+            rs = [r for r in results if r["algo"] == algo and r["sigma"] == s]
+            if not rs:
+                continue
+            eps = "none (no privacy)" if not s else f"{rs[0]['epsilon']:.2f}"
+            final = [r["final_long"]["score_mean"] for r in rs if r.get("final_long")]
+            last = [float(np.mean([p["score_mean"] for p in r["curve"][-3:]])) for r in rs]
+            lines.append(f"| {label[algo]} ({st['local_steps']} steps/round) | {s:g} | "
+                         f"{'-' if not s else st['clip']} | {eps} | {_ms(final)} | {_ms(last)} | "
+                         f"{', '.join(str(r['seed']) for r in rs)} |")
+    return "\n".join(lines)
+
+
+def secagg_md() -> str:
+    """What secure aggregation costs, from the committed results of ``benchmarks.services secagg``,
+    ``benchmarks.secagg_peers`` and ``benchmarks.secagg_cost``."""
+    res = RESULTS.parent
+    sv = json.loads((res / "secagg-services.json").read_text())
+    out = [f"- Our services (`{sv['command']}`, {sv['agents']} agent processes, Hopper's policy, zero local "
+           f"steps, threshold {sv['threshold']}): {sv['secure_round_ms_median']:.0f} ms a round against "
+           f"{sv['plain_round_ms_median']:.1f} ms without ({sv['ratio']:.1f}x); the aggregator's CPU "
+           f"{sv['secure_cpu_ms_per_round_steady']['aggregator']:.0f} ms a round against "
+           f"{sv['plain_cpu_ms_per_round_steady']['aggregator']:.0f}, each agent's "
+           f"{sv['secure_cpu_ms_per_round_steady']['agent_mean']:.0f} ms against "
+           f"{sv['plain_cpu_ms_per_round_steady']['agent_mean']:.1f}."]
+    if (res / "secagg-peers.json").exists():
+        pe = json.loads((res / "secagg-peers.json").read_text())
+        m = pe["round_ms_median"]
+        out.append(f"- Beside Flower's SecAgg+ in one run (`{pe['command'].strip()}`, {pe['clients']} clients, "
+                   f"Flower's deployment engine with SecAgg+ over every client, threshold {pe['threshold']}): "
+                   f"ours {m['ours_secure']:.0f} ms a round with the protocol and {m['ours_plain']:.0f} ms "
+                   f"without ({pe['ours_secure_over_plain']:.1f}x); Flower's {m['flower_secaggplus'] / 1e3:.1f} s "
+                   f"and {m['flower_plain'] / 1e3:.1f} s ({pe['flower_secaggplus_over_plain']:.1f}x): Flower's "
+                   f"SecAgg+ round takes {pe['flower_secaggplus_over_ours_secure']:.0f}x ours (its deployment "
+                   "engine starts a process for each message, and SecAgg+ sends four a round).")
+    co = json.loads((res / "secagg-cost.json").read_text())
+    row = next((r for r in co["rows"] if r["model"] == "policy" and r["agents"] == 10 and "bytes_per_agent" in r), None)
+    if row is not None:
+        b = row["bytes_per_agent"]
+        out.append(f"- Bytes (`python -m benchmarks.secagg_cost`, 10 agents, the policy's {row['values']:,} values): "
+                   f"an agent sends {b['secure_up'] / 1e3:.0f} KB a round and receives {b['secure_down'] / 1e3:.1f} "
+                   f"KB more than its task, against its {b['plain_up'] / 1e3:.0f} KB float32 update "
+                   f"({b['secure_up'] / b['plain_up']:.2f}x: 8 bytes a value in the ring).")
+    return "\n".join(out)
+
+
+def blocks() -> dict[str, str]:
+    return {"secagg-cost": secagg_md(),
+            "privacy-cost": table_md(load()) if load() else "Not measured yet: `python -m benchmarks.privacy_cost run`."}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("run", "status", "table", "render"))
+    p.add_argument("--only", default="", help="comma-separated cell keys (default: every cell not done)")
+    a = p.parse_args(argv)
+    done = {r["key"] for r in load()}
+    if a.what == "table":
+        print(table_md(load()))
+        return 0
+    if a.what == "render":
+        from benchmarks.paper import replace_blocks
+
+        PRIVACY_MD.write_text(replace_blocks(PRIVACY_MD.read_text(), blocks()))
+        print(f"rendered {PRIVACY_MD}")
+        return 0
+    todo = [c for c in cells() if (not a.only or c["key"] in a.only.split(",")) and c["key"] not in done]
+    if a.what == "status":
+        for c in cells():
+            state = "done" if c["key"] in done else (
+                "started" if (WORK / c["key"] / "rounds.jsonl").exists() else "not started")
+            print(f"{c['key']:<24} {state}")
+        return 0
+    unknown = set(filter(None, a.only.split(","))) - {c["key"] for c in cells()}
+    if unknown:
+        print(f"unknown cells: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    for c in todo:
+        r = execute(c)
+        print(f"{c['key']}: final {r['final_long']['score_mean'] if r.get('final_long') else r['final']['score_mean']:.1f}"
+              f" in {r['wall_seconds']:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
