@@ -43,8 +43,10 @@ SETTINGS = {"fed-bc": {"local_steps": 1000, "clip": 2.0, "seeds": (0, 1, 2)},
 
 
 def cells() -> list[dict[str, Any]]:
-    return [{"key": f"{algo}-sigma{s:g}-s{seed}", "algo": algo, "sigma": s, "seed": seed, **st}
-            for algo, st in SETTINGS.items() for s in SIGMAS for seed in st["seeds"]]
+    """Every cell, seed 0 of every method and sigma first (the table's first full column)."""
+    every = [{"key": f"{algo}-sigma{s:g}-s{seed}", "algo": algo, "sigma": s, "seed": seed, **st}
+             for algo, st in SETTINGS.items() for s in SIGMAS for seed in st["seeds"]]
+    return sorted(every, key=lambda c: c["seed"])
 
 
 def sim_config(c: dict[str, Any]):
@@ -82,6 +84,23 @@ def execute(c: dict[str, Any]) -> dict[str, Any]:
     tmp.replace(RESULTS / f"{c['key']}.json")
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def _claim(key: str) -> bool:
+    """Take cell ``key`` for this process, unless a live process holds it (its pid in the lock)."""
+    import os
+
+    lock = WORK / key / "worker.pid"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        pid = int(lock.read_text())
+        if pid != os.getpid():
+            os.kill(pid, 0)
+            return False  # alive: its cell
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        pass
+    lock.write_text(str(os.getpid()))
+    return True
 
 
 def load() -> list[dict[str, Any]]:
@@ -178,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown cells: {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    for c in todo:
+    for c in todo:  # several workers may share the list: a cell done or taken meanwhile is skipped
+        if (RESULTS / f"{c['key']}.json").exists() or not _claim(c["key"]):
+            continue
         r = execute(c)
         print(f"{c['key']}: final {r['final_long']['score_mean'] if r.get('final_long') else r['final']['score_mean']:.1f}"
               f" in {r['wall_seconds']:.0f}s", flush=True)
