@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "critic_sink"
 DATASET = "walker2d-medium-v2"
 CHOICES_MD = ROOT / "docs" / "explanation" / "choices.md"
+SINK_MD = ROOT / "docs" / "explanation" / "critic-sink.md"
 CAUSES = {"alpha_lr_3e-4": {"alpha_lr": 3e-4}, "target_mean": {"target_action": "mean"},
           "cql_weight_5": {"cql_weight": 5.0}, "td_weight_1": {"td_weight": 1.0},
           "critic_lr_1e-4": {"critic_lr": 1e-4}, "actor_adam_kept": {"reset_actor_optimizer": False}}
@@ -273,9 +274,9 @@ def report_md(results: Path = RESULTS) -> str:
 def cmd_report(a) -> int:
     md = report_md()
     if a.update_md:
-        from benchmarks.paper import BENCHMARKS_MD, replace_blocks
+        from benchmarks.paper import replace_blocks
 
-        BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), {"critic-sink": md}))
+        SINK_MD.write_text(replace_blocks(SINK_MD.read_text(), {"critic-sink": md}))
         CHOICES_MD.write_text(replace_blocks(CHOICES_MD.read_text(), choices_blocks()))
     print(md)
     return 0
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(func=cmd_cycle)
     p = sub.add_parser("report")
     p.add_argument("--update-md", action="store_true",
-                   help="also write BENCHMARKS.md's critic-sink block and docs/explanation/choices.md's")
+                   help="also write the blocks of docs/explanation/critic-sink.md and choices.md")
     p.set_defaults(func=cmd_report)
     a = ap.parse_args(argv)
     return a.func(a)

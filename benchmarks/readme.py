@@ -224,7 +224,10 @@ def performance_blocks(results: Path = RESULTS) -> dict[str, str]:
 
 def benchmarks_blocks(results: Path = RESULTS) -> dict[str, str]:
     """BENCHMARKS.md's blocks this command renders (the rest are ``benchmarks.paper``'s)."""
-    return {"batched-throughput": batched_md(results.parent / "throughput-batched-cpu.json")}
+    from benchmarks.peers import table_md as peers_md
+
+    return {"batched-throughput": batched_md(results.parent / "throughput-batched-cpu.json"),
+            "peers": peers_md(json.loads((results.parent / "peers.json").read_text()))}
 
 
 def replace_blocks(text: str, blocks_: dict[str, str]) -> str:
