@@ -42,8 +42,10 @@ def status(st: dict[str, Any]) -> str:
         lines.append("no run yet")
     else:
         cfg = json.loads(st["config_json"]) if st.get("config_json") else {}
-        lines.append(f"run {st['run_id']}: {st['state']}, round {st.get('round', 0)} of {st.get('rounds', 0)}, "
-                     f"global version {st.get('global_version', 0)}")
+        gathering = " (the agents' observation moments, by secure aggregation)" \
+            if st["state"] == "running" and not st.get("round") else ""
+        lines.append(f"run {st['run_id']}: {st['state']}, round {st.get('round', 0)} of {st.get('rounds', 0)}"
+                     f"{gathering}, global version {st.get('global_version', 0)}")
         if cfg:
             env = st.get("env_id") or cfg.get("env_id") or "that of the agents' data"
             lines.append(f"{cfg.get('algo', '?')}, {cfg.get('agents', '?')} agents x {cfg.get('local_steps', '?')} "

@@ -196,7 +196,11 @@ def test_round_0_gathers_the_moments_before_any_version(aggregator):
         control_pb2.StartRunRequest(config_json=run_config(secagg_threshold=2)), timeout=5))
     task = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=1), timeout=5)
     assert (task.kind, task.round, task.run_id) == (federation_pb2.Task.MOMENTS, 0, st["run_id"])
-    assert status(aggregator)["round"] == 0
+    st0 = status(aggregator)
+    assert st0["round"] == 0
+    from fedrl.cli.show import status as status_text
+
+    assert "round 0 of 2 (the agents' observation moments, by secure aggregation)" in status_text(st0)
     assert_refused(lambda: list(aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st["run_id"], version=0),
                                                            timeout=5)),
                    grpc.StatusCode.FAILED_PRECONDITION, "has not made its first version")
