@@ -387,7 +387,8 @@ class Agent:
         import math
 
         from fedrl.federation.privacy import noise_generator
-        from fedrl.federation.secagg import SecAggParams, agent_vector
+        from fedrl.federation.secagg import SecAggParams
+        from fedrl.federation.secagg_sums import agent_vector
 
         rc = self.run_config
         params = SecAggParams(threshold=rc.secagg_threshold, context=f"{task.run_id}/{task.round}".encode())
@@ -402,7 +403,7 @@ class Agent:
         its share of the samples, by secure aggregation; the aggregator sees only their sum. A
         refusal of this agent's own (moments past the fixed point's range) is logged, and the
         agent takes no part."""
-        from fedrl.federation.secagg import moments_params, moments_vector
+        from fedrl.federation.secagg_sums import moments_params, moments_vector
 
         rc = parse_run_config(task.run_config_json)
         params = moments_params(rc.secagg_threshold, f"{task.run_id}/0".encode())

@@ -35,14 +35,8 @@ from fedrl.federation.aggregate import AggregationError, agent_weights, aggregat
 from fedrl.federation.privacy import PRIVACY_EPSILON, clip_update, epsilon, noise_generator, noisy_average
 from fedrl.federation.round import algo_config, initial_global_state
 from fedrl.federation.runconfig import MAX_MODEL_BYTES, check_step_bytes, model_bytes
-from fedrl.federation.secagg import (
-    SecAggError,
-    SecAggParams,
-    average_from_sum,
-    dequantize,
-    moments_from_sum,
-    moments_params,
-)
+from fedrl.federation.secagg import SecAggError, SecAggParams, dequantize
+from fedrl.federation.secagg_sums import average_from_sum, moments_from_sum, moments_params
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
     CodecError,

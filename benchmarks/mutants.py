@@ -51,7 +51,7 @@ SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/rounds.py"
 SIM_TESTS = ("tests/integration/test_simulate.py",)
 SERVICE_TESTS = ("tests/service/test_federation.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
-SA_SIM_TESTS = ("tests/integration/test_secure_simulate.py",)
+SA_SUMS, SA_SIM_TESTS = "fedrl/federation/secagg_sums.py", ("tests/integration/test_secure_simulate.py",)
 MUTANTS = (
     # DRPO / CQL update (drpo.py)
     Mutant("actor-max-of-twins", D, "q_pi = q(obs, pi_a).min(dim=twin_dim)", "q_pi = q(obs, pi_a).max(dim=twin_dim)"),
@@ -188,9 +188,9 @@ MUTANTS = (
     Mutant("secagg-second-answer-allowed", SA, "        if self._answered:\n", "        if False:\n", SA_TESTS),
     # the observation moments of round 0: each agent's weighted by its share of the samples,
     # the sum over the survivors' summed weight
-    Mutant("secagg-moments-unweighted", SA, "flat = np.concatenate([mean, sq, [1.0]]) * alpha",
+    Mutant("secagg-moments-unweighted", SA_SUMS, "flat = np.concatenate([mean, sq, [1.0]]) * alpha",
            "flat = np.concatenate([mean, sq, [1.0]])", SA_SIM_TESTS),
-    Mutant("secagg-moments-not-over-weight", SA,
+    Mutant("secagg-moments-not-over-weight", SA_SUMS,
            "return ObsStats(1, s[:obs_dim] / weight, s[obs_dim:2 * obs_dim] / weight).mean_std()",
            "return ObsStats(1, s[:obs_dim], s[obs_dim:2 * obs_dim]).mean_std()", SA_SIM_TESTS),
 )

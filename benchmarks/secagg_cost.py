@@ -26,7 +26,8 @@ import torch
 from fedrl.algos import DRPOConfig
 from fedrl.federation.aggregate import fedavg
 from fedrl.federation.round import initial_global_state
-from fedrl.federation.secagg import SecAggParams, agent_vector, secure_fedavg, share_in_process
+from fedrl.federation.secagg import SecAggParams, share_in_process
+from fedrl.federation.secagg_sums import agent_vector, secure_fedavg
 from fedrl.proto.v1 import federation_pb2 as pb
 
 OUT = Path(__file__).resolve().parent / "results" / "secagg-cost.json"

@@ -439,7 +439,8 @@ def secure_average(cfg: SimConfig, r: int, states: list, weights: list[float], n
     survivors' sum carries at least the central mechanism's N(0, (sigma * C)^2)."""
     import math
 
-    from fedrl.federation.secagg import SecAggParams, secure_fedavg
+    from fedrl.federation.secagg import SecAggParams
+    from fedrl.federation.secagg_sums import secure_fedavg
 
     params = SecAggParams(threshold=cfg.secagg_threshold, context=f"simulate/{cfg.seed}/{r}".encode())
     std = cfg.dp_noise * cfg.dp_clip / math.sqrt(cfg.secagg_threshold) if noise_gen is not None else 0.0
@@ -449,7 +450,7 @@ def secure_average(cfg: SimConfig, r: int, states: list, weights: list[float], n
 def secure_normalizer(cfg: SimConfig, stats: list[ObsStats]) -> tuple[tuple[np.ndarray, np.ndarray], dict]:
     """Pooled normalisation under secure aggregation (round 0 of a secure run): the agents'
     moments summed by the protocol, as the services gather them (MOMENTS tasks)."""
-    from fedrl.federation.secagg import moments_params, secure_moments
+    from fedrl.federation.secagg_sums import moments_params, secure_moments
 
     params = moments_params(cfg.secagg_threshold, f"simulate/{cfg.seed}/0".encode())
     return secure_moments(stats, [s.count for s in stats], params)

@@ -14,9 +14,8 @@ import torch
 from fedrl.data.normalize import ObsStats
 
 from fedrl.federation.aggregate import fedavg
-from fedrl.federation.secagg import (
-    SecAggError,
-    SecAggParams,
+from fedrl.federation.secagg import SecAggError, SecAggParams
+from fedrl.federation.secagg_sums import (
     moments_from_sum,
     moments_params,
     moments_vector,

@@ -10,6 +10,7 @@ import pytest
 
 from fedrl.federation import secagg as sa
 from fedrl.federation.secagg import AgentSession, SecAggError, SecAggParams, ServerSession
+from fedrl.federation.secagg_sums import agent_vector
 
 
 def params(t=3, **kw):
@@ -197,7 +198,7 @@ def test_an_agents_share_of_the_noise_has_the_stated_std_and_the_sum_at_least_th
     s = sigma_c / np.sqrt(p.threshold)
     gen = torch.Generator().manual_seed(3)
     zero = {"policy.w": torch.zeros(size)}
-    xs = {f"agent-{i}": sa.agent_vector(zero, 1.0, p, s, gen) for i in range(p.threshold)}
+    xs = {f"agent-{i}": agent_vector(zero, 1.0, p, s, gen) for i in range(p.threshold)}
     total, _ = run_round(xs, p)
     noise = sa.dequantize(total, p)[:-1]
     var = float(np.var(noise))
