@@ -1,14 +1,15 @@
 """The agents an aggregator knows: Join (validated, bounded, forgotten when gone), progress,
 liveness, and the evaluators that follow the runs.
 
-A mixin of :class:`aggregator_service.coordinator.Coordinator`: its methods share the
-coordinator's state (``cond``, ``run``, ``agents``, ``store``) and run with ``cond`` held where
-their names start with an underscore and say so."""
+A part of :class:`aggregator_service.coordinator.Coordinator`, below the rounds and the
+lifecycle: it reads the shared state (:class:`aggregator_service.records.Shared`) and nothing of
+theirs. Its methods whose names start with an underscore run with the lock held."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -18,6 +19,7 @@ from aggregator_service.records import (
     AGENT_ID,
     EVALUATOR_SEEN_SECONDS,
     AgentRecord,
+    Shared,
     check_moments,
     env_mismatch,
     task_of,
@@ -30,6 +32,15 @@ from fedrl.wire.rpc import ServiceError
 log = logging.getLogger("fedrl.aggregator")
 
 class AgentRegistry:
+    def __init__(self, shared: Shared, max_agents: int, agent_ttl: float, max_task_wait: float) -> None:
+        self.s, self.max_agents, self.agent_ttl, self.max_task_wait = shared, max_agents, agent_ttl, max_task_wait
+        self.agents: dict[str, AgentRecord] = {}
+        self.evaluators = 0  # evaluators following the runs now (their watch streams)
+        self.evaluator_seen = 0.0  # when an evaluator's watch last opened or closed
+        # Called under the lock after each Join is recorded: the coordinator has the rounds see
+        # whether a waiting run can begin (the registry knows nothing of rounds).
+        self.on_join: Callable[[], None] = lambda: None
+
     def _check_task(self, rec: AgentRecord, run) -> None:
         """While a run is active, an agent of another task is refused at Join, naming the
         difference; no single agent decides the task for the others:
@@ -51,7 +62,7 @@ class AgentRegistry:
         if run.state == "running":
             peers = [self.agents[a] for a in run.selected if a in self.agents and a != rec.agent_id]
         else:
-            peers = [a for a in self.agents.values() if a.agent_id != rec.agent_id and self._connected(a, now)]
+            peers = [a for a in self.agents.values() if a.agent_id != rec.agent_id and self.connected(a, now)]
             if len({task_of(a) for a in peers}) != 1 or len(peers) < 2:
                 return  # no agreeing majority yet: the run's start decides
         env = run.env_id or run.cfg.env or next((a.env_id for a in peers if a.env_id), "")
@@ -99,9 +110,9 @@ class AgentRegistry:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"agent {rec.agent_id}: observation moments (sums, sums of squares, and the mean "
                                    "and std they give) must be finite")
-        with self.cond:
+        with self.s.cond:
             old = self.agents.get(rec.agent_id)
-            run = self.run
+            run = self.s.run
             self._check_task(rec, run)
             if old is not None and run is not None and run.state == "running" and rec.agent_id in run.selected:
                 if (old.obs_dim, old.act_dim) != (rec.obs_dim, rec.act_dim):
@@ -125,19 +136,19 @@ class AgentRegistry:
             log.info("agent %s joined (index %d, %d samples)", rec.agent_id, rec.index, rec.num_samples,
                      extra={"event": {"kind": "AGENT_JOINED", "agent_id": rec.agent_id, "agent_index": rec.index,
                                       "num_samples": rec.num_samples}})
-            self._maybe_begin()
-            self.cond.notify_all()
+            self.on_join()
+            self.s.cond.notify_all()
             return run.run_id if run else ""
 
     def _in_run(self, agent_id: str) -> bool:
-        run = self.run
+        run = self.s.run
         return run is not None and run.state in ACTIVE and agent_id in run.selected
 
     def _expire(self, now: float, make_room: bool = False) -> None:
         """Drop the records of agents gone: not seen for ``agent_ttl`` (or, with ``make_room``,
         not connected now), and not selected in the active run. Under the lock."""
         gone = [a for a in self.agents.values() if not self._in_run(a.agent_id)
-                and (now - a.last_seen > self.agent_ttl or (make_room and not self._connected(a, now)))]
+                and (now - a.last_seen > self.agent_ttl or (make_room and not self.connected(a, now)))]
         for a in sorted(gone, key=lambda a: a.last_seen):
             del self.agents[a.agent_id]
             log.info("agent %s forgotten (last seen %.0fs ago)", a.agent_id, now - a.last_seen,
@@ -146,11 +157,11 @@ class AgentRegistry:
     def last_accepted_round(self, agent_id: str, run_id: str) -> int:
         """The last round of ``run_id`` whose update from ``agent_id`` was accepted, 0 if none.
         A restarted aggregator knows those of the rounds whose close it stored (events)."""
-        with self.cond:
+        with self.s.cond:
             a = self.agents.get(agent_id)
             return a.last_accepted[1] if a is not None and run_id and a.last_accepted[0] == run_id else 0
 
-    def _agent(self, agent_id: str) -> AgentRecord:
+    def agent(self, agent_id: str) -> AgentRecord:
         a = self.agents.get(agent_id)
         if a is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown agent {agent_id!r}: call Join first",
@@ -164,20 +175,20 @@ class AgentRegistry:
         if not (0 <= done <= total <= 10**12):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"progress {done}/{total}: expected 0 <= steps_done <= steps_total", "bad_progress")
-        with self.cond:
-            a = self._agent(agent_id)
-            a.progress = (self.run.run_id if self.run else "", round_, done, total)
+        with self.s.cond:
+            a = self.agent(agent_id)
+            a.progress = (self.s.run.run_id if self.s.run else "", round_, done, total)
 
-    def _connected(self, a: AgentRecord, now: float) -> bool:
+    def connected(self, a: AgentRecord, now: float) -> bool:
         return now - a.last_seen < 2 * self.max_task_wait + 5
 
     @staticmethod
-    def _rounds_in(a: AgentRecord, run) -> int:
+    def rounds_in(a: AgentRecord, run) -> int:
         """Rounds of ``run`` (the current one) whose update from ``a`` was taken."""
         return a.rounds_submitted if run is not None and a.last_accepted and a.last_accepted[0] == run.run_id else 0
 
     @staticmethod
-    def _progress_of(a: AgentRecord, run) -> dict[str, int]:
+    def progress_of(a: AgentRecord, run) -> dict[str, int]:
         pr_run, pr_round, done, total = a.progress
         if run is None or pr_run != run.run_id or pr_round != run.round or run.state != "running":
             return {"steps_done": 0, "steps_total": 0}
@@ -185,10 +196,10 @@ class AgentRegistry:
 
     def evaluator_attached(self, delta: int) -> None:
         """An evaluator's watch stream opened (+1) or closed (-1); either way it was just seen."""
-        with self.cond:
+        with self.s.cond:
             self.evaluators += delta
             self.evaluator_seen = time.time()
-            self.cond.notify_all()
+            self.s.cond.notify_all()
 
     def evaluators_following(self) -> int:
         """Evaluators following the runs: streams open now, or 1 for an evaluator seen within

@@ -1,4 +1,7 @@
-"""The aggregator's round state machine, free of gRPC message types.
+"""The aggregator, free of gRPC message types: a coordinator that owns the lock and holds four
+parts, each with one job and each given what it uses, so that every dependency is one way:
+
+    records (Run, AgentRecord, Shared) <- journal <- agents <- rounds <- lifecycle <- coordinator
 
 States of a run: ``waiting_for_agents`` -> ``running`` -> ``finished`` (or ``stopped`` /
 ``failed``). A round opens with the current global version; every selected agent fetches it,
@@ -9,60 +12,153 @@ deadline if at least ``min_agents`` have. The new global version is written to t
 
 from __future__ import annotations
 
-import logging
 import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
 
 from aggregator_service.agents import AgentRegistry
+from aggregator_service.journal import Journal
 from aggregator_service.lifecycle import RunLifecycle
-from aggregator_service.records import AGENT_TTL, MAX_AGENTS, AgentRecord, Run
+from aggregator_service.records import AGENT_TTL, MAX_AGENTS, AgentRecord, Run, Shared
 from aggregator_service.rounds import Rounds
 from aggregator_service.store import Store
 from fedrl.ops.metrics import AggregatorMetrics
+from fedrl.wire.codec import Encoded, Flat, Manifest
 from fedrl.wire.memory import BufferPool
 
-log = logging.getLogger("fedrl.aggregator")
 
-
-class Coordinator(AgentRegistry, RunLifecycle, Rounds):
+class Coordinator:
     """Thread-safe: every public method takes the one lock; waiters use its condition."""
 
     def __init__(self, store: Store, max_task_wait: float = 30.0, tick: float = 0.1,
                  eval_grace: float = 120.0, metrics: AggregatorMetrics | None = None,
                  resume: bool = False, max_agents: int = MAX_AGENTS, agent_ttl: float = AGENT_TTL) -> None:
-        self.store, self.eval_grace = store, eval_grace
-        self.evaluators = 0  # evaluators following the runs now (their watch streams)
-        self.evaluator_seen = 0.0  # when an evaluator's watch last opened or closed
-        self.max_agents, self.agent_ttl = max_agents, agent_ttl
-        self._digests: dict[tuple[str, int, int], str] = {}  # stored versions' sha256, by file state
+        self.store, self.max_task_wait = store, max_task_wait
         self.metrics = metrics or AggregatorMetrics()
-        self.metrics.bind(self.gauges)
-        self.max_task_wait = max_task_wait
-        self.cond = threading.Condition()
-        self.agents: dict[str, AgentRecord] = {}
-        self.run: Run | None = None
-        self._closed = False
-        # Where received updates are assembled: each agent's buffer is written again the next
-        # round instead of being faulted in afresh. Kept only while a run is active (the ticker
-        # sets how many), one per agent of the run.
-        self.buffers = BufferPool()
-        # Where each round's average is written: the buffer of a version no longer held (neither
-        # current, nor the one before, which late agents may still fetch, nor cached for
-        # FetchGlobal) serves the next, instead of 30 MB of fresh pages faulted in at the close,
-        # where every agent waits. Kept only while a run is active (the ticker sets it).
-        self.averages = BufferPool()
+        self.shared = Shared()
+        self.journal = Journal(store)
+        self.registry = AgentRegistry(self.shared, max_agents, agent_ttl, max_task_wait)
+        self.rounds = Rounds(self.shared, self.registry, self.journal, store, self.metrics, max_task_wait)
+        self.lifecycle = RunLifecycle(self.shared, self.registry, self.journal, self.rounds, store, eval_grace)
+        self.registry.on_join = self.rounds.maybe_begin
+        self.metrics.bind(self.lifecycle.gauges)
         if resume:
-            self._resume()
-        self._ticker = threading.Thread(target=self._tick_loop, args=(tick,), daemon=True,
+            with self.shared.cond:
+                self.lifecycle.resume()
+        self._ticker = threading.Thread(target=self.rounds.tick_loop, args=(tick,), daemon=True,
                                         name="aggregator-ticker")
         self._ticker.start()
 
+    # -- the shared state, read by the servicers and the tests ----------------------------------
+    @property
+    def cond(self) -> threading.Condition:
+        return self.shared.cond
+
+    @property
+    def run(self) -> Run | None:
+        return self.shared.run
+
+    @property
+    def agents(self) -> dict[str, AgentRecord]:
+        return self.registry.agents
+
+    @property
+    def evaluators(self) -> int:
+        return self.registry.evaluators
+
+    @property
+    def max_agents(self) -> int:
+        return self.registry.max_agents
+
+    @max_agents.setter
+    def max_agents(self, n: int) -> None:
+        self.registry.max_agents = n
+
+    @property
+    def agent_ttl(self) -> float:
+        return self.registry.agent_ttl
+
+    @agent_ttl.setter
+    def agent_ttl(self, seconds: float) -> None:
+        self.registry.agent_ttl = seconds
+
+    @property
+    def buffers(self) -> BufferPool:
+        return self.rounds.buffers
+
+    @property
+    def averages(self) -> BufferPool:
+        return self.rounds.averages
+
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self.shared.closed
 
     def close(self) -> None:
-        with self.cond:
-            self._closed = True
-            self.cond.notify_all()
+        with self.shared.cond:
+            self.shared.closed = True
+            self.shared.cond.notify_all()
         self._ticker.join(timeout=2)
 
+    # -- agents ---------------------------------------------------------------------------------
+    def join(self, rec: AgentRecord) -> str:
+        return self.registry.join(rec)
+
+    def last_accepted_round(self, agent_id: str, run_id: str) -> int:
+        return self.registry.last_accepted_round(agent_id, run_id)
+
+    def progress(self, agent_id: str, round_: int, done: int, total: int) -> None:
+        self.registry.progress(agent_id, round_, done, total)
+
+    def evaluator_attached(self, delta: int) -> None:
+        self.registry.evaluator_attached(delta)
+
+    def evaluators_following(self) -> int:
+        return self.registry.evaluators_following()
+
+    # -- rounds ---------------------------------------------------------------------------------
+    def next_task(self, agent_id: str, wait: float, probe: bool = False) -> dict[str, Any]:
+        return self.rounds.next_task(agent_id, wait, probe)
+
+    def global_weights(self, run_id: str, version: int) -> Encoded:
+        return self.rounds.global_weights(run_id, version)
+
+    def check_header(self, agent_id: str, m: Manifest) -> None:
+        self.rounds.check_header(agent_id, m)
+
+    def update_refused(self, agent_id: str, reason: str, detail: str) -> None:
+        self.rounds.update_refused(agent_id, reason, detail)
+
+    def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor], metrics: Mapping[str, float],
+               seconds: float, flat: Flat | None = None) -> int:
+        return self.rounds.submit(agent_id, m, state, metrics, seconds, flat)
+
+    def secure_step(self, agent_id: str, run_id: str, round_: int, step: str, msg: Any, wait: float):
+        return self.rounds.secure_step(agent_id, run_id, round_, step, msg, wait)
+
+    # -- the run's lifecycle --------------------------------------------------------------------
+    def start_run(self, config_json: str) -> dict[str, Any]:
+        return self.lifecycle.start_run(config_json)
+
+    def stop_run(self, reason: str) -> dict[str, Any]:
+        return self.lifecycle.stop_run(reason)
+
+    def report_evaluation(self, report: dict[str, Any]) -> None:
+        self.lifecycle.report_evaluation(report)
+
+    def status(self) -> dict[str, Any]:
+        return self.lifecycle.status()
+
+    def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
+        return self.lifecycle.list_runs(limit)
+
+    def list_versions(self, run_id: str = "") -> tuple[str, list[dict[str, Any]]]:
+        return self.lifecycle.list_versions(run_id)
+
+    def gauges(self) -> dict[str, float]:
+        return self.lifecycle.gauges()
+
+    def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5) -> Iterator[dict[str, Any]]:
+        return self.lifecycle.watch(after_version, is_active, poll)

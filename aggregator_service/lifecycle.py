@@ -1,9 +1,9 @@
-"""A run's lifecycle and journal: start, stop, evaluations, status, events and the watch
-stream, the state directory's runs and versions, and resuming after a restart.
+"""A run's lifecycle: start, stop, evaluations, status and the watch stream, the state
+directory's runs and versions, and resuming after a restart.
 
-A mixin of :class:`aggregator_service.coordinator.Coordinator`: its methods share the
-coordinator's state (``cond``, ``run``, ``agents``, ``store``) and run with ``cond`` held where
-their names start with an underscore and say so."""
+A part of :class:`aggregator_service.coordinator.Coordinator`, the top one: it uses the agent
+registry, the journal and the rounds (given at construction) and the shared state. Its methods
+whose names start with an underscore run with the lock held."""
 
 from __future__ import annotations
 
@@ -18,12 +18,17 @@ from typing import Any
 
 import grpc
 
+from aggregator_service.agents import AgentRegistry
+from aggregator_service.journal import Journal
 from aggregator_service.records import (
     ACTIVE,
     RUN_ID,
     Run,
+    Shared,
     replay_journal,
 )
+from aggregator_service.rounds import Rounds
+from aggregator_service.store import Store
 from fedrl.federation.privacy import privacy_spent
 from fedrl.federation.runconfig import (
     ConfigError,
@@ -34,19 +39,25 @@ from fedrl.wire.rpc import ServiceError
 log = logging.getLogger("fedrl.aggregator")
 
 class RunLifecycle:
+    def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, rounds: Rounds, store: Store,
+                 eval_grace: float) -> None:
+        self.s, self.registry, self.journal, self.rounds, self.store = shared, registry, journal, rounds, store
+        self.eval_grace = eval_grace
+        self._digests: dict[tuple[str, int, int], str] = {}  # stored versions' sha256, by file state
+
     def start_run(self, config_json: str) -> dict[str, Any]:
         try:
             cfg = parse_run_config(config_json)
         except ConfigError as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid run config: {e}", "bad_config") from None
-        if cfg.agents > self.max_agents:
+        if cfg.agents > self.registry.max_agents:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"invalid run config: agents: {cfg.agents} is more than this aggregator keeps "
-                               f"(--max-agents {self.max_agents})", "bad_config")
-        with self.cond:
-            if self.run is not None and self.run.state in ACTIVE:
+                               f"(--max-agents {self.registry.max_agents})", "bad_config")
+        with self.s.cond:
+            if self.s.run is not None and self.s.run.state in ACTIVE:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"run {self.run.run_id} is {self.run.state}; stop it first", "run_active")
+                                   f"run {self.s.run.run_id} is {self.s.run.state}; stop it first", "run_active")
             run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
             run = Run(run_id, cfg, cfg.to_json(), time.time())
             try:
@@ -56,25 +67,25 @@ class RunLifecycle:
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.FAILED_PRECONDITION,
                                    f"cannot store the run in the state directory "
                                    f"({'full' if full else 'not writable'}: {e.strerror or e})", "state_dir") from None
-            self.run = run
-            self._event(run, "RUN_STARTED", message=f"waiting for {cfg.agents} agents")
-            self._maybe_begin()
-            self.cond.notify_all()
+            self.s.run = run
+            self.journal.event(run, "RUN_STARTED", message=f"waiting for {cfg.agents} agents")
+            self.rounds.maybe_begin()
+            self.s.cond.notify_all()
             return self._status()
 
     def stop_run(self, reason: str) -> dict[str, Any]:
-        with self.cond:
-            run = self.run
+        with self.s.cond:
+            run = self.s.run
             if run is None or run.state not in ACTIVE:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no active run to stop", "no_run")
             run.state, run.message = "stopped", reason or "stopped by operator"
-            self._event(run, "RUN_STOPPED", message=run.message)
-            self.cond.notify_all()
+            self.journal.event(run, "RUN_STOPPED", message=run.message)
+            self.s.cond.notify_all()
             return self._status()
 
     def report_evaluation(self, report: dict[str, Any]) -> None:
-        with self.cond:
-            run = self.run
+        with self.s.cond:
+            run = self.s.run
             if run is None or report.get("run_id") != run.run_id:
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {report.get('run_id')!r}", "unknown_run")
             v = int(report["version"])
@@ -82,17 +93,17 @@ class RunLifecycle:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"version {v} does not exist (latest {run.version})", "unknown_version")
             run.evaluations[v] = dict(report)
-            self._event(run, "EVALUATED", version=v, round=v, evaluation=dict(report))
-            self.cond.notify_all()
+            self.journal.event(run, "EVALUATED", version=v, round=v, evaluation=dict(report))
+            self.s.cond.notify_all()
 
     def status(self) -> dict[str, Any]:
-        with self.cond:
+        with self.s.cond:
             return self._status()
 
     def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
         limit = 100 if limit <= 0 else min(limit, 1000)
-        with self.cond:
-            active = {self.run.run_id: (self.run.state, self.run.message)} if self.run is not None else {}
+        with self.s.cond:
+            active = {self.s.run.run_id: (self.s.run.state, self.s.run.message)} if self.s.run is not None else {}
         out = []
         for run_id in reversed(self.store.run_ids()[-limit:]):
             try:
@@ -158,46 +169,46 @@ class RunLifecycle:
 
     def gauges(self) -> dict[str, float]:
         """The numbers the aggregator's state gauges show (read at scrape time)."""
-        with self.cond:
-            run, now = self.run, time.time()
+        with self.s.cond:
+            run, now = self.s.run, time.time()
             active = run is not None and run.state in ACTIVE
-            return {"agents_connected": sum(self._connected(a, now) for a in self.agents.values()),
+            return {"agents_connected": sum(self.registry.connected(a, now) for a in self.registry.agents.values()),
                     "agents_expected": run.cfg.agents if active else 0,
                     "global_version": run.version if run else 0, "round": run.round if run else 0,
                     "run_active": 1.0 if active else 0.0,
                     "round_deadline": run.deadline if run is not None and run.state == "running" else 0.0}
 
     def _status(self) -> dict[str, Any]:
-        run = self.run
+        run = self.s.run
         now = time.time()
         agents = [{"agent_id": a.agent_id, "agent_index": a.index, "num_samples": a.num_samples,
-                   "connected": self._connected(a, now),
-                   "last_seen_unix": a.last_seen, "rounds_submitted": self._rounds_in(a, run),
-                   **self._progress_of(a, run)}
-                  for a in sorted(self.agents.values(), key=lambda a: (a.index, a.agent_id))]
+                   "connected": self.registry.connected(a, now),
+                   "last_seen_unix": a.last_seen, "rounds_submitted": self.registry.rounds_in(a, run),
+                   **self.registry.progress_of(a, run)}
+                  for a in sorted(self.registry.agents.values(), key=lambda a: (a.index, a.agent_id))]
         if run is None:
-            return {"state": "idle", "agents": agents, "evaluators_following": self.evaluators_following()}
+            return {"state": "idle", "agents": agents, "evaluators_following": self.registry.evaluators_following()}
         last = run.evaluations[max(run.evaluations)] if run.evaluations else None
         return {"run_id": run.run_id, "state": run.state, "round": run.round, "rounds": run.cfg.rounds,
                 "global_version": run.version, "agents": agents, "message": run.message,
                 "last_evaluation": last, "config_json": run.config_json, "env_id": run.env_id,
-                "evaluated_versions": sorted(run.evaluations), "evaluators_following": self.evaluators_following(),
+                "evaluated_versions": sorted(run.evaluations), "evaluators_following": self.registry.evaluators_following(),
                 **({"privacy": privacy_spent(run.cfg, run.version)} if run.cfg.dp_clip else {})}
 
     def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5) -> Iterator[dict[str, Any]]:
         """Events of the current run with version > ``after_version``, then live ones, until it ends."""
         sent = 0
-        with self.cond:
-            run = self.run
+        with self.s.cond:
+            run = self.s.run
         if run is None:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no run to watch", "no_run")
         while is_active():
-            with self.cond:
+            with self.s.cond:
                 new = run.events[sent:]
                 sent = len(run.events)
                 ended = self._watch_over(run)
                 if not new and not ended:
-                    self.cond.wait(poll)
+                    self.s.cond.wait(poll)
                     continue
             for e in new:
                 if e["kind"] in ("ROUND_OPENED", "ROUND_CLOSED", "EVALUATED") and e["version"] <= after_version:
@@ -206,7 +217,7 @@ class RunLifecycle:
             if ended and not new:
                 return
 
-    def _resume(self) -> None:
+    def resume(self) -> None:
         """Pick up the state directory's latest run if it never ended (the aggregator was killed).
 
         Its newest stored global version becomes the current one, bit for bit; the next round
@@ -221,10 +232,10 @@ class RunLifecycle:
             return
         cfg = parse_run_config(saved["config_json"])
         run = Run(run_id, cfg, saved["config_json"], time.time(), events=saved["events"])
-        self.run = run
+        self.s.run = run
         part = saved["participants"]
         if part is None:
-            self._event(run, "RUN_RESUMED", message=f"restarted; waiting for {cfg.agents} agents again")
+            self.journal.event(run, "RUN_RESUMED", message=f"restarted; waiting for {cfg.agents} agents again")
             log.info("resumed run %s: waiting for agents", run_id)
             return
         versions = self.store.versions(run_id)
@@ -238,12 +249,12 @@ class RunLifecycle:
                 log.error("run %s: version %d in the state directory cannot be resumed (%s); trying %d",
                           run_id, v, e, v - 1)
         if state is None:
-            self._fail(run, "restarted, but no stored global version could be read")
+            self.journal.fail(run, "restarted, but no stored global version could be read")
             return
         run.selected, run.env_id = list(part["selected"]), part["env_id"]
         run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
         run.version, run.global_state = v, state
-        run.encoded = {v: self._encode(run, v, state)}
+        run.encoded = {v: self.rounds.encode(run, v, state)}
         run.events = replay_journal(saved["events"], v)
         for e in run.events:
             if e["kind"] == "EVALUATED":
@@ -260,11 +271,11 @@ class RunLifecycle:
         msg = f"restarted; resuming from stored version {v}"
         if v >= cfg.rounds:
             run.state, run.ended = "finished", time.time()
-            self._event(run, "RUN_RESUMED", message=msg)
-            self._event(run, "RUN_FINISHED")
+            self.journal.event(run, "RUN_RESUMED", message=msg)
+            self.journal.event(run, "RUN_FINISHED")
         else:
-            self._event(run, "RUN_RESUMED", message=msg)
-            self._open_round(run, v + 1)
+            self.journal.event(run, "RUN_RESUMED", message=msg)
+            self.rounds.open_round(run, v + 1)
         log.info("resumed run %s at version %d (%s)", run_id, v, run.state)
 
     def _watch_over(self, run: Run) -> bool:
@@ -272,53 +283,7 @@ class RunLifecycle:
         (or evaluation is off, or no evaluator follows the run, or ``eval_grace`` seconds passed)."""
         if run.state in ACTIVE:
             return False
-        if run.state != "finished" or run.cfg.eval_episodes == 0 or not self.evaluators_following():
+        if run.state != "finished" or run.cfg.eval_episodes == 0 or not self.registry.evaluators_following():
             return True
         missing = [v for v in range(1, run.version + 1) if v not in run.evaluations]
         return not missing or time.time() - run.ended > self.eval_grace
-
-    @staticmethod
-    def _new_event(run: Run, kind: str, **kw: Any) -> dict[str, Any]:
-        return {"kind": kind, "run_id": run.run_id, "round": kw.pop("round", run.round),
-                "version": kw.pop("version", run.version), "time_unix": time.time(), **kw}
-
-    @staticmethod
-    def _log_event(run: Run, e: dict[str, Any]) -> None:
-        """The run's lifecycle in the log, one line per event (its fields in --log-format json)."""
-        k = e["kind"]
-        if k == "RUN_STARTED":
-            msg = f"run {run.run_id} started: {run.cfg.algo}, {run.cfg.agents} agents, {run.cfg.rounds} rounds x " \
-                  f"{run.cfg.local_steps} local steps; waiting for agents"
-        elif k == "ROUND_OPENED":
-            msg = f"run {run.run_id}: round {e['round']}/{run.cfg.rounds} opened for {len(e.get('agents', []))} agents " \
-                  f"(global version {e['version']})"
-        elif k == "ROUND_CLOSED":
-            msg = f"run {run.run_id}: round {e['round']}/{run.cfg.rounds} closed with {len(e.get('agents', []))} " \
-                  f"updates in {e.get('seconds', 0):.1f}s; version {e['version']} stored"
-        elif k == "EVALUATED":
-            ev = e.get("evaluation") or {}
-            msg = f"run {run.run_id}: version {e['version']} evaluated: return {ev.get('return_mean', 0):.1f}, " \
-                  f"score {ev.get('score_mean', 0):.1f}"
-        elif k == "RUN_FINISHED":
-            msg = f"run {run.run_id} finished after {run.round} rounds (version {e['version']})"
-        elif k == "RUN_RESUMED":
-            msg = f"run {run.run_id} resumed at version {e['version']}"
-        else:
-            msg = f"run {run.run_id} {k.lower().removeprefix('run_')}" + (f": {e['message']}" if e.get("message") else "")
-        fields = {k2: v for k2, v in e.items() if k2 not in ("metrics", "evaluation")}
-        level = {"RUN_FAILED": logging.ERROR, "RUN_STOPPED": logging.WARNING}.get(k, logging.INFO)
-        log.log(level, msg, extra={"event": fields})
-
-    def _event(self, run: Run, kind: str, **kw: Any) -> None:
-        e = self._new_event(run, kind, **kw)
-        self._log_event(run, e)
-        run.events.append(e)
-        try:
-            self.store.append_event(run.run_id, e)
-        except OSError as err:
-            log.error("cannot append event to the store: %s", err)
-
-    def _fail(self, run: Run, message: str) -> None:
-        run.state, run.message = "failed", message
-        self._event(run, "RUN_FAILED", message=message)
-

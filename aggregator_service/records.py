@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,3 +194,14 @@ def env_mismatch(env_name: str, agent_envs: set[str], obs_dim: int, act_dim: int
         return f"env in the run config cannot evaluate the agents' {obs_dim}-dim observations: {e}"
     return ""
 
+
+
+class Shared:
+    """What every part of the aggregator reads and none owns alone: the one lock (re-entrant) and
+    its condition, the current run, and whether the aggregator is closing. The coordinator makes
+    it and hands it to each part."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.run: Run | None = None
+        self.closed = False

@@ -1,9 +1,10 @@
 """A run's rounds: tasks, global versions served, updates checked and taken, a round opened
-and closed (FedAvg, the version written before it is announced), the deadline tick.
+and closed (FedAvg, or secure aggregation's sum; the version written before it is announced),
+round 0's observation moments in a secure run, and the deadline tick.
 
-A mixin of :class:`aggregator_service.coordinator.Coordinator`: its methods share the
-coordinator's state (``cond``, ``run``, ``agents``, ``store``) and run with ``cond`` held where
-their names start with an underscore and say so."""
+A part of :class:`aggregator_service.coordinator.Coordinator`: it uses the agent registry and the
+journal (given at construction) and the shared state; the lifecycle uses it, never the reverse.
+Its methods whose names start with an underscore run with the lock held."""
 
 from __future__ import annotations
 
@@ -17,18 +18,21 @@ import grpc
 import numpy as np
 import torch
 
+from aggregator_service.agents import AgentRegistry
+from aggregator_service.journal import Journal
 from aggregator_service.records import (
     ACTIVE,
     AVERAGE_POOL_MIN_BYTES,
     AVERAGES_KEPT,
     RUN_ID,
     Run,
+    Shared,
     Submission,
     env_mismatch,
     task_of,
 )
 from aggregator_service.secure_round import SecureRound
-from aggregator_service.store import DamagedVersion
+from aggregator_service.store import DamagedVersion, Store
 from fedrl.algos.config import config_to_dict
 from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
@@ -47,23 +51,39 @@ from fedrl.wire.codec import (
     encode,
     encoded_from_payload,
 )
+from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.manifest import MAX_MESSAGE_BYTES
-from fedrl.wire.memory import release_free_memory
+from fedrl.wire.memory import BufferPool, release_free_memory
 from fedrl.wire.rpc import ServiceError
 from fedrl.wire.serde import chunk_frame
 
 log = logging.getLogger("fedrl.aggregator")
 
 class Rounds:
+    def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, store: Store,
+                 metrics: AggregatorMetrics, max_task_wait: float) -> None:
+        self.s, self.registry, self.journal, self.store, self.metrics = shared, registry, journal, store, metrics
+        self.max_task_wait = max_task_wait
+        # Where received updates are assembled: each agent's buffer is written again the next
+        # round instead of being faulted in afresh. Kept only while a run is active (the ticker
+        # sets how many), one per agent of the run.
+        self.buffers = BufferPool()
+        # Where each round's average is written: the buffer of a version no longer held (neither
+        # current, nor the one before, which late agents may still fetch, nor cached for
+        # FetchGlobal) serves the next, instead of 30 MB of fresh pages faulted in at the close,
+        # where every agent waits. Kept only while a run is active (the ticker sets it).
+        self.averages = BufferPool()
+        self._noise = None  # differential privacy's generator, made on first use
+
     def next_task(self, agent_id: str, wait: float, probe: bool = False) -> dict[str, Any]:
         """A task for the agent: TRAIN, STOP, or WAIT after at most ``wait`` seconds. A run's STOP
         is given once per agent, to its task call; a ``probe`` (a training agent asking whether its
         task stands) is told STOP without using it up, so the call after it gets STOP too."""
         end = time.monotonic() + max(0.0, min(wait, self.max_task_wait))
-        with self.cond:
+        with self.s.cond:
             while True:
-                a = self._agent(agent_id)
-                run = self.run
+                a = self.registry.agent(agent_id)
+                run = self.s.run
                 if run is not None and agent_id in run.selected:
                     if run.state == "running" and run.round == 0:  # the moments' secure aggregation
                         if not run.secure.took_part(agent_id):
@@ -85,9 +105,9 @@ class Rounds:
                             a.stop_sent_for = run.run_id
                         return {"kind": "STOP", "run_id": run.run_id}
                 left = end - time.monotonic()
-                if left <= 0 or self._closed:
+                if left <= 0 or self.s.closed:
                     return {"kind": "WAIT"}
-                self.cond.wait(left)
+                self.s.cond.wait(left)
 
     def global_weights(self, run_id: str, version: int) -> Encoded:
         """A global version: of the current run (``run_id`` empty or its id), or a stored version
@@ -95,8 +115,8 @@ class Rounds:
         if version < -1:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"version {version}: expected a version >= 0, or -1 for the latest", "bad_version")
-        with self.cond:
-            run = self.run
+        with self.s.cond:
+            run = self.s.run
             current = run is not None and (not run_id or run_id == run.run_id)
             if current:
                 if run.state == "waiting_for_agents" or (run.state == "running" and not run.encoded):
@@ -136,7 +156,7 @@ class Rounds:
         """Refuse an update before its chunks are read (unknown agent, wrong run/round, duplicate,
         tensors or a declared size the global model cannot have: a CodecError, which the servicer
         maps to its status like any other verification failure)."""
-        with self.cond:
+        with self.s.cond:
             self._check_tensors(self._check_submission(agent_id, m), m)
 
     @staticmethod
@@ -148,8 +168,8 @@ class Rounds:
             check_manifest_matches(m, run.global_state)
 
     def _check_submission(self, agent_id: str, m: Manifest) -> Run:
-        self._agent(agent_id)
-        run = self.run
+        self.registry.agent(agent_id)
+        run = self.s.run
         if run is None or run.run_id != m.run_id:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"update for run {m.run_id!r}, but the active run is "
@@ -185,8 +205,8 @@ class Rounds:
         instead of waiting for agents that give up on it (see :meth:`_check_non_finite`)."""
         if reason != "non_finite":
             return
-        with self.cond:
-            run = self.run
+        with self.s.cond:
+            run = self.s.run
             if run is None or run.state != "running" or agent_id not in run.selected:
                 return
             run.non_finite[agent_id] = (detail, time.time())
@@ -201,25 +221,25 @@ class Rounds:
         if not run.non_finite or run.submissions or not set(run.non_finite) >= set(run.selected):
             return
         for agent_id, (_, at) in run.non_finite.items():
-            a = self.agents.get(agent_id)
-            if a is not None and (a.last_seen > at or self._connected(a, now)):
+            a = self.registry.agents.get(agent_id)
+            if a is not None and (a.last_seen > at or self.registry.connected(a, now)):
                 return
         detail = next(iter(run.non_finite.values()))[0]
-        self._fail(run, f"round {run.round}: every agent's update had NaN or Inf values ({detail}), and "
+        self.journal.fail(run, f"round {run.round}: every agent's update had NaN or Inf values ({detail}), and "
                         "every agent has gone; these settings cannot train")
-        self.cond.notify_all()
+        self.s.cond.notify_all()
 
     def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor],
                metrics: Mapping[str, float], seconds: float, flat: Flat | None = None) -> int:
         """Accept a verified update (``state`` decoded from a payload checked against ``m``,
         and ``flat``, its decoder's flat tensor, where it had one); closes the round when it
         completes. Returns the round."""
-        with self.cond:
+        with self.s.cond:
             run = self._check_submission(agent_id, m)
             self._check_tensors(run, m)
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
             run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds, flat)
-            rec = self.agents[agent_id]
+            rec = self.registry.agents[agent_id]
             same_run = rec.last_accepted is not None and rec.last_accepted[0] == run.run_id
             rec.rounds_submitted = (rec.rounds_submitted if same_run else 0) + 1  # counted per run
             rec.last_accepted = (run.run_id, run.round)
@@ -227,15 +247,15 @@ class Rounds:
             r = run.round
             if len(run.submissions) == len(run.selected):
                 self._close_round(run)
-                self.cond.notify_all()  # only a closed round changes what waiters look for
+                self.s.cond.notify_all()  # only a closed round changes what waiters look for
             return r
 
-    def _maybe_begin(self) -> None:
-        run = self.run
-        if run is None or run.state != "waiting_for_agents" or len(self.agents) < run.cfg.agents:
+    def maybe_begin(self) -> None:
+        run = self.s.run
+        if run is None or run.state != "waiting_for_agents" or len(self.registry.agents) < run.cfg.agents:
             return
         now = time.time()  # a run takes agents that are connected now, never records of agents gone
-        present = [a for a in self.agents.values() if self._connected(a, now)]
+        present = [a for a in self.registry.agents.values() if self.registry.connected(a, now)]
         if len(present) < run.cfg.agents:
             return
         cfg = run.cfg
@@ -244,7 +264,7 @@ class Rounds:
                         for a in present}
             if all(problems.values()):  # not one agent of its task: the config, not an agent, is wrong
                 first = min(present, key=lambda a: (a.index, a.agent_id))
-                self._fail(run, problems[first.agent_id])
+                self.journal.fail(run, problems[first.agent_id])
                 return
             present = [a for a in present if not problems[a.agent_id]]
         groups: dict[tuple[str, int, int], list] = {}
@@ -261,21 +281,21 @@ class Rounds:
         if cfg.env is not None:  # the evaluation env must be the agents' task
             problem = env_mismatch(cfg.env, envs, obs_dim, act_dim)
             if problem:
-                self._fail(run, problem)
+                self.journal.fail(run, problem)
                 return
         hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
         size = model_bytes(hp.hidden, obs_dim, act_dim, cfg.federate == "policy+critic")
         if size > MAX_MODEL_BYTES:  # before anything is built
-            self._fail(run, f"the global model would be {size / 2**20:.0f} MiB (hidden {list(hp.hidden)}, obs_dim "
+            self.journal.fail(run, f"the global model would be {size / 2**20:.0f} MiB (hidden {list(hp.hidden)}, obs_dim "
                             f"{obs_dim}, act_dim {act_dim}); a run's model may be at most {MAX_MODEL_BYTES >> 20} MiB")
             return
         if cfg.secagg_threshold and 8 * (size // 4 + 1) + 4096 > MAX_MESSAGE_BYTES:
-            self._fail(run, f"secure aggregation sends each agent's masked model in one message of 8 bytes a value: "
+            self.journal.fail(run, f"secure aggregation sends each agent's masked model in one message of 8 bytes a value: "
                             f"this model's would be {8 * (size // 4 + 1) / 2**20:.1f} MiB, over the "
                             f"{MAX_MESSAGE_BYTES >> 20} MiB a message may be")
             return
         if problem := check_step_bytes(hp, obs_dim, act_dim):  # the agents could not take a step
-            self._fail(run, f"{problem} (obs_dim {obs_dim}, act_dim {act_dim})")
+            self.journal.fail(run, f"{problem} (obs_dim {obs_dim}, act_dim {act_dim})")
             return
         run.env_id = cfg.env or (envs.pop() if envs else "")
         if cfg.secagg_threshold and cfg.obs_norm == "pooled":  # the moments too go masked: round 0
@@ -283,7 +303,7 @@ class Rounds:
             return
         if cfg.obs_norm != "none" and any(a.stats is None for a in chosen):
             private = [a.agent_id for a in chosen if a.stats is None]
-            self._fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments, and "
+            self.journal.fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments, and "
                             f"{', '.join(private[:5])}{' ...' if len(private) > 5 else ''} kept theirs private: "
                             f"set secagg_threshold to sum them under secure aggregation, or obs_norm=none")
             return
@@ -314,16 +334,16 @@ class Rounds:
         their normalisers (their ``own`` under obs_norm=local, else the global), round 1 opened."""
         cfg = run.cfg
         if not (np.isfinite(g_mean).all() and np.isfinite(g_std).all()):  # each agent's were finite; their pool overflowed
-            self._fail(run, "the agents' pooled observation moments are not finite")
+            self.journal.fail(run, "the agents' pooled observation moments are not finite")
             return
         hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
         state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
                                      cfg.federate == "policy+critic")
-        enc = self._encode(run, 0, state)
+        enc = self.encode(run, 0, state)
         try:
             self.store.save_version(run.run_id, 0, enc.pieces(), enc.manifest.checksum)
         except OSError as e:
-            self._fail(run, f"cannot write version 0 to the state directory: {e}")
+            self.journal.fail(run, f"cannot write version 0 to the state directory: {e}")
             return
         run.secure = None
         for a in run.selected:
@@ -333,14 +353,14 @@ class Rounds:
             self.store.save_participants(run.run_id, {"selected": run.selected, "norms": run.norms,
                                                       "env_id": run.env_id})
         except OSError as e:
-            self._fail(run, f"cannot write the participants to the state directory: {e}")
+            self.journal.fail(run, f"cannot write the participants to the state directory: {e}")
             return
         run.global_state = state
         run.encoded = {0: enc}
         run.state = "running"
-        self._open_round(run, 1)
+        self.open_round(run, 1)
 
-    def _encode(self, run: Run, version: int, state: dict[str, torch.Tensor]) -> Encoded:
+    def encode(self, run: Run, version: int, state: dict[str, torch.Tensor]) -> Encoded:
         """A global version as sent and as stored: the same bytes, its provenance in the header."""
         if not run.hparams_json:
             run.hparams_json = json.dumps(config_to_dict(algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)))
@@ -360,19 +380,19 @@ class Rounds:
             return torch.empty(numel, dtype=dtype)
         return torch.frombuffer(self.averages.take(nbytes), dtype=dtype)
 
-    def _open_round(self, run: Run, r: int) -> None:
+    def open_round(self, run: Run, r: int) -> None:
         run.round, run.submissions, run.non_finite = r, {}, {}
         run.round_opened = time.time()
         run.deadline = run.round_opened + run.cfg.round_timeout
         run.secure = None
         if run.cfg.secagg_threshold:
-            weights = agent_weights(run.cfg.weighting, [self.agents[a].num_samples if a in self.agents else 1
+            weights = agent_weights(run.cfg.weighting, [self.registry.agents[a].num_samples if a in self.registry.agents else 1
                                                         for a in run.selected])
             run.secure = SecureRound(
                 SecAggParams(threshold=run.cfg.secagg_threshold, context=f"{run.run_id}/{r}".encode()),
                 list(run.selected), dict(zip(run.selected, weights)),
                 sum(t.numel() for t in run.global_state.values()), run.cfg.round_timeout, run.deadline)
-        self._event(run, "ROUND_OPENED", agents=list(run.selected))
+        self.journal.event(run, "ROUND_OPENED", agents=list(run.selected))
 
     def _close_round(self, run: Run) -> None:
         order = [a for a in run.selected if a in run.submissions]
@@ -389,7 +409,7 @@ class Rounds:
                 new = aggregate(cfg.aggregation, [s.state for s in subs], w, cfg.trim_fraction,
                                 [s.flat for s in subs], self._average_memory)
         except (AggregationError, ValueError) as e:
-            self._fail(run, f"aggregation failed in round {run.round}: {e}")
+            self.journal.fail(run, f"aggregation failed in round {run.round}: {e}")
             return
         self._commit_round(run, new, order, [s.metrics for s in subs])
 
@@ -405,7 +425,7 @@ class Rounds:
                 return
             new = average_from_sum(dequantize(sec.total(), sec.params), run.global_state)
         except SecAggError as e:
-            self._fail(run, f"{self._secure_name(run)}: secure aggregation failed: {e}")
+            self.journal.fail(run, f"{self._secure_name(run)}: secure aggregation failed: {e}")
             return
         order = [a for a in run.selected if a in sec.survivors]
         self._commit_round(run, new, order, [sec.metrics[a][0] for a in order])
@@ -416,7 +436,7 @@ class Rounds:
         it and announce it; a version that cannot be written leaves the round open."""
         cfg = run.cfg
         v = run.version + 1
-        enc = self._encode(run, v, new)
+        enc = self.encode(run, v, new)
         metrics: dict[str, float] = {}
         for m in agent_metrics:
             for k, x in m.items():
@@ -430,7 +450,7 @@ class Rounds:
             # The line is fsynced (durable) so not even a power cut keeps the version without
             # it. A close retried after a failed write is journaled once.
             if run.closing is None or (run.closing["version"], run.closing["agents"]) != (v, order):
-                closing = self._new_event(run, "ROUND_CLOSED", version=v, agents=order,
+                closing = self.journal.new_event(run, "ROUND_CLOSED", version=v, agents=order,
                                           metrics=metrics, seconds=seconds)
                 self.store.append_event(run.run_id, closing, durable=True)
                 run.closing = closing
@@ -446,30 +466,30 @@ class Rounds:
         run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
         run.encoded[v] = enc
         self.metrics.round_closed(seconds)
-        self._log_event(run, run.closing)
+        self.journal.log_event(run, run.closing)
         run.events.append(run.closing)  # announced only now that the version is on disk
         run.closing = None
         if cfg.dp_clip:
             self.metrics.privacy_spent(metrics[PRIVACY_EPSILON])
         if run.round >= run.cfg.rounds:
             run.state, run.ended = "finished", time.time()
-            self._event(run, "RUN_FINISHED")
+            self.journal.event(run, "RUN_FINISHED")
         elif cfg.dp_epsilon_budget and (e := epsilon(cfg.dp_noise, run.round + 1, cfg.dp_delta)) > cfg.dp_epsilon_budget:
             run.state, run.ended = "stopped", time.time()
             run.message = (f"privacy budget: round {run.round + 1} would spend epsilon {e:.3g} at delta "
                            f"{cfg.dp_delta:g}, over the budget of {cfg.dp_epsilon_budget:g}")
-            self._event(run, "RUN_STOPPED", message=run.message)
+            self.journal.event(run, "RUN_STOPPED", message=run.message)
         else:
-            self._open_round(run, run.round + 1)
+            self.open_round(run, run.round + 1)
 
     def secure_step(self, agent_id: str, run_id: str, round_: int, step: str, msg: Any,
                     wait: float) -> dict[str, Any] | None:
         """One secure aggregation step of ``agent_id`` (``msg``: its message for ``step``): what
         the step gives it once closed, or None (pending) after at most ``wait`` seconds."""
         end = time.monotonic() + max(0.0, min(wait, self.max_task_wait))
-        with self.cond:
-            self._agent(agent_id)
-            run = self.run
+        with self.s.cond:
+            self.registry.agent(agent_id)
+            run = self.s.run
             if run is None or run.run_id != run_id:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"secure aggregation for run {run_id!r}, but the active run is "
@@ -494,9 +514,9 @@ class Rounds:
                 if out is not None:
                     return out
                 left = end - time.monotonic()
-                if left <= 0 or self._closed or run.state != "running":
+                if left <= 0 or self.s.closed or run.state != "running":
                     return None
-                self.cond.wait(left)
+                self.s.cond.wait(left)
 
     def _advance_secure(self, run: Run, now: float) -> None:
         """Close the secure aggregation's open steps that can close; its last closes the round.
@@ -507,14 +527,14 @@ class Rounds:
             while sec.advance(now):
                 moved = True
         except SecAggError as e:
-            self._fail(run, f"{self._secure_name(run)}: {e}")
-            self.cond.notify_all()
+            self.journal.fail(run, f"{self._secure_name(run)}: {e}")
+            self.s.cond.notify_all()
             return
         if sec.done:
             self._close_secure(run)
             moved = True
         if moved:
-            self.cond.notify_all()
+            self.s.cond.notify_all()
 
     @staticmethod
     def _secure_name(run: Run) -> str:
@@ -526,10 +546,10 @@ class Rounds:
             self._noise = noise_generator()
         return self._noise
 
-    def _tick_loop(self, tick: float) -> None:
+    def tick_loop(self, tick: float) -> None:
         was_active = False
         while True:
-            run = self.run
+            run = self.s.run
             active = run is not None and run.state in ACTIVE
             # Outside the lock, as either can take tens of ms after 30 MB rounds. While a run is
             # active its memory is kept for its next rounds: a buffer per agent, and the heap
@@ -540,23 +560,23 @@ class Rounds:
             if was_active and not active:
                 release_free_memory()
             was_active = active
-            with self.cond:
-                if self._closed:
+            with self.s.cond:
+                if self.s.closed:
                     return
-                self.cond.wait(tick)
-                run = self.run
+                self.s.cond.wait(tick)
+                run = self.s.run
                 if run is None:
                     continue
                 now = time.time()
                 if run.state == "waiting_for_agents" and now - run.created > run.cfg.join_timeout:
-                    live = [a for a in self.agents.values() if self._connected(a, now)]
+                    live = [a for a in self.registry.agents.values() if self.registry.connected(a, now)]
                     tasks = {task_of(a) for a in live}
                     split = (f" (they hold {len(tasks)} different tasks: "
                              + "; ".join(f"{e or 'no env'} {o}/{d}" for e, o, d in sorted(tasks)) + ")"
                              if len(tasks) > 1 else "")
-                    self._fail(run, f"only {len(live)} of the {run.cfg.agents} agents the run needs were connected "
+                    self.journal.fail(run, f"only {len(live)} of the {run.cfg.agents} agents the run needs were connected "
                                     f"within {run.cfg.join_timeout:.0f}s{split}")
-                    self.cond.notify_all()
+                    self.s.cond.notify_all()
                 elif run.state == "running" and run.non_finite:
                     self._check_non_finite(run, now)
                 if run.state == "running" and run.secure is not None:
@@ -570,5 +590,5 @@ class Rounds:
                 elif run.state == "running" and (now >= run.deadline or run.message) and run.submissions:
                     if len(run.submissions) >= run.cfg.quorum:
                         self._close_round(run)
-                        self.cond.notify_all()
+                        self.s.cond.notify_all()
 
