@@ -1,7 +1,7 @@
 """The aggregator, free of gRPC message types: a coordinator that owns the lock and holds four
 parts, each with one job and each given what it uses, so that every dependency is one way:
 
-    records (Run, AgentRecord, Shared) <- journal <- agents <- rounds <- lifecycle <- coordinator
+    records (Run, AgentRecord, Shared) <- journal <- agents <- start <- rounds <- lifecycle <- coordinator
 
 States of a run: ``waiting_for_agents`` -> ``running`` -> ``finished`` (or ``stopped`` /
 ``failed``). A round opens with the current global version; every selected agent fetches it,
@@ -23,6 +23,7 @@ from aggregator_service.journal import Journal
 from aggregator_service.lifecycle import RunLifecycle
 from aggregator_service.records import AGENT_TTL, MAX_AGENTS, AgentRecord, Run, Shared
 from aggregator_service.rounds import Rounds
+from aggregator_service.start import RunStart
 from aggregator_service.store import Store
 from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.codec import Encoded, Flat, Manifest
@@ -40,7 +41,8 @@ class Coordinator:
         self.shared = Shared()
         self.journal = Journal(store)
         self.registry = AgentRegistry(self.shared, max_agents, agent_ttl, max_task_wait)
-        self.rounds = Rounds(self.shared, self.registry, self.journal, store, self.metrics, max_task_wait)
+        self.start = RunStart(self.shared, self.registry, self.journal, store)
+        self.rounds = Rounds(self.shared, self.registry, self.journal, self.start, store, self.metrics, max_task_wait)
         self.lifecycle = RunLifecycle(self.shared, self.registry, self.journal, self.rounds, store, eval_grace)
         self.registry.on_join = self.rounds.maybe_begin
         self.metrics.bind(self.lifecycle.gauges)

@@ -25,6 +25,7 @@ from aggregator_service.records import (
     RUN_ID,
     Run,
     Shared,
+    encode_version,
     replay_journal,
 )
 from aggregator_service.rounds import Rounds
@@ -254,7 +255,7 @@ class RunLifecycle:
         run.selected, run.env_id = list(part["selected"]), part["env_id"]
         run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
         run.version, run.global_state = v, state
-        run.encoded = {v: self.rounds.encode(run, v, state)}
+        run.encoded = {v: encode_version(run, v, state)}
         run.events = replay_journal(saved["events"], v)
         for e in run.events:
             if e["kind"] == "EVALUATED":

@@ -3,6 +3,7 @@ declare (their moments, their task). No gRPC message types."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -13,14 +14,12 @@ import grpc
 import numpy as np
 import torch
 
+from fedrl.algos.config import config_to_dict
 from fedrl.data.normalize import ObsStats
-from fedrl.federation.runconfig import (
-    RunConfig,
-)
-from fedrl.wire.codec import (
-    Encoded,
-    Flat,
-)
+from fedrl.federation.round import algo_config
+from fedrl.federation.runconfig import RunConfig
+from fedrl.wire.codec import INLINE_MAX_BYTES, Encoded, Flat, encode
+from fedrl.wire.serde import chunk_frame
 from fedrl.wire.rpc import ServiceError
 
 log = logging.getLogger("fedrl.aggregator")
@@ -193,6 +192,19 @@ def env_mismatch(env_name: str, agent_envs: set[str], obs_dim: int, act_dim: int
     except ValueError as e:
         return f"env in the run config cannot evaluate the agents' {obs_dim}-dim observations: {e}"
     return ""
+
+
+
+def encode_version(run: Run, version: int, state: dict[str, torch.Tensor]) -> Encoded:
+    """A global version as sent and as stored: the same bytes, its provenance in the header."""
+    if not run.hparams_json:
+        run.hparams_json = json.dumps(config_to_dict(algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)))
+    meta = {"run_id": run.run_id, "version": str(version), "algo": run.cfg.algo,
+            "env_id": run.env_id, "hparams": run.hparams_json}
+    # A version too large to go inline in tasks is fetched as chunk messages: they are built
+    # here, each chunk hashed in its message (one pass over the average, not two).
+    fetched = sum(t.nbytes for t in state.values()) > INLINE_MAX_BYTES
+    return encode(state, run.run_id, version, version, metadata=meta, frame=chunk_frame if fetched else None)
 
 
 

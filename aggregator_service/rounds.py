@@ -8,7 +8,6 @@ Its methods whose names start with an underscore run with the lock held."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -28,19 +27,17 @@ from aggregator_service.records import (
     Run,
     Shared,
     Submission,
-    env_mismatch,
+    encode_version,
     task_of,
 )
 from aggregator_service.secure_round import SecureRound
+from aggregator_service.start import RunStart
 from aggregator_service.store import DamagedVersion, Store
-from fedrl.algos.config import config_to_dict
-from fedrl.data.normalize import ObsStats, global_normalizer
 from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
 from fedrl.federation.privacy import PRIVACY_EPSILON, clip_update, epsilon, noise_generator, noisy_average
-from fedrl.federation.round import algo_config, initial_global_state
-from fedrl.federation.runconfig import MAX_MODEL_BYTES, check_step_bytes, model_bytes
 from fedrl.federation.secagg import SecAggError, SecAggParams, dequantize
-from fedrl.federation.secagg_sums import average_from_sum, moments_from_sum, moments_params
+from fedrl.federation.secagg_sums import average_from_sum, moments_from_sum
+from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
     CodecError,
@@ -48,21 +45,18 @@ from fedrl.wire.codec import (
     Flat,
     Manifest,
     check_manifest_matches,
-    encode,
     encoded_from_payload,
 )
-from fedrl.ops.metrics import AggregatorMetrics
-from fedrl.wire.manifest import MAX_MESSAGE_BYTES
 from fedrl.wire.memory import BufferPool, release_free_memory
 from fedrl.wire.rpc import ServiceError
-from fedrl.wire.serde import chunk_frame
 
 log = logging.getLogger("fedrl.aggregator")
 
 class Rounds:
-    def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, store: Store,
+    def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, start: RunStart, store: Store,
                  metrics: AggregatorMetrics, max_task_wait: float) -> None:
         self.s, self.registry, self.journal, self.store, self.metrics = shared, registry, journal, store, metrics
+        self.start = start
         self.max_task_wait = max_task_wait
         # Where received updates are assembled: each agent's buffer is written again the next
         # round instead of being faulted in afresh. Kept only while a run is active (the ticker
@@ -251,125 +245,11 @@ class Rounds:
             return r
 
     def maybe_begin(self) -> None:
+        """A waiting run begins once enough agents of one task are connected (the start's job);
+        its round 1 opens here once version 0 is made."""
         run = self.s.run
-        if run is None or run.state != "waiting_for_agents" or len(self.registry.agents) < run.cfg.agents:
-            return
-        now = time.time()  # a run takes agents that are connected now, never records of agents gone
-        present = [a for a in self.registry.agents.values() if self.registry.connected(a, now)]
-        if len(present) < run.cfg.agents:
-            return
-        cfg = run.cfg
-        if cfg.env is not None:  # the config names the task: only agents it can evaluate count
-            problems = {a.agent_id: env_mismatch(cfg.env, {a.env_id} if a.env_id else set(), a.obs_dim, a.act_dim)
-                        for a in present}
-            if all(problems.values()):  # not one agent of its task: the config, not an agent, is wrong
-                first = min(present, key=lambda a: (a.index, a.agent_id))
-                self.journal.fail(run, problems[first.agent_id])
-                return
-            present = [a for a in present if not problems[a.agent_id]]
-        groups: dict[tuple[str, int, int], list] = {}
-        for a in sorted(present, key=lambda a: (a.index, a.agent_id)):
-            groups.setdefault(task_of(a), []).append(a)
-        # the largest group that agrees on the task (ties: the group of the lowest index); agents
-        # of another task are left out, and one that disagreed from the start decides nothing
-        largest = max(groups.values(), key=len, default=[])
-        if len(largest) < cfg.agents:
-            return  # not enough agents of one task yet: the join timeout says so if it stays so
-        chosen = largest[: cfg.agents]
-        envs = {a.env_id for a in chosen if a.env_id}
-        obs_dim, act_dim = chosen[0].obs_dim, chosen[0].act_dim
-        if cfg.env is not None:  # the evaluation env must be the agents' task
-            problem = env_mismatch(cfg.env, envs, obs_dim, act_dim)
-            if problem:
-                self.journal.fail(run, problem)
-                return
-        hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
-        size = model_bytes(hp.hidden, obs_dim, act_dim, cfg.federate == "policy+critic")
-        if size > MAX_MODEL_BYTES:  # before anything is built
-            self.journal.fail(run, f"the global model would be {size / 2**20:.0f} MiB (hidden {list(hp.hidden)}, obs_dim "
-                            f"{obs_dim}, act_dim {act_dim}); a run's model may be at most {MAX_MODEL_BYTES >> 20} MiB")
-            return
-        if cfg.secagg_threshold and 8 * (size // 4 + 1) + 4096 > MAX_MESSAGE_BYTES:
-            self.journal.fail(run, f"secure aggregation sends each agent's masked model in one message of 8 bytes a value: "
-                            f"this model's would be {8 * (size // 4 + 1) / 2**20:.1f} MiB, over the "
-                            f"{MAX_MESSAGE_BYTES >> 20} MiB a message may be")
-            return
-        if problem := check_step_bytes(hp, obs_dim, act_dim):  # the agents could not take a step
-            self.journal.fail(run, f"{problem} (obs_dim {obs_dim}, act_dim {act_dim})")
-            return
-        run.env_id = cfg.env or (envs.pop() if envs else "")
-        if cfg.secagg_threshold and cfg.obs_norm == "pooled":  # the moments too go masked: round 0
-            self._open_moments(run, chosen, obs_dim)
-            return
-        if cfg.obs_norm != "none" and any(a.stats is None for a in chosen):
-            private = [a.agent_id for a in chosen if a.stats is None]
-            self.journal.fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments, and "
-                            f"{', '.join(private[:5])}{' ...' if len(private) > 5 else ''} kept theirs private: "
-                            f"set secagg_threshold to sum them under secure aggregation, or obs_norm=none")
-            return
-        stats = [a.stats for a in chosen] if cfg.obs_norm != "none" else [ObsStats(1, np.zeros(obs_dim), np.zeros(obs_dim))]
-        with np.errstate(all="ignore"):
-            g_mean, g_std = global_normalizer(cfg.obs_norm, stats)
-        run.selected = [a.agent_id for a in chosen]
-        own = {a.agent_id: a.stats.mean_std() for a in chosen} if cfg.obs_norm == "local" else {}
-        self._start(run, g_mean, g_std, obs_dim, act_dim, own)
-
-    def _open_moments(self, run: Run, chosen: list, obs_dim: int) -> None:
-        """Round 0 of a secure run with pooled normalisation: the chosen agents' observation
-        moments summed by secure aggregation (MOMENTS tasks); version 0 is made from the sum."""
-        run.selected = [a.agent_id for a in chosen]
-        run.state, run.round = "running", 0
-        run.round_opened = time.time()
-        run.deadline = run.round_opened + run.cfg.round_timeout
-        run.dims = (obs_dim, chosen[0].act_dim)
-        run.secure = SecureRound(moments_params(run.cfg.secagg_threshold, f"{run.run_id}/0".encode()),
-                                 list(run.selected), {a.agent_id: a.num_samples for a in chosen}, 2 * obs_dim,
-                                 run.cfg.round_timeout, run.deadline)
-        log.info("run %s: gathering the observation moments of %d agents by secure aggregation", run.run_id,
-                 len(chosen))
-
-    def _start(self, run: Run, g_mean: np.ndarray, g_std: np.ndarray, obs_dim: int, act_dim: int,
-               own: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
-        """Version 0 from the global normaliser, the participants (``run.selected``) written with
-        their normalisers (their ``own`` under obs_norm=local, else the global), round 1 opened."""
-        cfg = run.cfg
-        if not (np.isfinite(g_mean).all() and np.isfinite(g_std).all()):  # each agent's were finite; their pool overflowed
-            self.journal.fail(run, "the agents' pooled observation moments are not finite")
-            return
-        hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
-        state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
-                                     cfg.federate == "policy+critic")
-        enc = self.encode(run, 0, state)
-        try:
-            self.store.save_version(run.run_id, 0, enc.pieces(), enc.manifest.checksum)
-        except OSError as e:
-            self.journal.fail(run, f"cannot write version 0 to the state directory: {e}")
-            return
-        run.secure = None
-        for a in run.selected:
-            m, sd = own.get(a, (g_mean, g_std))
-            run.norms[a] = (m.tolist(), sd.tolist())
-        try:
-            self.store.save_participants(run.run_id, {"selected": run.selected, "norms": run.norms,
-                                                      "env_id": run.env_id})
-        except OSError as e:
-            self.journal.fail(run, f"cannot write the participants to the state directory: {e}")
-            return
-        run.global_state = state
-        run.encoded = {0: enc}
-        run.state = "running"
-        self.open_round(run, 1)
-
-    def encode(self, run: Run, version: int, state: dict[str, torch.Tensor]) -> Encoded:
-        """A global version as sent and as stored: the same bytes, its provenance in the header."""
-        if not run.hparams_json:
-            run.hparams_json = json.dumps(config_to_dict(algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)))
-        meta = {"run_id": run.run_id, "version": str(version), "algo": run.cfg.algo,
-                "env_id": run.env_id, "hparams": run.hparams_json}
-        # A version too large to go inline in tasks is fetched as chunk messages: they are built
-        # here, each chunk hashed in its message (one pass over the average, not two).
-        fetched = sum(t.nbytes for t in state.values()) > INLINE_MAX_BYTES
-        return encode(state, run.run_id, version, version, metadata=meta, frame=chunk_frame if fetched else None)
+        if self.start.maybe_begin() and run is not None and run.state == "running":
+            self.open_round(run, 1)
 
     def _average_memory(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat tensor for a round's average: in a buffer from :attr:`averages` from
@@ -421,7 +301,8 @@ class Rounds:
                 mean, std = moments_from_sum(dequantize(sec.total(), sec.params), run.dims[0])
                 log.info("run %s: observation moments of %d agents pooled by secure aggregation", run.run_id,
                          len(sec.survivors))
-                self._start(run, mean, std, *run.dims, {})
+                if self.start.version_zero(run, mean, std, *run.dims, {}):
+                    self.open_round(run, 1)
                 return
             new = average_from_sum(dequantize(sec.total(), sec.params), run.global_state)
         except SecAggError as e:
@@ -436,7 +317,7 @@ class Rounds:
         it and announce it; a version that cannot be written leaves the round open."""
         cfg = run.cfg
         v = run.version + 1
-        enc = self.encode(run, v, new)
+        enc = encode_version(run, v, new)
         metrics: dict[str, float] = {}
         for m in agent_metrics:
             for k, x in m.items():
