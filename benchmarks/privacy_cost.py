@@ -1,5 +1,5 @@
 """The cost of agent-level differential privacy on hopper-medium (issue 64): Fed-BC and DRPO
-at noise multipliers that spend epsilon about 8, 4 and 1 at delta 1e-5 over the run's 10 rounds,
+at noise multipliers that spend epsilon about 8, 4 and 1 at delta 1e-5 over each run's rounds,
 beside the same runs without privacy.
 
     python -m benchmarks.privacy_cost run [--only KEY,...]   # each cell in turn, one core
@@ -8,16 +8,16 @@ beside the same runs without privacy.
     python -m benchmarks.privacy_cost render                 # its blocks in docs/guides/privacy.md
 
 The setting (stated, not tuned): hopper-medium-v2, 5 agents x 5 trajectories (at least 5,000
-transitions each, the claim's data), 10 rounds, 10 evaluation episodes a round and 50 for the
-final policy; Fed-BC at 1,000 local steps a round (seeds 0-2), DRPO at today's defaults and 100
-local steps a round (seed 0: a DRPO step costs ~40x a BC step here; at 10 x 100 steps DRPO is in
-the early rounds where the claim's runs peaked). The clip C is near the median update norm of a
-run without privacy (Fed-BC 1.5-2.5 at 1,000 steps, DRPO 0.35-0.44 at 200; measured with
-``fedrl simulate --set dp_clip=1000000``): 2.0 and 0.3. Each agent clips its update; noise of std
-sigma x C goes on the sum of the 5 (central DP; secure aggregation's distributed noise adds at
-least as much). A cell takes ~3 min (Fed-BC) or ~20 min (DRPO) on one busy core; each is
-checkpointed every round under ``runs/privacy-cost/`` and resumes there. Results:
-``benchmarks/results/privacy-cost/<key>.json``.
+transitions each, the claim's data), 1,000 local steps a round, 10 evaluation episodes a round
+and 50 for the final policy. Fed-BC: 10 rounds, seeds 0-2, clip C 2.0 (near the median update
+norm of a run without privacy, 1.5-2.5; measured with ``fedrl simulate --set dp_clip=1000000``).
+DRPO at today's defaults: 3 rounds, where its curves peaked in the claim at 10 rounds (a DRPO
+step costs ~40x a BC step here), seed 0, clip C 1.0; its cell without privacy clips at 10^6 (no
+cut) so that its update norms are recorded. Each agent clips its update; noise of std sigma x C
+goes on the sum of the 5 (central DP; secure aggregation's distributed noise adds at least as
+much). A cell takes ~6 min (Fed-BC) or ~45 min (DRPO) on one busy core; each is checkpointed
+every round under ``runs/privacy-cost/`` and resumes there, and several workers can share the
+list. Results: ``benchmarks/results/privacy-cost/<key>.json``.
 """
 
 from __future__ import annotations
@@ -35,26 +35,31 @@ import numpy as np
 RESULTS = Path(__file__).resolve().parent / "results" / "privacy-cost"
 PRIVACY_MD = Path(__file__).resolve().parents[1] / "docs" / "guides" / "privacy.md"
 WORK = Path(__file__).resolve().parents[1] / "runs" / "privacy-cost"
-ROUNDS, DELTA = 10, 1e-5
-# sigma for epsilon ~8, ~4, ~1 at delta 1e-5 over 10 rounds of every agent (dp-accounting's RDP)
-SIGMAS = (0.0, 2.0, 3.6, 12.5)
-SETTINGS = {"fed-bc": {"local_steps": 1000, "clip": 2.0, "seeds": (0, 1, 2)},
-            "drpo": {"local_steps": 100, "clip": 0.3, "seeds": (0,)}}
+DELTA = 1e-5
+# per method: rounds, local steps, clip, and the sigmas that spend epsilon ~8, ~4, ~1 at delta
+# 1e-5 over its rounds with every agent in every round (dp-accounting's RDP), 0 = no privacy
+SETTINGS = {"fed-bc": {"rounds": 10, "local_steps": 1000, "clip": 2.0, "sigmas": (0.0, 2.0, 3.6, 12.5),
+                       "seeds": (0, 1, 2)},
+            "drpo": {"rounds": 3, "local_steps": 1000, "clip": 1.0, "sigmas": (0.0, 1.1, 2.0, 7.0), "seeds": (0,)}}
+NO_CUT = 1e6  # a cell without privacy still clips (at this, never reached) when it records update norms
 
 
 def cells() -> list[dict[str, Any]]:
     """Every cell, seed 0 of every method and sigma first (the table's first full column)."""
     every = [{"key": f"{algo}-sigma{s:g}-s{seed}", "algo": algo, "sigma": s, "seed": seed, **st}
-             for algo, st in SETTINGS.items() for s in SIGMAS for seed in st["seeds"]]
+             for algo, st in SETTINGS.items() for s in st["sigmas"] for seed in st["seeds"]]
     return sorted(every, key=lambda c: c["seed"])
 
 
 def sim_config(c: dict[str, Any]):
     from fedrl.federation.simulate import SimConfig
 
-    dp = {"dp_clip": c["clip"], "dp_noise": c["sigma"], "dp_delta": DELTA} if c["sigma"] else {}
+    if c["sigma"]:
+        dp = {"dp_clip": c["clip"], "dp_noise": c["sigma"], "dp_delta": DELTA}
+    else:
+        dp = {"dp_clip": NO_CUT} if c["algo"] == "drpo" else {}
     return SimConfig(algo=c["algo"], datasets=("hopper-medium-v2",), agents=5, trajectories=5, transitions=5000,
-                     rounds=ROUNDS, local_steps=c["local_steps"], eval_episodes=10, final_eval_episodes=50,
+                     rounds=c["rounds"], local_steps=c["local_steps"], eval_episodes=10, final_eval_episodes=50,
                      seed=c["seed"], device="cpu", **dp)
 
 
@@ -116,18 +121,18 @@ def _ms(xs: list[float]) -> str:
 def table_md(results: list[dict[str, Any]]) -> str:
     """Per algorithm and sigma: epsilon spent, the final score over 50 episodes, the mean of the
     last 3 rounds' scores (mean ± std over seeds), and the seeds done."""
-    lines = ["| method | sigma | clip C | epsilon at delta 1e-5 | final (50 episodes) | last 3 rounds | seeds |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | sigma | clip C | epsilon at delta 1e-5 | final (50 episodes) | mean of the last 3 rounds "
+             "| seeds |", "|---|---|---|---|---|---|---|"]
     label = {"fed-bc": "Fed-BC", "drpo": "DRPO"}
     for algo, st in SETTINGS.items():
-        for s in SIGMAS:
+        for s in st["sigmas"]:
             rs = [r for r in results if r["algo"] == algo and r["sigma"] == s]
             if not rs:
                 continue
             eps = "none (no privacy)" if not s else f"{rs[0]['epsilon']:.2f}"
             final = [r["final_long"]["score_mean"] for r in rs if r.get("final_long")]
             last = [float(np.mean([p["score_mean"] for p in r["curve"][-3:]])) for r in rs]
-            lines.append(f"| {label[algo]} ({st['local_steps']} steps/round) | {s:g} | "
+            lines.append(f"| {label[algo]} ({st['rounds']} x {st['local_steps']} steps) | {s:g} | "
                          f"{'-' if not s else st['clip']} | {eps} | {_ms(final)} | {_ms(last)} | "
                          f"{', '.join(str(r['seed']) for r in rs)} |")
     return "\n".join(lines)
