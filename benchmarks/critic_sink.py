@@ -274,7 +274,7 @@ def report_md(results: Path = RESULTS) -> str:
 def cmd_report(a) -> int:
     md = report_md()
     if a.update_md:
-        from benchmarks.paper import replace_blocks
+        from benchmarks.common import replace_blocks
 
         SINK_MD.write_text(replace_blocks(SINK_MD.read_text(), {"critic-sink": md}))
         CHOICES_MD.write_text(replace_blocks(CHOICES_MD.read_text(), choices_blocks()))

@@ -329,6 +329,7 @@ def main_check_cpu(a) -> int:
     import torch
 
     from benchmarks import paper
+    from benchmarks.common import code_revision, device_name
     from fedrl.federation.simulate import run as simulate
 
     res = Path(a.results) / f"paper-{a.preset}"
@@ -348,7 +349,7 @@ def main_check_cpu(a) -> int:
              "losses_gpu": {k: v[i] for k, v in gpu["losses_per_round"].items()}}
             for i in range(a.rounds)]
     out = {"key": a.key, "gpu_device_name": gpu.get("device_name"), "gpu_code_revision": gpu.get("code_revision"),
-           "cpu_code_revision": paper.code_revision(), "cpu_device_name": paper._device_name("cpu"),
+           "cpu_code_revision": code_revision(), "cpu_device_name": device_name("cpu"),
            "rounds": rows, "cpu_wall_seconds": round(time.time() - t0, 1)}
     dst = res / "device" / f"cpu-check-{a.key}.json"
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from benchmarks.paper import PRESETS, cell_result, plan, result_path, sim_config
+
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("drpo", "fed-cql", "cql", "fed-bc")
 MARGIN_S = 45.0  # start-up (data, CUDA), the first round's evaluation beyond the estimate, packing
@@ -51,8 +53,6 @@ def log(msg: str) -> None:
 
 
 def preset(tiny: bool, name: str = "paper"):
-    from benchmarks.paper import PRESETS
-
     if tiny:  # the CPU check of the whole path: smoke sizes, 2 agents x 2 rounds x 5 local steps
         return dataclasses.replace(PRESETS["smoke"], agents=2, rounds=2, local_steps=5, eval_episodes=2)
     if name == "paper":  # the paper's agents and rounds, agents holding whole episodes as the claim's
@@ -65,7 +65,6 @@ def preset(tiny: bool, name: str = "paper"):
 def plan_cells(p, dataset: str, seeds: tuple[int, ...], device: str, done_in: Path | None = None):
     """The harness's RunSpecs for the column and their cells (``fedrl.federation.cells.Cell``),
     less those whose result ``done_in`` already holds."""
-    from benchmarks.paper import plan, result_path, sim_config
     from fedrl.federation.cells import Cell
 
     # the methods' own columns (a named variant such as Fed-BC at lr 3e-4 carries "method")
@@ -126,21 +125,6 @@ def round_seconds(rates: dict, cells, local_steps: int) -> float:
         if members:  # the rate at the measured size; a smaller batch is taken as no faster per step
             s += local_steps / r["steps_per_s"]
     return s
-
-
-def cell_result(p, spec, cell, res: dict, wall: float, device: str) -> dict:
-    """A finished cell in ``benchmarks.paper``'s result format."""
-    import torch
-
-    from benchmarks.paper import _device_name, code_revision, round_losses
-
-    return {"preset": p.name, "experiment": spec.experiment, "key": spec.key, "algo": spec.algo,
-            "datasets": list(spec.datasets), "seed": spec.seed, "agents": spec.agents,
-            "trajectories": spec.trajectories, "local_steps": spec.local_steps, "rounds": cell.cfg.rounds,
-            "variant": spec.variant, "config": cell.cfg.as_dict(), "curve": res["curve"], "final": res["final"],
-            "losses_per_round": round_losses(res["rounds_jsonl"]), "wall_seconds": round(wall, 1),
-            "code_revision": code_revision(), "device_name": _device_name(device), "torch": torch.__version__,
-            "shards": res["shards"], "engine": "batched cells (benchmarks.device_paper)"}
 
 
 def cmd_run(a) -> int:

@@ -206,7 +206,7 @@ def block(results: Path = RESULTS) -> str:
 
 
 def cmd_render(a) -> int:
-    from benchmarks.paper import replace_blocks
+    from benchmarks.common import replace_blocks
 
     DEPLOY_README.write_text(replace_blocks(DEPLOY_README.read_text(), {"image": block()}))
     print(f"wrote {DEPLOY_README}")

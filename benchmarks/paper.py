@@ -33,13 +33,10 @@ the paper's networks and hyperparameters: about 4 hours for the table on one cor
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,8 +45,7 @@ from typing import Any
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
-BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+from benchmarks.common import BENCHMARKS_MD, RESULTS, code_revision, device_name, replace_blocks
 ALGO_ORDER = ("fed-bc", "fed-cql", "cql", "drpo")
 ALGO_LABEL = {"fed-bc": "Fed-BC", "fed-cql": "Fed-CQL", "cql": "CQL (alone)", "drpo": "DRPO",
               "fed-bc-3e-4": "Fed-BC at lr 3e-4", "drpo-returns-gradient": "DRPO, penalty's gradient stopped at G"}
@@ -282,7 +278,7 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1,
            "curve": summary["curve"], "final": summary["final"], "losses_per_round": losses,
            **({"final_long": summary["final_long"]} if "final_long" in summary else {}),
            "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": revision,
-           "device_name": _device_name(cfg.device), "torch": torch.__version__,
+           "device_name": device_name(cfg.device), "torch": torch.__version__,
            "shards": json.loads((work / "config.json").read_text())["shards"]}
     if resumed_from:
         out["resumed_after_round"] = resumed_from  # wall_seconds then counts only this process's rounds
@@ -302,22 +298,17 @@ def round_losses(rounds_jsonl: Path) -> dict[str, list[float]]:
     return losses
 
 
-def _device_name(device: str) -> str:
-    """What ran a cell, for its result file: the GPU's name, or the CPU's model."""
+def cell_result(p, spec, cell, res: dict, wall: float, device: str) -> dict:
+    """A finished cell in ``benchmarks.paper``'s result format."""
     import torch
 
-    from fedrl.common.device import resolve_device
-
-    dev = resolve_device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    return {"preset": p.name, "experiment": spec.experiment, "key": spec.key, "algo": spec.algo,
+            "datasets": list(spec.datasets), "seed": spec.seed, "agents": spec.agents,
+            "trajectories": spec.trajectories, "local_steps": spec.local_steps, "rounds": cell.cfg.rounds,
+            "variant": spec.variant, "config": cell.cfg.as_dict(), "curve": res["curve"], "final": res["final"],
+            "losses_per_round": round_losses(res["rounds_jsonl"]), "wall_seconds": round(wall, 1),
+            "code_revision": code_revision(), "device_name": device_name(device), "torch": torch.__version__,
+            "shards": res["shards"], "engine": "batched cells (benchmarks.device_paper)"}
 
 
 def work_dir(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path:
@@ -374,21 +365,6 @@ def _progress(work: Path, message: str) -> None:
     """A run's progress lines, appended to ``progress.log`` in its work folder as they come."""
     with open(work / "progress.log", "a") as f:
         f.write(f"{time.strftime('%H:%M:%S')} {message}\n")
-
-
-@functools.cache
-def code_revision() -> str:
-    """The git commit the run's code was at (``-dirty`` with uncommitted changes), or ``unknown``;
-    read once per process, at its first run (a process imports the code once):
-    the same cell run on another revision can differ at float rounding and grow from there
-    (e.g. the critic's row blocks, 2026-11-25)."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return rev.stdout.strip() if rev.returncode == 0 and rev.stdout.strip() else "unknown"
 
 
 # What a result file that lacks a field ran with, where today's default differs: td_weight came in
@@ -521,7 +497,6 @@ def run_batched(p: Preset, specs: list[RunSpec], root: Path, device: str):
     cell's result written as :func:`execute` writes it. Yields (spec, result, seconds)."""
     import torch
 
-    from benchmarks.device_paper import cell_result
     from fedrl.federation.cells import SHARED, Cell, run_cells
 
     torch.set_num_threads(1)
@@ -951,15 +926,6 @@ def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
     if p.name == "reduced":
         blocks["system"] = system_md(root)
     return blocks
-
-
-def replace_blocks(text: str, blocks: dict[str, str]) -> str:
-    for name, body in blocks.items():
-        pat = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- end:{re.escape(name)} -->)", re.S)
-        if not pat.search(text):
-            raise ValueError(f"BENCHMARKS.md has no block {name!r}")
-        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
-    return text
 
 
 def cmd_render(a) -> int:

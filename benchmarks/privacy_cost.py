@@ -66,7 +66,7 @@ def sim_config(c: dict[str, Any]):
 def execute(c: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from benchmarks.paper import code_revision
+    from benchmarks.common import code_revision
     from fedrl.federation.simulate import run as simulate
 
     torch.set_num_threads(1)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table_md(load()))
         return 0
     if a.what == "render":
-        from benchmarks.paper import replace_blocks
+        from benchmarks.common import replace_blocks
 
         PRIVACY_MD.write_text(replace_blocks(PRIVACY_MD.read_text(), blocks()))
         print(f"rendered {PRIVACY_MD}")

@@ -231,7 +231,7 @@ def benchmarks_blocks(results: Path = RESULTS) -> dict[str, str]:
 
 
 def replace_blocks(text: str, blocks_: dict[str, str]) -> str:
-    from benchmarks.paper import replace_blocks as fill
+    from benchmarks.common import replace_blocks as fill
 
     return fill(text, blocks_)
 

@@ -402,7 +402,7 @@ def evaluate_snapshot(home: Path, seed: int) -> dict[str, float]:
 
 def drive(run: str, seed: int, steps: int, every: int, results: Path = RESULTS, work: Path = WORK) -> dict[str, Any]:
     """Advance one run to ``steps`` in chunks of ``every``, recording a row per chunk."""
-    from benchmarks.paper import code_revision
+    from benchmarks.common import code_revision
 
     learner, data = split_run(run)
     algo, impl, over = LEARNERS[learner]
@@ -601,7 +601,7 @@ def curves_png(results: list[dict[str, Any]], path: Path) -> bool:
 
 
 def cmd_render(a) -> int:
-    from benchmarks.paper import BENCHMARKS_MD, replace_blocks
+    from benchmarks.common import BENCHMARKS_MD, replace_blocks
 
     results = load_all()
     md = table_md(results)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import paper
+from benchmarks.common import BENCHMARKS_MD, RESULTS, replace_blocks
 
 PRESET = paper.PRESETS["verdict"]
 ORDER = ("drpo", "fed-cql", "cql", "fed-bc")  # the paper's ordering, best first
@@ -45,7 +46,7 @@ def _folder(root: Path) -> Path:
     return Path(root) / f"paper-{PRESET.name}"
 
 
-def cells(root: Path = paper.RESULTS) -> list[dict[str, Any]]:
+def cells(root: Path = RESULTS) -> list[dict[str, Any]]:
     return [r for r in paper.load_results(PRESET, "table", root) if r.get("curve")]
 
 
@@ -167,7 +168,7 @@ def grads_md(results: list[dict[str, Any]], rounds: tuple[int, ...] = (1, 2, 3, 
     return "\n".join(rows) if rows else "not run yet"
 
 
-def data_returns(root: Path = paper.RESULTS) -> dict[str, float]:
+def data_returns(root: Path = RESULTS) -> dict[str, float]:
     """The data's discounted return (gamma 0.99; mean over the agents' transitions of the return-to-go
     from each), per seed: what Q on the data estimates. Computed from the dataset and each seed's
     shards, then kept in the results folder (render reads the file)."""
@@ -250,7 +251,7 @@ def figure(results: list[dict[str, Any]], path: Path, data_return: float | None)
     return True
 
 
-def blocks(root: Path = paper.RESULTS) -> dict[str, str]:
+def blocks(root: Path = RESULTS) -> dict[str, str]:
     results = cells(root)
     table, said = table_md(results), sentence(results)
     return {"verdict-table": table + "\n\n" + said, "verdict-grads": grads_md(results),
@@ -273,9 +274,9 @@ def cmd_render(a) -> int:
     b = blocks(root)
     (out / "verdict.md").write_text("\n\n".join(f"### {k}\n\n{v}" for k, v in b.items()) + "\n")
     if a.update_md:
-        for path, names in ((paper.BENCHMARKS_MD, ("verdict-table", "verdict-grads")), (README_MD, ("readme-verdict",)),
+        for path, names in ((BENCHMARKS_MD, ("verdict-table", "verdict-grads")), (README_MD, ("readme-verdict",)),
                             (CHOICES_MD, ("verdict-critic",))):
-            path.write_text(paper.replace_blocks(path.read_text(), {k: b[k] for k in names}))
+            path.write_text(replace_blocks(path.read_text(), {k: b[k] for k in names}))
             print(f"updated {path}")
     return 0
 
@@ -285,10 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("data-returns", help="the data's discounted return per seed, kept beside the results")
-    d.add_argument("--results", default=str(paper.RESULTS))
+    d.add_argument("--results", default=str(RESULTS))
     d.set_defaults(func=lambda a: print(json.dumps(data_returns(Path(a.results)))) or 0)
     r = sub.add_parser("render", help="table, figure and sentence; README, BENCHMARKS.md and choices.md blocks")
-    r.add_argument("--results", default=str(paper.RESULTS))
+    r.add_argument("--results", default=str(RESULTS))
     r.add_argument("--no-update-md", dest="update_md", action="store_false")
     r.set_defaults(func=cmd_render)
     a = ap.parse_args(argv)
