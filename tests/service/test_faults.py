@@ -546,3 +546,31 @@ def test_an_agent_with_no_aggregator_says_connection_refused(stand_dataset, capl
         assert not any("DEADLINE_EXCEEDED" in m for m in said) and agents.threads[0].is_alive()
     finally:
         agents.stop()
+
+
+def test_restart_while_the_moments_are_summed_gathers_them_again(tmp_path):
+    """A secure run killed in round 0 (its agents' moments under secure aggregation, no version
+    made) resumes waiting for its agents, and gathers their moments again from the start."""
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+    from tests.service.test_federation import run_config
+
+    first = Coordinator(Store(tmp_path / "state"), tick=0.02)
+    run_id = first.start_run(run_config(secagg_threshold=2))["run_id"]
+    first.join(_agent("a0", 0))
+    first.join(_agent("a1", 1))
+    assert (first.run.state, first.run.round) == ("running", 0) and first.run.secure is not None
+    assert first.next_task("a0", 0.0)["kind"] == "MOMENTS"
+    first.close()  # "killed" before any agent's keys came
+    second = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
+    try:
+        assert Store(tmp_path / "state").versions(run_id) == []
+        st = second.status()
+        assert st["run_id"] == run_id and st["state"] == "waiting_for_agents"
+        second.join(_agent("a0", 0))
+        second.join(_agent("a1", 1))
+        assert (second.run.state, second.run.round) == ("running", 0)
+        task = second.next_task("a1", 0.0)
+        assert (task["kind"], task["run_id"], task["round"]) == ("MOMENTS", run_id, 0)
+    finally:
+        second.close()
