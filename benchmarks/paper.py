@@ -334,7 +334,7 @@ def _agents_in_round(work: Path, r: int) -> int:
     run does not train them again); files of another round are spent."""
     from safetensors import safe_open
 
-    from fedrl.federation.simulate import AGENTS_IN_ROUND
+    from fedrl.federation.checkpoint import AGENTS_IN_ROUND
 
     n = 0
     for path in (work / AGENTS_IN_ROUND).glob("agent-*.safetensors"):

@@ -107,7 +107,7 @@ def _doc(cls) -> str:
 def config_md() -> str:
     from fedrl.algos.config import BCConfig, DRPOConfig
     from fedrl.federation.runconfig import RunConfig
-    from fedrl.federation.simulate import SimConfig
+    from fedrl.federation.simconfig import SimConfig
 
     parts = [
         "# Configuration reference\n",

@@ -15,7 +15,8 @@ from fedrl.federation.choices import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from fedrl.common.device import DEVICE_CHOICES
-    from fedrl.federation.simulate import DEFAULT_DATASET, ENGINES, SimConfig
+    from fedrl.federation.simconfig import DEFAULT_DATASET, SimConfig
+    from fedrl.federation.simulate import ENGINES
 
     d, hp, bc = SimConfig(), DRPOConfig(), BCConfig()
     p = sub.add_parser("simulate", help="run a federation in one process (no network)",
@@ -122,7 +123,7 @@ _SIM_FLAGS = {"algo": ("", "algo"), "dataset": ("", "datasets"), "env": ("", "en
 def _sim_settings(a: argparse.Namespace):
     """``fedrl simulate``'s settings from --config, then each --set, then the flags given (a flag
     not given leaves the file's value, or the default)."""
-    from fedrl.federation.simulate import parse_sim_config
+    from fedrl.federation.simconfig import parse_sim_config
 
     data = settings_file(a.config)
     for kv in a.set:

@@ -39,15 +39,9 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
-from fedrl.federation.simulate import (
-    SimConfig,
-    _atomic_save,
-    _settings,
-    curve_point,
-    recorded_settings,
-    load_shards,
-    round_evaluation,
-)
+from fedrl.federation.checkpoint import atomic_save, recorded_settings, settings
+from fedrl.federation.simconfig import SimConfig
+from fedrl.federation.simulate import curve_point, load_shards, round_evaluation
 
 CHECKPOINT = "cells-checkpoint.safetensors"
 SHARED = ("rounds", "local_steps", "eval_every", "eval_episodes", "federate", "obs_norm", "device")
@@ -257,9 +251,9 @@ def _checkpoint(path: Path, r: int, cells: Sequence[Cell], states: list[_CellSta
             tensors |= {f"agent_state/{ci}/{i}/{k}": v for i, s in enumerate(st.agent_states) for k, v in s.items()}
     for g, tr in trainers.items():
         tensors |= {f"group/{g}/{k}": v for k, v in tr.checkpoint().items()}
-    meta = {"round": r, "cells": [{"key": c.key, "sim": _settings(c.cfg)} for c in cells],
+    meta = {"round": r, "cells": [{"key": c.key, "sim": settings(c.cfg)} for c in cells],
             "curves": [st.curve for st in states]}
-    _atomic_save(tensors, meta, path)
+    atomic_save(tensors, meta, path)
 
 
 def _resume(path: Path, cells: Sequence[Cell], states: list[_CellState], trainers: dict) -> int:
@@ -268,7 +262,7 @@ def _resume(path: Path, cells: Sequence[Cell], states: list[_CellState], trainer
 
     with safe_open(str(path), "pt") as f:
         meta = json.loads(f.metadata()["fedrl_checkpoint"])
-    want = [{"key": c.key, "sim": _settings(c.cfg)} for c in cells]
+    want = [{"key": c.key, "sim": settings(c.cfg)} for c in cells]
     if [{"key": c["key"], "sim": recorded_settings(c["sim"])} for c in meta["cells"]] != want:
         raise ValueError(f"{path} is a checkpoint of other cells or settings; pass another work folder")
     tensors = load_file(str(path))

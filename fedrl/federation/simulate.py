@@ -6,14 +6,11 @@ returns its parameters; the server averages them (``cql``: no server, each agent
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +31,15 @@ from fedrl.data.registry import check_one_env, infer_env, load
 from fedrl.envs import EnvInfo
 from fedrl.envs.evaluation import evaluate
 from fedrl.federation.aggregate import agent_weights, aggregate
-from fedrl.federation.options import FederationOptions
+from fedrl.federation.checkpoint import (
+    CHECKPOINT,
+    clear_agent_checkpoints,
+    has_checkpoint,
+    resume,
+    resume_agents,
+    write_agent_checkpoint,
+    write_checkpoint,
+)
 from fedrl.federation.round import (
     DRAWS,
     SEED_EVAL,
@@ -45,6 +50,7 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
+from fedrl.federation.simconfig import SimConfig
 
 ENGINES = ("auto", "batched", "per-agent")
 
@@ -58,90 +64,6 @@ def resolve_engine(engine: str, device: torch.device) -> str:
     if engine == "auto":
         return "batched" if device.type == "cuda" else "per-agent"
     return engine
-
-DEFAULT_DATASET = "hopper-random-v2"
-
-
-@dataclass(frozen=True)
-class SimConfig(FederationOptions):
-    """One in-process federated run: the options it shares with the services
-    (:class:`FederationOptions`, here with the paper's scale as defaults) and its own."""
-
-    agents: int = 10
-    """Agents per dataset given without ``:N`` (paper: 10)."""
-    rounds: int = 20
-    """Communication rounds (paper: converges within ~20)."""
-    local_steps: int = 1000
-    """Local gradient steps per round (paper: 1000)."""
-    datasets: tuple[str, ...] = (DEFAULT_DATASET,)
-    """Dataset paths or names; ``PATH:N`` gives N agents to that file (heterogeneous mixes)."""
-    trajectories: int = 5
-    """Whole trajectories per agent (paper: 5)."""
-    transitions: int = 0
-    """With > 0, each agent also takes further whole trajectories until it holds at least this many
-    transitions (the paper's agents hold ~5,000: 5 trajectories of ~1,000 steps)."""
-    eval_every: int = 1
-    """Evaluate every this many rounds (the last round is always evaluated)."""
-    final_eval_episodes: int = 0
-    """With > 0, the final policy is evaluated once more with this many episodes (their own seed),
-    reported as the summary's ``final_long`` (0: not)."""
-    grad_norms_every: int = 0
-    """With > 0, DRPO/CQL agents measure the actor's gradient norm from each of its terms on every
-    this many-th local step (per-agent engine; the training is unchanged; 0: never)."""
-    device: str = "auto"
-    """auto (CUDA when present), cpu, cuda or cuda:N."""
-
-    @classmethod
-    def option_name(cls, name: str) -> str:
-        return "--" + name.replace("_", "-")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("final_eval_episodes", "grad_norms_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{self.option_name(name)}: must be >= 0, got {getattr(self, name)}")
-        for name in ("trajectories", "eval_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{self.option_name(name)}: must be >= 1, got {getattr(self, name)}")
-        if self.transitions < 0:
-            raise ValueError(f"--transitions: must be >= 0, got {self.transitions}")
-        if not self.datasets:
-            raise ValueError("at least one --dataset is needed")
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["datasets"] = list(self.datasets)
-        d["drpo"], d["bc"] = config_to_dict(self.drpo), config_to_dict(self.bc)
-        return d
-
-
-def parse_sim_config(data: dict[str, Any]) -> SimConfig:
-    """A :class:`SimConfig` from a JSON object of its fields (``drpo`` and ``bc`` objects of
-    :class:`DRPOConfig`'s and :class:`BCConfig`'s fields): ``fedrl simulate --config/--set``.
-    Raises ``ValueError`` naming the field: an unknown one, a wrong type, a value out of range."""
-    from fedrl.algos import BCConfig, DRPOConfig
-    from fedrl.federation.runconfig import _sub_config
-
-    if not isinstance(data, dict):
-        raise ValueError(f"settings must be a JSON object, got {type(data).__name__}")
-    data = dict(data)
-    nested = {k: _sub_config(cls, data.pop(k), k) for k, cls in (("drpo", DRPOConfig), ("bc", BCConfig)) if k in data}
-    if "datasets" in data:
-        ds = data.pop("datasets")
-        if isinstance(ds, str):
-            ds = [ds]
-        if not isinstance(ds, list) or not ds or not all(isinstance(d, str) and d for d in ds):
-            raise ValueError(f"datasets: expected a list of dataset names or paths, got {ds!r}")
-        nested["datasets"] = tuple(ds)
-    if "env" in data and data["env"] is not None and not isinstance(data["env"], str):
-        raise ValueError(f"env: expected a string, got {data['env']!r}")
-    top = {k: data.pop(k) for k in ("env",) if k in data}
-    try:
-        base = _sub_config(SimConfig, data, "settings")
-        return dataclasses.replace(base, **top, **nested)
-    except ValueError as e:
-        raise ValueError(str(e).removeprefix("settings.").removeprefix("settings: ")) from None
-
 
 def parse_source(spec: str, default_agents: int) -> tuple[str, int]:
     """``PATH`` or ``PATH:N`` -> (path, agents)."""
@@ -183,20 +105,6 @@ def load_shards(datasets: tuple[str, ...] | list[str], default_agents: int, traj
         check_env_dims(raw, raw.obs_dim, env.act_dim, env.gym_id)
         sources.append(ShardSource(raw.source, to_transitions(raw), n_agents))
     return partition(sources, trajectories, derive_seed(seed, SEED_SHARDS), transitions=transitions), env
-
-
-CHECKPOINT = "checkpoint.safetensors"
-# Agents that finished their local round in the round a run was stopped in, one file each: a
-# resumed run takes them as they are and trains only the others (a DRPO agent's 1,000 local steps
-# at the paper's sizes are minutes on one core; a stop mid-round loses at most one agent's).
-AGENTS_IN_ROUND = "agents-in-round"
-
-
-def has_checkpoint(out: str | Path) -> bool:
-    """Whether ``out`` holds a stopped run's state to continue from: a round's checkpoint, or
-    agents already trained in its first round."""
-    out = Path(out)
-    return (out / CHECKPOINT).exists() or any((out / AGENTS_IN_ROUND).glob("agent-*.safetensors"))
 
 
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
@@ -279,9 +187,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         if (out / "summary.json").exists():
             raise ValueError(f"{out} holds a finished run (summary.json): nothing to resume")
         if (out / CHECKPOINT).exists():
-            done_rounds, curve, global_state, agent_states = _resume(out, cfg, learners, n_agents, engine)
+            done_rounds, curve, global_state, agent_states = resume(out, cfg, learners, n_agents, engine)
         if engine == "per-agent":
-            in_round = _resume_agents(out, cfg, done_rounds + 1, trainers)
+            in_round = resume_agents(out, cfg, done_rounds + 1, trainers)
         trained = f"; agents {', '.join(str(i + 1) for i in sorted(in_round))} of round {done_rounds + 1} " \
                   "already trained" if in_round else ""
         log(f"resuming {out} after round {done_rounds} of {cfg.rounds}{trained}")
@@ -339,7 +247,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 res = trainers[i].train_round(agent_states[i] if cfg.algo == "cql" else global_state, cfg.local_steps,
                                               **({"progress": step_done} if progress else {}))
                 if checkpoint:
-                    _write_agent_checkpoint(out, cfg, r, res, trainers[i])
+                    write_agent_checkpoint(out, cfg, r, res, trainers[i])
                 if cfg.local_steps >= 200:
                     log(f"  round {r}: agent {i + 1}/{len(trainers)} done in {res.seconds:.1f}s")
                 return res
@@ -384,8 +292,8 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             jl.write(json.dumps(rec) + "\n")
             jl.flush()
             if checkpoint:
-                _write_checkpoint(out, cfg, r, curve, global_state, agent_states, learners, engine)
-                _clear_agent_checkpoints(out)  # round r is in the checkpoint: its agents' files are spent
+                write_checkpoint(out, cfg, r, curve, global_state, agent_states, learners, engine)
+                clear_agent_checkpoints(out)  # round r is in the checkpoint: its agents' files are spent
             log(_round_line(r, cfg.rounds, rec))
             bar.note(f"round {r}/{cfg.rounds}" + (f", score {curve[-1]['score_mean']:.1f}" if curve else ""))
 
@@ -418,7 +326,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             f"± {long['return_std']:.1f}, score {long['score_mean']:.1f}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / CHECKPOINT).unlink(missing_ok=True)  # the run is complete: its results are the record
-    _clear_agent_checkpoints(out)
+    clear_agent_checkpoints(out)
     if curve:
         from fedrl.ops.plotting import episode_return_mean, learning_curve
 
@@ -481,138 +389,6 @@ def round_evaluation(algo: str, evaluations: list[dict[str, Any]]) -> dict[str, 
 
 def curve_point(r: int, evaluation: dict[str, Any]) -> dict[str, Any]:
     return {"round": r, **{k: evaluation[k] for k in ("return_mean", "return_std", "score_mean", "score_std")}}
-
-
-def _write_checkpoint(out: Path, cfg: SimConfig, r: int, curve: list, global_state: dict[str, torch.Tensor],
-                      agent_states: list[dict[str, torch.Tensor]], learners: dict[str, Any], engine: str) -> None:
-    """Everything round ``r + 1`` starts from, in one safetensors file written atomically
-    (``learners``: prefix -> a learner, each agent's or the whole batch's)."""
-    tensors = {f"global/{k}": v for k, v in global_state.items()}
-    if cfg.algo == "cql":
-        tensors |= {f"agent_state/{i}/{k}": v for i, st in enumerate(agent_states) for k, v in st.items()}
-    for prefix, learner in learners.items():
-        tensors |= {f"{prefix}{k}": v for k, v in learner.checkpoint().items()}
-    meta = {"round": r, "curve": curve, "sim": _settings(cfg), "engine": engine}
-    _atomic_save(tensors, meta, out / CHECKPOINT)
-
-
-def _settings(cfg: SimConfig) -> dict[str, Any]:
-    """``cfg`` as a checkpoint records it (JSON types), to compare with the settings of a resume."""
-    return json.loads(json.dumps(cfg.as_dict()))
-
-
-def recorded_settings(have: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's recorded settings with the options added since it was written at their
-    defaults (each new option's default leaves runs as they were: a run checkpointed before it
-    existed ran that way), so a stopped run resumes under a newer code's settings."""
-    from fedrl.algos import BCConfig, DRPOConfig
-
-    defaults = _settings(SimConfig(drpo=DRPOConfig(), bc=BCConfig()))
-    out = {**defaults, **have}
-    for k in ("drpo", "bc"):
-        if isinstance(have.get(k), dict):
-            out[k] = {**defaults[k], **have[k]}
-    return out
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
-              {"fedrl_checkpoint": json.dumps(meta)})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
-def _write_agent_checkpoint(out: Path, cfg: SimConfig, r: int, res: LocalResult, trainer: LocalTrainer) -> None:
-    """Agent ``res.agent``'s finished local round ``r``: its learner (to continue from) and what
-    it returned (its update and metrics), in one file written atomically."""
-    folder = out / AGENTS_IN_ROUND
-    folder.mkdir(exist_ok=True)
-    tensors = {f"learner/{k}": v for k, v in trainer.learner.checkpoint().items()}
-    tensors |= {f"state/{k}": v for k, v in res.state.items()}
-    meta = {"round": r, "agent": res.agent, "num_samples": res.num_samples, "metrics": res.metrics,
-            "seconds": res.seconds, "sim": _settings(cfg)}
-    _atomic_save(tensors, meta, folder / f"agent-{res.agent}.safetensors")
-
-
-def _clear_agent_checkpoints(out: Path) -> None:
-    folder = out / AGENTS_IN_ROUND
-    if folder.is_dir():
-        for p in folder.iterdir():
-            p.unlink()
-        folder.rmdir()
-
-
-def _resume_agents(out: Path, cfg: SimConfig, r: int, trainers: list[LocalTrainer]) -> dict[int, LocalResult]:
-    """The agents whose local round ``r`` finished before the run stopped: each one's learner
-    restored into ``trainers`` and its result, by agent. Files of another round (left by a stop
-    between a round's checkpoint and their removal) are ignored; one of other settings is refused."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    want = _settings(cfg)
-    done: dict[int, LocalResult] = {}
-    by_agent = {tr.agent: tr for tr in trainers}
-    for path in sorted((out / AGENTS_IN_ROUND).glob("agent-*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            meta = json.loads(f.metadata()["fedrl_checkpoint"])
-        if recorded_settings(meta["sim"]) != want:
-            raise ValueError(f"{path} is a checkpoint of another configuration (differs in "
-                             f"{', '.join(_differences(recorded_settings(meta['sim']), want))}); "
-                             "pass another --out or the same settings")
-        if meta["round"] != r or meta["agent"] not in by_agent:
-            continue
-        tensors = load_file(str(path))
-        learner = {k.removeprefix("learner/"): v for k, v in tensors.items() if k.startswith("learner/")}
-        state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
-        by_agent[meta["agent"]].learner.restore(learner)
-        done[meta["agent"]] = LocalResult(meta["agent"], state, meta["num_samples"], meta["metrics"], meta["seconds"])
-    return done
-
-
-def _resume(out: Path, cfg: SimConfig, learners: dict[str, Any], n_agents: int,
-            engine: str) -> tuple[int, list, dict, list]:
-    """Read ``out``'s checkpoint into ``learners``; (rounds done, curve, global state, agent states)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    path = out / CHECKPOINT
-    with safe_open(str(path), "pt") as f:
-        meta = json.loads(f.metadata()["fedrl_checkpoint"])
-    want = _settings(cfg)
-    if recorded_settings(meta["sim"]) != want:
-        diff = _differences(recorded_settings(meta["sim"]), want)
-        raise ValueError(f"{path} is a checkpoint of another configuration (differs in {', '.join(diff)}); "
-                         "pass another --out or the same settings")
-    if meta.get("engine", "per-agent") != engine:
-        raise ValueError(f"{path} is a checkpoint of the {meta.get('engine', 'per-agent')} engine; this run uses the "
-                         f"{engine} engine: pass --engine {meta.get('engine', 'per-agent')} to continue it")
-    tensors = load_file(str(path))
-
-    def part(prefix: str) -> dict[str, torch.Tensor]:
-        return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-    global_state = part("global/")
-    agent_states = ([part(f"agent_state/{i}/") for i in range(n_agents)] if cfg.algo == "cql"
-                    else [global_state] * n_agents)
-    for prefix, learner in learners.items():
-        learner.restore(part(prefix))
-    return int(meta["round"]), list(meta["curve"]), global_state, agent_states
-
-
-def _differences(have: dict, want: dict) -> list[str]:
-    """The settings that differ, nested ones as ``drpo.lambda2``."""
-    out = []
-    for k in sorted(set(have) | set(want)):
-        a, b = have.get(k), want.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += [f"{k}.{f}" for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
-        elif a != b:
-            out.append(k)
-    return out
 
 
 def _round_line(r: int, rounds: int, rec: dict[str, Any]) -> str:

@@ -233,7 +233,7 @@ def test_a_run_stopped_mid_round_trains_only_the_agents_that_had_not_finished(
     """3 agents x 3 rounds, stopped as an agent starts its local round (in round 1, before any
     round's checkpoint; in round 2): the agents that had finished that round are not trained
     again, and the run ends with the same rounds and policy, bit for bit, as one never stopped."""
-    from fedrl.federation.simulate import AGENTS_IN_ROUND, has_checkpoint
+    from fedrl.federation.checkpoint import AGENTS_IN_ROUND, has_checkpoint
 
     cfg = tiny(random_dataset, algo=algo, agents=3, rounds=3)
     whole = run(cfg, tmp_path / "whole", log=lambda m: None, checkpoint=True)
@@ -266,7 +266,7 @@ def test_a_run_stopped_mid_round_trains_only_the_agents_that_had_not_finished(
 def test_agents_files_of_a_round_already_checkpointed_are_not_taken_again(tmp_path, random_dataset, monkeypatch):
     """Stopped between round 1's checkpoint and the removal of its agents' files: the resumed run
     trains all three agents in round 2 (the files hold round 1's) and matches the whole run."""
-    from fedrl.federation import simulate
+    from fedrl.federation import checkpoint, simulate
 
     cfg = tiny(random_dataset, agents=3, rounds=2)
     whole = run(cfg, tmp_path / "whole", log=lambda m: None, checkpoint=True)
@@ -274,11 +274,11 @@ def test_agents_files_of_a_round_already_checkpointed_are_not_taken_again(tmp_pa
     def stop(out):
         raise _Killed
 
-    monkeypatch.setattr(simulate, "_clear_agent_checkpoints", stop)
+    monkeypatch.setattr(simulate, "clear_agent_checkpoints", stop)
     cut = tmp_path / "cut"
     with pytest.raises(_Killed):
         run(cfg, cut, log=lambda m: None, checkpoint=True)
-    assert len(list((cut / simulate.AGENTS_IN_ROUND).iterdir())) == 3
+    assert len(list((cut / checkpoint.AGENTS_IN_ROUND).iterdir())) == 3
     monkeypatch.undo()
     calls = _count_rounds_and_kill_at(monkeypatch, None)
     resumed = run(cfg, cut, log=lambda m: None, checkpoint=True)
