@@ -30,6 +30,7 @@ from aggregator_service.records import (
 )
 from aggregator_service.rounds import Rounds
 from aggregator_service.store import Store
+from fedrl.federation.machine import Plan, RoundMachine
 from fedrl.federation.privacy import privacy_spent
 from fedrl.federation.runconfig import (
     ConfigError,
@@ -254,7 +255,7 @@ class RunLifecycle:
             return
         run.selected, run.env_id = list(part["selected"]), part["env_id"]
         run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
-        run.version, run.global_state = v, state
+        run.machine = RoundMachine(Plan.of(cfg, run.selected, cfg.quorum), state, version=v, rounds_done=v)
         run.encoded = {v: encode_version(run, v, state)}
         run.events = replay_journal(saved["events"], v)
         for e in run.events:
@@ -267,16 +268,9 @@ class RunLifecycle:
                 for a in e.get("agents", []):
                     n, _ = run.accepted_before.get(a, (0, 0))
                     run.accepted_before[a] = (n + 1, e["round"])
-        run.round = v
         run.state = "running"
-        msg = f"restarted; resuming from stored version {v}"
-        if v >= cfg.rounds:
-            run.state, run.ended = "finished", time.time()
-            self.journal.event(run, "RUN_RESUMED", message=msg)
-            self.journal.event(run, "RUN_FINISHED")
-        else:
-            self.journal.event(run, "RUN_RESUMED", message=msg)
-            self.rounds.open_round(run, v + 1)
+        self.journal.event(run, "RUN_RESUMED", message=f"restarted; resuming from stored version {v}")
+        self.rounds.follow(run, run.machine.begin())
         log.info("resumed run %s at version %d (%s)", run_id, v, run.state)
 
     def _watch_over(self, run: Run) -> bool:

@@ -16,9 +16,10 @@ import torch
 
 from fedrl.algos.config import config_to_dict
 from fedrl.data.normalize import ObsStats
+from fedrl.federation.machine import RoundMachine, Update
 from fedrl.federation.round import algo_config
 from fedrl.federation.runconfig import RunConfig
-from fedrl.wire.codec import INLINE_MAX_BYTES, Encoded, Flat, encode
+from fedrl.wire.codec import INLINE_MAX_BYTES, Encoded, encode
 from fedrl.wire.serde import chunk_frame
 from fedrl.wire.rpc import ServiceError
 
@@ -55,15 +56,6 @@ class AgentRecord:
 
 
 @dataclass
-class Submission:
-    state: dict[str, torch.Tensor]
-    num_samples: int
-    metrics: dict[str, float]
-    seconds: float
-    flat: Flat | None = None  # the state as its one flat tensor, where the decoder had one
-
-
-@dataclass
 class Run:
     run_id: str
     cfg: RunConfig
@@ -71,12 +63,11 @@ class Run:
     created: float
     state: str = "waiting_for_agents"
     message: str = ""
-    round: int = 0
-    version: int = 0
     selected: list[str] = field(default_factory=list)
-    global_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The rounds (fedrl.federation.machine): made with version 0, so None before it (while the run
+    # waits for agents, and in a secure run's round 0, which sums the observation moments).
+    machine: RoundMachine | None = None
     encoded: dict[int, Encoded] = field(default_factory=dict)
-    submissions: dict[str, Submission] = field(default_factory=dict)
     round_opened: float = 0.0
     deadline: float = 0.0
     norms: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
@@ -98,6 +89,24 @@ class Run:
     # config sets secagg_threshold; in round 0, the observation moments'.
     secure: Any = None
     dims: tuple[int, int] = (0, 0)  # (obs_dim, act_dim) of the selected agents, from round 0 on
+
+    @property
+    def round(self) -> int:
+        """The open round (or the last one, once the run is over); 0 before round 1."""
+        return self.machine.round if self.machine is not None else 0
+
+    @property
+    def version(self) -> int:
+        return self.machine.version if self.machine is not None else 0
+
+    @property
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return self.machine.global_state if self.machine is not None else {}
+
+    @property
+    def submissions(self) -> dict[str, Update]:
+        """The open round's updates taken so far."""
+        return self.machine.taken if self.machine is not None else {}
 
 
 def replay_journal(events: list[dict[str, Any]], stored_version: int) -> list[dict[str, Any]]:

@@ -26,15 +26,15 @@ from aggregator_service.records import (
     RUN_ID,
     Run,
     Shared,
-    Submission,
     encode_version,
     task_of,
 )
 from aggregator_service.secure_round import SecureRound
 from aggregator_service.start import RunStart
 from aggregator_service.store import DamagedVersion, Store
-from fedrl.federation.aggregate import AggregationError, agent_weights, aggregate
-from fedrl.federation.privacy import PRIVACY_EPSILON, clip_update, epsilon, noise_generator, noisy_average
+from fedrl.federation.aggregate import AggregationError, agent_weights
+from fedrl.federation.machine import Closed, Finished, Open, Refused, Stopped, Update
+from fedrl.federation.privacy import PRIVACY_EPSILON, noise_generator
 from fedrl.federation.secagg import SecAggError, SecAggParams, dequantize
 from fedrl.federation.secagg_sums import average_from_sum, moments_from_sum
 from fedrl.ops.metrics import AggregatorMetrics
@@ -51,6 +51,9 @@ from fedrl.wire.memory import BufferPool, release_free_memory
 from fedrl.wire.rpc import ServiceError
 
 log = logging.getLogger("fedrl.aggregator")
+
+# The status of an update the round does not take, by the machine's reason (others: FAILED_PRECONDITION)
+REFUSED_STATUS = {"not_selected": grpc.StatusCode.PERMISSION_DENIED, "duplicate": grpc.StatusCode.ALREADY_EXISTS}
 
 class Rounds:
     def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, start: RunStart, store: Store,
@@ -174,23 +177,15 @@ class Rounds:
         if run.state != "running":
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"run {run.run_id} is {run.state}; no round is open", "closed_round")
-        if m.round < run.round:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"round {m.round} is closed (round {run.round} is open)", "stale_round")
-        if m.round > run.round:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"round {m.round} is in the future (round {run.round} is open)", "future_round")
-        if m.base_version != run.version:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"update trained from version {m.base_version}, round {run.round} "
-                               f"distributes version {run.version}", "wrong_base")
-        if run.cfg.secagg_threshold:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"run {run.run_id} takes its updates by secure aggregation (SecureAggregation), "
-                               "never in the clear", "secagg_only")
-        if agent_id in run.submissions:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"agent {agent_id!r} already submitted for round {run.round}", "duplicate")
+        if run.machine is None:  # round 0 of a secure run: its moments
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"run {run.run_id} is summing its agents' "
+                               "observation moments by secure aggregation (round 0); no round takes updates yet",
+                               "closed_round")
+        try:
+            run.machine.check(agent_id, m.round, m.base_version)
+        except Refused as e:
+            raise ServiceError(REFUSED_STATUS.get(e.reason, grpc.StatusCode.FAILED_PRECONDITION),
+                               f"run {run.run_id}: {e}", e.reason) from None
         return run
 
     def update_refused(self, agent_id: str, reason: str, detail: str) -> None:
@@ -232,14 +227,14 @@ class Rounds:
             run = self._check_submission(agent_id, m)
             self._check_tensors(run, m)
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
-            run.submissions[agent_id] = Submission(state, m.num_samples, clean, seconds, flat)
+            run.machine.take(agent_id, m.round, m.base_version, Update(state, m.num_samples, clean, seconds, flat))
             rec = self.registry.agents[agent_id]
             same_run = rec.last_accepted is not None and rec.last_accepted[0] == run.run_id
             rec.rounds_submitted = (rec.rounds_submitted if same_run else 0) + 1  # counted per run
             rec.last_accepted = (run.run_id, run.round)
             self.metrics.accepted.inc()
             r = run.round
-            if len(run.submissions) == len(run.selected):
+            if run.machine.complete:
                 self._close_round(run)
                 self.s.cond.notify_all()  # only a closed round changes what waiters look for
             return r
@@ -249,7 +244,7 @@ class Rounds:
         its round 1 opens here once version 0 is made."""
         run = self.s.run
         if self.start.maybe_begin() and run is not None and run.state == "running":
-            self.open_round(run, 1)
+            self.follow(run, run.machine.begin())
 
     def _average_memory(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat tensor for a round's average: in a buffer from :attr:`averages` from
@@ -260,8 +255,21 @@ class Rounds:
             return torch.empty(numel, dtype=dtype)
         return torch.frombuffer(self.averages.take(nbytes), dtype=dtype)
 
-    def open_round(self, run: Run, r: int) -> None:
-        run.round, run.submissions, run.non_finite = r, {}, {}
+    def follow(self, run: Run, action: Open | Finished | Stopped) -> None:
+        """Do what the rounds say comes next: open a round, or end the run."""
+        if isinstance(action, Finished):
+            run.state, run.ended = "finished", time.time()
+            self.journal.event(run, "RUN_FINISHED")
+        elif isinstance(action, Stopped):
+            run.state, run.ended, run.message = "stopped", time.time(), action.message
+            self.journal.event(run, "RUN_STOPPED", message=run.message)
+        else:
+            self._opened(run)
+
+    def _opened(self, run: Run) -> None:
+        """The round the machine opened: its deadline, its secure aggregation, its event."""
+        r = run.round
+        run.non_finite = {}
         run.round_opened = time.time()
         run.deadline = run.round_opened + run.cfg.round_timeout
         run.secure = None
@@ -275,23 +283,12 @@ class Rounds:
         self.journal.event(run, "ROUND_OPENED", agents=list(run.selected))
 
     def _close_round(self, run: Run) -> None:
-        order = [a for a in run.selected if a in run.submissions]
-        subs = [run.submissions[a] for a in order]
-        cfg = run.cfg
         try:
-            w = agent_weights(cfg.weighting, [s.num_samples for s in subs])
-            if cfg.dp_clip:  # each update clipped here too: an agent that did not cannot void the guarantee
-                states = [clip_update(s.state, run.global_state, cfg.dp_clip)[0] for s in subs]
-                new = aggregate(cfg.aggregation, states, w, cfg.trim_fraction)
-                if cfg.dp_noise:
-                    new = noisy_average(new, len(subs), cfg.dp_clip, cfg.dp_noise, self._dp_noise())
-            else:
-                new = aggregate(cfg.aggregation, [s.state for s in subs], w, cfg.trim_fraction,
-                                [s.flat for s in subs], self._average_memory)
+            closed = run.machine.close(self._dp_noise() if run.cfg.dp_noise else None, self._average_memory)
         except (AggregationError, ValueError) as e:
             self.journal.fail(run, f"aggregation failed in round {run.round}: {e}")
             return
-        self._commit_round(run, new, order, [s.metrics for s in subs])
+        self._commit_round(run, closed)
 
     def _close_secure(self, run: Run) -> None:
         """The round's version from its secure aggregation's sum (every step closed)."""
@@ -302,28 +299,21 @@ class Rounds:
                 log.info("run %s: observation moments of %d agents pooled by secure aggregation", run.run_id,
                          len(sec.survivors))
                 if self.start.version_zero(run, mean, std, *run.dims, {}):
-                    self.open_round(run, 1)
+                    self.follow(run, run.machine.begin())
                 return
             new = average_from_sum(dequantize(sec.total(), sec.params), run.global_state)
-        except SecAggError as e:
+            order = [a for a in run.selected if a in sec.survivors]
+            closed = run.machine.close_sum(new, order, [sec.metrics[a][0] for a in order])
+        except (SecAggError, ValueError) as e:
             self.journal.fail(run, f"{self._secure_name(run)}: secure aggregation failed: {e}")
             return
-        order = [a for a in run.selected if a in sec.survivors]
-        self._commit_round(run, new, order, [sec.metrics[a][0] for a in order])
+        self._commit_round(run, closed)
 
-    def _commit_round(self, run: Run, new: dict[str, torch.Tensor], order: list[str],
-                      agent_metrics: list[Mapping[str, float]]) -> None:
-        """Write round ``run.round``'s version ``new``, made from the updates of ``order``, journal
-        it and announce it; a version that cannot be written leaves the round open."""
-        cfg = run.cfg
-        v = run.version + 1
-        enc = encode_version(run, v, new)
-        metrics: dict[str, float] = {}
-        for m in agent_metrics:
-            for k, x in m.items():
-                metrics[k] = metrics.get(k, 0.0) + x / len(agent_metrics)
-        if cfg.dp_clip:  # what the run has spent once this round's version is out
-            metrics[PRIVACY_EPSILON] = epsilon(cfg.dp_noise, run.round, cfg.dp_delta)
+    def _commit_round(self, run: Run, closed: Closed) -> None:
+        """Write the round's new version, journal it and announce it, then follow the rounds on;
+        a version that cannot be written leaves the round open (its close is retried)."""
+        v, order = closed.version, list(closed.agents)
+        enc = encode_version(run, v, closed.state)
         seconds = time.time() - run.round_opened
         try:
             # Journal first, then the version: a restart that finds version v also finds whose
@@ -332,7 +322,7 @@ class Rounds:
             # it. A close retried after a failed write is journaled once.
             if run.closing is None or (run.closing["version"], run.closing["agents"]) != (v, order):
                 closing = self.journal.new_event(run, "ROUND_CLOSED", version=v, agents=order,
-                                          metrics=metrics, seconds=seconds)
+                                                 metrics=closed.metrics, seconds=seconds)
                 self.store.append_event(run.run_id, closing, durable=True)
                 run.closing = closing
             self.store.save_version(run.run_id, v, enc.pieces(), enc.manifest.checksum)
@@ -343,25 +333,16 @@ class Rounds:
             run.message = msg
             return
         run.message = ""
-        run.version, run.global_state = v, new
+        then = run.machine.commit(closed)
         run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
         run.encoded[v] = enc
         self.metrics.round_closed(seconds)
         self.journal.log_event(run, run.closing)
         run.events.append(run.closing)  # announced only now that the version is on disk
         run.closing = None
-        if cfg.dp_clip:
-            self.metrics.privacy_spent(metrics[PRIVACY_EPSILON])
-        if run.round >= run.cfg.rounds:
-            run.state, run.ended = "finished", time.time()
-            self.journal.event(run, "RUN_FINISHED")
-        elif cfg.dp_epsilon_budget and (e := epsilon(cfg.dp_noise, run.round + 1, cfg.dp_delta)) > cfg.dp_epsilon_budget:
-            run.state, run.ended = "stopped", time.time()
-            run.message = (f"privacy budget: round {run.round + 1} would spend epsilon {e:.3g} at delta "
-                           f"{cfg.dp_delta:g}, over the budget of {cfg.dp_epsilon_budget:g}")
-            self.journal.event(run, "RUN_STOPPED", message=run.message)
-        else:
-            self.open_round(run, run.round + 1)
+        if run.cfg.dp_clip:
+            self.metrics.privacy_spent(closed.metrics[PRIVACY_EPSILON])
+        self.follow(run, then)
 
     def secure_step(self, agent_id: str, run_id: str, round_: int, step: str, msg: Any,
                     wait: float) -> dict[str, Any] | None:
@@ -468,8 +449,8 @@ class Rounds:
                     if run.message != msg:
                         log.warning(msg)
                         run.message = msg
-                elif run.state == "running" and (now >= run.deadline or run.message) and run.submissions:
-                    if len(run.submissions) >= run.cfg.quorum:
-                        self._close_round(run)
-                        self.s.cond.notify_all()
+                elif run.state == "running" and run.machine is not None and run.machine.closable(
+                        now >= run.deadline or bool(run.message)):
+                    self._close_round(run)
+                    self.s.cond.notify_all()
 

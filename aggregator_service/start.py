@@ -20,6 +20,7 @@ from aggregator_service.records import Run, Shared, encode_version, env_mismatch
 from aggregator_service.secure_round import SecureRound
 from aggregator_service.store import Store
 from fedrl.data.normalize import ObsStats, global_normalizer
+from fedrl.federation.machine import Plan, RoundMachine
 from fedrl.federation.round import algo_config, initial_global_state
 from fedrl.federation.runconfig import MAX_MODEL_BYTES, check_step_bytes, model_bytes
 from fedrl.federation.secagg_sums import moments_params
@@ -102,7 +103,7 @@ class RunStart:
         """Round 0 of a secure run with pooled normalisation: the chosen agents' observation
         moments summed by secure aggregation (MOMENTS tasks); version 0 is made from the sum."""
         run.selected = [a.agent_id for a in chosen]
-        run.state, run.round = "running", 0
+        run.state = "running"
         run.round_opened = time.time()
         run.deadline = run.round_opened + run.cfg.round_timeout
         run.dims = (obs_dim, chosen[0].act_dim)
@@ -140,7 +141,7 @@ class RunStart:
         except OSError as e:
             self.journal.fail(run, f"cannot write the participants to the state directory: {e}")
             return False
-        run.global_state = state
+        run.machine = RoundMachine(Plan.of(cfg, run.selected, cfg.quorum), state)
         run.encoded = {0: enc}
         run.state = "running"
         return True

@@ -48,6 +48,7 @@ BATCHED_TESTS = ("tests/unit/test_batched.py",)
 ENGINE_TESTS = ("tests/unit/test_batched.py", "tests/integration/test_engines_agree.py", "tests/integration/test_cells.py")
 RND, CELLS = "fedrl/federation/round.py", "fedrl/federation/cells.py"
 SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/rounds.py"
+MACHINE, MACHINE_TESTS = "fedrl/federation/machine.py", ("tests/unit/test_machine.py",)
 SIM_TESTS = ("tests/integration/test_simulate.py",)
 SERVICE_TESTS = ("tests/service/test_federation.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
@@ -165,17 +166,25 @@ MUTANTS = (
     Mutant("samples-weighting-ignored", A, "return [float(n) for n in num_samples]", "return [1.0] * len(num_samples)"),
     Mutant("fedavg-first-agent-twice", A, "for x, alpha in zip(xs, alphas):", "for x, alpha in zip([xs[0]] + list(xs[1:-1]) + [xs[0]], alphas):"),
     # the round logic: the simulation and the aggregator service
-    Mutant("agents-alone-restart-from-global", SIM, "train_round(agent_states[i] if cfg.algo == \"cql\" else global_state,",
-           "train_round(global_state,", SIM_TESTS),
-    Mutant("simulation-ignores-sample-counts", SIM, "agent_weights(cfg.weighting, [res.num_samples for res in results])",
-           "agent_weights(cfg.weighting, [1 for res in results])", SIM_TESTS),
-    Mutant("simulation-global-is-first-agent", SIM, "aggregate(cfg.aggregation, [res.state for res in results], w, cfg.trim_fraction)",
-           "results[0].state", SIM_TESTS),
-    Mutant("service-global-is-first-agent", COORD, "self._commit_round(run, new, order, [s.metrics for s in subs])",
-           "self._commit_round(run, subs[0].state, order, [s.metrics for s in subs])",
-           SERVICE_TESTS),
-    Mutant("service-ignores-sample-counts", COORD, "agent_weights(cfg.weighting, [s.num_samples for s in subs])",
-           "agent_weights(cfg.weighting, [1 for s in subs])", SERVICE_TESTS),
+    Mutant("agents-alone-restart-from-global", SIM, "res = trainers[i].train_round(machine.agent_states[i],",
+           "res = trainers[i].train_round(machine.global_state,", SIM_TESTS),
+    # the rounds' state machine (machine.py), which the simulation, the cells and the service drive
+    Mutant("round-ignores-sample-counts", MACHINE, "w = agent_weights(p.weighting, [u.num_samples for u in ups])",
+           "w = agent_weights(p.weighting, [1 for u in ups])", MACHINE_TESTS),
+    Mutant("round-global-is-first-agent", MACHINE,
+           "new = aggregate(p.aggregation, [u.state for u in ups], w, p.trim_fraction, [u.flat for u in ups], alloc)",
+           "new = ups[0].state", MACHINE_TESTS),
+    Mutant("round-quorum-ignored", MACHINE, "and len(self.taken) >= self.plan.quorum)", ")", MACHINE_TESTS),
+    Mutant("round-dp-unclipped", MACHINE, "clipped = [clip_update(u.state, self.global_state, p.dp_clip)[0] for u in ups]",
+           "clipped = [u.state for u in ups]", MACHINE_TESTS),
+    Mutant("round-budget-ignored", MACHINE,
+           "if p.dp_epsilon_budget and (e := epsilon(p.dp_noise, r, p.dp_delta)) > p.dp_epsilon_budget:",
+           "if False:", MACHINE_TESTS),
+    Mutant("round-duplicate-taken", MACHINE, "        if agent in self.taken:\n", "        if False:\n", MACHINE_TESTS),
+    Mutant("round-close-draws-noise-again", MACHINE, "        if self._pending is not None:\n",
+           "        if False:\n", MACHINE_TESTS),
+    Mutant("service-skips-the-rounds-check", COORD, "            run.machine.check(agent_id, m.round, m.base_version)\n",
+           "            pass\n", SERVICE_TESTS),
     # secure aggregation (secagg.py): the masks that must cancel, the shares handed out
     Mutant("secagg-pairwise-signs-agree", SA, "return m if me == lo else (np.uint64(0) - m)", "return m",
            SA_TESTS),

@@ -32,13 +32,13 @@ from fedrl.algos.base import POLICY
 from fedrl.common.device import derive_seed, resolve_device
 from fedrl.data.normalize import ObsStats, agent_normalizer, global_normalizer
 from fedrl.envs.evaluation import evaluate_many
-from fedrl.federation.aggregate import agent_weights, aggregate
 from fedrl.federation.round import (
     SEED_EVAL,
     BatchedTrainer,
     algo_config,
     initial_global_state,
 )
+from fedrl.federation.machine import Plan, RoundMachine, Update
 from fedrl.federation.checkpoint import atomic_save, recorded_settings, settings
 from fedrl.federation.simconfig import SimConfig
 from fedrl.federation.simulate import curve_point, load_shards, round_evaluation
@@ -61,12 +61,19 @@ class _CellState:
     hp: Any
     agents: int
     sizes: list[int]
-    global_state: dict[str, torch.Tensor]
-    agent_states: list[dict[str, torch.Tensor]]
+    machine: RoundMachine  # the cell's rounds, as simulate and the services make them
     eval_seed: int
     curve: list[dict[str, Any]]
     shards: list[dict[str, Any]]
     data_return: float
+
+    @property
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return self.machine.global_state
+
+    @property
+    def agent_states(self) -> list[dict[str, torch.Tensor]]:
+        return list(self.machine.agent_states)
 
 
 def check_cells(cells: Sequence[Cell]) -> None:
@@ -78,6 +85,10 @@ def check_cells(cells: Sequence[Cell]) -> None:
     if private:
         raise ValueError(f"cells {', '.join(private)}: differential privacy clips each agent's update in the "
                          "per-agent engine (fedrl.federation.simulate), not in a batch")
+    secure = [c.key for c in cells if c.cfg.secagg_threshold]
+    if secure:
+        raise ValueError(f"cells {', '.join(secure)}: secure aggregation runs in the per-agent engine "
+                         "(fedrl.federation.simulate), not in a batch")
     keys = [c.key for c in cells]
     if len(set(keys)) != len(keys):
         raise ValueError(f"cell keys repeat: {sorted(k for k in set(keys) if keys.count(k) > 1)}")
@@ -128,7 +139,8 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
         g0 = initial_global_state(hp, obs_dim, act_dim, cfg.seed, *g_norm, federate_critic)
         from fedrl.ops.plotting import episode_return_mean
 
-        states.append(_CellState(c, hp, len(shards), [len(s.transitions) for s in shards], g0, [g0] * len(shards),
+        machine = RoundMachine(Plan.of(cfg, [s.agent for s in shards]), g0)
+        states.append(_CellState(c, hp, len(shards), [len(s.transitions) for s in shards], machine,
                                  derive_seed(cfg.seed, SEED_EVAL) % 2**31, [],
                                  [{"agent": s.agent, "source": s.source, "episodes": list(s.episodes),
                                    "transitions": len(s.transitions)} for s in shards],
@@ -182,6 +194,8 @@ def _rounds(states, trainers, groups, cells, work: Path, ck: Path, env, done: in
             pool, log, trace_every: int = 0) -> int:
     """The rounds after ``done``, until the last or the deadline; the last round finished."""
     first = cells[0].cfg
+    for st in states:
+        st.machine.begin()
     for r in range(done + 1, first.rounds + 1):
         if deadline is not None and last_round_s is not None and time.time() + last_round_s > deadline:
             log(f"stopping before round {r}: the deadline leaves less than a round ({last_round_s:.0f}s)")
@@ -197,12 +211,9 @@ def _rounds(states, trainers, groups, cells, work: Path, ck: Path, env, done: in
         recs = []
         for ci, st in enumerate(states):
             mine = [results[(ci, a)] for a in range(st.agents)]
-            cfg = st.cell.cfg
-            if cfg.algo == "cql":
-                st.agent_states = [res.state for res in mine]
-            else:
-                w = agent_weights(cfg.weighting, [res.num_samples for res in mine])
-                st.global_state = aggregate(cfg.aggregation, [res.state for res in mine], w, cfg.trim_fraction)
+            for res in mine:
+                st.machine.take(res.agent, r, st.machine.version, Update(res.state, res.num_samples))
+            st.machine.commit(st.machine.close())
             recs.append({"round": r, "train_seconds": train_s,
                          "agents": [{"agent": res.agent, "num_samples": res.num_samples, "seconds": res.seconds,
                                      **res.metrics} for res in mine]})
@@ -270,11 +281,12 @@ def _resume(path: Path, cells: Sequence[Cell], states: list[_CellState], trainer
     def part(prefix: str) -> dict[str, torch.Tensor]:
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
+    done = int(meta["round"])
     for ci, st in enumerate(states):
-        st.global_state = part(f"global/{ci}/")
-        st.agent_states = ([part(f"agent_state/{ci}/{i}/") for i in range(st.agents)]
-                           if st.cell.cfg.algo == "cql" else [st.global_state] * st.agents)
+        g = part(f"global/{ci}/")
+        own = [part(f"agent_state/{ci}/{i}/") for i in range(st.agents)] if st.cell.cfg.algo == "cql" else None
+        st.machine = RoundMachine(st.machine.plan, g, done, done, own)
         st.curve = list(meta["curves"][ci])
     for g, tr in trainers.items():
         tr.restore(part(f"group/{g}/"))
-    return int(meta["round"])
+    return done

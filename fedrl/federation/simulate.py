@@ -30,7 +30,7 @@ from fedrl.data.partition import Shard, ShardSource, partition
 from fedrl.data.registry import check_one_env, infer_env, load
 from fedrl.envs import EnvInfo
 from fedrl.envs.evaluation import evaluate
-from fedrl.federation.aggregate import agent_weights, aggregate
+from fedrl.federation.aggregate import agent_weights
 from fedrl.federation.checkpoint import (
     CHECKPOINT,
     clear_agent_checkpoints,
@@ -50,6 +50,7 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
+from fedrl.federation.machine import Open, Plan, RoundMachine, Stopped, Update
 from fedrl.federation.simconfig import SimConfig
 
 ENGINES = ("auto", "batched", "per-agent")
@@ -225,18 +226,13 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         from fedrl.federation.privacy import noise_generator
 
         noise_gen = noise_generator()
-    stopped, rounds_run = "", done_rounds
+    machine = RoundMachine(Plan.of(cfg, [s.agent for s in shards]), global_state, done_rounds, done_rounds,
+                           agent_states)
+    action, rounds_run = machine.begin(), done_rounds
     with bar, open(out / "rounds.jsonl", "w") as jl:
         jl.writelines(x + "\n" for x in lines)  # a round after the checkpoint's is done again
-        for r in range(done_rounds + 1, cfg.rounds + 1):
-            if cfg.dp_epsilon_budget:
-                from fedrl.federation.privacy import epsilon
-
-                if (e := epsilon(cfg.dp_noise, r, cfg.dp_delta)) > cfg.dp_epsilon_budget:
-                    stopped = (f"stopped before round {r}: it would spend epsilon {e:.3g} at delta "
-                               f"{cfg.dp_delta:g}, over the budget of {cfg.dp_epsilon_budget:g}")
-                    log(stopped)
-                    break
+        while isinstance(action, Open):
+            r = action.round
             t0 = time.perf_counter()
 
             def train(i: int):
@@ -244,7 +240,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                     if progress:
                         bar.update(cfg.local_steps)
                     return in_round.pop(i)
-                res = trainers[i].train_round(agent_states[i] if cfg.algo == "cql" else global_state, cfg.local_steps,
+                res = trainers[i].train_round(machine.agent_states[i], cfg.local_steps,
                                               **({"progress": step_done} if progress else {}))
                 if checkpoint:
                     write_agent_checkpoint(out, cfg, r, res, trainers[i])
@@ -253,28 +249,25 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 return res
 
             if batched is not None:
-                results = batched.train_round(agent_states if cfg.algo == "cql" else [global_state] * n_agents,
-                                              cfg.local_steps, progress=(lambda _i, _n: bar.update(n_agents))
-                                              if progress else None)
+                results = batched.train_round(list(machine.agent_states), cfg.local_steps,
+                                              progress=(lambda _i, _n: bar.update(n_agents)) if progress else None)
             elif parallel_agents > 1:
                 with ThreadPoolExecutor(parallel_agents, thread_name_prefix="agent") as pool:
                     results = list(pool.map(train, range(n_agents)))
             else:
                 results = [train(i) for i in range(n_agents)]
-            if cfg.algo == "cql":
-                agent_states = [res.state for res in results]
-            else:
+            if cfg.secagg_threshold:
                 w = agent_weights(cfg.weighting, [res.num_samples for res in results])
-                if cfg.secagg_threshold:
-                    global_state, sa_rec = secure_average(cfg, r, [res.state for res in results], w, noise_gen)
-                else:
-                    global_state = aggregate(cfg.aggregation, [res.state for res in results], w, cfg.trim_fraction)
-                if noise_gen is not None and not cfg.secagg_threshold:
-                    from fedrl.federation.privacy import noisy_average
-
-                    global_state = noisy_average(global_state, len(results), cfg.dp_clip, cfg.dp_noise, noise_gen)
-                if on_round is not None:
-                    on_round(r, global_state)
+                average, sa_rec = secure_average(cfg, r, [res.state for res in results], w, noise_gen)
+                closed = machine.close_sum(average, [res.agent for res in results])
+            else:
+                for res in results:
+                    machine.take(res.agent, r, action.version, Update(res.state, res.num_samples))
+                closed = machine.close(noise_gen)
+            action = machine.commit(closed)
+            global_state, agent_states = machine.global_state, list(machine.agent_states)
+            if on_round is not None and cfg.algo != "cql":
+                on_round(r, global_state)
             train_s = time.perf_counter() - t0
             rec: dict[str, Any] = {"round": r, "train_seconds": train_s,
                                    "agents": [{"agent": res.agent, "num_samples": res.num_samples,
@@ -296,6 +289,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 clear_agent_checkpoints(out)  # round r is in the checkpoint: its agents' files are spent
             log(_round_line(r, cfg.rounds, rec))
             bar.note(f"round {r}/{cfg.rounds}" + (f", score {curve[-1]['score_mean']:.1f}" if curve else ""))
+    stopped = action.message if isinstance(action, Stopped) else ""
+    if stopped:
+        log(stopped)
 
     final_states = agent_states if cfg.algo == "cql" else [global_state]
     load_prefixed(eval_policy, final_states[0], POLICY)

@@ -524,7 +524,7 @@ def test_differential_privacy_reports_its_epsilon_each_round_and_stops_at_its_bu
     eps = [r["privacy"]["epsilon"] for r in rows]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(epsilon(1.0, 3, 1e-5))
     assert all(r["privacy"]["clipped_fraction"] == 1.0 for r in rows)  # a clip of 0.01 cuts every update
-    assert summary["stopped"].startswith("stopped before round 4: it would spend epsilon")
+    assert summary["stopped"].startswith("privacy budget: round 4 would spend epsilon")
     assert summary["privacy"]["rounds"] == 3 and any("epsilon" in m for m in logs)
 
 
