@@ -9,7 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from fedrl.wire.codec import Flat, all_finite
+from fedrl.wire.codec import Flat
+from fedrl.wire.tensorfile import all_finite
 
 from fedrl.federation.choices import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS  # noqa: F401 - importers read them here
 
@@ -197,7 +198,7 @@ def _weighted_mean(xs: Sequence[torch.Tensor], alphas: Sequence[float],
 
 def _spans(states: Sequence[Mapping[str, torch.Tensor]], keys: list[str]) -> list[torch.Tensor] | None:
     """Each state's tensors, in ``keys`` order, as one flat tensor over their memory, when they
-    lie back to back in one CPU storage with one dtype (see ``fedrl.wire.codec._views``); else None."""
+    lie back to back in one CPU storage with one dtype (see ``fedrl.wire.tensorfile.views``); else None."""
     if not keys:
         return None
     dtype = states[0][keys[0]].dtype

@@ -82,7 +82,8 @@ class ControlCalls:
         """A global version's tensors (verified), the metadata it was written with (its run,
         algorithm, environment, hyperparameters), its version and its run: of ``run_id``
         (default: the current run) or any stored run, ``version`` -1 the latest."""
-        from fedrl.wire.codec import assemble, payload_metadata
+        from fedrl.wire.codec import assemble
+        from fedrl.wire.tensorfile import payload_metadata
 
         fetch, _ = weights_calls(self.channel)
         manifest, chunks = read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),

@@ -179,7 +179,7 @@ def test_own_safetensors_parser_agrees_with_the_reference_library(spec):
     """The zero-copy parser the receivers use reads exactly what the safetensors library writes."""
     from safetensors.torch import load as reference_load
 
-    from fedrl.wire.codec import parse_safetensors
+    from fedrl.wire.tensorfile import parse_safetensors
 
     state = {k: (torch.rand(shape) * 10).to(dt) for k, (dt, shape) in spec.items()}
     blob = encode(state, "r", 0, 0).payload
@@ -190,7 +190,7 @@ def test_own_safetensors_parser_agrees_with_the_reference_library(spec):
 
 
 def test_all_finite_is_exact():
-    from fedrl.wire.codec import all_finite
+    from fedrl.wire.tensorfile import all_finite
 
     v = torch.randn(100, 100)
     assert all_finite(v) and all_finite(torch.full((1000, 1000), 3.4e38)) and all_finite(torch.arange(3))
@@ -281,7 +281,7 @@ def test_assembler_takes_exactly_the_declared_bytes():
 def test_own_safetensors_writer_is_read_by_the_reference_library(spec):
     from safetensors.torch import load as reference_load
 
-    from fedrl.wire.codec import write_safetensors
+    from fedrl.wire.tensorfile import write_safetensors
 
     state = {k: (torch.rand(shape) * 10).to(dt) for k, (dt, shape) in spec.items()}
     back = reference_load(write_safetensors(state))
@@ -349,7 +349,7 @@ def test_checks_worked_out_once_per_layout_still_refuse_what_differs():
 
 
 def _layout_or_reason(buf: bytearray):
-    from fedrl.wire.codec import _layout
+    from fedrl.wire.tensorfile import file_layout as _layout
 
     try:
         return _layout(buf)
@@ -359,7 +359,7 @@ def _layout_or_reason(buf: bytearray):
 
 def _full_parse_or_reason(buf: bytearray):
     """What parsing the whole header, with no cache and no split, makes of ``buf``."""
-    from fedrl.wire.codec import _parse_header
+    from fedrl.wire.tensorfile import _parse_header
 
     n = int.from_bytes(bytes(buf[:8]), "little")
     try:

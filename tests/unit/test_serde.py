@@ -106,7 +106,7 @@ def test_updates_assembled_in_pooled_buffers_stay_intact_while_held():
 def test_safetensors_headers_that_nest_or_count_absurdly_are_refused_specifically():
     import struct
 
-    from fedrl.wire.codec import parse_safetensors
+    from fedrl.wire.tensorfile import parse_safetensors
 
     for header, says in ((b"[" * 50_000 + b"]" * 50_000, "nests too deeply"),
                          (b'{"a": ' + b"9" * 5000 + b"}", "not JSON")):
