@@ -13,7 +13,7 @@ from fedrl.wire.security import add_tls_arg
 
 
 def _add_stream_args(p) -> None:
-    from fedrl.wire.rpc import add_stream_args
+    from fedrl.wire.streams import add_stream_args
 
     add_stream_args(p)
 
@@ -66,12 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     from aggregator_service.store import Store
     from fedrl.ops.metrics import AggregatorMetrics, start_side_endpoints
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
-    from fedrl.wire.rpc import (
-        announce_port,
-        create_server,
-        stream_limits,
-        wait_for_shutdown,
-    )
+    from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
+    from fedrl.wire.streams import stream_limits
     from fedrl.wire.security import (
         Authenticator,
         AuthInterceptor,

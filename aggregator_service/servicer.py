@@ -84,7 +84,7 @@ def session_answer(data: bytes, context) -> tuple[str | None, object, object]:
 class FederationServicer(federation_pb2_grpc.FederationServicer):
     # Unary calls that may hold a worker while they wait for a task (a long poll; an inline update
     # asking for its next task): counted with the streams, per caller and in all
-    # (fedrl.wire.rpc.StreamGuard), so no caller can take every worker with them.
+    # (fedrl.wire.streams.StreamGuard), so no caller can take every worker with them.
     LONG_POLLS = ("/fedrl.v1.Federation/NextTask", "/fedrl.v1.Federation/SubmitUpdateInline",
                   "/fedrl.v1.Federation/SecureAggregation")
     # These answer with bytes: a Task (alone, or as the next_task of a SubmitReply), which is the

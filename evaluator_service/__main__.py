@@ -16,7 +16,8 @@ from fedrl.wire.security import add_tls_arg
 
 
 def _add_stream_args(p) -> None:
-    from fedrl.wire.rpc import DEFAULT_MAX_WORKERS, add_stream_args
+    from fedrl.wire.rpc import DEFAULT_MAX_WORKERS
+    from fedrl.wire.streams import add_stream_args
 
     add_stream_args(p, f"its {DEFAULT_MAX_WORKERS} worker threads")
 
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     from evaluator_service.servicer import EvaluatorServicer
     from fedrl.ops.metrics import EvaluatorMetrics, start_side_endpoints
     from fedrl.proto.v1 import evaluator_pb2_grpc
-    from fedrl.wire.rpc import announce_port, create_server, stream_limits, wait_for_shutdown
+    from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
+    from fedrl.wire.streams import stream_limits
     from fedrl.wire.security import (
         Authenticator,
         AuthInterceptor,

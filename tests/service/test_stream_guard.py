@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedrl.proto.v1 import control_pb2, federation_pb2
-from fedrl.wire.rpc import RESERVED_WORKERS, create_channel
+from fedrl.wire.streams import RESERVED_WORKERS
 from fedrl.wire.security import Authenticator, TokenClientInterceptor
 
 from .conftest import Aggregator
