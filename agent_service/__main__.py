@@ -13,7 +13,7 @@ import sys
 from fedrl.common import argtypes
 from fedrl.common.threads import THREADS_RULE, set_threads
 from fedrl.ops.logs import add_log_args, setup_logging
-from fedrl.ops.metrics import add_metrics_args
+from fedrl.ops.endpoint import add_metrics_args
 from fedrl.wire.security import add_tls_arg
 
 
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, ValueError) as e:  # SecurityConfigError is a ValueError
         print(f"fedrl-agent: error: {e}", file=sys.stderr)
         return 2
-    from fedrl.ops.metrics import AgentMetrics, start_side_endpoints
+    from fedrl.ops.endpoint import start_side_endpoints
+    from fedrl.ops.metrics import AgentMetrics
 
     agent_id = a.agent_id or f"agent-{index}"
     metrics = AgentMetrics(agent_id, str(device))

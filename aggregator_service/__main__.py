@@ -8,7 +8,7 @@ import sys
 
 from fedrl.common import argtypes
 from fedrl.ops.logs import add_log_args, setup_logging
-from fedrl.ops.metrics import add_metrics_args
+from fedrl.ops.endpoint import add_metrics_args
 from fedrl.wire.security import add_tls_arg
 
 
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from aggregator_service.coordinator import Coordinator
     from aggregator_service.servicer import ControlServicer, FederationServicer
     from aggregator_service.store import Store
-    from fedrl.ops.metrics import AggregatorMetrics, start_side_endpoints
+    from fedrl.ops.endpoint import start_side_endpoints
+    from fedrl.ops.metrics import AggregatorMetrics
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
     from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
     from fedrl.wire.streams import stream_limits

@@ -11,7 +11,7 @@ import threading
 from fedrl.common import argtypes
 from fedrl.common.threads import THREADS_RULE, set_threads
 from fedrl.ops.logs import add_log_args, setup_logging
-from fedrl.ops.metrics import add_metrics_args
+from fedrl.ops.endpoint import add_metrics_args
 from fedrl.wire.security import add_tls_arg
 
 
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from evaluator_service.follower import Follower
     from evaluator_service.servicer import EvaluatorServicer
-    from fedrl.ops.metrics import EvaluatorMetrics, start_side_endpoints
+    from fedrl.ops.endpoint import start_side_endpoints
+    from fedrl.ops.metrics import EvaluatorMetrics
     from fedrl.proto.v1 import evaluator_pb2_grpc
     from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
     from fedrl.wire.streams import stream_limits

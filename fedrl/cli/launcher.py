@@ -39,7 +39,7 @@ import grpc
 
 from fedrl.federation.runconfig import RunConfig
 from fedrl.ops.local_prometheus import PrometheusError
-from fedrl.ops.metrics import METRICS_TOKEN_ENV
+from fedrl.ops.endpoint import METRICS_TOKEN_ENV
 
 STARTUP_TIMEOUT = 120.0
 

@@ -172,7 +172,7 @@ def test_metrics_endpoints_answer_while_silent_connections_are_open(tmp_path, se
 
     from prometheus_client import CollectorRegistry, Counter
 
-    from fedrl.ops.metrics import serve_metrics
+    from fedrl.ops.endpoint import serve_metrics
     from fedrl.wire.devca import make_dev_ca
     from fedrl.wire.security import TLSFiles
 
@@ -214,7 +214,7 @@ def test_one_clients_silent_or_trickling_connections_leave_the_others_scrapes_al
 
     from prometheus_client import CollectorRegistry, Counter
 
-    from fedrl.ops import metrics as m
+    from fedrl.ops import endpoint as m
 
     monkeypatch.setattr(m._MetricsServer, "TIMEOUT", 2.0)
     reg = CollectorRegistry()
@@ -329,7 +329,7 @@ def test_the_scrapers_credential_gets_its_scrapes_through_any_flood(tmp_path, cr
 
     from prometheus_client import CollectorRegistry, Counter
 
-    from fedrl.ops.metrics import serve_metrics
+    from fedrl.ops.endpoint import serve_metrics
     from fedrl.wire.devca import make_dev_ca
     from fedrl.wire.security import TLSFiles
 
@@ -373,7 +373,7 @@ def test_a_scrape_without_the_credential_gets_no_priority(tmp_path):
 
     from prometheus_client import CollectorRegistry
 
-    from fedrl.ops import metrics as m
+    from fedrl.ops import endpoint as m
 
     port = m.serve_metrics(CollectorRegistry(), "127.0.0.1", 0, token="s" * 32)
     flood = _Holders(port, ["127.0.0.1"], 8)
