@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import torch
 
+from agent_service.secure import SecureSteps
 from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.round import LocalTrainer, RoundInterrupted, algo_config
@@ -128,6 +129,7 @@ class Agent:
         self.metrics = metrics or AgentMetrics(cfg.agent_id, str(cfg.device))
         self.stats = ObsStats.of(shard.transitions.obs)
         self._stop = StopFlag()  # stop() may be called from a signal handler
+        self.secure = SecureSteps(cfg.agent_id, cfg.task_wait, cfg.rpc_timeout, self._stop)
         self._channel: grpc.Channel | None = None  # the one in use (closed by stop)
         self._session_call = None  # the Session stream in use, and since when it has been awaited
         self._progress_to = None  # (answers queue, round, last sent) while a Session's TRAIN task trains
@@ -381,72 +383,11 @@ class Agent:
         return self.trainer
 
     def _secure_aggregation(self, stub, task, res) -> None:
-        """Round ``task``'s update by secure aggregation (fedrl/federation/secagg.py).
-        With differential privacy the agent adds its share of the noise first: N(0, (sigma * C)^2
-        / t), so that any t or more agents' sum carries at least the central noise."""
-        import math
-
-        from fedrl.federation.privacy import noise_generator
-        from fedrl.federation.secagg import SecAggParams
-        from fedrl.federation.secagg_sums import agent_vector
-
-        rc = self.run_config
-        params = SecAggParams(threshold=rc.secagg_threshold, context=f"{task.run_id}/{task.round}".encode())
-        std = rc.dp_noise * rc.dp_clip / math.sqrt(rc.secagg_threshold) if rc.dp_noise else 0.0
-        self._secure_steps(stub, task, params,
-                           lambda alpha: agent_vector(res.state, alpha, params, std, noise_generator() if std else None),
-                           federation_pb2.SecAggMasked(metrics=res.metrics, train_seconds=res.seconds))
+        self.secure.update(stub, task, self.run_config, res)
         self._submitted(task)
 
     def _moments(self, stub, task) -> None:
-        """A MOMENTS task (round 0 of a secure run): this shard's observation moments, weighted by
-        its share of the samples, by secure aggregation; the aggregator sees only their sum. A
-        refusal of this agent's own (moments past the fixed point's range) is logged, and the
-        agent takes no part."""
-        from fedrl.federation.secagg_sums import moments_params, moments_vector
-
-        rc = parse_run_config(task.run_config_json)
-        params = moments_params(rc.secagg_threshold, f"{task.run_id}/0".encode())
-        st = self.stats
-        try:
-            self._secure_steps(stub, task, params,
-                               lambda alpha: moments_vector(st.count, st.total, st.total_sq, alpha, params),
-                               federation_pb2.SecAggMasked())
-        except SecAggError as e:
-            log.error("the observation moments: no part in the secure aggregation: %s", e)
-            return
-        log.info("observation moments sent by secure aggregation (run %s)", task.run_id)
-
-    def _secure_steps(self, stub, task, params, vector, masked) -> None:
-        """The protocol's four steps for ``task``: keys, the seeds' shares sealed to the others,
-        the masked ``vector(alpha)`` (sent in ``masked``), the shares that unmask the sum."""
-        from fedrl.federation.secagg import AgentSession, PublicKeys
-
-        me = AgentSession(self.cfg.agent_id, params)
-        pk = me.advertise()
-        reply = self._secagg_call(stub, task, keys=federation_pb2.SecAggKeys(share_key=pk.share_key,
-                                                                             mask_key=pk.mask_key))
-        roster = {a: PublicKeys(bytes(k.share_key), bytes(k.mask_key)) for a, k in reply.roster.keys.items()}
-        alpha = reply.roster.alpha[self.cfg.agent_id]
-        reply = self._secagg_call(stub, task, shares=federation_pb2.SecAggShares(sealed=me.share_keys(roster)))
-        me.receive_shares({a: bytes(b) for a, b in reply.relay.sealed.items()})
-        y = me.masked_input(vector(alpha), list(reply.relay.shared))
-        masked.vector = y.astype("<u8").tobytes()
-        reply = self._secagg_call(stub, task, masked=masked)
-        answer = me.unmask(list(reply.unmask.survivors), list(reply.unmask.dropped))
-        self._secagg_call(stub, task, answer=federation_pb2.SecAggAnswer(
-            shares={a: federation_pb2.SecAggShare(point=p, share=sh) for a, (p, sh) in answer.items()}))
-
-    def _secagg_call(self, stub, task, **step):
-        """One step, sent again while the reply says the others are not all there yet."""
-        msg = federation_pb2.SecAggMessage(agent_id=self.cfg.agent_id, run_id=task.run_id, round=task.round,
-                                           wait_seconds=self.cfg.task_wait, **step)
-        while True:
-            reply = stub.SecureAggregation(msg, timeout=self.cfg.task_wait + self.cfg.rpc_timeout)
-            if not reply.pending:
-                return reply
-            if self._stop.is_set():
-                raise RoundInterrupted("stopped during secure aggregation")
+        self.secure.moments(stub, task, self.stats)
 
     def _train(self, stub, task, weights: bytes | memoryview | None = None):
         """Train on ``task``. A small update is returned as (header, its Encoded payload) for the

@@ -31,7 +31,7 @@ def _start(aggregator, agent_threads, data, n, session=True, **cfg):
 def _stop_at(agent, step: str, round_: int = 1):
     """``agent`` stops (as if killed) when it is about to send ``step`` of round ``round_`` (0:
     the observation moments')."""
-    call = agent._secagg_call
+    call = agent.secure._call
 
     def stopping(stub, task, **kw):
         if step in kw and task.round == round_:
@@ -39,7 +39,7 @@ def _stop_at(agent, step: str, round_: int = 1):
             raise RoundInterrupted(f"stopped before {step}")
         return call(stub, task, **kw)
 
-    agent._secagg_call = stopping
+    agent.secure._call = stopping
 
 
 def _sim(tmp_path, data, n, rounds, t):

@@ -1,0 +1,78 @@
+"""The agent's side of secure aggregation (fedrl/federation/secagg.py): its round's update, or in
+round 0 its shard's observation moments, sent masked in the protocol's four steps, so that the
+aggregator learns only the sum over the agents."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fedrl.data.normalize import ObsStats
+from fedrl.federation.privacy import noise_generator
+from fedrl.federation.round import RoundInterrupted
+from fedrl.federation.runconfig import RunConfig, parse_run_config
+from fedrl.federation.secagg import AgentSession, PublicKeys, SecAggError, SecAggParams
+from fedrl.federation.secagg_sums import agent_vector, moments_params, moments_vector
+from fedrl.proto.v1 import federation_pb2
+from fedrl.wire.rpc import StopFlag
+
+log = logging.getLogger("fedrl.agent")
+
+
+class SecureSteps:
+    """An agent's secure aggregation calls to the aggregator (its ``SecureAggregation`` RPC)."""
+
+    def __init__(self, agent_id: str, task_wait: float, rpc_timeout: float, stopped: StopFlag) -> None:
+        self.agent_id, self.task_wait, self.rpc_timeout, self.stopped = agent_id, task_wait, rpc_timeout, stopped
+
+    def update(self, stub, task, rc: RunConfig, res) -> None:
+        """Round ``task``'s update ``res`` (a LocalResult). With differential privacy the agent
+        adds its share of the noise first: N(0, (sigma * C)^2 / t), so that any t or more agents'
+        sum carries at least the central noise."""
+        params = SecAggParams(threshold=rc.secagg_threshold, context=f"{task.run_id}/{task.round}".encode())
+        std = rc.dp_noise * rc.dp_clip / math.sqrt(rc.secagg_threshold) if rc.dp_noise else 0.0
+        self._steps(stub, task, params,
+                    lambda alpha: agent_vector(res.state, alpha, params, std, noise_generator() if std else None),
+                    federation_pb2.SecAggMasked(metrics=res.metrics, train_seconds=res.seconds))
+
+    def moments(self, stub, task, st: ObsStats) -> None:
+        """A MOMENTS task (round 0 of a secure run): the shard's observation moments ``st``,
+        weighted by its share of the samples. A refusal of this agent's own (moments past the
+        fixed point's range) is logged, and the agent takes no part."""
+        rc = parse_run_config(task.run_config_json)
+        params = moments_params(rc.secagg_threshold, f"{task.run_id}/0".encode())
+        try:
+            self._steps(stub, task, params, lambda alpha: moments_vector(st.count, st.total, st.total_sq, alpha, params),
+                        federation_pb2.SecAggMasked())
+        except SecAggError as e:
+            log.error("the observation moments: no part in the secure aggregation: %s", e)
+            return
+        log.info("observation moments sent by secure aggregation (run %s)", task.run_id)
+
+    def _steps(self, stub, task, params, vector, masked) -> None:
+        """The protocol's four steps for ``task``: keys, the seeds' shares sealed to the others,
+        the masked ``vector(alpha)`` (sent in ``masked``), the shares that unmask the sum."""
+        me = AgentSession(self.agent_id, params)
+        pk = me.advertise()
+        reply = self._call(stub, task, keys=federation_pb2.SecAggKeys(share_key=pk.share_key, mask_key=pk.mask_key))
+        roster = {a: PublicKeys(bytes(k.share_key), bytes(k.mask_key)) for a, k in reply.roster.keys.items()}
+        alpha = reply.roster.alpha[self.agent_id]
+        reply = self._call(stub, task, shares=federation_pb2.SecAggShares(sealed=me.share_keys(roster)))
+        me.receive_shares({a: bytes(b) for a, b in reply.relay.sealed.items()})
+        y = me.masked_input(vector(alpha), list(reply.relay.shared))
+        masked.vector = y.astype("<u8").tobytes()
+        reply = self._call(stub, task, masked=masked)
+        answer = me.unmask(list(reply.unmask.survivors), list(reply.unmask.dropped))
+        self._call(stub, task, answer=federation_pb2.SecAggAnswer(
+            shares={a: federation_pb2.SecAggShare(point=p, share=sh) for a, (p, sh) in answer.items()}))
+
+    def _call(self, stub, task, **step):
+        """One step, sent again while the reply says the others are not all there yet."""
+        msg = federation_pb2.SecAggMessage(agent_id=self.agent_id, run_id=task.run_id, round=task.round,
+                                           wait_seconds=self.task_wait, **step)
+        while True:
+            reply = stub.SecureAggregation(msg, timeout=self.task_wait + self.rpc_timeout)
+            if not reply.pending:
+                return reply
+            if self.stopped.is_set():
+                raise RoundInterrupted("stopped during secure aggregation")
