@@ -47,7 +47,8 @@ def _block(text: str, name: str) -> str:
 
 
 def test_every_rendered_number_matches_its_committed_result():
-    from benchmarks import critic_sink, image, privacy_cost, readme
+    from benchmarks.studies import critic_sink, privacy_cost
+    from benchmarks.system import image, readme
 
     for path, blocks in ((readme.README, readme.blocks()), (readme.PERFORMANCE, readme.performance_blocks()),
                          (readme.BENCHMARKS, readme.benchmarks_blocks()),
@@ -57,7 +58,7 @@ def test_every_rendered_number_matches_its_committed_result():
                          (privacy_cost.PRIVACY_MD, privacy_cost.blocks())):
         text = path.read_text()
         for name, body in blocks.items():
-            assert _block(text, name) == body, f"{path.name}: block {name} is stale: python -m benchmarks.readme render"
+            assert _block(text, name) == body, f"{path.name}: block {name} is stale: python -m benchmarks.system.readme render"
 
 
 def test_the_readme_is_short_and_leads_with_the_two_commands():

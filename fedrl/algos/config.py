@@ -39,7 +39,7 @@ class DRPOConfig:
     travel in the paper's 20,000 local steps per agent: at CORL's 3e-5 (the actor's rate; CORL trains
     1M steps) at most 0.6, and on hopper-medium it was still falling in a straight line at 20,000
     steps; at 3e-4 it found its level (near 0.36 from 1.0) within 6,000 and then tracked it
-    (``python -m benchmarks.reference``; docs/explanation/choices.md; ``tests/unit/test_temperature.py``)."""
+    (``python -m benchmarks.studies.reference``; docs/explanation/choices.md; ``tests/unit/test_temperature.py``)."""
     gamma: float = 0.99
     """Discount factor (paper: 0.99)."""
     batch_size: int = 256
@@ -55,7 +55,7 @@ class DRPOConfig:
     CQL (which the authors' code modifies) and d3rlpy's use: under Adam, eq. (cql)'s 1/2 with beta = 10
     behaves as the full MSE with beta = 20, twice as conservative as the references. With 1, Q on the
     data rises and then falls over long training while the TD error grows; with 2 it tracks d3rlpy
-    (``python -m benchmarks.reference``; docs/explanation/choices.md)."""
+    (``python -m benchmarks.studies.reference``; docs/explanation/choices.md)."""
     cql_n_actions: int = 10
     """Sampled actions of each kind (uniform, pi(s), pi(s')) in the CQL(H) log-sum-exp (CORL: 10)."""
     tau: float = 5e-3

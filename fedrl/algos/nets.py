@@ -207,7 +207,7 @@ class _EnsembleReluMLP(torch.autograd.Function):
             for i in reversed(range(n)):
                 single = ws[i].shape[-1] == 1  # a one-column layer: products, not one-column GEMMs
                 # summed over blocks ((E, out, in) for a one-column layer, else (E, in, out));
-                # out of place, so FLOP counters (benchmarks.throughput) see every product
+                # out of place, so FLOP counters (benchmarks.system.throughput) see every product
                 if ctx.needs_input_grad[1 + 2 * i]:
                     a, b_ = (g.transpose(1, 2), acts[i]) if single else (acts[i].transpose(1, 2), g)
                     grads[2 * i] = torch.bmm(a, b_) if k == 0 else torch.baddbmm(grads[2 * i], a, b_)

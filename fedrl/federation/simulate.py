@@ -59,7 +59,7 @@ ENGINES = ("auto", "batched", "per-agent")
 def resolve_engine(engine: str, device: torch.device) -> str:
     """``auto``: the batched model on a GPU, where one learner leaves the device idle (1.4% of an
     H200's FP32 rate) and a batch fills it; one learner at a time on the CPU, where batching does
-    not pay (``python -m benchmarks.throughput batched``: BENCHMARKS.md)."""
+    not pay (``python -m benchmarks.system.throughput batched``: BENCHMARKS.md)."""
     if engine not in ENGINES:
         raise ValueError(f"--engine: choose {', '.join(ENGINES)}, got {engine!r}")
     if engine == "auto":

@@ -1,5 +1,5 @@
 """The container image the manifests run: built from the real Dockerfile here, checked against
-every name ``deploy/`` uses, and a tiny federation run inside it (``benchmarks/image.py`` says how
+every name ``deploy/`` uses, and a tiny federation run inside it (``benchmarks/system/image.py`` says how
 it is built where Docker Hub and torch's index cannot be reached). Needs root, buildah and
 debootstrap; about 3 minutes on 2 cores."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks import image as img
+from benchmarks.system import image as img
 from tests.conftest import require_tool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -1,4 +1,4 @@
-"""benchmarks/paper.py: rerunning the smoke preset reproduces the committed results, and
+"""benchmarks/paper/: rerunning the smoke preset reproduces the committed results, and
 BENCHMARKS.md's tables are exactly what the committed results render to."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import benchmarks.paper.cli  # noqa: F401 - loads the package's modules as attributes of paper
 from benchmarks import paper
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,13 +42,13 @@ def test_smoke_rerun_matches_the_committed_results(tmp_path):
     BLAS and ATen pick kernels by CPU (AVX2, AVX-512), so another x86 machine differs in the
     8th digit (seen: 7.523176746 vs 7.523176802 after two rounds). A change to the algorithm
     moves the per-round losses by far more than the 1e-4 allowed."""
-    p = paper.PRESETS["smoke"]
-    runs = paper.plan(p, "table", p.seeds)
+    p = paper.presets.PRESETS["smoke"]
+    runs = paper.presets.plan(p, "table", p.seeds)
     assert len(runs) == 4
     for r in runs:
-        committed = paper.result_path(p, r, COMMITTED)
+        committed = paper.presets.result_path(p, r, COMMITTED)
         assert committed.exists(), f"{committed} is not committed: run the smoke preset"
-        fresh = paper.execute(p, r, tmp_path)
+        fresh = paper.cells.execute(p, r, tmp_path)
         old = json.loads(committed.read_text())
         for k in NUMBERS:
             assert same_up_to_float_rounding(fresh[k], old[k]), \
@@ -55,13 +56,13 @@ def test_smoke_rerun_matches_the_committed_results(tmp_path):
     # ...and a second invocation resumes: nothing left to run
     a = type("A", (), {"preset": "smoke", "seeds": None, "experiment": "table", "results": str(tmp_path)})
     before = {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*.json")}
-    assert paper.cmd_run(a) == 0
+    assert paper.cli.cmd_run(a) == 0
     assert {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*.json")} == before
     # --only: just the named cells (unknown ones refused, naming them); what ran it is recorded
     only = tmp_path / "only"
     with pytest.raises(SystemExit, match="no cell drpo-expert-s9"):
-        paper.main(["run", "--preset", "smoke", "--only", "drpo-medium-s0,drpo-expert-s9", "--results", str(only)])
-    assert paper.main(["run", "--preset", "smoke", "--only", "fed-bc-medium-s0", "--results", str(only)]) == 0
+        paper.cli.main(["run", "--preset", "smoke", "--only", "drpo-medium-s0,drpo-expert-s9", "--results", str(only)])
+    assert paper.cli.main(["run", "--preset", "smoke", "--only", "fed-bc-medium-s0", "--results", str(only)]) == 0
     assert sorted(p.name for p in (only / "paper-smoke" / "table").glob("*.json")) == ["fed-bc-medium-s0.json"]
     res = json.loads((only / "paper-smoke" / "table" / "fed-bc-medium-s0.json").read_text())
     assert res["config"]["device"] == "cpu" and res["device_name"]
@@ -69,7 +70,7 @@ def test_smoke_rerun_matches_the_committed_results(tmp_path):
 
 def test_benchmarks_md_tables_are_generated_from_the_committed_files():
     text = (ROOT / "BENCHMARKS.md").read_text()
-    blocks = {k: v for name in paper.MD_BLOCKS for k, v in paper.md_blocks(paper.PRESETS[name], COMMITTED).items()}
+    blocks = {k: v for name in paper.tables.MD_BLOCKS for k, v in paper.tables.md_blocks(paper.presets.PRESETS[name], COMMITTED).items()}
     assert "paper-reduced-lambdas" in blocks and "paper-reduced-halfcheetah-table" in blocks
     for name, body in blocks.items():
         m = re.search(rf"<!-- generated:{re.escape(name)} -->\n(.*?)\n<!-- end:{re.escape(name)} -->", text, re.S)
@@ -78,14 +79,14 @@ def test_benchmarks_md_tables_are_generated_from_the_committed_files():
 
 
 def test_render_writes_tables_and_curves(tmp_path):
-    p = paper.PRESETS["smoke"]
-    for r in paper.plan(p, "table", p.seeds):
-        src = paper.result_path(p, r, COMMITTED)
-        dst = paper.result_path(p, r, tmp_path)
+    p = paper.presets.PRESETS["smoke"]
+    for r in paper.presets.plan(p, "table", p.seeds):
+        src = paper.presets.result_path(p, r, COMMITTED)
+        dst = paper.presets.result_path(p, r, tmp_path)
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_text(src.read_text())
     a = type("A", (), {"preset": "smoke", "results": str(tmp_path), "update_md": False})
-    assert paper.cmd_render(a) == 0
+    assert paper.cli.cmd_render(a) == 0
     tables = (tmp_path / "paper-smoke" / "tables.md").read_text()
     assert "| medium |" in tables and "n=1" in tables
     assert (tmp_path / "paper-smoke" / "learning_curves.png").stat().st_size > 1000
@@ -93,32 +94,32 @@ def test_render_writes_tables_and_curves(tmp_path):
 
 
 def test_q_scale_long_runs_with_its_own_rounds_and_renders_each_variant(tmp_path):
-    p = paper.PRESETS["smoke"]
-    runs = paper.plan(p, "q_scale_long", p.seeds)
+    p = paper.presets.PRESETS["smoke"]
+    runs = paper.presets.plan(p, "q_scale_long", p.seeds)
     agents, steps, rounds, every = p.long
     assert [r.key for r in runs] == ["drpo-raw-s0", "drpo-normalized-s0", "fed-cql-s0", "fed-bc-s0"]
     for r in runs:
-        res = paper.execute(p, r, tmp_path)
+        res = paper.cells.execute(p, r, tmp_path)
         assert (res["agents"], res["local_steps"], res["rounds"]) == (agents, steps, rounds)
         assert [c["round"] for c in res["curve"]] == list(range(every, rounds + 1, every))
         assert res["config"]["drpo"]["q_scale"] == (r.drpo.get("q_scale") or "raw")
-    block = paper.q_scale_long_md(paper.load_results(p, "q_scale_long", tmp_path))
+    block = paper.tables.q_scale_long_md(paper.cells.load_results(p, "q_scale_long", tmp_path))
     lines = [ln for ln in block.splitlines() if ln.startswith(("| DRPO", "| Fed-CQL", "| Fed-BC"))]
     assert len(lines) == 4 and not any("not run yet" in ln for ln in lines), block
 
 
 def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parallel(tmp_path, capsys):
-    p = paper.PRESETS["smoke"]
-    for r in paper.plan(p, "table", p.seeds):
-        dst = paper.result_path(p, r, tmp_path)
+    p = paper.presets.PRESETS["smoke"]
+    for r in paper.presets.plan(p, "table", p.seeds):
+        dst = paper.presets.result_path(p, r, tmp_path)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        res = json.loads(paper.result_path(p, r, COMMITTED).read_text())
+        res = json.loads(paper.presets.result_path(p, r, COMMITTED).read_text())
         res["config"]["drpo"].pop("target_action", None)  # a file written before these options existed
         res["config"].pop("transitions", None)
         dst.write_text(json.dumps(res))
     a = type("A", (), {"preset": "smoke", "seeds": None, "experiment": "agents", "results": str(tmp_path),
                        "jobs": 2})
-    assert paper.cmd_run(a) == 0
+    assert paper.cli.cmd_run(a) == 0
     out = capsys.readouterr().out
     assert p.agents in p.agents_grid  # the study's point at the table's setting
     for algo in ("drpo", "fed-cql"):
@@ -133,23 +134,23 @@ def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parall
             assert "reused_from" not in res and res["agents"] == n and res["final"]
             assert res["config"]["agents"] == n
     png = tmp_path / "studies.png"
-    assert paper.studies_png(p, tmp_path, png) and png.stat().st_size > 1000
+    assert paper.plots.studies_png(p, tmp_path, png) and png.stat().st_size > 1000
 
 
 def test_the_halfcheetah_table_plans_halfcheetah_runs_under_the_same_names():
-    p = paper.PRESETS["reduced-halfcheetah"]
-    runs = paper.plan(p, "table", (0,))
+    p = paper.presets.PRESETS["reduced-halfcheetah"]
+    runs = paper.presets.plan(p, "table", (0,))
     assert len(runs) == 12 and {r.datasets[0] for r in runs} == set(p.datasets)
     assert all(d.startswith("halfcheetah-") for d in p.datasets)
-    assert {r.key for r in runs} == {r.key for r in paper.plan(paper.PRESETS["reduced"], "table", (0,))}
+    assert {r.key for r in runs} == {r.key for r in paper.presets.plan(paper.presets.PRESETS["reduced"], "table", (0,))}
     assert {r.variant["dataset"] for r in runs} == {"medium", "medium-replay", "expert"}
-    assert all(r.datasets[0].startswith("halfcheetah-expert-v2") for r in paper.plan(p, "lambdas", (0,)))
-    assert paper.result_path(p, runs[0], COMMITTED).parent == COMMITTED / "paper-reduced-halfcheetah" / "table"
+    assert all(r.datasets[0].startswith("halfcheetah-expert-v2") for r in paper.presets.plan(p, "lambdas", (0,)))
+    assert paper.presets.result_path(p, runs[0], COMMITTED).parent == COMMITTED / "paper-reduced-halfcheetah" / "table"
 
 
 def test_lambdas_are_the_papers_two_sweeps_crossing_once():
-    p = paper.PRESETS["reduced"]
-    runs = paper.plan(p, "lambdas", (0,))
+    p = paper.presets.PRESETS["reduced"]
+    runs = paper.presets.plan(p, "lambdas", (0,))
     assert [r.algo for r in runs].count("fed-bc") == 1  # the reference: cloning the same agents
     runs = [r for r in runs if r.algo == "drpo"]
     pairs = [(r.drpo["lambda1"], r.drpo["lambda2"]) for r in runs]
@@ -158,7 +159,7 @@ def test_lambdas_are_the_papers_two_sweeps_crossing_once():
     assert all(r.datasets == ("hopper-expert-v2:4", "hopper-medium-v2:1") for r in runs)
     res = [{"algo": "drpo", "variant": {"lambda1": a, "lambda2": b}, "final": {"score_mean": 10 * a + b}}
            for a, b in pairs] + [{"algo": "fed-bc", "variant": {"reference": "fed-bc"}, "final": {"score_mean": 7.5}}]
-    lines = paper.lambdas_md(res, p.lambda_fixed).splitlines()
+    lines = paper.tables.lambdas_md(res, p.lambda_fixed).splitlines()
     assert lines[0] == "| lambda1 (lambda2 = 1) | 0 | 0.1 | 1 | 5 | 20 |"
     assert lines[2] == "| DRPO score | 1.0 | 2.0 | 11.0 | 51.0 | 201.0 |"
     assert lines[3] == "| seeds | 1 | 1 | 1 | 1 | 1 |"
@@ -166,7 +167,7 @@ def test_lambdas_are_the_papers_two_sweeps_crossing_once():
     assert lines[7] == "| DRPO score | 1.0 | 1.1 | 2.0 | 6.0 | 21.0 |"
     assert lines[10] == "Fed-BC on the same agents, for reference: 7.5"
     # the claim preset sweeps lambda2 only: its (0.1, 1) cell is not shown as a one-value lambda1 sweep
-    only2 = paper.lambdas_md(res + [{**res[-2], "final": {"score_mean": 4.0}}], p.lambda_fixed, ("lambda2",))
+    only2 = paper.tables.lambdas_md(res + [{**res[-2], "final": {"score_mean": 4.0}}], p.lambda_fixed, ("lambda2",))
     assert only2.splitlines()[0].startswith("| lambda2 (lambda1 = 0.1) |") and "lambda1 (" not in only2
     assert "| DRPO score | 1.0 | 1.1 | 2.0 | 6.0 | 12.5 ± 8.5 |" in only2 and "| seeds | 1 | 1 | 1 | 1 | 2 |" in only2
     assert "best (round)" not in only2  # runs without curves: no per-seed row
@@ -178,24 +179,24 @@ def test_lambdas_are_the_papers_two_sweeps_crossing_once():
              "final": {"score_mean": 90.0}},
             {"algo": "drpo", "variant": {"lambda1": 0.1, "lambda2": 0.0}, "seed": 0, "curve": curve(3, 2, 1),
              "final": {"score_mean": 1.0}}]
-    lines = paper.lambdas_md(runs, p.lambda_fixed, ("lambda2",)).splitlines()
+    lines = paper.tables.lambdas_md(runs, p.lambda_fixed, ("lambda2",)).splitlines()
     assert lines[0] == "| lambda2 (lambda1 = 0.1) | 0 | 5 |"
     assert lines[4] == ("| best (round) -> final, by seed | s0: 3.0 (r1) -> 1.0 | "
                         "s0: 90.0 (r3) -> 90.0<br>s1: 40.0 (r2) -> 20.0 |")
 
 
 def test_a_file_without_td_weight_ran_at_the_old_default_and_is_not_reused_for_the_new(tmp_path):
-    p = paper.PRESETS["smoke"]
-    r = next(x for x in paper.plan(p, "table", p.seeds) if x.algo == "drpo")  # Fed-BC reads no DRPO setting
-    dst = paper.result_path(p, r, tmp_path)
+    p = paper.presets.PRESETS["smoke"]
+    r = next(x for x in paper.presets.plan(p, "table", p.seeds) if x.algo == "drpo")  # Fed-BC reads no DRPO setting
+    dst = paper.presets.result_path(p, r, tmp_path)
     dst.parent.mkdir(parents=True)
-    res = json.loads(paper.result_path(p, r, COMMITTED).read_text())
+    res = json.loads(paper.presets.result_path(p, r, COMMITTED).read_text())
     assert res["config"]["drpo"]["td_weight"] == 2.0
     dst.write_text(json.dumps(res))
-    assert paper.find_identical(p, r, tmp_path) == dst
+    assert paper.cells.find_identical(p, r, tmp_path) == dst
     res["config"]["drpo"].pop("td_weight")  # as files before the option: they ran at 1
     dst.write_text(json.dumps(res))
-    assert paper.find_identical(p, r, tmp_path) is None
+    assert paper.cells.find_identical(p, r, tmp_path) is None
 
 
 class _Stopped(Exception):
@@ -208,10 +209,10 @@ def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path,
     trains only that second agent in round 2 and finishes with what an uninterrupted run computes."""
     from fedrl.federation import round as round_mod
 
-    p = paper.PRESETS["smoke"]
-    r = next(x for x in paper.plan(p, "table", p.seeds) if x.algo == "drpo")
+    p = paper.presets.PRESETS["smoke"]
+    r = next(x for x in paper.presets.plan(p, "table", p.seeds) if x.algo == "drpo")
     assert r.agents == 2
-    clean = paper.execute(p, r, tmp_path / "clean")
+    clean = paper.cells.execute(p, r, tmp_path / "clean")
     real, calls = round_mod.LocalTrainer.train_round, []
 
     def train_round(self, *a, **k):
@@ -222,15 +223,15 @@ def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path,
 
     monkeypatch.setattr(round_mod.LocalTrainer, "train_round", train_round)
     with pytest.raises(_Stopped):
-        paper.execute(p, r, tmp_path / "cut")
-    work = paper.work_dir(p, r, tmp_path / "cut")
-    assert (work / "checkpoint.safetensors").exists() and not paper.result_path(p, r, tmp_path / "cut").exists()
+        paper.cells.execute(p, r, tmp_path / "cut")
+    work = paper.cells.work_dir(p, r, tmp_path / "cut")
+    assert (work / "checkpoint.safetensors").exists() and not paper.presets.result_path(p, r, tmp_path / "cut").exists()
     assert "round   1/2" in (work / "progress.log").read_text()
-    paper.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path / "cut")}))
+    paper.cli.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path / "cut")}))
     said = capsys.readouterr().out
     assert f"{r.key} at round 1/2 (+1 of 2 agents of round 2), ~" in said and " min left at its last agents' pace" in said
     calls.clear()
-    resumed = paper.execute(p, r, tmp_path / "cut")
+    resumed = paper.cells.execute(p, r, tmp_path / "cut")
     assert calls == [1]  # round 2's first agent was not trained again
     assert resumed["resumed_after_round"] == 1 and "resumed_after_round" not in clean
     assert resumed["curve"] == clean["curve"] and resumed["losses_per_round"] == clean["losses_per_round"]
@@ -238,7 +239,7 @@ def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path,
 
 
 def test_device_claim_plans_by_measured_rates():
-    from benchmarks import device_claim as dc
+    from benchmarks.paper import device_claim as dc
 
     assert dc.method_of("fed-bc-3e-4-medium-replay-s1") == "fed-bc-3e-4"
     assert dc.method_of("drpo-medium-s0") == "drpo"
@@ -258,7 +259,7 @@ def test_device_claim_runs_a_named_experiment_and_unpacks_it_there(tmp_path, ran
     import json
     import shutil
 
-    from benchmarks import device_claim as dc
+    from benchmarks.paper import device_claim as dc
     from fedrl.data.registry import cache_dir
 
     (cache_dir() / "datasets").mkdir(parents=True)
@@ -294,16 +295,16 @@ def test_device_claim_check_cpu_reruns_a_gpu_cells_first_rounds_beside_it(tmp_pa
     import json
     import shutil
 
-    from benchmarks import device_claim as dc
     from benchmarks import paper
+    from benchmarks.paper import device_claim as dc
     from fedrl.data.registry import cache_dir
 
     (cache_dir() / "datasets").mkdir(parents=True)
     shutil.copy(random_dataset, cache_dir() / "datasets" / "hopper-medium-v2.hdf5")
-    p = paper.PRESETS["smoke"]
-    r = next(x for x in paper.plan(p, "table", p.seeds) if x.key == "drpo-medium-s0")
-    res = paper.execute(p, r, tmp_path)
-    path = paper.result_path(p, r, tmp_path)
+    p = paper.presets.PRESETS["smoke"]
+    r = next(x for x in paper.presets.plan(p, "table", p.seeds) if x.key == "drpo-medium-s0")
+    res = paper.cells.execute(p, r, tmp_path)
+    path = paper.presets.result_path(p, r, tmp_path)
     args = ["--preset", "smoke", "--results", str(tmp_path), "check-cpu", "drpo-medium-s0", "--rounds", "2"]
     with pytest.raises(SystemExit, match="ran on the CPU: nothing to check"):
         dc.main(args)
@@ -319,7 +320,7 @@ def test_device_claim_check_cpu_reruns_a_gpu_cells_first_rounds_beside_it(tmp_pa
 
 
 def test_peers_summary_medians_rates_and_skips_the_first_round():
-    from benchmarks.peers import summarise
+    from benchmarks.system.peers import summarise
 
     runs = [{"round_seconds": [9.0, 0.1, 0.3], "cpu_ms_per_round": {"server": 10.0, "clients_total": 30.0},
              "peak_rss_mb": {"server": 100.0, "client_max": 50.0}},
@@ -339,7 +340,7 @@ def test_peers_watch_counts_a_process_trees_cpu_including_children_that_exited()
     import sys
     import time
 
-    from benchmarks.peers import Watch
+    from benchmarks.system.peers import Watch
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
     # the root sleeps; its child burns ~0.4 s of CPU and exits (reaped by the root's wait)
@@ -363,7 +364,7 @@ def test_peers_watch_counts_a_process_trees_cpu_including_children_that_exited()
 
 
 def test_peers_table_lists_each_side_measured():
-    from benchmarks.peers import table_md
+    from benchmarks.system.peers import table_md
 
     side = {"round_ms_median": 30.0, "round_ms_p90": 40.0, "mb_per_s": 170.0, "rounds_measured": 60,
             "cpu_ms_per_round": {"server": 22.0, "clients_total": 33.0},
@@ -411,7 +412,7 @@ def test_lambda2_curves_draw_each_setting_and_the_reference(tmp_path, monkeypatc
     real_savefig = plt.Figure.savefig
     monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), real_savefig(fig, *a, **k)))
     png = tmp_path / "l2.png"
-    assert paper.lambda_curves_png(runs, (0.1, 1.0), png, (0.0, 0.2, 1.0, 5.0)) and png.stat().st_size > 1000
+    assert paper.plots.lambda_curves_png(runs, (0.1, 1.0), png, (0.0, 0.2, 1.0, 5.0)) and png.stat().st_size > 1000
     lines = drawn[0].axes[0].get_lines()
     bold = {ln.get_label(): ln for ln in lines if ln.get_linewidth() > 2}
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # a setting's colour: its place in the preset
@@ -421,7 +422,7 @@ def test_lambda2_curves_draw_each_setting_and_the_reference(tmp_path, monkeypatc
     assert list(bold["DRPO, lambda2 = 5 (n=2)"].get_ydata()) == [20.0, 20.0, 50.0]  # the mean of the two seeds
     assert bold["Fed-BC (reference) (n=1)"].get_linestyle() == "--"
     assert len(lines) == 3 + 4  # and the four runs' own curves, thin
-    assert not paper.lambda_curves_png(runs[-2:], (0.1, 1.0), tmp_path / "none.png")
+    assert not paper.plots.lambda_curves_png(runs[-2:], (0.1, 1.0), tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
 
 
@@ -434,42 +435,42 @@ def test_minutes_left_are_the_agents_to_train_at_the_median_of_the_last_ones(tmp
         "10:02:00   round 1: agent 2/2 done in 60.0s\n"
         "10:02:01 round   1/3  return 1.0 score 2.0  [120.0s]\n"
         "10:03:00   round 2: agent 1/2 done in 180.0s\n")
-    assert paper._minutes_left(tmp_path, 3, 2) == pytest.approx(3 * 120 / 60)
-    assert paper._minutes_left(tmp_path / "none", 3, 2) is None
+    assert paper.cli.minutes_left(tmp_path, 3, 2) == pytest.approx(3 * 120 / 60)
+    assert paper.cli.minutes_left(tmp_path / "none", 3, 2) is None
     (tmp_path / "progress.log").write_text("10:00:00 drpo: 2 agents ...\n")
-    assert paper._minutes_left(tmp_path, 3, 2) is None
+    assert paper.cli.minutes_left(tmp_path, 3, 2) is None
     with open(tmp_path / "progress.log", "a") as f:  # short rounds log no agent lines: the round's time
         f.write("10:02:01 round   1/3  return 1.0 score 2.0  [120.0s]\n")
-    assert paper._minutes_left(tmp_path, 3, 2) == pytest.approx(3 * 60 / 60)
+    assert paper.cli.minutes_left(tmp_path, 3, 2) == pytest.approx(3 * 60 / 60)
 
 
 def test_the_claim_preset_runs_and_reports_its_plan_and_marks_the_rest(tmp_path, monkeypatch, capsys):
     """`status` of the claim preset marks the experiments outside its plan (the paper's studies at
     10k steps, ~90 h of one core) and `run --experiment all` runs exactly its plan's cells."""
-    p = paper.PRESETS["claim"]
+    p = paper.presets.PRESETS["claim"]
     assert p.planned == ("table", "lambdas")
-    paper.cmd_status(type("A", (), {"preset": "claim", "results": str(tmp_path)}))
+    paper.cli.cmd_status(type("A", (), {"preset": "claim", "results": str(tmp_path)}))
     lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.strip()}
-    for e in paper.EXPERIMENTS:
+    for e in paper.presets.EXPERIMENTS:
         assert ("not in the claim preset's plan" in lines[e]) == (e not in p.planned), lines[e]
     ran = []
-    monkeypatch.setattr(paper, "_run_one", lambda name, r, *a: (ran.append(r), (r, {"final": None}, 0.0))[1])
-    monkeypatch.setattr(paper, "find_identical", lambda *a: None)
+    monkeypatch.setattr(paper.cli, "run_one", lambda name, r, *a: (ran.append(r), (r, {"final": None}, 0.0))[1])
+    monkeypatch.setattr(paper.cli, "find_identical", lambda *a: None)
     args = type("A", (), {"preset": "claim", "seeds": "", "experiment": "all", "results": str(tmp_path), "only": None})
-    assert paper.cmd_run(args) == 0
-    want = [r.key for e in p.planned for r in paper.plan(p, e, p.seeds)]
+    assert paper.cli.cmd_run(args) == 0
+    want = [r.key for e in p.planned for r in paper.presets.plan(p, e, p.seeds)]
     assert [r.key for r in ran] == want and {r.experiment for r in ran} == set(p.planned)
     # the smoke preset names no plan: `--experiment all` there is every experiment
-    assert paper.PRESETS["smoke"].planned is None
+    assert paper.presets.PRESETS["smoke"].planned is None
 
 
 def test_inplace_times_each_piece_inside_the_real_processes_of_both_sides(tmp_path, capsys):
-    """benchmarks/inplace.py: a short real federation whose processes time their own pieces
+    """benchmarks/system/inplace.py: a short real federation whose processes time their own pieces
     (thread CPU); every agent piece is seen once a round in each agent, the aggregator's
     submission ten times a round, and nothing of the wrappers is left in this process."""
     import os
 
-    from benchmarks import inplace
+    from benchmarks.system import inplace
 
     out = tmp_path / "inplace.json"
     assert inplace.main(["--agents", "3", "--rounds", "12", "--skip", "2", "--out", str(out)]) == 0
@@ -484,7 +485,7 @@ def test_inplace_times_each_piece_inside_the_real_processes_of_both_sides(tmp_pa
 
 
 def test_device_paper_runs_the_column_as_one_batch_packs_and_unpacks_it(tmp_path, random_dataset):
-    """``benchmarks.device_paper`` end to end at a tiny scale on the CPU (2 agents, 2 rounds, 5
+    """``benchmarks.paper.device`` end to end at a tiny scale on the CPU (2 agents, 2 rounds, 5
     steps): it measures, fits every method of the seed, runs them as one batched process, packs
     the harness's result files, and unpack puts them in the paper preset's table folder. With a
     budget nothing fits in, it says so and stops before a round it could not finish."""
@@ -492,7 +493,7 @@ def test_device_paper_runs_the_column_as_one_batch_packs_and_unpacks_it(tmp_path
     import shutil
     import tarfile
 
-    from benchmarks import device_paper as dp
+    from benchmarks.paper import device as dp
     from fedrl.data.registry import cache_dir
 
     (cache_dir() / "datasets").mkdir(parents=True, exist_ok=True)
@@ -528,7 +529,7 @@ def test_the_harness_batches_a_presets_cells_into_one_process(tmp_path):
     written in the harness's format (what render reads), and a second invocation has nothing to do."""
     import json
 
-    assert paper.main(["run", "--preset", "smoke", "--batched", "--results", str(tmp_path)]) == 0
+    assert paper.cli.main(["run", "--preset", "smoke", "--batched", "--results", str(tmp_path)]) == 0
     files = sorted((tmp_path / "paper-smoke" / "table").glob("*.json"))
     assert [f.stem for f in files] == ["cql-medium-s0", "drpo-medium-s0", "fed-bc-medium-s0", "fed-cql-medium-s0"]
     for f in files:
@@ -537,19 +538,19 @@ def test_the_harness_batches_a_presets_cells_into_one_process(tmp_path):
         assert res["config"]["local_steps"] == 5 and len(res["losses_per_round"]["critic_td" if res["algo"] != "fed-bc"
                                                                                  else "bc_loss"]) == 2
     before = {f: f.stat().st_mtime_ns for f in files}
-    assert paper.main(["run", "--preset", "smoke", "--batched", "--results", str(tmp_path)]) == 0
+    assert paper.cli.main(["run", "--preset", "smoke", "--batched", "--results", str(tmp_path)]) == 0
     assert {f: f.stat().st_mtime_ns for f in files} == before
 
 
 def test_the_harness_runs_ant(tmp_path):
     """Issue 56: the presets name Ant-v5's sets, and the table's four methods run on one of them
     (its random set, made from nothing; 27-dimensional observations) and finish."""
-    assert paper.PRESETS["ant"].datasets == ("ant-medium-v2", "ant-medium-replay-v2", "ant-expert-v2")
-    p = paper.PRESETS["smoke-ant"]
-    runs = paper.plan(p, "table", p.seeds)
-    assert sorted(r.algo for r in runs) == sorted(paper.ALGO_ORDER)
+    assert paper.presets.PRESETS["ant"].datasets == ("ant-medium-v2", "ant-medium-replay-v2", "ant-expert-v2")
+    p = paper.presets.PRESETS["smoke-ant"]
+    runs = paper.presets.plan(p, "table", p.seeds)
+    assert sorted(r.algo for r in runs) == sorted(paper.presets.ALGO_ORDER)
     for r in runs:
-        res = paper.execute(p, r, tmp_path)
+        res = paper.cells.execute(p, r, tmp_path)
         assert res["datasets"] == ["ant-random-v2"] and res["final"]["round"] == p.rounds, r.key
         assert math.isfinite(res["final"]["return_mean"]) and len(res["curve"]) == p.rounds, r.key
         assert all("ant-random-v2" in sh["source"] for sh in res["shards"]), r.key
@@ -560,23 +561,23 @@ def test_a_rerun_at_new_drpo_settings_copies_fed_bc_from_the_older_preset_and_no
     the claim's, copied; every CQL-based run, or a Fed-BC run whose own settings differ, trains."""
     import dataclasses
 
-    old = paper.PRESETS["smoke"]
+    old = paper.presets.PRESETS["smoke"]
     new = dataclasses.replace(old, name="smoke-v2", drpo={**old.drpo, "alpha_lr": 1e-3}, reuse_from=("smoke",))
-    runs = {r.algo: r for r in paper.plan(new, "table", new.seeds)}
-    for r in paper.plan(old, "table", old.seeds):  # the older preset's finished runs
-        dst = paper.result_path(old, r, tmp_path)
+    runs = {r.algo: r for r in paper.presets.plan(new, "table", new.seeds)}
+    for r in paper.presets.plan(old, "table", old.seeds):  # the older preset's finished runs
+        dst = paper.presets.result_path(old, r, tmp_path)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_text(json.dumps(json.loads(paper.result_path(old, r, COMMITTED).read_text())))
-    src = paper.result_path(old, runs["fed-bc"], tmp_path)
-    assert paper.find_identical(new, runs["fed-bc"], tmp_path) == src
+        dst.write_text(json.dumps(json.loads(paper.presets.result_path(old, r, COMMITTED).read_text())))
+    src = paper.presets.result_path(old, runs["fed-bc"], tmp_path)
+    assert paper.cells.find_identical(new, runs["fed-bc"], tmp_path) == src
     for algo in ("drpo", "fed-cql", "cql"):
-        assert paper.find_identical(new, runs[algo], tmp_path) is None, algo
-    assert paper.reuse(new, runs["fed-bc"], src, tmp_path)["reused_from"] == "paper-smoke/table/fed-bc-medium-s0"
+        assert paper.cells.find_identical(new, runs[algo], tmp_path) is None, algo
+    assert paper.cells.reuse(new, runs["fed-bc"], src, tmp_path)["reused_from"] == "paper-smoke/table/fed-bc-medium-s0"
     # without reuse_from the older preset is not searched; with other BC settings nothing matches
-    assert paper.find_identical(dataclasses.replace(new, reuse_from=()), runs["fed-bc"], tmp_path) is None
+    assert paper.cells.find_identical(dataclasses.replace(new, reuse_from=()), runs["fed-bc"], tmp_path) is None
     other_bc = dataclasses.replace(new, bc={**new.bc, "lr": 1e-3})
-    bc_run = next(x for x in paper.plan(other_bc, "table", new.seeds) if x.algo == "fed-bc")
-    assert paper.find_identical(other_bc, bc_run, tmp_path) is None
+    bc_run = next(x for x in paper.presets.plan(other_bc, "table", new.seeds) if x.algo == "fed-bc")
+    assert paper.cells.find_identical(other_bc, bc_run, tmp_path) is None
 
 
 def test_device_paper_runs_claim_v2s_column_less_what_is_already_done(tmp_path):
@@ -584,18 +585,18 @@ def test_device_paper_runs_claim_v2s_column_less_what_is_already_done(tmp_path):
     defaults, less the cells whose result is already there (Fed-BC, copied from the claim; a cell
     finished on the CPU), so a lent GPU spends its minutes on what is missing. The results folder is
     the test's own: the committed one fills as cells finish."""
-    from benchmarks import device_paper as dp
+    from benchmarks.paper import device as dp
 
     p = dp.preset(False, "claim-v2")
     every, cells = dp.plan_cells(p, "hopper-medium-v2", (0, 1, 2), "cpu")
     assert sorted({r.algo for r in every}) == ["cql", "drpo", "fed-bc", "fed-cql"] and len(every) == 12
     c = cells[[r.key for r in every].index("drpo-medium-s0")].cfg
     assert (c.agents, c.rounds, c.local_steps, c.transitions) == (5, 10, 1000, 5000)
-    assert c.drpo == paper.sim_config(p, every[0]).drpo  # the harness's settings: today's defaults
+    assert c.drpo == paper.presets.sim_config(p, every[0]).drpo  # the harness's settings: today's defaults
 
     def mark_done(runs):
         for r in runs:
-            f = paper.result_path(p, r, tmp_path)
+            f = paper.presets.result_path(p, r, tmp_path)
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text("{}")
 

@@ -1,10 +1,10 @@
-"""benchmarks/grpc_patterns.py runs every message pattern to the end with real processes."""
+"""benchmarks/system/grpc_patterns.py runs every message pattern to the end with real processes."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.grpc_patterns import PATTERNS, WARMUP_ROUNDS, rounds
+from benchmarks.system.grpc_patterns import PATTERNS, WARMUP_ROUNDS, rounds
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

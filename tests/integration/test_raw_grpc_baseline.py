@@ -1,8 +1,8 @@
-"""benchmarks.services raw_grpc: the transfer target's baseline times exactly its measured rounds."""
+"""benchmarks.system.services raw_grpc: the transfer target's baseline times exactly its measured rounds."""
 
 from __future__ import annotations
 
-from benchmarks.services import raw_grpc
+from benchmarks.system.services import raw_grpc
 
 
 def test_the_clock_covers_the_measured_rounds_and_not_the_warm_up():

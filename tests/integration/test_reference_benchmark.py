@@ -1,4 +1,4 @@
-"""benchmarks.reference's own machinery on a tiny file: the data's return, chunked resume."""
+"""benchmarks.studies.reference's own machinery on a tiny file: the data's return, chunked resume."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks import reference
+from benchmarks.studies import reference
 
 
 def test_mc_return_is_the_discounted_return_to_go_within_episodes():
@@ -59,7 +59,7 @@ def test_committed_reference_results_render(tmp_path):
     assert md.splitlines()[0].startswith("| data | learner |")
     text = (reference.ROOT / "BENCHMARKS.md").read_text()
     block = text.split("<!-- generated:reference -->\n", 1)[1].split("\n<!-- end:reference -->", 1)[0]
-    assert block == md, "BENCHMARKS.md's reference block is stale: python -m benchmarks.reference render"
+    assert block == md, "BENCHMARKS.md's reference block is stale: python -m benchmarks.studies.reference render"
     assert all(r["rows"] and r["settings"]["td_weight"] in (1.0, 2.0) for r in results)
     assert reference.curves_png(results, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
     json.dumps(results)

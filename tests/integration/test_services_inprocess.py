@@ -1,4 +1,4 @@
-"""benchmarks.services inprocess: the round's own work, in one process, runs every round it times;
+"""benchmarks.system.services inprocess: the round's own work, in one process, runs every round it times;
 and the federation benchmark does not wait for a process that is gone."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from benchmarks.services import WARMUP_ROUNDS, bench_inprocess, federation_rounds
+from benchmarks.system.services import WARMUP_ROUNDS, bench_inprocess, federation_rounds
 
 
 def test_inprocess_round_closes_every_timed_round_and_splits_the_cpu():

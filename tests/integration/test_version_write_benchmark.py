@@ -1,9 +1,9 @@
-"""benchmarks.version_write: each way of writing a version is timed, and every file it wrote is the payload."""
+"""benchmarks.system.version_write: each way of writing a version is timed, and every file it wrote is the payload."""
 
 import json
 
 import aggregator_service.store as store_mod
-from benchmarks import version_write
+from benchmarks.system import version_write
 
 
 def test_each_way_of_writing_a_version_is_timed_and_the_store_setting_is_restored(tmp_path, capsys, monkeypatch):

@@ -8,7 +8,7 @@ whose Q on the data falls below that floor has sunk below anything any policy co
 One learner trains as a federation of one agent: rounds of the paper's 1,000 local steps, each
 starting from its own policy.
 
-Measured (``python -m benchmarks.critic_sink cycle``; docs/explanation/choices.md): with CQL(H)
+Measured (``python -m benchmarks.studies.critic_sink cycle``; docs/explanation/choices.md): with CQL(H)
 as written (``cql_calibration="none"``) DRPO's Q on the data was -47, -52, -27 after rounds 1-3
 (lowest -68); with the default (``"returns-gradient"``) -4.6, -0.2, 10.6 (lowest -8.2, while the
 first rounds' policy is still wide), then 12.0 and 12.6; with Cal-QL's lifted floor
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.critic_sink import CYCLE, cycle_q
+from benchmarks.studies.critic_sink import CYCLE, cycle_q
 from fedrl.algos import DRPOConfig, cql_config
 from fedrl.data.buffer import TensorBuffer
 from fedrl.data.d4rl import Transitions

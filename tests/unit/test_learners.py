@@ -150,7 +150,7 @@ def test_ensemble_critic_row_blocks_match_one_block(monkeypatch, critic_grad, ac
 
 
 def test_row_blocks_keep_every_product_visible_to_flop_counting(monkeypatch):
-    """benchmarks.throughput counts an update's FLOPs with FlopCounterMode: the blocked critic
+    """benchmarks.system.throughput counts an update's FLOPs with FlopCounterMode: the blocked critic
     must show it every product the one-block critic does (an in-place accumulation did not)."""
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -11,7 +11,7 @@ fixed point log-distance D away takes at least D / rate steps: the rate must let
 
 Margin: |log alpha - log alpha*| < 0.1 after the paper's 20,000 local steps per agent (20 rounds
 x 1,000), from alpha_init 1 to alpha* = e^-2 (log-distance 2, about what hopper-medium asks:
-``python -m benchmarks.reference`` found alpha settling near 0.36 from 1 within 6,000 steps at
+``python -m benchmarks.studies.reference`` found alpha settling near 0.36 from 1 within 6,000 steps at
 3e-4, log-distance 1.0, while at CORL's 3e-5 it was still falling in a straight line at 20,000).
 """
 

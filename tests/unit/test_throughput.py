@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from benchmarks.throughput import bench, gemm_kernels, matmul_rate
+from benchmarks.system.throughput import bench, gemm_kernels, matmul_rate
 from fedrl.algos import DRPOConfig
 
 

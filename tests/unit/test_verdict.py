@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import verdict
+from benchmarks.paper import verdict
 
 
 def cell(method: str, seed: int, scores: list[float], final50: float | None = None) -> dict:
@@ -86,16 +86,16 @@ def test_the_table_and_the_gradients_come_from_the_cells(tmp_path):
 
 
 def test_the_preset_runs_the_issues_cells_with_every_setting_written_out():
-    from benchmarks import paper
+    from benchmarks.paper import presets, tables
 
-    p = paper.PRESETS["verdict"]
-    runs = paper.plan(p, "table", p.seeds)
+    p = presets.PRESETS["verdict"]
+    runs = presets.plan(p, "table", p.seeds)
     assert len(runs) == 15 and {r.seed for r in runs} == {0, 1, 2}
     for r in runs:
-        c = paper.sim_config(p, r)
+        c = presets.sim_config(p, r)
         assert (c.agents, c.rounds, c.local_steps, c.transitions, c.eval_episodes) == (5, 20, 1000, 5000, 10)
         assert c.final_eval_episodes == 50 and c.datasets == ("hopper-medium-v2",)
         if r.algo != "fed-bc":
             want = "returns-gradient" if r.key.startswith("drpo-returns-gradient") else "none"
             assert (c.drpo.cql_calibration, c.drpo.alpha_lr, c.drpo.td_weight) == (want, 3e-4, 2.0), r.key
-    assert sorted({paper.method({"algo": r.algo, "variant": r.variant}) for r in runs}) == sorted(verdict.COLUMNS)
+    assert sorted({tables.method({"algo": r.algo, "variant": r.variant}) for r in runs}) == sorted(verdict.COLUMNS)

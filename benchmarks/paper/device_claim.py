@@ -1,6 +1,6 @@
 """The claim preset's cells on a GPU machine lent for a few minutes: measure, choose, run, pack.
 
-    python -m benchmarks.device_claim --budget 540 --out DIR [--cells K1,K2,...] [--device cuda]
+    python -m benchmarks.paper.device_claim --budget 540 --out DIR [--cells K1,K2,...] [--device cuda]
 
 A lent GPU machine (DEVELOPERS.md) gives one session ~10 minutes of one command. A claim cell is
 50,000 gradient steps (5 agents x 10 rounds x 1,000 local steps); this script:
@@ -17,7 +17,7 @@ A lent GPU machine (DEVELOPERS.md) gives one session ~10 minutes of one command.
 4. packs the finished results, every cell's ``rounds.jsonl``/``progress.log``, the rates and the
    machine's description into ``DIR/claim-device.tgz`` and ``DIR/device.json``.
 
-Unpack here with ``python -m benchmarks.device_claim unpack FILE.tgz``: finished cells go to
+Unpack here with ``python -m benchmarks.paper.device_claim unpack FILE.tgz``: finished cells go to
 ``benchmarks/results/paper-claim/table/`` (their config says ``device: cuda`` and they carry the
 GPU's name); unfinished cells' per-round rows go to ``benchmarks/results/paper-claim/partial-device/``.
 """
@@ -34,7 +34,8 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import ROOT
+
 # a cell's update cost relative to a DRPO step (BC's update is the actor's alone); BC's is measured
 COST = {"drpo": 1.0, "fed-cql": 1.0, "cql": 1.0}
 
@@ -54,7 +55,7 @@ def worker(algo: str, device: str, start: float, seconds: float) -> None:
     import numpy as np
     import torch
 
-    from benchmarks.throughput import synthetic_transitions
+    from benchmarks.common import synthetic_transitions
     from fedrl.algos import BCConfig, DRPOConfig
     from fedrl.data.buffer import TensorBuffer
     from fedrl.federation.round import build_learner, returns_gamma
@@ -84,7 +85,7 @@ def worker(algo: str, device: str, start: float, seconds: float) -> None:
 def rate(procs: int, algo: str, device: str, seconds: float = 6.0, lead: float = 12.0) -> float:
     """Aggregate update steps/s of ``procs`` processes sharing the device in one window."""
     start = time.time() + lead  # every process starts CUDA and warms up before the window
-    ps = [subprocess.Popen([sys.executable, "-m", "benchmarks.device_claim", "worker", "--algo", algo,
+    ps = [subprocess.Popen([sys.executable, "-m", "benchmarks.paper.device_claim", "worker", "--algo", algo,
                             "--device", device, "--start", str(start), "--seconds", str(seconds)],
                            cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(procs)]
     total = 0.0
@@ -167,15 +168,15 @@ def main_run(a) -> int:
     info["torch"] = torch.__version__
     info["cpus"] = os.cpu_count()
     log(f"device: {info['nvidia_smi']}, torch {info['torch']}, {info['cpus']} CPUs")
-    from benchmarks import paper
+    from benchmarks.paper import cells as runs, presets
 
-    pre = paper.PRESETS[a.preset]
+    pre = presets.PRESETS[a.preset]
     if a.cells:
         cells = a.cells.split(",")
     elif a.experiment == "table":
         cells = default_cells()
     else:  # the experiment's own order (the paper harness's: every setting at seed 0 first)
-        cells = [r.key for r in paper.plan(pre, a.experiment, pre.seeds)]
+        cells = [r.key for r in presets.plan(pre, a.experiment, pre.seeds)]
     done = Path(a.results) / f"paper-{a.preset}" / a.experiment
     cells = [c for c in cells if not (done / f"{c}.json").exists()]  # finished ones are committed
     use_mps = False
@@ -222,7 +223,7 @@ def main_run(a) -> int:
             stop_mps()
     info["mps"] = use_mps
     bc_ratio = r1 / bc1  # a BC step's cost in DRPO steps
-    by_key = {r.key: r for r in paper.plan(pre, a.experiment, pre.seeds)}
+    by_key = {r.key: r for r in presets.plan(pre, a.experiment, pre.seeds)}
     unknown = [c for c in cells if c not in by_key]
     if unknown:
         raise SystemExit(f"not cells of the {a.preset} preset's {a.experiment}: {', '.join(unknown)}")
@@ -267,7 +268,7 @@ def main_run(a) -> int:
             f = res / f"{k}.json"
             if f.exists() and f.stat().st_mtime >= t_start:  # finished in this run
                 tar.add(f, f"results/{k}.json")
-            work = paper.work_dir(pre, by_key[k], Path(a.results))
+            work = runs.work_dir(pre, by_key[k], Path(a.results))
             names = ["rounds.jsonl", "progress.log", "config.json"]
             ck = work / "checkpoint.safetensors"  # an unfinished cell resumes from it on a GPU later
             if ck.exists() and packed_ck + ck.stat().st_size < 12 << 20:  # a returned file's limit is 16 MiB
@@ -328,22 +329,22 @@ def main_check_cpu(a) -> int:
 
     import torch
 
-    from benchmarks import paper
     from benchmarks.common import code_revision, device_name
+    from benchmarks.paper import cells as runs, presets
     from fedrl.federation.simulate import run as simulate
 
     res = Path(a.results) / f"paper-{a.preset}"
     gpu = json.loads((res / a.experiment / f"{a.key}.json").read_text())
     if gpu["config"].get("device", "cpu") == "cpu":
         raise SystemExit(f"{a.key} ran on the CPU: nothing to check")
-    pre = paper.PRESETS[a.preset]
-    spec = {r.key: r for r in paper.plan(pre, a.experiment, pre.seeds)}[a.key]
-    cfg = dataclasses.replace(paper.sim_config(pre, spec, "cpu"), rounds=a.rounds)
+    pre = presets.PRESETS[a.preset]
+    spec = {r.key: r for r in presets.plan(pre, a.experiment, pre.seeds)}[a.key]
+    cfg = dataclasses.replace(presets.sim_config(pre, spec, "cpu"), rounds=a.rounds)
     torch.set_num_threads(1)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as d:
         summary = simulate(cfg, Path(d), log=lambda m: log(m), checkpoint=False)
-        cpu_losses = paper.round_losses(Path(d) / "rounds.jsonl")  # as the result files compute them
+        cpu_losses = runs.round_losses(Path(d) / "rounds.jsonl")  # as the result files compute them
     rows = [{"round": i + 1, "score_cpu": summary["curve"][i]["score_mean"], "score_gpu": gpu["curve"][i]["score_mean"],
              "losses_cpu": {k: v[i] for k, v in cpu_losses.items() if k in gpu["losses_per_round"]},
              "losses_gpu": {k: v[i] for k, v in gpu["losses_per_round"].items()}}
@@ -364,7 +365,7 @@ def main_check_cpu(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.device_claim", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.paper.device_claim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=540, help="seconds for everything, packing included")
     ap.add_argument("--out", default="device-out")

@@ -2,7 +2,7 @@
 keys, shares, masks and the aggregator's unmasking, all in this process, one thread) beside plain
 FedAvg of the same states, at Hopper's model sizes (the policy; the policy and both critics).
 
-    python -m benchmarks.secagg_cost [--agents 5,10] [--repeats 3]
+    python -m benchmarks.system.secagg_cost [--agents 5,10] [--repeats 3]
 
 Writes ``benchmarks/results/secagg-cost.json``: per case the median seconds of each over
 ``--repeats``, their ratio and the rounding bound the round met. Both are timed in one run, so the
@@ -18,11 +18,11 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.common import RESULTS
 from fedrl.algos import DRPOConfig
 from fedrl.federation.aggregate import fedavg
 from fedrl.federation.round import initial_global_state
@@ -30,7 +30,7 @@ from fedrl.federation.secagg import SecAggParams, share_in_process
 from fedrl.federation.secagg_sums import agent_vector, secure_fedavg
 from fedrl.proto.v1 import federation_pb2 as pb
 
-OUT = Path(__file__).resolve().parent / "results" / "secagg-cost.json"
+OUT = RESULTS / "secagg-cost.json"
 HOPPER = (11, 3)
 
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
     rows = measure([int(x) for x in a.agents.split(",")], a.repeats)
-    OUT.write_text(json.dumps({"command": "python -m benchmarks.secagg_cost", "threads": 1,
+    OUT.write_text(json.dumps({"command": "python -m benchmarks.system.secagg_cost", "threads": 1,
                                "rows": rows}, indent=1) + "\n")
     print(f"wrote {OUT}")
     return 0

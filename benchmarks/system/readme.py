@@ -1,9 +1,9 @@
 """The README's times and returns, measured by commands and rendered from committed results.
 
-    python -m benchmarks.readme measure up            fedrl up as the README gives it (data made first, then again)
-    python -m benchmarks.readme measure by-hand       the services started by hand with default flags vs fedrl up
-    python -m benchmarks.readme measure suite         the README's test command (python -m pytest)
-    python -m benchmarks.readme render                write the README's generated blocks
+    python -m benchmarks.system.readme measure up            fedrl up as the README gives it (data made first, then again)
+    python -m benchmarks.system.readme measure by-hand       the services started by hand with default flags vs fedrl up
+    python -m benchmarks.system.readme measure suite         the README's test command (python -m pytest)
+    python -m benchmarks.system.readme render                write the README's generated blocks
 
 Each ``measure`` writes ``benchmarks/results/readme/<name>.json`` with the machine's load (1-minute
 load average before and after, CPU count) beside the numbers: a time on this shared machine means
@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import numpy as np
+
+from benchmarks.common import ROOT
+
 RESULTS = ROOT / "benchmarks" / "results" / "readme"
 README = ROOT / "README.md"
 PERFORMANCE = ROOT / "docs" / "performance.md"
@@ -169,28 +172,86 @@ def blocks(results: Path = RESULTS) -> dict[str, str]:
     out = {}
     up = json.loads((results / "up.json").read_text())
     rets = ", ".join(f"{x:.0f}" for x in up["first_run"]["returns"])
-    out["readme-up"] = (f"Measured ({_load(up)}; `python -m benchmarks.readme measure up`): "
+    out["readme-up"] = (f"Measured ({_load(up)}; `python -m benchmarks.system.readme measure up`): "
                         f"{_mmss(up['first_run']['wall_seconds'])} the first time, making the dataset included "
                         f"({_mmss(up['data_making_seconds'])} of it, once), {_mmss(up['data_ready']['wall_seconds'])} "
                         f"once the data exists; evaluated return by round: {rets}.")
     suite = json.loads((results / "suite.json").read_text())
     out["readme-suite"] = (f"Measured: {_mmss(suite['wall_seconds'])}, `{suite['summary']}` (the deselected one is "
-                           f"the test of these measured lines; {_load(suite)}; `python -m benchmarks.readme measure suite`).")
+                           f"the test of these measured lines; {_load(suite)}; `python -m benchmarks.system.readme measure suite`).")
     bh = json.loads((results / "by-hand.json").read_text())
     med = sorted(bh["by_hand_round_seconds"])[len(bh["by_hand_round_seconds"]) // 2]
     upm = sorted(bh["up_round_seconds"])[len(bh["up_round_seconds"]) // 2]
-    out["readme-by-hand"] = (f"Measured ({_load(bh)}; `python -m benchmarks.readme measure by-hand`): the run "
+    out["readme-by-hand"] = (f"Measured ({_load(bh)}; `python -m benchmarks.system.readme measure by-hand`): the run "
                              f"these commands start took {_mmss(bh['by_hand_wall_seconds'])}; a round took {med:.1f} s started by "
                              f"hand with default flags and {upm:.1f} s under `fedrl up` "
                              f"({bh['ratio_of_medians']:.2f}x).")
-    from benchmarks.paper import PRESETS, render_blocks
+    from benchmarks.paper.presets import PRESETS
+    from benchmarks.paper.tables import render_blocks
 
     out["readme-claim"] = render_blocks(PRESETS["claim"], results.parent)["paper-claim-table"]
     return out
 
 
+def system_md(root: Path = RESULTS) -> str:
+    """The system-speed table, from benchmarks/results/{throughput,services}-cpu.json."""
+    rows = ["| measure | result | beside | target |", "| --- | --- | --- | --- |"]
+    tp, sv = Path(root) / "throughput-cpu.json", Path(root) / "services-cpu.json"
+    if tp.exists():
+        t = json.loads(tp.read_text())
+        for r in t["rows"]:
+            rows.append(f"| {r['update'].upper()} local update, paper sizes, {t['threads']} threads | "
+                        f"{r['steps_per_s']:.1f} steps/s | {100 * r['fraction_of_peak_ceiling']:.0f}% of the "
+                        f"FLOP ceiling at peak GEMM ({t['matmul_gflops']:.0f} GFLOP/s; its own GEMMs alone run "
+                        f"at {100 * r['shape_gflops'] / t['matmul_gflops']:.0f}% of that peak), "
+                        f"{100 * r['fraction_of_shapes_ceiling']:.0f}% at its own GEMM shapes | "
+                        f"{'>= 80% (DRPO)' if r['update'] == 'drpo' else ''} |")
+    if sv.exists():
+        s = json.loads(sv.read_text())
+        o, tr, ev = s["overhead"], s["transfer"], s["evaluator"]
+        cpu = o.get("cpu_ms_per_round_steady") or {}
+        rows.append(f"| round overhead, {o['agents']} agent processes, zero local steps | "
+                    f"{o['round_ms_median']:.0f} ms median (p90 {o['round_ms_p90']:.0f}) | CPU per round: "
+                    f"aggregator {cpu.get('aggregator', float('nan')):.0f} ms, agents {cpu.get('agents_total', float('nan')):.0f} ms"
+                    f" on {o.get('cores', '?')} cores | < {o['target_ms']:.0f} ms |")
+        calls = o.get("calls_transport")
+        if calls:
+            cc = calls.get("cpu_ms_per_round_steady") or {}
+            rows.append(f"| the same round with a call per task (`--transport calls`), same run | "
+                        f"{calls['round_ms_median']:.0f} ms median (p90 {calls['round_ms_p90']:.0f}) | CPU per "
+                        f"round: aggregator {cc.get('aggregator', float('nan')):.0f} ms, agents "
+                        f"{cc.get('agents_total', float('nan')):.0f} ms; the Session stream's round is "
+                        f"{o['session_to_calls_ratio']:.2f}x this | |")
+        floor = o.get("bare_grpc_floor")
+        if floor:
+            srv = np.median([r["server_cpu_ms_per_round"] for r in floor["runs"]])
+            cli = np.median([r["clients_cpu_ms_per_round"] for r in floor["runs"]])
+            rows.append(f"| the same round in bare gRPC (same messages and processes, no work) | "
+                        f"{floor['round_ms_median']:.0f} ms median | CPU per round: server {srv:.0f} ms, "
+                        f"clients {cli:.0f} ms; the federation's round is {o['ratio_to_floor']:.1f}x this floor | |")
+        runs = tr["raw_grpc"].get("runs")  # measured before and after the federation (since 2026-11-25)
+        each = " and ".join(f"{r['mb_per_s']:.0f}" for r in runs or ())
+        raw = (f"raw gRPC {tr['raw_grpc']['mb_per_s']:.0f} MB/s (mean of {each}, before and after)" if runs
+               else f"raw gRPC {tr['raw_grpc']['mb_per_s']:.0f} MB/s")
+        cpu = tr.get("cpu_per_round")
+        cpu = (f"; CPU per round {cpu['federation_ms'] / 1e3:.2f} s vs raw's {cpu['raw_ms'] / 1e3:.2f} s"
+               if cpu else "")
+        cycle = ("" if "ratio_to_raw_cycle" not in tr else  # reported since 2026-11-25 (evening)
+                 f" ({tr['federation']['mb_per_s_cycle']:.0f} MB/s and {100 * tr['ratio_to_raw_cycle']:.0f}% "
+                 f"over the whole cycle, the version's fsynced write included)")
+        rows.append(f"| transfer, {tr['federation']['model_mb']:.0f} MB model, {tr['agents']} agents | "
+                    f"{tr['federation']['mb_per_s']:.0f} MB/s | {raw}: {100 * tr['ratio_to_raw']:.0f}%{cycle}{cpu} | "
+                    f">= {100 * tr['target_ratio']:.0f}% |")
+        rows.append(f"| evaluator, {ev['env']}, {ev['num_envs']} envs | {ev['policy_steps_per_s']:.0f} steps/s | "
+                    f"random actions {ev['raw_steps_per_s']:.0f} steps/s: {100 * ev['ratio_to_raw']:.0f}% | "
+                    f">= {100 * ev['target_ratio']:.0f}% |")
+        for name, mb in (s.get("peak_rss_mb") or {}).items():
+            rows.append(f"| peak memory (RSS), {name} | {mb:.0f} MB | | |")
+    return "\n".join(rows)
+
+
 def batched_md(path: Path) -> str:
-    """The batched-learner throughput table of a ``benchmarks.throughput --batched`` result."""
+    """The batched-learner throughput table of a ``benchmarks.system.throughput --batched`` result."""
     t = json.loads(path.read_text())
     rows = [f"| L (learners in one model) | agent-steps/s | vs one learner ({t['single']['steps_per_s']:.1f} steps/s) "
             f"| of the FP32 ceiling ({t['matmul_gflops']:.0f} GFLOP/s) |", "| --- | --- | --- | --- |"]
@@ -203,8 +264,7 @@ def batched_md(path: Path) -> str:
 
 def performance_blocks(results: Path = RESULTS) -> dict[str, str]:
     """docs/performance.md's generated blocks, from the committed results only."""
-    from benchmarks.paper import system_md
-    from benchmarks.peers import table_md
+    from benchmarks.system.peers import table_md
 
     root = results.parent
     out = {"perf-system": system_md(root), "perf-peers": table_md(json.loads((root / "peers.json").read_text())),
@@ -224,9 +284,10 @@ def performance_blocks(results: Path = RESULTS) -> dict[str, str]:
 
 def benchmarks_blocks(results: Path = RESULTS) -> dict[str, str]:
     """BENCHMARKS.md's blocks this command renders (the rest are ``benchmarks.paper``'s)."""
-    from benchmarks.peers import table_md as peers_md
+    from benchmarks.system.peers import table_md as peers_md
 
-    return {"batched-throughput": batched_md(results.parent / "throughput-batched-cpu.json"),
+    return {"system": system_md(results.parent),
+            "batched-throughput": batched_md(results.parent / "throughput-batched-cpu.json"),
             "peers": peers_md(json.loads((results.parent / "peers.json").read_text()))}
 
 
@@ -237,7 +298,7 @@ def replace_blocks(text: str, blocks_: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.readme", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.system.readme", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure")

@@ -1,13 +1,13 @@
 """Secure aggregation beside Flower's SecAgg+ (issue 64), in one run: 10 clients, the Hopper
 policy's size, no local training, each side's round with and without its protocol.
 
-    python -m benchmarks.secagg_peers [--clients 10] [--rounds 30] [--flower-rounds 4] [--repeats 2]
+    python -m benchmarks.system.secagg_peers [--clients 10] [--rounds 30] [--flower-rounds 4] [--repeats 2]
 
-- **Ours:** the real processes (``benchmarks.services.federation_rounds``: an aggregator and
+- **Ours:** the real processes (``benchmarks.system.services.federation_rounds``: an aggregator and
   ``--clients`` agent processes on Session streams), plain and with ``secagg_threshold``
   ceil(2n/3) (Bonawitz et al. 2017 over every pair of agents).
 - **Flower 1.42.0:** its deployment engine (a SuperLink, ``--clients`` SuperNodes, ``flwr run``
-  of ``benchmarks/flower_secagg_app``) through the legacy workflow, plain and with
+  of ``benchmarks/system/flower_secagg_app``) through the legacy workflow, plain and with
   ``SecAggPlusWorkflow`` at ``num_shares`` = every client and the same reconstruction threshold
   (SecAgg+ with every client as a neighbour is the full protocol, as ours). Flower's legacy
   gRPC path (``start_server``) has no SecAgg+.
@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.peers import RESULTS, ensure_flower, flower_deployment_rounds, ours_rounds
+from benchmarks.system.peers import RESULTS, ensure_flower, flower_deployment_rounds, ours_rounds
 
 SECAGG_APP = Path(__file__).resolve().parent / "flower_secagg_app"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.services import HOPPER_POLICY_BYTES
+    from benchmarks.system.services import HOPPER_POLICY_BYTES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=10)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 sides[name].append(r["round_seconds"][1:])  # the first round starts the apps' processes
         print(f"#{i + 1}: " + ", ".join(f"{k} {np.median(v[-1]) * 1e3:.0f} ms" for k, v in sides.items()), flush=True)
     med = {k: float(np.median(np.concatenate(v))) * 1e3 for k, v in sides.items()}
-    out = {"command": "python -m benchmarks.secagg_peers " + " ".join(argv if argv is not None else sys.argv[1:]),
+    out = {"command": "python -m benchmarks.system.secagg_peers " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "clients": a.clients, "threshold": t,
            "model_bytes": HOPPER_POLICY_BYTES, "flower": "flwr==1.42.0, deployment engine, legacy workflow",
            "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg(),

@@ -1,4 +1,4 @@
-"""Flower's side of ``benchmarks.peers``: runs in Flower's own virtual environment (flwr needs
+"""Flower's side of ``benchmarks.system.peers``: runs in Flower's own virtual environment (flwr needs
 protobuf < 7; this project pins 7), so it imports flwr and numpy only, never fedrl.
 
     python flower_side.py server --address 127.0.0.1:PORT --rounds R --params N --clients C --out FILE

@@ -1,9 +1,9 @@
 """Our learners beside an independent implementation (d3rlpy) on the same data, same settings.
 
-    python -m benchmarks.reference run    [--runs cql-ours-5traj,...|all] [--seeds 0,1] [--steps 20000] [--jobs 2]
-    python -m benchmarks.reference status
-    python -m benchmarks.reference render (curves PNG + tables.md + the BENCHMARKS.md block)
-    python -m benchmarks.reference check  [--runs ...] [--steps 2000]  (rerun, compare with the committed rows)
+    python -m benchmarks.studies.reference run    [--runs cql-ours-5traj,...|all] [--seeds 0,1] [--steps 20000] [--jobs 2]
+    python -m benchmarks.studies.reference status
+    python -m benchmarks.studies.reference render (curves PNG + tables.md + the BENCHMARKS.md block)
+    python -m benchmarks.studies.reference check  [--runs ...] [--steps 2000]  (rerun, compare with the committed rows)
 
 Learners (``LEARNERS``): our single-agent CQL (``cql_config`` of the project's defaults), the same
 with the earlier ``td_weight=1`` (half CORL's and d3rlpy's TD term), d3rlpy 2.8.1's CQL set to the
@@ -51,7 +51,8 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT
+
 RESULTS = ROOT / "benchmarks" / "results" / "reference"
 WORK = ROOT / "runs" / "reference"
 VENV = ROOT / "benchmarks" / ".venv-d3rlpy"
@@ -368,7 +369,7 @@ def ensure_venv() -> Path:
     """The d3rlpy virtual environment (made once: this project's torch wheel + d3rlpy)."""
     import torch
 
-    from benchmarks.venvs import ensure_venv
+    from benchmarks.common import ensure_venv
 
     return ensure_venv(VENV, "d3rlpy, safetensors",
                        [f"torch=={torch.__version__.split('+')[0]}", D3RLPY_PIN, "safetensors"], D3RLPY_PIN)
@@ -421,7 +422,7 @@ def drive(run: str, seed: int, steps: int, every: int, results: Path = RESULTS, 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
     def chunk(until: int) -> dict[str, Any]:
-        cmd = [py, "-m", "benchmarks.reference", "worker", "--run", run, "--seed", str(seed), "--until", str(until),
+        cmd = [py, "-m", "benchmarks.studies.reference", "worker", "--run", run, "--seed", str(seed), "--until", str(until),
                "--settings", json.dumps(res["settings"]), "--work", str(work)]
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if p.returncode != 0:
@@ -614,7 +615,7 @@ def cmd_render(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.reference", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.studies.reference", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train and record (resumes where each run stopped)")

@@ -1,8 +1,8 @@
 """DRPO's verdict at the paper's per-agent budget (the ``verdict`` preset of ``benchmarks.paper``).
 
     python -m benchmarks.paper run --preset verdict --experiment table [--only KEY]   (the cells)
-    python -m benchmarks.verdict data-returns      (the data's discounted return, per seed; once)
-    python -m benchmarks.verdict render            (table, figure, sentence -> README, BENCHMARKS.md)
+    python -m benchmarks.paper.verdict data-returns      (the data's discounted return, per seed; once)
+    python -m benchmarks.paper.verdict render            (table, figure, sentence -> README, BENCHMARKS.md)
 
 Hopper-medium, 5 agents x 20 rounds x 1,000 local steps (20,000 actor steps per agent, the
 paper's), each agent ~5,000 transitions, seeds 0-2; Fed-BC, Fed-CQL, CQL alone and DRPO with the
@@ -30,13 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import paper
-from benchmarks.common import BENCHMARKS_MD, RESULTS, replace_blocks
+from benchmarks.common import BENCHMARKS_MD, RESULTS, ROOT, replace_blocks
+from benchmarks.paper import cells as runs, presets, tables
 
-PRESET = paper.PRESETS["verdict"]
+PRESET = presets.PRESETS["verdict"]
 ORDER = ("drpo", "fed-cql", "cql", "fed-bc")  # the paper's ordering, best first
 COLUMNS = ("fed-bc", "fed-cql", "cql", "drpo", "drpo-returns-gradient")
-LABEL = {**paper.ALGO_LABEL, "drpo": "DRPO (paper's critic)", "drpo-returns-gradient": "DRPO, gradient stopped at G"}
+LABEL = {**presets.ALGO_LABEL, "drpo": "DRPO (paper's critic)", "drpo-returns-gradient": "DRPO, gradient stopped at G"}
 LAST = 5  # rounds averaged for "the last rounds" (the objective defaults are chosen by)
 DATA_RETURNS = "data_returns.json"
 PAPERS = "`none`, the paper's"
@@ -47,7 +47,7 @@ def _folder(root: Path) -> Path:
 
 
 def cells(root: Path = RESULTS) -> list[dict[str, Any]]:
-    return [r for r in paper.load_results(PRESET, "table", root) if r.get("curve")]
+    return [r for r in runs.load_results(PRESET, "table", root) if r.get("curve")]
 
 
 def per_seed(r: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def per_seed(r: dict[str, Any]) -> dict[str, Any]:
 def summary(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in COLUMNS}
     for r in results:
-        out.setdefault(paper.method(r), []).append(per_seed(r))
+        out.setdefault(tables.method(r), []).append(per_seed(r))
     return {m: sorted(v, key=lambda x: x["seed"]) for m, v in out.items()}
 
 
@@ -148,7 +148,7 @@ def grads_md(results: list[dict[str, Any]], rounds: tuple[int, ...] = (1, 2, 3, 
     seeds): whether the Q term's growth drowns the regularisers."""
     rows = []
     for m in ("drpo", "drpo-returns-gradient"):
-        rs = [r for r in results if paper.method(r) == m]
+        rs = [r for r in results if tables.method(r) == m]
         cols = {k: _by_round(rs, k) for k, _ in GRADS}
         q = _by_round(rs, "q_data")
         if cols["grad_q"] is None:
@@ -208,7 +208,7 @@ def figure(results: list[dict[str, Any]], path: Path, data_return: float | None)
     panels = [fig.add_subplot(grid[1 + i // 3, i % 3]) for i in range(6)]
     colours = dict(zip(COLUMNS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for m in COLUMNS:
-        rs = [r for r in results if paper.method(r) == m]
+        rs = [r for r in results if tables.method(r) == m]
         if not rs:
             continue
         n = min(len(r["curve"]) for r in rs)
@@ -229,7 +229,7 @@ def figure(results: list[dict[str, Any]], path: Path, data_return: float | None)
     if data_return is not None:
         panels[0].axhline(data_return, color="k", ls=":", label=f"data's discounted return ({data_return:.0f})")
         panels[0].legend(fontsize=7)
-    drpo = [r for r in results if paper.method(r) == "drpo"]
+    drpo = [r for r in results if tables.method(r) == "drpo"]
     ax = panels[5]
     for (k, name), style in zip(GRADS[:4], ("-", "--", "-.", ":")):
         v = _by_round(drpo, k)
@@ -258,8 +258,8 @@ def blocks(root: Path = RESULTS) -> dict[str, str]:
             "verdict-critic": critic_choice(results), "readme-verdict": table + "\n\n" + said}
 
 
-README_MD = Path(__file__).resolve().parents[1] / "README.md"
-CHOICES_MD = Path(__file__).resolve().parents[1] / "docs" / "explanation" / "choices.md"
+README_MD = ROOT / "README.md"
+CHOICES_MD = ROOT / "docs" / "explanation" / "choices.md"
 
 
 def cmd_render(a) -> int:
@@ -282,7 +282,7 @@ def cmd_render(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.verdict", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.paper.verdict", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("data-returns", help="the data's discounted return per seed, kept beside the results")

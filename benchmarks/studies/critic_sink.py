@@ -1,8 +1,8 @@
 """Why the critic's Q on the data sinks below zero on walker2d-medium (issue 53): measured, not guessed.
 
-    python -m benchmarks.critic_sink run [--cells base|causes|all|candidates] [--dataset D] [--only A,B]
-    python -m benchmarks.critic_sink cycle [--steps 5000]
-    python -m benchmarks.critic_sink report
+    python -m benchmarks.studies.critic_sink run [--cells base|causes|all|candidates] [--dataset D] [--only A,B]
+    python -m benchmarks.studies.critic_sink cycle [--steps 5000]
+    python -m benchmarks.studies.critic_sink report
 
 The setting the issue found it in, on the project's own ``walker2d-medium-v2``: 2 agents x 5
 trajectories, 1,000 local steps x 5 rounds, the current defaults. Cells (each a run of
@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT
+
 RESULTS = ROOT / "benchmarks" / "results" / "critic_sink"
 DATASET = "walker2d-medium-v2"
 CHOICES_MD = ROOT / "docs" / "explanation" / "choices.md"
@@ -283,7 +284,7 @@ def cmd_report(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.critic_sink", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.studies.critic_sink", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")

@@ -2,10 +2,10 @@
 at noise multipliers that spend epsilon about 8, 4 and 1 at delta 1e-5 over each run's rounds,
 beside the same runs without privacy.
 
-    python -m benchmarks.privacy_cost run [--only KEY,...]   # each cell in turn, one core
-    python -m benchmarks.privacy_cost status
-    python -m benchmarks.privacy_cost table                  # the markdown table of the results
-    python -m benchmarks.privacy_cost render                 # its blocks in docs/guides/privacy.md
+    python -m benchmarks.studies.privacy_cost run [--only KEY,...]   # each cell in turn, one core
+    python -m benchmarks.studies.privacy_cost status
+    python -m benchmarks.studies.privacy_cost table                  # the markdown table of the results
+    python -m benchmarks.studies.privacy_cost render                 # its blocks in docs/guides/privacy.md
 
 The setting (stated, not tuned): hopper-medium-v2, 5 agents x 5 trajectories (at least 5,000
 transitions each, the claim's data), 1,000 local steps a round, 10 evaluation episodes a round
@@ -27,14 +27,15 @@ import json
 import shutil
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results" / "privacy-cost"
-PRIVACY_MD = Path(__file__).resolve().parents[1] / "docs" / "guides" / "privacy.md"
-WORK = Path(__file__).resolve().parents[1] / "runs" / "privacy-cost"
+from benchmarks.common import ROOT
+
+RESULTS = ROOT / "benchmarks" / "results" / "privacy-cost"
+PRIVACY_MD = ROOT / "docs" / "guides" / "privacy.md"
+WORK = ROOT / "runs" / "privacy-cost"
 DELTA = 1e-5
 # per method: rounds, local steps, clip, and the sigmas that spend epsilon ~8, ~4, ~1 at delta
 # 1e-5 over its rounds with every agent in every round (dp-accounting's RDP), 0 = no privacy
@@ -139,8 +140,8 @@ def table_md(results: list[dict[str, Any]]) -> str:
 
 
 def secagg_md() -> str:
-    """What secure aggregation costs, from the committed results of ``benchmarks.services secagg``,
-    ``benchmarks.secagg_peers`` and ``benchmarks.secagg_cost``."""
+    """What secure aggregation costs, from the committed results of ``benchmarks.system.services secagg``,
+    ``benchmarks.system.secagg_peers`` and ``benchmarks.system.secagg_cost``."""
     res = RESULTS.parent
     sv = json.loads((res / "secagg-services.json").read_text())
     out = [f"- Our services (`{sv['command']}`, {sv['agents']} agent processes, Hopper's policy, zero local "
@@ -164,7 +165,7 @@ def secagg_md() -> str:
     row = next((r for r in co["rows"] if r["model"] == "policy" and r["agents"] == 10 and "bytes_per_agent" in r), None)
     if row is not None:
         b = row["bytes_per_agent"]
-        out.append(f"- Bytes (`python -m benchmarks.secagg_cost`, 10 agents, the policy's {row['values']:,} values): "
+        out.append(f"- Bytes (`python -m benchmarks.system.secagg_cost`, 10 agents, the policy's {row['values']:,} values): "
                    f"an agent sends {b['secure_up'] / 1e3:.0f} KB a round and receives {b['secure_down'] / 1e3:.1f} "
                    f"KB more than its task, against its {b['plain_up'] / 1e3:.0f} KB float32 update "
                    f"({b['secure_up'] / b['plain_up']:.2f}x: 8 bytes a value in the ring).")
@@ -173,7 +174,7 @@ def secagg_md() -> str:
 
 def blocks() -> dict[str, str]:
     return {"secagg-cost": secagg_md(),
-            "privacy-cost": table_md(load()) if load() else "Not measured yet: `python -m benchmarks.privacy_cost run`."}
+            "privacy-cost": table_md(load()) if load() else "Not measured yet: `python -m benchmarks.studies.privacy_cost run`."}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """What Python gRPC alone costs per federation round, for three message patterns.
 
-    python -m benchmarks.grpc_patterns [--agents 10] [--rounds 200] [--bytes 282352] [--repeats 2]
+    python -m benchmarks.system.grpc_patterns [--agents 10] [--rounds 200] [--bytes 282352] [--repeats 2]
 
 N client processes and one server exchange, per round, the global payload down and an update
 of the same size up, with identity serialisers and no work: the floor any round built on that

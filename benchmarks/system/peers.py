@@ -1,6 +1,6 @@
 """This federation beside Flower on the same work, alternating, in one run.
 
-    python -m benchmarks.peers [--clients 10] [--small-rounds 200] [--large-rounds 5] [--repeats 2]
+    python -m benchmarks.system.peers [--clients 10] [--small-rounds 200] [--large-rounds 5] [--repeats 2]
                                [--out benchmarks/results/peers.json]
 
 The work: N client processes on 127.0.0.1, no local training (the federation's agents run zero
@@ -13,9 +13,9 @@ both see the same moments of a shared machine.
 
 Flower runs in its own virtual environment, made on first use at ``benchmarks/.venv-flwr``
 (``flwr==1.42.0``: it needs protobuf < 7, this project pins 7), through its legacy gRPC path
-(``start_server`` / ``start_client``, ``benchmarks/flower_side.py``) and through its current
+(``start_server`` / ``start_client``, ``benchmarks/system/flower_side.py``) and through its current
 deployment engine: one ``flower-superlink`` and N ``flower-supernode`` processes started here,
-insecure, on 127.0.0.1, and ``flwr run`` submitting the Flower App in ``benchmarks/flower_app``
+insecure, on 127.0.0.1, and ``flwr run`` submitting the Flower App in ``benchmarks/system/flower_app``
 (FedAvg over echo ClientApps, rounds timed inside the ServerApp like the legacy side's). In Flower
 1.42 that engine's Fleet, Control and runtime APIs are HTTP on one port, the ServerApp runs in a
 subprocess of the SuperLink and each message to a node in a fresh ``flwr-clientapp`` process of
@@ -41,14 +41,15 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import RESULTS, ROOT
+
 HERE = Path(__file__).resolve().parent
-VENV = HERE / ".venv-flwr"
+VENV = ROOT / "benchmarks" / ".venv-flwr"
 FLWR_PIN = "flwr==1.42.0"
-RESULTS = HERE / "results"
 
 
 def ensure_flower() -> Path:
-    from benchmarks.venvs import ensure_venv
+    from benchmarks.common import ensure_venv
 
     return ensure_venv(VENV, "flwr, numpy", [FLWR_PIN, "numpy"], FLWR_PIN)
 
@@ -192,7 +193,7 @@ def _wait_port(port: int, proc: subprocess.Popen, log: Path, limit: float = 120.
 def flower_deployment_rounds(py: Path, clients: int, rounds: int, n_params: int, tmp: Path, app: Path = APP,
                              config: str = "", round_timeout: int = 60) -> dict:
     """Flower's deployment engine: a SuperLink, ``clients`` SuperNodes and ``flwr run`` of ``app``
-    (``benchmarks/flower_app``; ``config``: more of its run config); every process is a child of
+    (``benchmarks/system/flower_app``; ``config``: more of its run config); every process is a child of
     this one and is ended on the way out."""
     bin_dir = py.parent
     home = tmp / "flwr-home"  # Flower's config (the SuperLink connection) and app cache, not ~/.flwr
@@ -269,7 +270,7 @@ def flower_deployment_rounds(py: Path, clients: int, rounds: int, n_params: int,
 
 
 def ours_rounds(clients: int, rounds: int, config: dict, tmp: Path) -> dict:
-    from benchmarks.services import WARMUP_ROUNDS, federation_rounds
+    from benchmarks.system.services import WARMUP_ROUNDS, federation_rounds
 
     r = federation_rounds(clients, rounds + WARMUP_ROUNDS, config, tmp)
     return {"round_seconds": r["per_round_seconds"][WARMUP_ROUNDS:],  # the first rounds set up connections
@@ -295,7 +296,7 @@ SIDES = {"ours": "this federation", "flower": "Flower 1.42.0, legacy gRPC",
 
 
 def table_md(res: dict) -> str:
-    """The BENCHMARKS.md table of a results file (``python -m benchmarks.peers table``)."""
+    """The BENCHMARKS.md table of a results file (``python -m benchmarks.system.peers table``)."""
     head = ("| model | side | round ms (median) | p90 | MB/s moved | CPU ms/round server / clients "
             "| peak RSS MB server / client | rounds |")
     lines = [head, "|---|---|---|---|---|---|---|---|"]
@@ -313,7 +314,7 @@ def table_md(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.services import HOPPER_POLICY_BYTES
+    from benchmarks.system.services import HOPPER_POLICY_BYTES
 
     if argv is None:
         argv = sys.argv[1:]
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(RESULTS / "peers.json"))
     a = p.parse_args(argv)
     py = ensure_flower()
-    h = int((a.mb * 1e6 / 4) ** 0.5)  # fed-bc with hidden (h, h): ~mb MB (as benchmarks.services transfer)
+    h = int((a.mb * 1e6 / 4) ** 0.5)  # fed-bc with hidden (h, h): ~mb MB (as benchmarks.system.services transfer)
     large_bytes = (11 * h + h + h * h + h + h * 6 + 6 + 22) * 4
     sizes = {"hopper_policy": (HOPPER_POLICY_BYTES, a.small_rounds, {"algo": "drpo"}),
              f"model_{a.mb}mb": (large_bytes, a.large_rounds, {"algo": "fed-bc", "bc": {"hidden": [h, h]}})}

@@ -1,6 +1,6 @@
 """What writing a global version costs the aggregator, by how it is written.
 
-    python -m benchmarks.version_write [--mb 30] [--versions 8] [--dir DIR]
+    python -m benchmarks.system.version_write [--mb 30] [--versions 8] [--dir DIR]
 
 Writes ``--versions`` new version files of a ~``--mb`` MB model into a fresh directory under
 ``--dir`` (default: the system's temporary directory; give the aggregator's ``--state-dir`` disk
@@ -12,7 +12,7 @@ seconds of each write (write + fsync) in ms, and the medians.
 Found with it (2026-11-27, Linux 6.18, ext4): a 30 MB version written whole into new page-cache
 pages cost ~70 ms of CPU in the kernel's copy, in 1 MiB slices ~6 ms; in the aggregator, where
 every round adds a new version, slices alone did not help (its writes kept taking new pages:
-72 ms), slices with the pages dropped did (13.7 ms, ``benchmarks.inplace --model 30mb``).
+72 ms), slices with the pages dropped did (13.7 ms, ``benchmarks.system.inplace --model 30mb``).
 """
 
 from __future__ import annotations

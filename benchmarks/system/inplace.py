@@ -1,10 +1,10 @@
 """Where a federation round's CPU goes inside the real processes: thread CPU per piece, in place.
 
-    python -m benchmarks.inplace [--rounds 400] [--model hopper|30mb] [--out FILE]
+    python -m benchmarks.system.inplace [--rounds 400] [--model hopper|30mb] [--out FILE]
 
 Timed alone (timeit, one warm thread) the pieces of a Hopper-size round cost a quarter or less
 of what they cost inside the federation, where ten agents and the aggregator share two cores and
-every piece runs with cold caches. This runs the real federation (``benchmarks.services
+every piece runs with cold caches. This runs the real federation (``benchmarks.system.services
 federation_rounds``: an aggregator and N agent processes, no local training) with each process's
 pieces wrapped in a timer of its own thread's CPU (``time.thread_time_ns``): the wrappers are
 installed by a ``sitecustomize`` module put on the services' ``PYTHONPATH`` by this command only
@@ -25,6 +25,8 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.common import ROOT
 
 SITECUSTOMIZE = r'''
 import atexit, collections, json, os, sys, time
@@ -70,7 +72,13 @@ if _OUT:
         _timed(servicer.FederationServicer, "_submit", "aggregator: _submit (one update, and the close in the last)")
         _timed(servicer.FederationServicer, "_task", "aggregator: _task")
         _timed(coord.Coordinator, "_close_round", "aggregator: _close_round (journal and version write included)")
-        _timed(rounds, "aggregate", "aggregator: aggregate")
+        _timed(rounds.Rounds, "_close_round", "aggregator: _close_round (journal and version write included)")
+        _timed(rounds, "aggregate", "aggregator: aggregate")  # a tree from before the rounds' machine
+        try:
+            import fedrl.federation.machine as machine
+        except ImportError:
+            machine = None
+        _timed(machine, "aggregate", "aggregator: aggregate")
         _timed(coord.Coordinator, "_encode", "aggregator: encode the new version")
         _timed(store.Store, "save_version", "aggregator: save_version (write, fsync, directory fsync)")
         _timed(store.Store, "append_event", "aggregator: append_event (a journal line; a close's is fsynced)")
@@ -93,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=10, help="first calls of each piece left out")
     p.add_argument("--out", help="write the results here (JSON)")
     a = p.parse_args(argv)
-    from benchmarks.services import federation_rounds
+    from benchmarks.system.services import federation_rounds
 
-    h = 2738  # fed-bc with hidden (h, h): ~30 MB, as `benchmarks.services transfer`
+    h = 2738  # fed-bc with hidden (h, h): ~30 MB, as `benchmarks.system.services transfer`
     config = {"algo": "drpo"} if a.model == "hopper" else {"algo": "fed-bc", "bc": {"hidden": [h, h]}}
     with tempfile.TemporaryDirectory() as d:
         site, out = Path(d, "site"), Path(d, "out")
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir()
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
         saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FEDRL_INPLACE_OUT")}
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(ROOT)
         os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(site), root, saved["PYTHONPATH"]) if x)
         os.environ["FEDRL_INPLACE_OUT"] = str(out)
         try:

@@ -1,8 +1,8 @@
 """A preset's table column for one dataset in one call of a lent GPU: measure, fit, run, pack.
 
-    python -m benchmarks.device_paper run --budget 540 --out DIR [--preset paper] [--dataset hopper-medium-v2] [--seeds 0,1,2]
-    python -m benchmarks.device_paper unpack DIR/paper-device.tgz
-    python -m benchmarks.device_paper run --tiny --device cpu --out DIR   (the CPU check: 2 agents, 2 rounds, 5 steps)
+    python -m benchmarks.paper.device run --budget 540 --out DIR [--preset paper] [--dataset hopper-medium-v2] [--seeds 0,1,2]
+    python -m benchmarks.paper.device unpack DIR/paper-device.tgz
+    python -m benchmarks.paper.device run --tiny --device cpu --out DIR   (the CPU check: 2 agents, 2 rounds, 5 steps)
 
 The column: DRPO, Fed-CQL, CQL alone and Fed-BC, 10 agents x 20 rounds x 1,000 local steps, each
 agent holding the paper's ~5,000 transitions (whole episodes, as the ``claim`` preset), three
@@ -41,9 +41,10 @@ import tarfile
 import time
 from pathlib import Path
 
-from benchmarks.paper import PRESETS, cell_result, plan, result_path, sim_config
+from benchmarks.common import ROOT
+from benchmarks.paper.cells import cell_result
+from benchmarks.paper.presets import PRESETS, plan, result_path, sim_config
 
-ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("drpo", "fed-cql", "cql", "fed-bc")
 MARGIN_S = 45.0  # start-up (data, CUDA), the first round's evaluation beyond the estimate, packing
 
@@ -87,7 +88,7 @@ def measure(cells, device: str, seconds: float) -> dict:
     import numpy as np
     import torch
 
-    from benchmarks.throughput import synthetic_transitions, sync
+    from benchmarks.common import synthetic_transitions, sync
     from fedrl.algos.batched import build_batched
     from fedrl.data.buffer import StackedBuffer, TensorBuffer
     from fedrl.federation.round import algo_config, returns_gamma
@@ -219,7 +220,7 @@ def cmd_unpack(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.device_paper", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.paper.device", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")

@@ -1,14 +1,14 @@
 """System speed of the services on loopback, each beside its raw baseline measured in the same run.
 
-    python -m benchmarks.services overhead  [--agents 10] [--rounds 100]
-    python -m benchmarks.services transfer  [--agents 10] [--mb 30] [--rounds 5]
-    python -m benchmarks.services evaluator [--env Hopper-v5] [--episodes 400]
-    python -m benchmarks.services all       (writes benchmarks/results/services-cpu.json)
-    python -m benchmarks.services federation [--transport session|calls] [--rounds 500]
+    python -m benchmarks.system.services overhead  [--agents 10] [--rounds 100]
+    python -m benchmarks.system.services transfer  [--agents 10] [--mb 30] [--rounds 5]
+    python -m benchmarks.system.services evaluator [--env Hopper-v5] [--episodes 400]
+    python -m benchmarks.system.services all       (writes benchmarks/results/services-cpu.json)
+    python -m benchmarks.system.services federation [--transport session|calls] [--rounds 500]
                                             (the overhead run alone: for before/after pairs)
-    python -m benchmarks.services inprocess [--agents 10] [--rounds 500]
+    python -m benchmarks.system.services inprocess [--agents 10] [--rounds 500]
                                             (the round's own work, no gRPC: see bench_inprocess)
-    python -m benchmarks.services secagg    [--agents 10] [--rounds 30]
+    python -m benchmarks.system.services secagg    [--agents 10] [--rounds 30]
                                             (a round with secure aggregation beside one without,
                                             writes benchmarks/results/secagg-services.json)
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).parent / "results"
+from benchmarks.common import RESULTS
 
 
 def _dataset(tmp: Path) -> Path:
@@ -194,7 +194,7 @@ def bench_overhead(agents: int, rounds: int) -> dict:
            "bare_grpc_floor": {"round_ms_median": floor_ms, "runs": floor,
                                "what": "one bidirectional stream per client carrying the same messages "
                                        "(the policy bytes down, an update of the same size up: "
-                                       "benchmarks/grpc_patterns.py 'session'), the same number of client "
+                                       "benchmarks/system/grpc_patterns.py 'session'), the same number of client "
                                        "processes, no work: what Python gRPC alone costs here; measured "
                                        "before and after the federation runs"},
            "ratio_to_floor": float(np.median(s)) / floor_ms,
@@ -218,7 +218,7 @@ def bench_secagg(agents: int, rounds: int) -> dict:
                                   ("plain-2", {"algo": "drpo"}))]
     plain = float(np.median(np.concatenate([_steady_ms(runs[0]), _steady_ms(runs[2])])))
     secure = float(np.median(_steady_ms(runs[1])))
-    out = {"command": f"python -m benchmarks.services secagg --agents {agents} --rounds {rounds}",
+    out = {"command": f"python -m benchmarks.system.services secagg --agents {agents} --rounds {rounds}",
            "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "agents": agents, "threshold": t,
            "policy": "Hopper-v5, 2x256 (~280 KB)", "rounds_measured": len(_steady_ms(runs[1])),
            "plain_round_ms_median": plain, "secure_round_ms_median": secure, "ratio": secure / plain,
@@ -238,7 +238,7 @@ def _steady_ms(run: dict, key: str = "per_round_seconds") -> np.ndarray:
 
 def bare_rounds(agents: int, rounds: int, payload_bytes: int) -> dict:
     """Rounds of the federation's message pattern with no work in them: the floor Python gRPC sets."""
-    from benchmarks.grpc_patterns import rounds as pattern_rounds
+    from benchmarks.system.grpc_patterns import rounds as pattern_rounds
 
     return pattern_rounds("session", agents, rounds, payload_bytes)  # what the agents do
 
@@ -604,7 +604,7 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.services")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.system.services")
     p.add_argument("what", choices=("overhead", "transfer", "evaluator", "all", "federation", "inprocess", "secagg"))
     p.add_argument("--transport", choices=("session", "calls"), default="session", help="federation only")
     p.add_argument("--agents", type=int, default=10)

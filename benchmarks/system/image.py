@@ -1,8 +1,8 @@
 """The container image the Kubernetes manifests run, built from the real Dockerfile with buildah.
 
-    python -m benchmarks.image measure     build the base and the image, start the tiny run inside,
+    python -m benchmarks.system.image measure     build the base and the image, start the tiny run inside,
                                            write benchmarks/results/image.json
-    python -m benchmarks.image render      write deploy/README.md's generated block from that file
+    python -m benchmarks.system.image render      write deploy/README.md's generated block from that file
 
 Where Docker Hub and torch's index cannot be reached (these machines reach PyPI and Debian only),
 the Dockerfile is built with nothing but its build arguments changed:
@@ -35,7 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT
+
 RESULTS = ROOT / "benchmarks" / "results" / "image.json"
 DEPLOY_README = ROOT / "deploy" / "README.md"
 SMOKE = ROOT / "tests" / "deploy" / "image_smoke.sh"
@@ -202,7 +203,7 @@ def block(results: Path = RESULTS) -> str:
             f"the image `{r['image'].split('/')[-1]}` is **{r['size_bytes'] / 1e9:.2f} GB** (uncompressed layers); "
             f"the base took {r['base_seconds']:.0f} s, the image {r['build_seconds']:.0f} s "
             f"(torch from a local wheel, the rest from PyPI), and the tiny run inside it "
-            f"{r['smoke_seconds']:.0f} s. Command: `python -m benchmarks.image measure`.")
+            f"{r['smoke_seconds']:.0f} s. Command: `python -m benchmarks.system.image measure`.")
 
 
 def cmd_render(a) -> int:
@@ -214,7 +215,7 @@ def cmd_render(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.image", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.system.image", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("measure").set_defaults(func=cmd_measure)

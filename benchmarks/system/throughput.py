@@ -1,7 +1,7 @@
 """Gradient steps per second of the DRPO, CQL and BC updates vs the FLOP ceiling.
 
-    python -m benchmarks.throughput [--device cpu] [--env Hopper-v5] [--seconds 30] [--out FILE]
-    python -m benchmarks.throughput --batched 1,5,10,30 [--device cpu] [--threads 1] [--tf32] [--out FILE]
+    python -m benchmarks.system.throughput [--device cpu] [--env Hopper-v5] [--seconds 30] [--out FILE]
+    python -m benchmarks.system.throughput --batched 1,5,10,30 [--device cpu] [--threads 1] [--tf32] [--out FILE]
 
 ``--batched L1,L2,...``: DRPO agent-steps/s of ``L`` learners trained as one batched model
 (``fedrl.algos.batched``) for each ``L``, beside one single learner (today's per-agent path)
@@ -43,29 +43,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.common import synthetic_transitions, sync
 from fedrl.algos import BCConfig, DRPOConfig, cql_config
 from fedrl.common.device import resolve_device
 from fedrl.data.buffer import TensorBuffer
-from fedrl.data.d4rl import Transitions
 from fedrl.envs import env_info
 from fedrl.federation.round import build_learner, returns_gamma
-
-
-def synthetic_transitions(obs_dim: int, act_dim: int, n: int = 5000) -> Transitions:
-    rng = np.random.default_rng(0)
-    return Transitions(
-        obs=rng.normal(size=(n, obs_dim)).astype(np.float32),
-        actions=rng.uniform(-1, 1, (n, act_dim)).astype(np.float32),
-        rewards=rng.normal(size=n).astype(np.float32),
-        next_obs=rng.normal(size=(n, obs_dim)).astype(np.float32),
-        dones=(rng.random(n) < 0.01).astype(np.float32),
-        episode=np.zeros(n, np.int64),
-    )
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gemm_kernels(device: torch.device) -> dict:

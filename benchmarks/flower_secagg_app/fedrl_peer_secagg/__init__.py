@@ -1,2 +1,0 @@
-"""Flower's side of ``python -m benchmarks.secagg_peers``: FedAvg of echo clients through
-Flower's legacy workflow, with SecAgg+ (``secagg=1``) or without."""
