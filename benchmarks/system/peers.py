@@ -270,7 +270,8 @@ def flower_deployment_rounds(py: Path, clients: int, rounds: int, n_params: int,
 
 
 def ours_rounds(clients: int, rounds: int, config: dict, tmp: Path) -> dict:
-    from benchmarks.system.services import WARMUP_ROUNDS, federation_rounds
+    from benchmarks.system.procs import WARMUP_ROUNDS
+    from benchmarks.system.services import federation_rounds
 
     r = federation_rounds(clients, rounds + WARMUP_ROUNDS, config, tmp)
     return {"round_seconds": r["per_round_seconds"][WARMUP_ROUNDS:],  # the first rounds set up connections

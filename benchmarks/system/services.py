@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
 import subprocess
@@ -35,25 +34,22 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.common import RESULTS
-
-
-def _dataset(tmp: Path) -> Path:
-    from fedrl.data.make import make_dataset
-
-    return make_dataset("Hopper-v5", "random", 0, tmp / "hopper-random.hdf5", transitions=20_000)
+from benchmarks.system.evaluator_rate import bench_evaluator
+from benchmarks.system.inprocess import bench_inprocess
+from benchmarks.system.procs import WARMUP_ROUNDS, cpu_seconds, dataset, minor_faults, peak_rss_mb
+from benchmarks.system.raw_grpc import raw_grpc
 
 
 def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path, transport: str = "session") -> dict:
     """Run real processes; return per-round wall seconds measured by the aggregator."""
     from fedrl.cli.client import ControlClient
 
-    data = _dataset(tmp)
+    data = dataset(tmp)
     port_file = tmp / "agg.port"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "aggregator_service", "--port", "0", "--port-file",
@@ -94,11 +90,11 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path, transpo
                 if e["kind"] in ("ROUND_OPENED", "ROUND_CLOSED"):
                     closed.append(e)
                 if e["kind"] == "ROUND_CLOSED" and e["round"] == WARMUP_ROUNDS:
-                    cpu_at = [_cpu_seconds(p.pid) for p in procs]
-                    faults_at = [_minor_faults(p.pid) for p in procs]
-            cpu_end = [_cpu_seconds(p.pid) for p in procs]
-            faults_end = [_minor_faults(p.pid) for p in procs]
-            peak = [_peak_rss_mb(p.pid) for p in procs]
+                    cpu_at = [cpu_seconds(p.pid) for p in procs]
+                    faults_at = [minor_faults(p.pid) for p in procs]
+            cpu_end = [cpu_seconds(p.pid) for p in procs]
+            faults_end = [minor_faults(p.pid) for p in procs]
+            peak = [peak_rss_mb(p.pid) for p in procs]
             st = c.status()
             running.set()
         assert st["state"] == "finished", st
@@ -131,37 +127,6 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path, transpo
             p.terminate()
         for p in procs:
             p.wait(20)
-
-
-WARMUP_ROUNDS = 3  # the first rounds include connection set-up
-
-
-def _peak_rss_mb(pid: int) -> float:
-    """Peak resident memory of a live process (VmHWM), MB."""
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used so far (Linux /proc)."""
-    try:
-        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _minor_faults(pid: int) -> int:
-    """Minor page faults a process has taken so far (Linux /proc; -1 if it is gone)."""
-    try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[7])
-    except OSError:
-        return -1
 
 
 HOPPER_POLICY_BYTES = 282_352  # the safetensors payload of the Hopper 2x256 policy a round moves
@@ -243,132 +208,6 @@ def bare_rounds(agents: int, rounds: int, payload_bytes: int) -> dict:
     return pattern_rounds("session", agents, rounds, payload_bytes)  # what the agents do
 
 
-# -- raw gRPC byte streaming (no protobuf messages: identity serialisers) -------------------------
-
-# Rounds each raw client runs before the clock starts, as the federation's measurement leaves out
-# its first round (connections, the server's threads, first-touch of fresh buffers).
-RAW_WARMUP_ROUNDS = 1
-
-
-def _message_sizes(total: int, chunk_bytes: int) -> list[int]:
-    """``total`` bytes as messages of ``chunk_bytes``, the last one what is left (as the federation cuts a payload)."""
-    return [min(chunk_bytes, total - i) for i in range(0, total, chunk_bytes)]
-
-
-def _raw_server(port_q, payload_mb: int, go, stop, result_q, chunk_bytes: int = 1 << 20) -> None:
-    import grpc
-
-    from fedrl.wire.rpc import SERVER_OPTIONS
-    sizes = _message_sizes(payload_mb << 20, chunk_bytes)
-    blocks = {n: b"\x01" * n for n in set(sizes)}  # one message of each size, sent as often as needed
-    send = [blocks[n] for n in sizes]
-
-    def down(request, context):
-        yield from send
-
-    received = [0]  # bytes of the uploads begun once the clock runs (under the lock)
-    lock = threading.Lock()
-
-    def up(request_iterator, context):
-        timed = go.is_set()  # warm-up uploads end before it is set; timed ones begin after
-        n = sum(len(c) for c in request_iterator)
-        if timed:
-            with lock:
-                received[0] += n
-        return n.to_bytes(8, "little")
-
-    handler = grpc.method_handlers_generic_handler("raw.Bytes", {
-        "Down": grpc.unary_stream_rpc_method_handler(down, request_deserializer=None, response_serializer=None),
-        "Up": grpc.stream_unary_rpc_method_handler(up, request_deserializer=None, response_serializer=None),
-    })
-    server = grpc.server(futures.ThreadPoolExecutor(32), options=SERVER_OPTIONS)
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    port_q.put(port)
-    go.wait()
-    cpu = time.process_time()
-    stop.wait()
-    # every thread's CPU while the clients ran, and the bytes uploaded in that time
-    result_q.put((time.process_time() - cpu, received[0]))
-    server.stop(0)
-
-
-def _raw_client(port: int, payload_mb: int, rounds: int, ready_q, start, go, result_q,
-                chunk_bytes: int = 1 << 20) -> None:
-    import grpc
-
-    from fedrl.wire.rpc import CHANNEL_OPTIONS
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-    down = ch.unary_stream("/raw.Bytes/Down")
-    up = ch.stream_unary("/raw.Bytes/Up")
-    upload = [b"\x02" * n for n in _message_sizes(payload_mb << 20, chunk_bytes)]
-    buf = bytearray(payload_mb << 20)
-
-    def one_round() -> None:
-        got = 0
-        for c in down(b""):  # what the agent does: keep the whole payload, in a buffer it reuses
-            buf[got:got + len(c)] = c
-            got += len(c)
-        assert got == payload_mb << 20
-        n = int.from_bytes(up(iter(upload)), "little")
-        assert n == payload_mb << 20
-
-    grpc.channel_ready_future(ch).result(timeout=60)
-    ready_q.put(True)  # imported and connected
-    start.wait()
-    for _ in range(RAW_WARMUP_ROUNDS):  # first calls: the server's threads, fresh buffers
-        one_round()
-    ready_q.put(True)
-    go.wait()  # the clock starts when every client is warm
-    t0, cpu = time.perf_counter(), time.process_time()
-    for _ in range(rounds):
-        one_round()
-    result_q.put((time.perf_counter() - t0, time.process_time() - cpu))
-    ch.close()
-
-
-def raw_grpc(agents: int, payload_mb: int, rounds: int, chunk_bytes: int | None = None) -> dict:
-    """Raw gRPC moving ``payload_mb`` MiB down and up per client per round, in messages of the
-    federation's chunk size by default (the same message pattern, minus all the federation does)."""
-    if chunk_bytes is None:
-        from fedrl.wire.codec import CHUNK_BYTES as chunk_bytes
-    ctx = mp.get_context("spawn")
-    port_q, ready_q, result_q, server_q = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-    stop, start, go = ctx.Event(), ctx.Event(), ctx.Event()
-    srv = ctx.Process(target=_raw_server, args=(port_q, payload_mb, go, stop, server_q, chunk_bytes))
-    srv.start()
-    port = port_q.get(timeout=60)
-    clients = [ctx.Process(target=_raw_client, args=(port, payload_mb, rounds, ready_q, start, go, result_q,
-                                                     chunk_bytes))
-               for _ in range(agents)]
-    for c in clients:
-        c.start()
-    # Every client has imported (fedrl.wire.rpc pulls in torch: ~2 s of CPU each, so ten take several
-    # seconds on two cores) and connected before the clock starts. Until 2026-11-25 this was a
-    # 3 s sleep, and the raw wall time took in the last clients' start-up: raw measured slower
-    # than the whole federation moving the same bytes (ratios of 1.4-2.1).
-    # Since 2026-11-25 (evening) each client also runs a warm-up round first (the federation's
-    # rounds are read after its first, so raw's were the only ones paying for first calls).
-    [ready_q.get(timeout=120) for _ in clients]
-    start.set()
-    [ready_q.get(timeout=600) for _ in clients]
-    t0 = time.perf_counter()
-    go.set()
-    done = [result_q.get(timeout=600) for _ in clients]
-    wall = time.perf_counter() - t0
-    for c in clients:
-        c.join(30)
-    stop.set()
-    server_cpu, uploaded = server_q.get(timeout=60)
-    srv.join(30)
-    moved = 2 * agents * rounds * payload_mb * (1 << 20)
-    clients_cpu = sum(c for _, c in done)
-    return {"seconds": wall, "bytes": moved, "mb_per_s": moved / wall / 1e6, "bytes_uploaded_timed": uploaded,
-            "cpu_ms_per_round": {"server": round(server_cpu / rounds * 1e3, 1),
-                                 "clients_total": round(clients_cpu / rounds * 1e3, 1)}}
-
-
 # Rounds measured on each side. The federation's are those after its first WARMUP_ROUNDS (as its
 # CPU figure always was), raw gRPC's those after its warm-up round: each side in its steady state.
 # History: 5 rounds after one until 2026-11-27 measured the federation's warm-up (its 30 MB
@@ -428,179 +267,6 @@ def bench_transfer(agents: int, mb: int, rounds: int = TRANSFER_ROUNDS) -> dict:
                                      "(31 XXH3-128 passes over the model a round; sha256 before wire contract v2), averages and stores"}}
     print(json.dumps(out))
     return out
-
-
-EVAL_REPEATS = 9  # alternations of policy and random-action stepping; medians compared
-
-
-def bench_evaluator(env: str, episodes: int) -> dict:
-    import torch
-
-    from fedrl.algos.nets import TanhGaussianPolicy
-    from fedrl.envs import env_info
-    from fedrl.envs.evaluation import evaluate, make_vec_env
-
-    torch.set_num_threads(1)  # as the evaluator process runs under fedrl up
-    info = env_info(env)
-    torch.manual_seed(0)
-    pol = TanhGaussianPolicy(info.obs_dim, info.act_dim)
-    # A random-init policy falls fast; a fixed episode length makes both sides step equally.
-    # The two sides alternate, REPEATS times each, and the medians are compared: on a shared
-    # machine one long measurement per side can land in a slow spell on one side only.
-    envs = make_vec_env(env, 10, None, 200)
-    rng = np.random.default_rng(0)
-    envs.reset(seed=0)
-    # Both sides run in this one process (synchronous envs), so its CPU time per step is also
-    # recorded: other tenants of a shared machine stretch wall time, hardly CPU time.
-    per = max(episodes // EVAL_REPEATS, 10)
-    policy, raw, policy_cpu, raw_cpu, steps = [], [], [], [], 0
-    for i in range(EVAL_REPEATS):
-        c0 = time.process_time()
-        res = evaluate(pol, env, per, seed=i, num_envs=10, max_episode_steps=200)
-        policy_cpu.append(res.env_steps / (time.process_time() - c0))
-        policy.append(res.env_steps / res.seconds)
-        steps += res.env_steps
-        n = res.env_steps // 10
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(n):
-            envs.step(rng.uniform(-1, 1, (10, info.act_dim)).astype(np.float32))
-        raw.append(n * 10 / (time.perf_counter() - t0))
-        raw_cpu.append(n * 10 / (time.process_time() - c0))
-    envs.close()
-    policy_sps, raw_sps = float(np.median(policy)), float(np.median(raw))
-    out = {"env": info.gym_id, "num_envs": 10, "env_steps": steps, "repeats": EVAL_REPEATS,
-           "policy_steps_per_s": policy_sps, "raw_steps_per_s": raw_sps,
-           "policy_steps_per_s_each": policy, "raw_steps_per_s_each": raw,
-           "ratio_to_raw": policy_sps / raw_sps, "target_ratio": 0.80,
-           "per_cpu_second": {"policy_steps": float(np.median(policy_cpu)), "raw_steps": float(np.median(raw_cpu)),
-                              "ratio": float(np.median(policy_cpu) / np.median(raw_cpu)),
-                              "what": "the same steps per second of this process's CPU time: a cross-check "
-                                      "that other processes on the machine barely move"},
-           "service_peak_rss_mb": evaluator_service_peak_rss(env, pol)}
-    print(json.dumps(out))
-    return out
-
-
-def evaluator_service_peak_rss(env: str, policy, episodes: int = 20) -> float:
-    """Peak RSS (MB) of the real evaluator service process after an on-demand evaluation."""
-    from fedrl.algos.base import POLICY, prefixed_state
-    from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc
-    from fedrl.wire.codec import encode
-    from fedrl.wire.rpc import create_channel
-    from fedrl.wire.serde import weight_parts
-
-    with tempfile.TemporaryDirectory() as d:
-        port_file = Path(d) / "eval.port"
-        proc = subprocess.Popen([sys.executable, "-m", "evaluator_service", "--port", "0", "--port-file",
-                                 str(port_file), "--threads", "1", "--num-envs", "10", "--log-level", "WARNING"])
-        try:
-            end = time.monotonic() + 60
-            while not port_file.exists():
-                assert time.monotonic() < end and proc.poll() is None, "evaluator did not start"
-                time.sleep(0.05)
-
-            def parts():
-                yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id=env, episodes=episodes))
-                for p in weight_parts(encode(prefixed_state(POLICY, policy))):
-                    yield evaluator_pb2.EvaluatePart(weights=p)
-
-            with create_channel(f"127.0.0.1:{port_file.read_text()}") as ch:
-                evaluator_pb2_grpc.EvaluatorStub(ch).Evaluate(parts(), timeout=300)
-            return _peak_rss_mb(proc.pid)
-        finally:
-            proc.terminate()
-            proc.wait(20)
-
-
-class _LocalContext:
-    """What the servicer asks of a gRPC context, for calls made in-process (no peer, no token)."""
-
-    def is_active(self) -> bool:
-        return True
-
-    def invocation_metadata(self) -> tuple:
-        return ()
-
-    def abort(self, code, details):
-        raise RuntimeError(f"{code}: {details}")
-
-
-def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
-    """The round's own work without gRPC: the aggregator's servicer and coordinator and N agents
-    in this one process, each round every agent taking its task as the Session stream sends it
-    (serialised), training zero steps and answering with its serialised update, which the
-    servicer checks and takes as it does off the stream. CPU per round (min over ``repeats``
-    blocks), split between the two sides, and one agent's ``_train`` alone (timeit, min of 3)."""
-    import timeit
-
-    import torch
-
-    from agent_service.client import Agent, AgentConfig
-    from aggregator_service.coordinator import Coordinator
-    from aggregator_service.servicer import FederationServicer, session_answer
-    from aggregator_service.store import Store
-    from fedrl.federation.simulate import load_shards
-    from fedrl.ops.metrics import AggregatorMetrics
-    from fedrl.wire.security import Authenticator
-    from fedrl.wire.serde import read_task, session_update
-
-    torch.set_num_threads(1)
-    ctx = _LocalContext()
-    with tempfile.TemporaryDirectory() as d:
-        data = _dataset(Path(d))
-        shards, env = load_shards([f"{data}:{agents}"], agents, 5, 0, None, lambda *_: None)
-        coord = Coordinator(Store(Path(d) / "state"), metrics=AggregatorMetrics())
-        svc = FederationServicer(coord, Authenticator())
-        members = [Agent(AgentConfig("in-process", f"agent-{i}", i, env.gym_id, torch.device("cpu")), shards[i])
-                   for i in range(agents)]
-        class LocalStub:  # what Agent._join calls, answered by the servicer in this process
-            def Join(self, request, **_):
-                return svc.Join(request, ctx)
-
-        for a in members:
-            a._join(LocalStub())  # the agent's own JoinRequest
-        block = max(1, rounds // repeats)
-        timed = WARMUP_ROUNDS + block * repeats  # then one more round, open while _train is timed alone
-        coord.start_run(json.dumps({"algo": "drpo", "agents": agents, "rounds": timed + 1,
-                                    "local_steps": 0, "eval_episodes": 0}))
-        split = {"aggregator": 0.0, "agents": 0.0}
-
-        def one_round() -> None:
-            for a in members:
-                t0 = time.process_time()
-                _, task = svc._task(ctx, a.cfg.agent_id, 1.0)
-                t1 = time.process_time()
-                up = session_update(*a._train(None, *read_task(task)))
-                t2 = time.process_time()
-                _, header, payload = session_answer(up, ctx)
-                svc._submit_inline(ctx, header, payload)
-                t3 = time.process_time()
-                split["aggregator"] += (t1 - t0) + (t3 - t2)
-                split["agents"] += t2 - t1
-
-        for _ in range(WARMUP_ROUNDS):
-            one_round()
-        blocks = []
-        for _ in range(repeats):
-            split.update(aggregator=0.0, agents=0.0)
-            t = time.process_time()
-            for _ in range(block):
-                one_round()
-            blocks.append(((time.process_time() - t) / block * 1e3, split["aggregator"] / block * 1e3,
-                           split["agents"] / block * 1e3))
-        best = min(blocks)
-        a = members[0]
-        _, task_bytes = svc._task(ctx, a.cfg.agent_id, 1.0)
-        task = read_task(task_bytes)
-        train_us = min(timeit.repeat(lambda: a._train(None, *task), number=200, repeat=3)) / 200 * 1e6
-        closed = coord.status()["global_version"]
-        coord.close()
-    return {"agents": agents, "rounds_per_block": block, "rounds_closed": closed,
-            "cpu_ms_per_round": round(best[0], 3),
-            "aggregator_cpu_ms_per_round": round(best[1], 3), "agents_cpu_ms_per_round": round(best[2], 3),
-            "agent_train_us": round(train_us, 1),
-            "what": "aggregator servicer + coordinator and the agents' per-round work in one process, no gRPC; "
-                    "cpu per round is the best of the blocks"}
 
 
 def main(argv: list[str] | None = None) -> int:

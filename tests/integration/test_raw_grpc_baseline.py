@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.system.services import raw_grpc
+from benchmarks.system.raw_grpc import raw_grpc
 
 
 def test_the_clock_covers_the_measured_rounds_and_not_the_warm_up():

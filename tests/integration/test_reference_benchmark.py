@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.studies import reference
+from benchmarks.studies import reference, reference_worker
 
 
 def test_mc_return_is_the_discounted_return_to_go_within_episodes():
@@ -15,13 +15,13 @@ def test_mc_return_is_the_discounted_return_to_go_within_episodes():
     episode = np.array([0, 0, 0, 1, 1])
     dones = np.array([0, 0, 1, 0, 0], dtype=np.float32)  # episode 1 ends on a timeout (no done)
     # episode 0: 1.75, 1.5, 1; episode 1: 3, 2
-    assert reference.mc_return(rewards, dones, episode, 0.5) == pytest.approx((1.75 + 1.5 + 1 + 3 + 2) / 5)
+    assert reference_worker.mc_return(rewards, dones, episode, 0.5) == pytest.approx((1.75 + 1.5 + 1 + 3 + 2) / 5)
 
 
 def test_split_run_names_learner_and_data_and_refuses_unknowns():
-    assert reference.split_run("cql-ours-td1-5traj") == ("cql-ours-td1", "5traj")
+    assert reference_worker.split_run("cql-ours-td1-5traj") == ("cql-ours-td1", "5traj")
     with pytest.raises(SystemExit, match="unknown run"):
-        reference.split_run("cql-nobody-5traj")
+        reference_worker.split_run("cql-nobody-5traj")
 
 
 def _tiny_data(work, n=64, obs_dim=11, act_dim=3):
@@ -40,9 +40,9 @@ def test_a_run_in_chunks_equals_the_run_in_one_go(tmp_path, run):
     settings = {**reference.shared_settings(), "batch_size": 16}
     _tiny_data(tmp_path / "a")
     _tiny_data(tmp_path / "b")
-    one = reference.worker(run, 0, 6, settings, tmp_path / "a")
-    reference.worker(run, 0, 3, settings, tmp_path / "b")
-    two = reference.worker(run, 0, 6, settings, tmp_path / "b")
+    one = reference_worker.worker(run, 0, 6, settings, tmp_path / "a")
+    reference_worker.worker(run, 0, 3, settings, tmp_path / "b")
+    two = reference_worker.worker(run, 0, 6, settings, tmp_path / "b")
     assert one["step"] == two["step"] == 6
     for k in ("q_data", "nll_data", "temperature"):
         assert (np.isnan(one[k]) and np.isnan(two[k])) or one[k] == two[k], k

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from benchmarks.system.services import WARMUP_ROUNDS, bench_inprocess, federation_rounds
+from benchmarks.system.inprocess import bench_inprocess
+from benchmarks.system.procs import WARMUP_ROUNDS
+from benchmarks.system.services import federation_rounds
 
 
 def test_inprocess_round_closes_every_timed_round_and_splits_the_cpu():
