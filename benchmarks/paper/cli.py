@@ -52,7 +52,7 @@ from benchmarks.paper.cells import (
 )
 from benchmarks.paper.plots import curves_png, lambda_curves_png, studies_png
 from benchmarks.paper.presets import EXPERIMENTS, PRESETS, Preset, RunSpec, plan, result_path
-from benchmarks.paper.tables import columns, md_blocks, render_blocks
+from benchmarks.paper.tables import STUDIES_MD, columns, md_blocks, render_blocks, study_blocks
 
 
 def cmd_run(a) -> int:
@@ -164,9 +164,10 @@ def cmd_render(a) -> int:
     if "lambda2" in p.lambda_sweeps and lambda_curves_png(load_results(p, "lambdas", root), p.lambda_fixed,
                                                           out / "lambda2_curves.png", p.lambda_values):
         print(f"wrote {out / 'lambda2_curves.png'}")
-    if a.update_md and md_blocks(p, root):
-        BENCHMARKS_MD.write_text(replace_blocks(BENCHMARKS_MD.read_text(), md_blocks(p, root)))
-        print(f"updated {BENCHMARKS_MD}")
+    for doc, blocks_ in ((BENCHMARKS_MD, md_blocks(p, root)), (STUDIES_MD, study_blocks(p, root))):
+        if a.update_md and blocks_:
+            doc.write_text(replace_blocks(doc.read_text(), blocks_))
+            print(f"updated {doc}")
     print(f"wrote {out / 'tables.md'}")
     return 0
 
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("render")
     d.add_argument("--preset", choices=PRESETS, default="reduced")
     d.add_argument("--no-update-md", dest="update_md", action="store_false",
-                   help="do not rewrite the generated blocks of BENCHMARKS.md (presets it shows only)")
+                   help="do not rewrite the generated blocks of BENCHMARKS.md and the studies' page (presets they show only)")
     d.add_argument("--results", default=str(RESULTS), help="results root (default benchmarks/results)")
     d.set_defaults(func=cmd_render)
     a = ap.parse_args(argv)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, ROOT
 from benchmarks.paper.cells import load_results
 from benchmarks.paper.presets import ALGO_LABEL, ALGO_ORDER, Preset, short
 
@@ -169,17 +169,27 @@ def q_scale_long_md(results: list[dict[str, Any]]) -> str:
 
 
 # The presets BENCHMARKS.md shows, and which of their blocks (None: all of them)
-MD_BLOCKS: dict[str, tuple[str, ...] | None] = {"reduced": None, "reduced-halfcheetah": ("table", "best"),
+MD_BLOCKS: dict[str, tuple[str, ...] | None] = {"reduced": ("table", "best"), "reduced-halfcheetah": ("table", "best"),
                                                  "claim": ("table", "best", "lambdas"), "claim-v2": ("table", "best")}
+# The studies' page: the reduced preset's studies
+STUDIES_MD = ROOT / "docs" / "explanation" / "reduced-studies.md"
+STUDY_BLOCKS: dict[str, tuple[str, ...]] = {"reduced": ("agents", "trajectories", "local_steps", "lambdas", "q_scale",
+                                                        "q_scale_long")}
+
+
+def _kept(p: Preset, root: Path, keep: tuple[str, ...] | None) -> dict[str, str]:
+    return {k: v for k, v in render_blocks(p, root).items()
+            if keep is None or k.removeprefix(f"paper-{p.name}-") in keep}
 
 
 def md_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
     """The blocks of ``p`` that BENCHMARKS.md holds (none for a preset it does not show)."""
-    if p.name not in MD_BLOCKS:
-        return {}
-    blocks, keep = render_blocks(p, root), MD_BLOCKS[p.name]
-    return {k: v for k, v in blocks.items()
-            if keep is None or k.removeprefix(f"paper-{p.name}-") in keep}
+    return _kept(p, root, MD_BLOCKS[p.name]) if p.name in MD_BLOCKS else {}
+
+
+def study_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
+    """The blocks of ``p`` that the studies' page holds (none for a preset it does not show)."""
+    return _kept(p, root, STUDY_BLOCKS[p.name]) if p.name in STUDY_BLOCKS else {}
 
 
 def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
