@@ -278,7 +278,7 @@ def performance_blocks(results: Path = RESULTS) -> dict[str, str]:
     out["perf-transfer"] = "\n".join(rows)
     gpu = root / "throughput-batched-cuda.json"
     out["perf-batched-gpu"] = batched_md(gpu) if gpu.exists() else \
-        "Not measured yet: no session has been lent a GPU since the batched learners exist."
+        "Not measured yet: it needs a GPU (`python -m benchmarks.system.throughput --batched L1,L2,... --device cuda`)."
     return out
 
 
