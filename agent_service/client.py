@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import torch
 
+from agent_service.probe import TaskProbe
 from agent_service.secure import SecureSteps
 from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
@@ -77,48 +78,6 @@ class AgentConfig:
     # send the shard's observation moments at Join (pooled normalisation); False keeps them: a
     # secure run then sums them under secure aggregation (a MOMENTS task), a plain one fails saying so
     share_moments: bool = True
-
-
-class _TaskProbe:
-    """While a round trains: every ``every`` seconds, ask the aggregator (NextTask with ``probe``:
-    at once, no weights) whether the task still stands. A run stopped or a round closed under
-    it makes :meth:`stop_now` true, so the round is abandoned within about ``every`` seconds
-    instead of finishing minutes of local steps whose update would be refused. The polling thread
-    starts only once a round has trained ``every`` seconds: a short round (the services' round
-    overhead) pays nothing for it."""
-
-    def __init__(self, stub, agent_id: str, task, stopped: StopFlag, every: float) -> None:
-        self.reason: str | None = None
-        self._stopped, self._done = stopped, threading.Event()
-        self._stub, self._agent_id, self._task, self._every = stub, agent_id, task, every
-        self._start_after = time.monotonic() + every if every > 0 else None
-
-    def stop_now(self) -> bool:
-        if self._start_after is not None and time.monotonic() >= self._start_after:
-            self._start_after = None
-            threading.Thread(target=self._poll, name="task-probe", daemon=True).start()
-        return self._stopped.is_set() or self.reason is not None
-
-    def close(self) -> None:
-        self._done.set()
-
-    def _poll(self) -> None:
-        while not self._done.is_set() and not self._stopped.is_set():
-            try:
-                t = self._stub.NextTask(federation_pb2.TaskRequest(agent_id=self._agent_id, probe=True),
-                                        timeout=max(self._every, 5.0))
-            except grpc.RpcError:  # the stream's own errors decide about the connection
-                if self._done.wait(self._every):
-                    return
-                continue
-            if t.kind == federation_pb2.Task.STOP:
-                self.reason = f"run {t.run_id} was stopped"
-            elif t.kind == federation_pb2.Task.TRAIN and (t.run_id, t.round) != (self._task.run_id, self._task.round):
-                self.reason = f"round {self._task.round} of run {self._task.run_id} closed without it"
-            elif t.kind == federation_pb2.Task.WAIT:
-                self.reason = f"round {self._task.round} of run {self._task.run_id} is no longer open"
-            if self.reason is not None or self._done.wait(self._every):
-                return
 
 
 class Agent:
@@ -416,7 +375,7 @@ class Agent:
         # the trained tensors themselves, not copies: they are encoded (copied) before the next round.
         # A large model's learner takes the decoded tensors as its own (their buffer is this
         # agent's, and the pool hands out another next round while the learner still holds it).
-        probe = _TaskProbe(stub, self.cfg.agent_id, task, self._stop, self.cfg.probe_seconds)
+        probe = TaskProbe(stub, self.cfg.agent_id, task, self._stop, self.cfg.probe_seconds)
         try:
             res = trainer.train_round(state, task.local_steps, stop=probe.stop_now, copy=False,
                                       progress=self._progress, adopt=manifest.total_bytes >= ADOPT_MIN_BYTES)

@@ -25,6 +25,7 @@ from aggregator_service.records import AGENT_TTL, MAX_AGENTS, AgentRecord, Run, 
 from aggregator_service.rounds import Rounds
 from aggregator_service.start import RunStart
 from aggregator_service.store import Store
+from aggregator_service.versions import Versions
 from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.codec import Encoded, Flat, Manifest
 from fedrl.wire.memory import BufferPool
@@ -42,6 +43,7 @@ class Coordinator:
         self.journal = Journal(store)
         self.registry = AgentRegistry(self.shared, max_agents, agent_ttl, max_task_wait)
         self.start = RunStart(self.shared, self.registry, self.journal, store)
+        self.versions = Versions(self.shared, store)
         self.rounds = Rounds(self.shared, self.registry, self.journal, self.start, store, self.metrics, max_task_wait)
         self.lifecycle = RunLifecycle(self.shared, self.registry, self.journal, self.rounds, store, eval_grace)
         self.registry.on_join = self.rounds.maybe_begin
@@ -125,7 +127,7 @@ class Coordinator:
         return self.rounds.next_task(agent_id, wait, probe)
 
     def global_weights(self, run_id: str, version: int) -> Encoded:
-        return self.rounds.global_weights(run_id, version)
+        return self.versions.global_weights(run_id, version)
 
     def check_header(self, agent_id: str, m: Manifest) -> None:
         self.rounds.check_header(agent_id, m)

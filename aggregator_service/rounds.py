@@ -23,7 +23,6 @@ from aggregator_service.records import (
     ACTIVE,
     AVERAGE_POOL_MIN_BYTES,
     AVERAGES_KEPT,
-    RUN_ID,
     Run,
     Shared,
     encode_version,
@@ -31,7 +30,7 @@ from aggregator_service.records import (
 )
 from aggregator_service.secure_round import SecureRound
 from aggregator_service.start import RunStart
-from aggregator_service.store import DamagedVersion, Store
+from aggregator_service.store import Store
 from fedrl.federation.aggregate import AggregationError, agent_weights
 from fedrl.federation.machine import Closed, Finished, Open, Refused, Stopped, Update
 from fedrl.federation.privacy import PRIVACY_EPSILON, noise_generator
@@ -40,12 +39,9 @@ from fedrl.federation.secagg_sums import average_from_sum, moments_from_sum
 from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
-    CodecError,
-    Encoded,
     Flat,
     Manifest,
     check_manifest_matches,
-    encoded_from_payload,
 )
 from fedrl.wire.memory import BufferPool, release_free_memory
 from fedrl.wire.rpc import ServiceError
@@ -105,49 +101,6 @@ class Rounds:
                 if left <= 0 or self.s.closed:
                     return {"kind": "WAIT"}
                 self.s.cond.wait(left)
-
-    def global_weights(self, run_id: str, version: int) -> Encoded:
-        """A global version: of the current run (``run_id`` empty or its id), or a stored version
-        of an earlier run of the state directory; ``version`` -1 is the latest."""
-        if version < -1:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"version {version}: expected a version >= 0, or -1 for the latest", "bad_version")
-        with self.s.cond:
-            run = self.s.run
-            current = run is not None and (not run_id or run_id == run.run_id)
-            if current:
-                if run.state == "waiting_for_agents" or (run.state == "running" and not run.encoded):
-                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the run has not made its first "
-                                       "version yet")
-                v = run.version if version < 0 else version
-                enc = run.encoded.get(v)
-                if enc is not None:
-                    return enc
-                if v > run.version:
-                    raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} does not exist yet "
-                                       f"(latest is {run.version})", "unknown_version")
-        if current:
-            run_id = run.run_id
-        else:  # an earlier run's stored version
-            if not run_id or not RUN_ID.fullmatch(run_id) or run_id not in self.store.run_ids():
-                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id[:80]!r}", "unknown_run")
-            stored = self.store.versions(run_id)
-            if not stored:
-                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"run {run_id} has no stored version", "unknown_version")
-            v = stored[-1] if version < 0 else version
-        try:  # an older version: its stored bytes, sent as written once their checksum holds
-            payload = self.store.read_version(run_id, v)
-        except FileNotFoundError:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"version {v} of run {run_id} is not stored",
-                               "unknown_version") from None
-        except DamagedVersion as e:
-            log.error("%s; not served", e)
-            raise ServiceError(grpc.StatusCode.DATA_LOSS, str(e), "corrupt_version") from None
-        try:
-            return encoded_from_payload(payload, run_id, v, v)
-        except CodecError as e:
-            raise ServiceError(grpc.StatusCode.DATA_LOSS, f"stored version {v} is unreadable: {e}",
-                               "corrupt_version") from None
 
     def check_header(self, agent_id: str, m: Manifest) -> None:
         """Refuse an update before its chunks are read (unknown agent, wrong run/round, duplicate,
