@@ -79,6 +79,22 @@ def test_import_graph_has_no_cycle():
             visit(m, [m])
 
 
+# What each benchmarks package may import of the others (common.py and mutants.py are no package):
+# the system's renderer writes the paper's table into the README; nothing else crosses.
+BENCHMARK_PACKAGES = {"paper": {"paper"}, "studies": {"studies"}, "system": {"system", "paper"}}
+
+
+def test_benchmark_packages_share_only_through_common():
+    for f in (ROOT / "benchmarks").rglob("*.py"):
+        rel = f.relative_to(ROOT / "benchmarks").parts
+        if not our_modules(f) or len(rel) < 2:
+            continue
+        for i in imported_modules(f):
+            parts = i.split(".")
+            if parts[0] == "benchmarks" and len(parts) > 1 and parts[1] in BENCHMARK_PACKAGES:
+                assert parts[1] in BENCHMARK_PACKAGES[rel[0]], f"benchmarks/{'/'.join(rel)} imports {i}"
+
+
 def test_behavior_does_not_import_data():
     """Datasets are made from behaviour policies, so data sits above behavior, never the reverse
     (``data.make`` and ``behavior.shipped`` used to import each other)."""
