@@ -164,7 +164,7 @@ def cmd_render(a) -> int:
     if "lambda2" in p.lambda_sweeps and lambda_curves_png(load_results(p, "lambdas", root), p.lambda_fixed,
                                                           out / "lambda2_curves.png", p.lambda_values):
         print(f"wrote {out / 'lambda2_curves.png'}")
-    for doc, blocks_ in ((BENCHMARKS_MD, md_blocks(p, root)), (STUDIES_MD, study_blocks(p, root))):
+    for doc, blocks_ in ((BENCHMARKS_MD, md_blocks(p, root, blocks)), (STUDIES_MD, study_blocks(p, root, blocks))):
         if a.update_md and blocks_:
             doc.write_text(replace_blocks(doc.read_text(), blocks_))
             print(f"updated {doc}")

@@ -177,19 +177,23 @@ STUDY_BLOCKS: dict[str, tuple[str, ...]] = {"reduced": ("agents", "trajectories"
                                                         "q_scale_long")}
 
 
-def _kept(p: Preset, root: Path, keep: tuple[str, ...] | None) -> dict[str, str]:
-    return {k: v for k, v in render_blocks(p, root).items()
-            if keep is None or k.removeprefix(f"paper-{p.name}-") in keep}
+def _kept(p: Preset, blocks: dict[str, str], keep: tuple[str, ...] | None) -> dict[str, str]:
+    return {k: v for k, v in blocks.items() if keep is None or k.removeprefix(f"paper-{p.name}-") in keep}
 
 
-def md_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
-    """The blocks of ``p`` that BENCHMARKS.md holds (none for a preset it does not show)."""
-    return _kept(p, root, MD_BLOCKS[p.name]) if p.name in MD_BLOCKS else {}
+def md_blocks(p: Preset, root: Path = RESULTS, blocks: dict[str, str] | None = None) -> dict[str, str]:
+    """The blocks of ``p`` that BENCHMARKS.md holds (none for a preset it does not show);
+    ``blocks``: :func:`render_blocks`' of ``p``, where the caller has them already."""
+    if p.name not in MD_BLOCKS:
+        return {}
+    return _kept(p, render_blocks(p, root) if blocks is None else blocks, MD_BLOCKS[p.name])
 
 
-def study_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
+def study_blocks(p: Preset, root: Path = RESULTS, blocks: dict[str, str] | None = None) -> dict[str, str]:
     """The blocks of ``p`` that the studies' page holds (none for a preset it does not show)."""
-    return _kept(p, root, STUDY_BLOCKS[p.name]) if p.name in STUDY_BLOCKS else {}
+    if p.name not in STUDY_BLOCKS:
+        return {}
+    return _kept(p, render_blocks(p, root) if blocks is None else blocks, STUDY_BLOCKS[p.name])
 
 
 def render_blocks(p: Preset, root: Path = RESULTS) -> dict[str, str]:
