@@ -15,6 +15,9 @@ episodes) and the final policy again over 50. ``render`` reads the result files 
 - ``verdict.png``: every method's score by round (mean ± std over seeds) and beneath it, by round,
   Q on the data against the data's discounted return, the NLL of the data's actions, the
   policy's entropy, the temperature, and DRPO's actor gradient from each term of L_pi;
+- why the early peak falls (``verdict_why``): per cell, the peak and what follows it, when Q on the
+  data reaches the data's return, the critic's health and the Q term's share of the actor's
+  gradient, and three sentences read from them;
 - the sentence: whether the paper's ordering DRPO > Fed-CQL > CQL > Fed-BC holds on the mean of
   the last 5 rounds, by how much, and the seeds' spread; until all 15 cells are in it says how
   many are.
@@ -31,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import BENCHMARKS_MD, RESULTS, ROOT, replace_blocks
-from benchmarks.paper import cells as runs, presets, tables
+from benchmarks.paper import cells as runs, presets, tables, verdict_why
 
 PRESET = presets.PRESETS["verdict"]
 ORDER = ("drpo", "fed-cql", "cql", "fed-bc")  # the paper's ordering, best first
@@ -251,10 +254,16 @@ def figure(results: list[dict[str, Any]], path: Path, data_return: float | None)
     return True
 
 
+def _data_returns(root: Path) -> dict[str, float]:
+    path = _folder(root) / DATA_RETURNS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def blocks(root: Path = RESULTS) -> dict[str, str]:
     results = cells(root)
     table, said = table_md(results), sentence(results)
     return {"verdict-table": table + "\n\n" + said, "verdict-grads": grads_md(results),
+            "verdict-why": verdict_why.why_md(results, _data_returns(root), LABEL),
             "verdict-critic": critic_choice(results), "readme-verdict": table + "\n\n" + said}
 
 
@@ -266,15 +275,14 @@ def cmd_render(a) -> int:
     root = Path(a.results)
     out = _folder(root)
     out.mkdir(parents=True, exist_ok=True)
-    dr_path = out / DATA_RETURNS
-    drs = json.loads(dr_path.read_text()) if dr_path.exists() else {}
+    drs = _data_returns(root)
     results = cells(root)
     if figure(results, out / "verdict.png", float(np.mean(list(drs.values()))) if drs else None):
         print(f"wrote {out / 'verdict.png'}")
     b = blocks(root)
     (out / "verdict.md").write_text("\n\n".join(f"### {k}\n\n{v}" for k, v in b.items()) + "\n")
     if a.update_md:
-        for path, names in ((BENCHMARKS_MD, ("verdict-table", "verdict-grads")), (README_MD, ("readme-verdict",)),
+        for path, names in ((BENCHMARKS_MD, ("verdict-table", "verdict-grads", "verdict-why")), (README_MD, ("readme-verdict",)),
                             (CHOICES_MD, ("verdict-critic",))):
             path.write_text(replace_blocks(path.read_text(), {k: b[k] for k in names}))
             print(f"updated {path}")

@@ -99,3 +99,73 @@ def test_the_preset_runs_the_issues_cells_with_every_setting_written_out():
             want = "returns-gradient" if r.key.startswith("drpo-returns-gradient") else "none"
             assert (c.drpo.cql_calibration, c.drpo.alpha_lr, c.drpo.td_weight) == (want, 3e-4, 2.0), r.key
     assert sorted({tables.method({"algo": r.algo, "variant": r.variant}) for r in runs}) == sorted(verdict.COLUMNS)
+
+
+def why_cell(method: str, seed: int, scores, q, td, grad_q=None, reg=None) -> dict:
+    r = cell(method, seed, scores)
+    n = len(scores)
+    r["losses_per_round"] = {"q_data": q, "critic_td": td, "grad_q": grad_q or [1.0] * n,
+                             "grad_lambda1": [x / 2 for x in reg] if reg else [0.0] * n,
+                             "grad_lambda2": [x / 2 for x in reg] if reg else [0.0] * n}
+    return r
+
+
+def test_the_reading_finds_the_peak_the_round_q_reaches_g_and_whether_the_curve_recovers():
+    from benchmarks.paper import verdict_why as w
+
+    # peak 50 at round 2, a trough of 10, Q crosses 95% of G=100 at round 6 (95.0), then 60s
+    scores = [20, 50, 30, 10, 20, 60, 62, 64, 66, 68]
+    q = [10, 30, 50, 70, 90, 95, 99, 100, 100, 100]
+    x = w.cell_reading(why_cell("drpo", 0, scores, q, [1.0] * 10, [4.0] * 10, [2.0] + [1.0] * 9), 100.0)
+    assert (x["peak"], x["peak_round"], x["trough"], x["trough_round"]) == (50, 2, 10, 4)
+    assert x["reach_round"] == 6 and x["before"] == pytest.approx(20.0) and x["from"] == pytest.approx(64.0)
+    assert x["last"] == pytest.approx(64.0) and not x["diverged"]
+    # the Q term's share: 4 / 1 at the peak (round 2), 4 / 1 at the end: not above it
+    assert (x["share_peak"], x["share_last"]) == (4.0, 4.0)
+    said = w.why_md([why_cell("drpo", 0, scores, q, [1.0] * 10, [4.0] * 10, [2.0] + [1.0] * 9)], {"0": 100.0},
+                    verdict.LABEL)
+    assert "recovers in 1 of the 1 seed(s) whose Q reached it (r6: 20.0 -> 64.0)" in said
+    worse = why_cell("drpo", 1, [20, 50, 30, 30, 30, 20, 20, 20, 20, 20], q, [1.0] * 10)  # falls once Q is there
+    assert "recovers in 1 of the 2 seed(s) whose Q reached it (r6: 20.0 -> 64.0, r6: 30.0 -> 20.0)" in w.why_md(
+        [why_cell("drpo", 0, scores, q, [1.0] * 10), worse], {"0": 100.0, "1": 100.0}, verdict.LABEL)
+    assert "in 0 of 1 seed the Q term's share at the last round is above" in said
+    assert "| DRPO (paper's critic), s0 | 50.0 (r2) -> 10.0 (r4) -> 64.0 | r6 | 20.0 -> 64.0 |" in said
+
+
+def test_the_reading_says_when_q_never_reaches_g_and_when_the_q_term_drowns_the_regularisers():
+    from benchmarks.paper import verdict_why as w
+
+    r = why_cell("drpo", 1, [30, 20, 25, 26], [10, 20, 30, 94.9], [1.0] * 4, [1.0, 2.0, 4.0, 8.0], [1.0] * 4)
+    x = w.cell_reading(r, 100.0)
+    assert x["reach_round"] is None and "before" not in x
+    assert x["share_last"] > x["share_peak"]
+    said = w.why_md([r], {"1": 100.0}, verdict.LABEL)
+    assert "not by r4 (95% of G)" in said and "Q has not reached it by the last round in 1 of 1 seed" in said
+    assert "in 1 of 1 seed the Q term's share at the last round is above its share at the early peak (1.0 -> 8.0)" in said
+
+
+@pytest.mark.parametrize("q, td, diverged", [
+    ([10, 50, 100, 149], [1, 2, 4, 9.9], False),  # Q climbs to G; TD error grows with its scale
+    ([10, 50, 100, 151], [1, 2, 2, 2], True),  # past 1.5 G
+    ([10, -5, 10, 20], [1, 2, 2, 2], True),  # below 0
+    ([10, 50, 60, 70], [1, 2, 4, 10.1], True),  # TD error past 5x round 2's
+])
+def test_a_critic_diverges_by_the_stated_rule(q, td, diverged):
+    from benchmarks.paper import verdict_why as w
+
+    r = why_cell("fed-cql", 0, [1, 2, 3, 4], q, td)
+    assert w.cell_reading(r, 100.0)["diverged"] is diverged
+    assert "share_peak" not in w.cell_reading(r, 100.0)  # CQL's actor has no regulariser to share with
+    said = w.why_md([r, why_cell("cql", 0, [5, 5, 5, 5], [10, 20, 30, 40], [1, 1, 1, 1])], {"0": 100.0}, verdict.LABEL)
+    assert f"Fed-CQL in {int(diverged)} of 1 seed" in said
+    assert ("The diverged cells' mean of the last 5 rounds is 2.5, the others' 5.0" in said) == diverged
+
+
+def test_the_reading_waits_for_a_cql_cell_and_its_seeds_data_return():
+    from benchmarks.paper import verdict_why as w
+
+    bc = cell("fed-bc", 0, [1, 2, 3])
+    bc["losses_per_round"] = {}
+    assert w.why_md([bc], {"0": 100.0}, verdict.LABEL) == "not run yet"
+    r = why_cell("cql", 0, [1, 2], [1, 2], [1, 1])
+    assert w.why_md([r], {"1": 100.0}, verdict.LABEL) == "not run yet"
