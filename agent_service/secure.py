@@ -28,12 +28,14 @@ class SecureSteps:
     def update(self, stub, task, rc: RunConfig, res) -> None:
         """Round ``task``'s update ``res`` (a LocalResult). With differential privacy the agent
         adds its share of the noise first: N(0, (sigma * C)^2 / t), so that any t or more agents'
-        sum carries at least the central noise."""
+        sum carries at least the central noise. Its round metrics (losses, Q on its data, its
+        update's norm: statistics of its data) stay here, on the agent's own metrics endpoint:
+        the aggregator gets the sum and its training time, nothing else."""
         params = SecAggParams(threshold=rc.secagg_threshold, context=f"{task.run_id}/{task.round}".encode())
         std = rc.dp_noise * rc.dp_clip / math.sqrt(rc.secagg_threshold) if rc.dp_noise else 0.0
         self._steps(stub, task, params,
                     lambda alpha: agent_vector(res.state, alpha, params, std, noise_generator() if std else None),
-                    federation_pb2.SecAggMasked(metrics=res.metrics, train_seconds=res.seconds))
+                    federation_pb2.SecAggMasked(train_seconds=res.seconds))
 
     def moments(self, stub, task, st: ObsStats) -> None:
         """A MOMENTS task (round 0 of a secure run): the shard's observation moments ``st``,

@@ -8,6 +8,7 @@ run fails saying so, with nothing stored."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ from fedrl.wire.rpc import ServiceError
 STEPS = ("keys", "shares", "masked", "answer")
 KEY_BYTES = 32
 SEALED_MAX_BYTES = 12 + 2 * SEED_BYTES + 16  # nonce, both shares, tag
+log = logging.getLogger("fedrl.aggregator")
 
 
 class SecureRound:
@@ -80,8 +82,10 @@ class SecureRound:
         if len(msg.vector) != 8 * (self.size + 1):
             raise SecAggError(f"a masked vector of {len(msg.vector)} bytes; this model's is {8 * (self.size + 1)}")
         self.server.add_masked(agent_id, np.frombuffer(bytes(msg.vector), dtype="<u8").astype(np.uint64))
-        clean = {k: float(v) for k, v in msg.metrics.items() if np.isfinite(v)}
-        self.metrics[agent_id] = (clean, float(msg.train_seconds))
+        if msg.metrics:  # an agent that still sends them: they are statistics of its data
+            log.warning("agent %s sent its round metrics in the clear under secure aggregation; they are "
+                        "dropped, unread (an agent of this version sends none)", agent_id)
+        self.metrics[agent_id] = ({}, float(msg.train_seconds))
 
     def _take_answer(self, agent_id: str, msg) -> None:
         names = set(self.survivors) | set(self.dropped)

@@ -269,12 +269,15 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             if on_round is not None and cfg.algo != "cql":
                 on_round(r, global_state)
             train_s = time.perf_counter() - t0
+            # a secure run records what its aggregator would learn: no agent's metrics (statistics of
+            # its data), only its sample count and training time
+            shown = [{} if cfg.secagg_threshold else res.metrics for res in results]
             rec: dict[str, Any] = {"round": r, "train_seconds": train_s,
                                    "agents": [{"agent": res.agent, "num_samples": res.num_samples,
-                                               "seconds": res.seconds, **res.metrics} for res in results]}
+                                               "seconds": res.seconds, **m} for res, m in zip(results, shown)]}
             rounds_run = r
             if cfg.dp_clip:
-                rec["privacy"] = privacy_record(cfg, r, [res.metrics for res in results])
+                rec["privacy"] = privacy_record(cfg, r, [m for m in shown if m])
             if cfg.secagg_threshold:
                 rec["secure_aggregation"] = sa_rec
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):

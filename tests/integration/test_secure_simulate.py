@@ -73,8 +73,13 @@ def test_simulate_with_secure_aggregation_matches_plain_fedavg(tmp_path, random_
     for sa in (0, 2):
         run(tiny(random_dataset, rounds=1, eval_episodes=0, agents=3, secagg_threshold=sa), tmp_path / f"r{sa}",
             log=lambda m: None, on_round=lambda r, g, sa=sa: seen.__setitem__(sa, g))
-    rec = json.loads((tmp_path / "r2" / "rounds.jsonl").read_text().splitlines()[0])["secure_aggregation"]
+    line = json.loads((tmp_path / "r2" / "rounds.jsonl").read_text().splitlines()[0])
+    rec = line["secure_aggregation"]
     assert rec["threshold"] == 2 and rec["survivors"] == 3
+    # what an aggregator would learn of an agent: its sample count and time, none of its metrics
+    assert all(set(a) == {"agent", "num_samples", "seconds"} for a in line["agents"]), line["agents"]
+    plain = json.loads((tmp_path / "r0" / "rounds.jsonl").read_text().splitlines()[0])["agents"]
+    assert all("critic_td" in a for a in plain)
     moments = json.loads((tmp_path / "r2" / "config.json").read_text())["secure_moments"]
     assert moments["survivors"] == 3 and 0 < moments["bound"] < 1e-6
     for k, v in seen[0].items():

@@ -61,11 +61,12 @@ def test_a_secure_run_equals_the_simulation_under_the_same_protocol(aggregator, 
     from aggregator_service.secure_round import SecureRound
     from fedrl.federation.secagg import SecAggParams, quantize
 
-    seen = {}
+    seen, sent_metrics = {}, []
     take = SecureRound._take_masked
 
     def recording(self, agent_id, msg):
         seen.setdefault((agent_id, self.params.context), bytes(msg.vector))
+        sent_metrics.append(dict(msg.metrics))
         return take(self, agent_id, msg)
 
     monkeypatch.setattr(SecureRound, "_take_masked", recording)
@@ -92,6 +93,10 @@ def test_a_secure_run_equals_the_simulation_under_the_same_protocol(aggregator, 
         "grpc_type": "unary", "grpc_service": "fedrl.v1.Federation", "grpc_method": "SecureAggregation",
         "grpc_code": "OK"}) >= 3 * 2 * 4
     assert len(seen) == 3 * 3  # the moments and two rounds, from each agent
+    # no agent's round metrics (statistics of its data) came in the clear, and none were recorded
+    assert sent_metrics and not any(sent_metrics), sent_metrics
+    closes = [e for e in aggregator.coord.run.events if e["kind"] == "ROUND_CLOSED"]
+    assert len(closes) == 2 and all(not e["metrics"] for e in closes), closes
     obs_dim = len(mean)
     assert len(seen[("agent-0", f"{run_id}/0".encode())]) == 8 * (2 * obs_dim + 1)
     y = np.frombuffer(seen[("agent-0", f"{run_id}/1".encode())], dtype="<u8")
@@ -131,6 +136,27 @@ def test_an_agent_gone_before_masking_is_left_out(aggregator, agent_threads, sta
     assert [e["agents"] for e in closed] == [["agent-0", "agent-1"]]
     v1 = aggregator.store.load_version(run_id, 1)
     assert all(torch.isfinite(t).all() for t in v1.values())
+
+
+def test_round_metrics_an_agent_sends_under_the_masks_are_dropped_unread(aggregator, agent_threads, stand_dataset,
+                                                                          one_thread, caplog):
+    """An agent that still sends its round metrics with its masked vector (an older agent): the
+    aggregator records none of them, and says which agent sent them."""
+    agents, run_id = _start(aggregator, agent_threads, stand_dataset, 2, rounds=1, secagg_threshold=2)
+    for a in agents:
+        steps = a.secure._steps
+
+        def leaky(stub, task, params, vector, masked, steps=steps):
+            if task.round >= 1:
+                masked.metrics["q_data"] = 12.5
+            return steps(stub, task, params, vector, masked)
+
+        a.secure._steps = leaky
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]
+    closed = [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert len(closed) == 1 and closed[0]["metrics"] == {}, closed
+    assert "agent agent-0 sent its round metrics in the clear under secure aggregation" in caplog.text
 
 
 def test_below_the_threshold_the_run_fails_and_nothing_is_stored(aggregator, agent_threads, stand_dataset,
