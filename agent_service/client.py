@@ -17,6 +17,7 @@ from agent_service.probe import TaskProbe
 from agent_service.secure import SecureSteps
 from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
+from fedrl.federation.privacy import agent_clip
 from fedrl.federation.round import LocalTrainer, RoundInterrupted, algo_config
 from fedrl.federation.runconfig import parse_run_config
 from fedrl.federation.secagg import SecAggError
@@ -333,7 +334,7 @@ class Agent:
                 self.cfg.index, hp, self.shard.transitions, np.asarray(task.obs_mean, np.float32),
                 np.asarray(task.obs_std, np.float32), rc.seed, self.cfg.device,
                 federate_critic=rc.federate == "policy+critic", local_normalizer=rc.obs_norm == "local",
-                update_clip=rc.dp_clip)
+                update_clip=agent_clip(rc))
             self.trainer_run = task.run_id
             self.run_config = rc
             # names, dtypes and shapes a base version must have (views of the live tensors)

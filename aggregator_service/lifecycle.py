@@ -195,7 +195,8 @@ class RunLifecycle:
                 "global_version": run.version, "agents": agents, "message": run.message,
                 "last_evaluation": last, "config_json": run.config_json, "env_id": run.env_id,
                 "evaluated_versions": sorted(run.evaluations), "evaluators_following": self.registry.evaluators_following(),
-                **({"privacy": privacy_spent(run.cfg, run.version)} if run.cfg.dp_clip else {})}
+                **({"privacy": privacy_spent(run.cfg, run.version, run.machine.clip if run.machine else None)}
+                   if run.cfg.dp_clip else {})}
 
     def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5) -> Iterator[dict[str, Any]]:
         """Events of the current run with version > ``after_version``, then live ones, until it ends."""
@@ -255,9 +256,12 @@ class RunLifecycle:
             return
         run.selected, run.env_id = list(part["selected"]), part["env_id"]
         run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
-        run.machine = RoundMachine(Plan.of(cfg, run.selected, cfg.quorum), state, version=v, rounds_done=v)
-        run.encoded = {v: encode_version(run, v, state)}
         run.events = replay_journal(saved["events"], v)
+        # adaptive clipping continues from the norm version v's round moved it to
+        clip = next((e["metrics"]["dp_clip_next"] for e in reversed(run.events) if e["kind"] == "ROUND_CLOSED"
+                     and e["version"] == v and "dp_clip_next" in e.get("metrics", {})), None)
+        run.machine = RoundMachine(Plan.of(cfg, run.selected, cfg.quorum), state, version=v, rounds_done=v, clip=clip)
+        run.encoded = {v: encode_version(run, v, state)}
         for e in run.events:
             if e["kind"] == "EVALUATED":
                 run.evaluations[e["version"]] = e["evaluation"]

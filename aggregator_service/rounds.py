@@ -294,7 +294,7 @@ class Rounds:
         run.events.append(run.closing)  # announced only now that the version is on disk
         run.closing = None
         if run.cfg.dp_clip:
-            self.metrics.privacy_spent(closed.metrics[PRIVACY_EPSILON])
+            self.metrics.privacy_spent(closed.metrics[PRIVACY_EPSILON], run.machine.clip)
         self.follow(run, then)
 
     def secure_step(self, agent_id: str, run_id: str, round_: int, step: str, msg: Any,

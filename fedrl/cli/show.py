@@ -36,6 +36,14 @@ def evaluation(ev: dict[str, Any] | None) -> str:
             f"± {ev.get('return_std', 0):.1f}, score {ev.get('score_mean', 0):.1f} ({n} episodes)")
 
 
+def adaptive(dp: dict[str, Any]) -> str:
+    """How adaptive clipping moves the norm ('' under a fixed norm)."""
+    if not dp.get("clip_quantile"):
+        return ""
+    return (f", adaptive towards the {dp['clip_quantile']:g} quantile of the update norms; count noise "
+            f"{dp['count_noise']:g}, update noise multiplier {dp['update_noise_multiplier']:.4g}")
+
+
 def status(st: dict[str, Any]) -> str:
     lines = []
     if not st.get("run_id"):
@@ -56,7 +64,7 @@ def status(st: dict[str, Any]) -> str:
         if dp:
             budget = f", budget {dp['epsilon_budget']:g}" if dp.get("epsilon_budget") else ""
             lines.append(f"privacy spent: epsilon {dp['epsilon']:.3g} at delta {dp['delta']:g} after {dp['rounds']} "
-                         f"rounds (noise multiplier {dp['noise_multiplier']:g}, clip {dp['clip']:g}{budget})")
+                         f"rounds (noise multiplier {dp['noise_multiplier']:g}, clip {dp['clip']:.4g}{adaptive(dp)}{budget})")
         ended = st["state"] in ("finished", "stopped", "failed")
         lines.append(f"last evaluation: {evaluation(st.get('last_evaluation'))}" if st.get("last_evaluation") or not ended
                      else "last evaluation: none (no evaluator evaluated this run)")

@@ -30,7 +30,16 @@ from typing import Any
 import torch
 
 from fedrl.federation.aggregate import Allocator, agent_weights, aggregate
-from fedrl.federation.privacy import PRIVACY_EPSILON, clip_update, epsilon, noisy_average
+from fedrl.federation.privacy import (
+    PRIVACY_EPSILON,
+    clip_update,
+    count_noise,
+    epsilon,
+    next_clip,
+    noisy_average,
+    noisy_unclipped_fraction,
+    update_noise,
+)
 from fedrl.wire.codec import Flat
 
 State = dict[str, torch.Tensor]
@@ -53,13 +62,17 @@ class Plan:
     dp_noise: float = 0.0
     dp_delta: float = 1e-5
     dp_epsilon_budget: float = 0.0
+    dp_clip_quantile: float = 0.0  # adaptive clipping's target share (0: the norm stays dp_clip)
+    dp_clip_lr: float = 0.2
+    dp_count_noise: float = 0.0  # the clipped count's noise std (resolved: agents / 20 when unset)
 
     @classmethod
     def of(cls, options: Any, agents: Sequence[Hashable], quorum: int = 0) -> Plan:
         """The plan of a run with ``options`` (a :class:`fedrl.federation.options.FederationOptions`)."""
         return cls(options.rounds, tuple(agents), quorum or len(agents), options.aggregation, options.weighting,
                    options.trim_fraction, options.algo == "cql", bool(options.secagg_threshold), options.dp_clip,
-                   options.dp_noise, options.dp_delta, options.dp_epsilon_budget)
+                   options.dp_noise, options.dp_delta, options.dp_epsilon_budget, options.dp_clip_quantile,
+                   options.dp_clip_lr, count_noise(options))
 
     def __post_init__(self) -> None:
         if self.rounds < 0 or not self.agents or len(set(self.agents)) != len(self.agents):
@@ -114,6 +127,7 @@ class Closed:
     agents: tuple[Hashable, ...]
     metrics: dict[str, float]
     agent_states: tuple[State, ...] | None = None  # own_policies: each agent's
+    next_clip: float | None = None  # adaptive clipping: the norm the next round clips to
 
 
 class Refused(Exception):
@@ -126,11 +140,15 @@ class Refused(Exception):
 
 class RoundMachine:
     """A run's rounds (module docstring). ``rounds_done``/``version``: where a resumed run
-    stands (its last closed round and its version); ``agent_states``: own_policies' states."""
+    stands (its last closed round and its version); ``agent_states``: own_policies' states;
+    ``clip``: the clipping norm adaptive clipping had reached (default: the plan's first)."""
 
     def __init__(self, plan: Plan, global_state: State, version: int = 0, rounds_done: int = 0,
-                 agent_states: Sequence[State] | None = None) -> None:
+                 agent_states: Sequence[State] | None = None, clip: float | None = None) -> None:
         self.plan = plan
+        self.clip = plan.dp_clip if clip is None else clip
+        if plan.dp_clip and not self.clip > 0:
+            raise ValueError(f"a clipping norm of {self.clip}")
         self.global_state = global_state
         self.version = version
         self.round = rounds_done  # the open round, or the last one that closed
@@ -180,9 +198,11 @@ class RoundMachine:
                                  and len(self.taken) >= self.plan.quorum)
 
     def close(self, noise: torch.Generator | None = None, alloc: Allocator | None = None) -> Closed:
-        """The open round's new version from the updates taken: clipped to ``dp_clip`` (an agent
-        that did not clip cannot void the guarantee), combined by the plan's rule, and with the
-        central noise (drawn from ``noise``) under ``dp_noise``. Raises
+        """The open round's new version from the updates taken: clipped to the clipping norm (an
+        agent that did not clip cannot void the guarantee), combined by the plan's rule, and with
+        the central noise (drawn from ``noise``) under ``dp_noise``. Under adaptive clipping the
+        noisy share of the updates within the norm gives the next round's norm (the metrics'
+        ``dp_clip``, ``dp_unclipped_fraction`` and ``dp_clip_next``). Raises
         :class:`fedrl.federation.aggregate.AggregationError` (or ValueError) for updates that do
         not combine; the round stays open. Closing again before another update is taken gives
         the same version (one noise draw per version)."""
@@ -200,16 +220,21 @@ class RoundMachine:
             self._pending = Closed(self.round, self.version + 1, self.global_state, order, metrics, states)
             return self._pending
         w = agent_weights(p.weighting, [u.num_samples for u in ups])
+        nxt = None
         if p.dp_clip:
-            clipped = [clip_update(u.state, self.global_state, p.dp_clip)[0] for u in ups]
-            new = aggregate(p.aggregation, clipped, w, p.trim_fraction)
+            if p.dp_noise and noise is None:
+                raise ValueError("differential privacy's noise needs a generator")
+            done = [clip_update(u.state, self.global_state, self.clip) for u in ups]
+            new = aggregate(p.aggregation, [c for c, _ in done], w, p.trim_fraction)
+            if p.dp_clip_quantile:  # the count's noise is drawn first, then the updates'
+                frac = noisy_unclipped_fraction([n for _, n in done], self.clip, p.dp_count_noise, noise)
+                nxt = next_clip(self.clip, frac, p.dp_clip_quantile, p.dp_clip_lr)
+                metrics |= {"dp_clip": self.clip, "dp_unclipped_fraction": frac, "dp_clip_next": nxt}
             if p.dp_noise:
-                if noise is None:
-                    raise ValueError("differential privacy's noise needs a generator")
-                new = noisy_average(new, len(ups), p.dp_clip, p.dp_noise, noise)
+                new = noisy_average(new, len(ups), self.clip, update_noise(p.dp_noise, p.dp_count_noise), noise)
         else:
             new = aggregate(p.aggregation, [u.state for u in ups], w, p.trim_fraction, [u.flat for u in ups], alloc)
-        self._pending = Closed(self.round, self.version + 1, new, order, self._spent(metrics))
+        self._pending = Closed(self.round, self.version + 1, new, order, self._spent(metrics), next_clip=nxt)
         return self._pending
 
     def close_sum(self, average: State, agents: Sequence[Hashable],
@@ -231,6 +256,8 @@ class RoundMachine:
         if closed is not self._pending:
             raise RuntimeError(f"version {closed.version} of round {closed.round} is not the open round's close")
         self.version, self.global_state = closed.version, closed.state
+        if closed.next_clip is not None:
+            self.clip = closed.next_clip
         if closed.agent_states is not None:
             self.agent_states = closed.agent_states
         else:
@@ -240,7 +267,8 @@ class RoundMachine:
 
     def _spent(self, metrics: dict[str, float]) -> dict[str, float]:
         if self.plan.dp_clip:  # what the run has spent once this round's version is out
-            metrics[PRIVACY_EPSILON] = epsilon(self.plan.dp_noise, self.round, self.plan.dp_delta)
+            metrics[PRIVACY_EPSILON] = epsilon(self.plan.dp_noise, self.round, self.plan.dp_delta,
+                                               self.plan.dp_count_noise)
         return metrics
 
     def _next(self, r: int) -> Open | Finished | Stopped:
@@ -249,7 +277,7 @@ class RoundMachine:
         if r > p.rounds:
             self.phase = "finished"
             return Finished(self.round)
-        if p.dp_epsilon_budget and (e := epsilon(p.dp_noise, r, p.dp_delta)) > p.dp_epsilon_budget:
+        if p.dp_epsilon_budget and (e := epsilon(p.dp_noise, r, p.dp_delta, p.dp_count_noise)) > p.dp_epsilon_budget:
             self.phase = "stopped"
             return Stopped(r, f"privacy budget: round {r} would spend epsilon {e:.3g} at delta {p.dp_delta:g}, "
                               f"over the budget of {p.dp_epsilon_budget:g}")

@@ -62,6 +62,15 @@ class FederationOptions:
     """The delta at which the privacy spent, epsilon, is reported."""
     dp_epsilon_budget: float = 0.0
     """Stop before a round that would spend more than this epsilon (0 = no budget)."""
+    dp_clip_quantile: float = 0.0
+    """Adaptive clipping (Andrew et al. 2021): the share of the agents' updates the clipping norm
+    should hold, in (0, 1); dp_clip is then the norm's first value (0 = the norm stays dp_clip)."""
+    dp_clip_lr: float = 0.2
+    """Adaptive clipping's step: each round the norm is multiplied by exp(-lr * (share of the
+    updates within it - dp_clip_quantile))."""
+    dp_count_noise: float = 0.0
+    """Adaptive clipping's noise (std) on the count of updates within the norm; it must be above
+    dp_noise / 2, and the updates' noise is raised to keep the run's epsilon (0 = agents / 20)."""
     secagg_threshold: int = 0
     """Secure aggregation (docs/guides/privacy.md): with t >= 2, every round's average is taken
     under the masks of Bonawitz et al. 2017, so that no single update is seen, and recovered
@@ -108,6 +117,10 @@ class FederationOptions:
                                    "aggregation hides; each agent checks and clips its own"),
                    "obs_norm": ("local", "the global policy's normaliser would be made from each agent's "
                                 "moments in the clear; pooled moments are summed under the masks")}
+        if self.dp_clip_quantile:
+            raise ValueError(f"{opt('dp_clip_quantile')}: adaptive clipping cannot run with "
+                             f"{opt('secagg_threshold')}: it counts the updates within the norm, which only the "
+                             f"aggregator could do seeing each one; use a fixed {opt('dp_clip')}")
         for name, (bad, why) in refused.items():
             if getattr(self, name) in ((bad,) if isinstance(bad, str) else bad):
                 raise ValueError(f"{opt(name)}: {getattr(self, name)!r} cannot run with "
@@ -115,14 +128,22 @@ class FederationOptions:
 
     def _check_privacy(self) -> None:
         opt = self.option_name
-        for name in ("dp_clip", "dp_noise", "dp_epsilon_budget"):
+        for name in ("dp_clip", "dp_noise", "dp_epsilon_budget", "dp_clip_quantile", "dp_count_noise"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{opt(name)}: must be a finite number >= 0, got {v}")
         if not 0.0 < self.dp_delta < 1.0:
             raise ValueError(f"{opt('dp_delta')}: must be in (0, 1), got {self.dp_delta}")
+        if not self.dp_clip_quantile < 1.0:
+            raise ValueError(f"{opt('dp_clip_quantile')}: a share in (0, 1) (0: fixed clipping), got "
+                             f"{self.dp_clip_quantile}")
+        if not (isinstance(self.dp_clip_lr, int | float) and math.isfinite(self.dp_clip_lr) and self.dp_clip_lr > 0):
+            raise ValueError(f"{opt('dp_clip_lr')}: must be a finite number > 0, got {self.dp_clip_lr}")
+        if self.dp_count_noise and not self.dp_clip_quantile:
+            raise ValueError(f"{opt('dp_count_noise')}: needs {opt('dp_clip_quantile')} (the count is adaptive "
+                             "clipping's)")
         if not self.dp_clip:
-            for name in ("dp_noise", "dp_epsilon_budget"):
+            for name in ("dp_noise", "dp_epsilon_budget", "dp_clip_quantile"):
                 if getattr(self, name):
                     raise ValueError(f"{opt(name)}: needs {opt('dp_clip')} > 0 (differential privacy clips "
                                      "every update first)")
@@ -130,6 +151,16 @@ class FederationOptions:
         if self.dp_epsilon_budget and not self.dp_noise:
             raise ValueError(f"{opt('dp_epsilon_budget')}: without {opt('dp_noise')} every round spends an "
                              "infinite epsilon")
+        if self.dp_clip_quantile and self.dp_noise:
+            from fedrl.federation.privacy import count_noise, update_noise
+
+            try:
+                update_noise(self.dp_noise, count_noise(self))
+            except ValueError:
+                raise ValueError(f"{opt('dp_count_noise')}: {count_noise(self):g}"
+                                 f"{'' if self.dp_count_noise else ' (agents / 20, as it is unset)'} leaves nothing "
+                                 f"of {opt('dp_noise')} {self.dp_noise:g} for the updates: set it above "
+                                 f"{self.dp_noise / 2:g}") from None
         # what DP-FedAvg's guarantee is computed for: one average of every agent's clipped update
         refused = {"algo": ("cql", "each agent alone shares nothing to privatise"),
                    "aggregation": (("median", "trimmed-mean"), "it reads individual updates; DP's noise is on their average"),

@@ -13,6 +13,14 @@ Gaussian mechanism composed over rounds): every agent takes part in every round 
 ``rounds`` self-composed Gaussian mechanisms of noise multiplier ``sigma`` give ``epsilon`` at
 ``delta`` (:func:`epsilon`). A unit is one agent's whole dataset (agent-level DP).
 
+Adaptive clipping (Andrew et al. 2021, ``dp_clip_quantile``): ``C`` follows a quantile of the
+agents' update norms instead of staying fixed. Each round the aggregator counts the updates
+within ``C`` (each agent's bit, centred: sensitivity 1/2), adds N(0, sigma_b^2) to the count
+(:func:`noisy_unclipped_fraction`), and moves ``C`` geometrically towards the target quantile
+(:func:`next_clip`). The updates' noise multiplier becomes ``sigma_u = (sigma^-2 - (2 sigma_b)^-2)^-1/2``
+(:func:`update_noise`), so that the two Gaussian mechanisms of a round together spend what one
+of multiplier ``sigma`` does; :func:`epsilon` composes both, by the same accountant.
+
 What this does not defend against: the aggregator sees each agent's clipped update before the
 noise (central DP trusts it; secure aggregation is what hides single updates); the observation
 moments an agent sends at Join with ``obs_norm=pooled`` are not privatised (``obs_norm=none``
@@ -96,22 +104,84 @@ def noisy_average(mean: Mapping[str, torch.Tensor], count: int, clip: float, noi
     return out
 
 
-def epsilon(noise: float, rounds: int, delta: float) -> float:
+def update_noise(noise: float, count_noise: float) -> float:
+    """The updates' noise multiplier under adaptive clipping: ``(noise^-2 - (2 count_noise)^-2)^-1/2``,
+    so that it and the clipped count's noise (``count_noise``; the centred count's sensitivity
+    is 1/2) spend together what one Gaussian of multiplier ``noise`` does (Andrew et al. 2021,
+    section 3). ``noise`` itself without a count noise (fixed clipping); 0 without noise."""
+    if not noise > 0 or not count_noise:
+        return noise
+    rest = noise ** -2 - (2 * count_noise) ** -2
+    if not rest > 0:
+        raise ValueError(f"a count noise of {count_noise:g} spends more than a noise multiplier of {noise:g} "
+                         f"allows: it must be above {noise / 2:g}")
+    return rest ** -0.5
+
+
+def noisy_unclipped_fraction(norms: list[float], clip: float, count_noise: float,
+                             generator: torch.Generator | None) -> float:
+    """The share of ``norms`` within ``clip``, with N(0, count_noise^2) added to their centred
+    count (each update's bit minus 1/2): what adaptive clipping may release."""
+    if not norms:
+        raise ValueError("no update to count")
+    centred = sum((1.0 if x <= clip else 0.0) - 0.5 for x in norms)
+    if count_noise > 0:
+        if generator is None:
+            raise ValueError("the clipped count's noise needs a generator")
+        centred += count_noise * float(torch.randn((), generator=generator, dtype=torch.float64))
+    return centred / len(norms) + 0.5
+
+
+def next_clip(clip: float, unclipped_fraction: float, quantile: float, lr: float) -> float:
+    """Adaptive clipping's geometric step: ``clip * exp(-lr * (unclipped_fraction - quantile))``
+    (it grows while fewer than ``quantile`` of the updates fit, and shrinks while more do)."""
+    return clip * math.exp(-lr * (unclipped_fraction - quantile))
+
+
+def epsilon(noise: float, rounds: int, delta: float, count_noise: float = 0.0) -> float:
     """The epsilon at ``delta`` that ``rounds`` rounds of the Gaussian mechanism with noise
     multiplier ``noise`` spend (every agent in every round), by ``dp-accounting``'s RDP
-    accountant; ``inf`` without noise, 0 before the first round."""
+    accountant; ``inf`` without noise, 0 before the first round. With ``count_noise`` (adaptive
+    clipping) each round is two Gaussian mechanisms, the updates' at :func:`update_noise` and the
+    centred count's at ``2 * count_noise``, composed by the accountant."""
     if rounds <= 0:
         return 0.0
     if not noise > 0:
         return math.inf
     from dp_accounting import dp_event, rdp
 
+    one = dp_event.GaussianDpEvent(noise)
+    if count_noise:
+        one = dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(update_noise(noise, count_noise)),
+                                        dp_event.GaussianDpEvent(2 * count_noise)])
     acc = rdp.RdpAccountant()
-    acc.compose(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(noise), rounds))
+    acc.compose(dp_event.SelfComposedDpEvent(one, rounds))
     return float(acc.get_epsilon(delta))
 
 
-def privacy_spent(cfg, rounds: int) -> dict[str, float]:
-    """What a run of settings ``cfg`` (its ``dp_*`` fields) has spent after ``rounds`` rounds."""
-    return {"epsilon": epsilon(cfg.dp_noise, rounds, cfg.dp_delta), "delta": cfg.dp_delta, "rounds": rounds,
-            "noise_multiplier": cfg.dp_noise, "clip": cfg.dp_clip, "epsilon_budget": cfg.dp_epsilon_budget}
+def count_noise(cfg) -> float:
+    """The clipped count's noise of a run with settings ``cfg``: ``dp_count_noise``, or under
+    adaptive clipping with noise and none set, ``agents / 20`` (Andrew et al. 2021's choice);
+    0 with fixed clipping or without noise."""
+    if not cfg.dp_clip_quantile or not cfg.dp_noise:
+        return 0.0
+    return cfg.dp_count_noise or cfg.agents / 20
+
+
+def agent_clip(cfg) -> float:
+    """The norm an agent clips its own update to: the run's fixed one, or none under adaptive
+    clipping (the aggregator clips to the norm it moves; an agent clipping to another would
+    skew its count)."""
+    return 0.0 if cfg.dp_clip_quantile else cfg.dp_clip
+
+
+def privacy_spent(cfg, rounds: int, clip: float | None = None) -> dict[str, float]:
+    """What a run of settings ``cfg`` (its ``dp_*`` fields) has spent after ``rounds`` rounds
+    (``clip``: the clipping norm now, where adaptive clipping moved it)."""
+    out = {"epsilon": epsilon(cfg.dp_noise, rounds, cfg.dp_delta, count_noise(cfg)), "delta": cfg.dp_delta,
+           "rounds": rounds, "noise_multiplier": cfg.dp_noise, "clip": cfg.dp_clip if clip is None else clip,
+           "epsilon_budget": cfg.dp_epsilon_budget}
+    if cfg.dp_clip_quantile:
+        out |= {"clip_quantile": cfg.dp_clip_quantile, "count_noise": count_noise(cfg),
+                "update_noise_multiplier": update_noise(cfg.dp_noise, count_noise(cfg))}
+    return out

@@ -123,7 +123,8 @@ def check_step_bytes(hp, obs_dim: int, act_dim: int) -> str:
 
 
 _INTS = ("agents", "min_agents", "rounds", "local_steps", "seed", "eval_episodes", "secagg_threshold")
-_FLOATS = ("round_timeout", "join_timeout", "trim_fraction", "dp_clip", "dp_noise", "dp_delta", "dp_epsilon_budget")
+_FLOATS = ("round_timeout", "join_timeout", "trim_fraction", "dp_clip", "dp_noise", "dp_delta", "dp_epsilon_budget",
+           "dp_clip_quantile", "dp_clip_lr", "dp_count_noise")
 _STRINGS = ("algo", "obs_norm", "weighting", "aggregation", "federate")
 
 

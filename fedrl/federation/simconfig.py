@@ -43,9 +43,15 @@ class SimConfig(FederationOptions):
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda or cuda:N."""
 
+    # the fields ``fedrl simulate`` has a flag of their own for; the rest are set with --set or --config
+    FLAGGED = ("algo", "agents", "trajectories", "transitions", "rounds", "local_steps", "eval_episodes",
+               "eval_every", "seed", "device", "obs_norm", "weighting", "federate", "aggregation", "trim_fraction",
+               "secagg_threshold", "env")
+
     @classmethod
     def option_name(cls, name: str) -> str:
-        return "--" + name.replace("_", "-")
+        """How an error names field ``name``: its flag, or the --set key that sets it."""
+        return "--" + name.replace("_", "-") if name in cls.FLAGGED else f"--set {name}"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -51,6 +51,7 @@ from fedrl.federation.round import (
     initial_global_state,
 )
 from fedrl.federation.machine import Open, Plan, RoundMachine, Stopped, Update
+from fedrl.federation.privacy import agent_clip
 from fedrl.federation.simconfig import SimConfig
 
 ENGINES = ("auto", "batched", "per-agent")
@@ -144,13 +145,13 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     if draws not in DRAWS:
         raise ValueError(f"draws: choose {', '.join(DRAWS)}, got {draws!r}")
     if engine == "batched" and cfg.grad_norms_every:
-        raise ValueError("--grad-norms-every is measured by the per-agent engine only (pass --engine per-agent)")
+        raise ValueError("--set grad_norms_every: it is measured by the per-agent engine only (pass --engine per-agent)")
     if cfg.secagg_threshold:
         n_total = sum(parse_source(spec, cfg.agents)[1] for spec in cfg.datasets)
         if cfg.secagg_threshold > n_total:
             raise ValueError(f"--secagg-threshold {cfg.secagg_threshold}: more than the run's {n_total} agents")
     if engine == "batched" and cfg.dp_clip:
-        raise ValueError("--dp-clip: differential privacy clips each agent's update in the per-agent engine "
+        raise ValueError("--set dp_clip: differential privacy clips each agent's update in the per-agent engine "
                          "(pass --engine per-agent)")
     seed_everything(cfg.seed)
     t_start = time.perf_counter()
@@ -174,7 +175,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         trainers = [
             LocalTrainer(s.agent, hp, s.transitions, m, sd, cfg.seed, device, federate_critic,
                          local_normalizer=cfg.obs_norm == "local", grad_norms_every=cfg.grad_norms_every,
-                         update_clip=cfg.dp_clip)
+                         update_clip=agent_clip(cfg))
             for s, (m, sd) in zip(shards, norms)
         ]
         learners = {f"learner/{i}/": tr.learner for i, tr in enumerate(trainers)}
@@ -227,7 +228,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 
         noise_gen = noise_generator()
     machine = RoundMachine(Plan.of(cfg, [s.agent for s in shards]), global_state, done_rounds, done_rounds,
-                           agent_states)
+                           agent_states, resumed_clip(cfg, lines))
     action, rounds_run = machine.begin(), done_rounds
     with bar, open(out / "rounds.jsonl", "w") as jl:
         jl.writelines(x + "\n" for x in lines)  # a round after the checkpoint's is done again
@@ -278,6 +279,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             rounds_run = r
             if cfg.dp_clip:
                 rec["privacy"] = privacy_record(cfg, r, [m for m in shown if m])
+                rec["privacy"] |= {ADAPTIVE[k]: v for k, v in closed.metrics.items() if k in ADAPTIVE}
             if cfg.secagg_threshold:
                 rec["secure_aggregation"] = sa_rec
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
@@ -361,6 +363,18 @@ def secure_normalizer(cfg: SimConfig, stats: list[ObsStats]) -> tuple[tuple[np.n
 
     params = moments_params(cfg.secagg_threshold, f"simulate/{cfg.seed}/0".encode())
     return secure_moments(stats, [s.count for s in stats], params)
+
+
+# adaptive clipping's round metrics (the machine's) -> their names in a round's privacy record
+ADAPTIVE = {"dp_clip": "clip", "dp_unclipped_fraction": "unclipped_fraction", "dp_clip_next": "clip_next"}
+
+
+def resumed_clip(cfg: SimConfig, lines: list[str]) -> float | None:
+    """Where adaptive clipping had moved the norm by the last round of ``lines`` (the rounds.jsonl
+    records a resume keeps), or None (the run's first norm)."""
+    if not (cfg.dp_clip_quantile and lines):
+        return None
+    return float(json.loads(lines[-1])["privacy"]["clip_next"])
 
 
 def privacy_record(cfg: SimConfig, rounds: int, metrics: list[dict[str, float]]) -> dict[str, Any]:

@@ -199,6 +199,8 @@ class AggregatorMetrics:
         self.privacy_epsilon = Gauge(f"{p}_privacy_epsilon", "Differential privacy spent by the current run "
                                      "so far: epsilon at the run's dp_delta (0 without dp_clip; +Inf with "
                                      "clipping and no noise).", registry=r)
+        self.privacy_clip = Gauge(f"{p}_privacy_clip_norm", "The norm the current run's next round clips each "
+                                  "update to (dp_clip; adaptive clipping moves it; 0 without dp_clip).", registry=r)
 
     def bind(self, snapshot: Callable[[], Mapping[str, float]]) -> None:
         """Read the gauges that describe state from ``snapshot()`` at scrape time."""
@@ -210,8 +212,9 @@ class AggregatorMetrics:
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason if reason in REJECT_REASONS else "other").inc()
 
-    def privacy_spent(self, epsilon: float) -> None:
+    def privacy_spent(self, epsilon: float, clip: float) -> None:
         self.privacy_epsilon.set(epsilon)
+        self.privacy_clip.set(clip)
 
     def round_closed(self, seconds: float) -> None:
         self.rounds_completed.inc()

@@ -344,6 +344,9 @@ def status_from_proto(p: control_pb2.RunStatus) -> dict:
         q = p.privacy
         d["privacy"] = {"epsilon": q.epsilon, "delta": q.delta, "rounds": q.rounds, "noise_multiplier": q.noise_multiplier,
                         "clip": q.clip, "epsilon_budget": q.epsilon_budget}
+        if q.clip_quantile:
+            d["privacy"] |= {"clip_quantile": q.clip_quantile, "count_noise": q.count_noise,
+                             "update_noise_multiplier": q.update_noise_multiplier}
     return d
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -526,6 +527,28 @@ def test_differential_privacy_reports_its_epsilon_each_round_and_stops_at_its_bu
     assert all(r["privacy"]["clipped_fraction"] == 1.0 for r in rows)  # a clip of 0.01 cuts every update
     assert summary["stopped"].startswith("privacy budget: round 4 would spend epsilon")
     assert summary["privacy"]["rounds"] == 3 and any("epsilon" in m for m in logs)
+
+
+def test_adaptive_clipping_moves_the_norm_each_round_and_a_resume_continues_it(tmp_path, random_dataset):
+    """The norm starts far below every update's (so it must grow: an agent that clipped to it
+    itself would make every update fit and shrink it), each round clips to the norm the round
+    before moved it to, and a run killed after round 1 resumes at that norm, not the first."""
+    cfg = tiny(random_dataset, algo="fed-bc", agents=3, rounds=3, eval_episodes=0, dp_clip=1e-4,
+               dp_clip_quantile=0.5, dp_clip_lr=0.5)
+
+    def clips(out):
+        rows = [json.loads(x)["privacy"] for x in (out / "rounds.jsonl").read_text().splitlines()]
+        return [(r["clip"], r["unclipped_fraction"], r["clip_next"]) for r in rows]
+
+    run(cfg, tmp_path / "whole", log=lambda m: None)
+    whole = clips(tmp_path / "whole")
+    assert whole[0] == (1e-4, 0.0, pytest.approx(1e-4 * math.exp(0.25)))
+    assert all(b[0] == a[2] for a, b in zip(whole, whole[1:]))
+    assert [f for _, f, _ in whole] == [0.0, 0.0, 0.0]  # every real update is far past the norm: it grows
+    with pytest.raises(_Killed):
+        run(cfg, tmp_path / "cut", log=_raise_on("round   1/3"), checkpoint=True)
+    run(cfg, tmp_path / "cut", log=lambda m: None, checkpoint=True)
+    assert clips(tmp_path / "cut") == whole
 
 
 def test_a_checkpoint_from_before_an_option_existed_resumes(tmp_path, random_dataset):

@@ -4,6 +4,7 @@ cannot be written."""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 import time
@@ -149,6 +150,34 @@ def test_restart_skips_an_unreadable_newest_version(tmp_path):
         st = second.status()
         assert st["state"] == "running" and st["global_version"] == 0 and st["round"] == 1
         assert all(torch.equal(second.run.global_state[k], g[k]) for k in g)
+    finally:
+        second.close()
+
+
+def test_a_restarted_aggregator_clips_to_the_norm_adaptive_clipping_had_reached(tmp_path):
+    """Adaptive clipping's norm is in each ROUND_CLOSED: a restart after round 1 continues from
+    the norm round 1 moved it to, not from the run's first."""
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+    from tests.service.test_federation import run_config
+
+    first = Coordinator(Store(tmp_path / "state"), tick=0.02)
+    run_id = first.start_run(run_config(algo="fed-bc", rounds=3, dp_clip=1e-3, dp_clip_quantile=0.5,
+                                        dp_clip_lr=0.5))["run_id"]
+    first.join(_agent("a0", 0))
+    first.join(_agent("a1", 1))
+    g = first.run.global_state
+    far = {k: v + 1.0 if v.is_floating_point() and not k.endswith(("obs_mean", "obs_std")) else v for k, v in g.items()}
+    m = encode(far, run_id, 1, 0, 100).manifest
+    for a in ("a0", "a1"):
+        first.submit(a, m, far, {}, 0.0)
+    wait_for(lambda: first.status()["global_version"] == 1, what="round 1 to close")
+    grown = first.run.machine.clip
+    assert grown == pytest.approx(1e-3 * math.exp(0.25))  # no update within 1e-3: the norm grew
+    first.close()
+    second = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
+    try:
+        assert second.run.machine.clip == grown and second.status()["privacy"]["clip"] == grown
     finally:
         second.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import time
 
@@ -716,6 +717,36 @@ def test_differential_privacy_spends_its_budget_and_says_so(aggregator, agent_th
     assert [round(e.metrics["privacy_epsilon"], 6) for e in closed] == \
         [round(epsilon(1.0, r, 1e-5), 6) for r in (1, 2)]
     assert aggregator.coord.metrics.privacy_epsilon._value.get() == pytest.approx(epsilon(1.0, 2, 1e-5))
+
+
+def test_adaptive_clipping_moves_the_norm_round_by_round_and_status_says_so(aggregator, agent_threads,
+                                                                           stand_dataset):
+    """Adaptive clipping through the services: each ROUND_CLOSED names the norm its round clipped
+    to, the noisy share within it and the next norm, which the next round uses; the status and
+    ``fedrl ctl status`` show where the norm stands; epsilon is that of one Gaussian of the run's
+    multiplier (the count's noise is paid for by the updates')."""
+    from fedrl.cli import show
+    from fedrl.federation.privacy import epsilon
+
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=1)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
+        algo="fed-bc", rounds=3, dp_clip=1e-4, dp_noise=1.0, dp_clip_quantile=0.5, dp_clip_lr=0.5,
+        dp_count_noise=1.0)), timeout=10)
+    st = wait_for(lambda: (s := status(aggregator))["state"] in ("stopped", "finished", "failed") and s,
+                  what="the run to end")
+    assert st["state"] == "finished", st
+    events = list(aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10))
+    closed = [dict(e.metrics) for e in events if e.kind == control_pb2.RoundEvent.ROUND_CLOSED]
+    assert len(closed) == 3 and closed[0]["dp_clip"] == pytest.approx(1e-4)
+    for a, b in zip(closed, closed[1:]):
+        assert b["dp_clip"] == pytest.approx(a["dp_clip_next"], rel=1e-12)
+    for c in closed:
+        assert c["dp_clip_next"] == pytest.approx(c["dp_clip"] * math.exp(-0.5 * (c["dp_unclipped_fraction"] - 0.5)))
+    assert st["privacy"]["clip"] == pytest.approx(closed[-1]["dp_clip_next"])
+    assert st["privacy"]["epsilon"] == pytest.approx(epsilon(1.0, 3, 1e-5), rel=1e-6)
+    assert "adaptive towards the 0.5 quantile of the update norms; count noise 1" in show.status(st)
+    assert aggregator.coord.metrics.privacy_clip._value.get() == pytest.approx(closed[-1]["dp_clip_next"])
 
 
 def test_the_aggregator_clips_an_update_its_agent_did_not(aggregator):

@@ -146,3 +146,21 @@ def test_ctl_loads_no_torch_and_a_closed_port_is_an_error_at_once():
     assert p.returncode == 1 and "nothing listens at 127.0.0.1:%d (connection refused)" % port in p.stderr
     assert p.stdout.split()[0] == "False", "fedrl ctl imported torch"
     assert took < 8, f"a closed port took {took:.1f}s (the connect timeout is 10 s)"
+
+
+def test_simulates_errors_name_a_flag_that_exists_or_the_set_key():
+    """An error about a SimConfig field names the flag the user can pass: its own flag where
+    ``fedrl simulate`` has one, else ``--set KEY`` (no error names a flag argparse would refuse)."""
+    import dataclasses
+
+    from fedrl.federation.simconfig import SimConfig
+
+    sim = next(a for a in fedrl_parser()._subparsers._group_actions[0].choices.items() if a[0] == "simulate")[1]
+    flags = {s for a in sim._actions for s in a.option_strings}
+    for f in dataclasses.fields(SimConfig):
+        name = SimConfig.option_name(f.name)
+        assert name in flags or name == f"--set {f.name}", (f.name, name)
+        if "--" + f.name.replace("_", "-") in flags:
+            assert name in flags, f"{f.name} has a flag its errors should name"
+    with pytest.raises(ValueError, match=r"^--set dp_noise: needs --set dp_clip > 0"):
+        SimConfig(dp_noise=1.0)

@@ -112,5 +112,113 @@ def test_settings_that_void_the_guarantee_are_refused_by_name(settings, says):
 
 
 def test_the_agents_alone_baseline_has_nothing_to_privatise():
-    with pytest.raises(ValueError, match="algo: 'cql' cannot run with --dp-clip"):
+    with pytest.raises(ValueError, match="algo: 'cql' cannot run with --set dp_clip"):
         SimConfig(algo="cql", dp_clip=1.0)
+
+
+# -- adaptive clipping (Andrew et al. 2021) --------------------------------------------------
+def _machine(norms, clip=None, **plan):
+    """A machine over len(norms) agents (``clip``: where a resumed run's norm stands)."""
+    from fedrl.federation.machine import Plan, RoundMachine
+
+    agents = tuple(f"a{i}" for i in range(len(norms)))
+    g = {"policy.w": torch.zeros(1000, dtype=torch.float64)}
+    m = RoundMachine(Plan(rounds=10_000, agents=agents, weighting="uniform", **plan), g, clip=clip)
+    return m, agents
+
+
+def _round(m, agents, norms, noise=None):
+    from fedrl.federation.machine import Update
+
+    for a, n in zip(agents, norms):  # each update moves the global model by n
+        w = m.global_state["policy.w"].clone()
+        w[0] += n
+        m.take(a, m.round, m.version, Update({"policy.w": w}, 1))
+    closed = m.close(noise)
+    return closed, m.commit(closed)
+
+
+def test_adaptive_clipping_moves_the_norm_geometrically_to_the_target_quantile():
+    from fedrl.federation.machine import Open
+
+    norms = [0.5, 1.5, 2.0, 3.0, 4.0]
+    m, agents = _machine(norms, dp_clip=1.0, dp_clip_quantile=0.5, dp_clip_lr=0.2)
+    assert isinstance(m.begin(), Open)
+    closed, _ = _round(m, agents, norms)
+    # one of five updates within 1.0: the share is 0.2 (no count noise without dp_noise)
+    assert closed.metrics["dp_clip"] == 1.0 and closed.metrics["dp_unclipped_fraction"] == pytest.approx(0.2)
+    assert closed.metrics["dp_clip_next"] == pytest.approx(math.exp(-0.2 * (0.2 - 0.5)))
+    assert m.clip == pytest.approx(math.exp(0.06))
+    # the round clipped to 1.0: the update the average moved is the clipped updates' mean
+    assert float(closed.state["policy.w"][0]) == pytest.approx((0.5 + 1 + 1 + 1 + 1) / 5)
+    for _ in range(300):
+        _round(m, agents, norms)
+    # the median of the norms is 2.0: the norm settles within one step of it
+    assert 2.0 * math.exp(-0.2 * 0.5) <= m.clip <= 2.0 * math.exp(0.2 * 0.5)
+    m2, agents2 = _machine(norms, dp_clip=10.0, dp_clip_quantile=0.2, dp_clip_lr=0.2)
+    m2.begin()
+    for _ in range(300):
+        _round(m2, agents2, norms)
+    assert 0.5 <= m2.clip <= 1.5 * math.exp(0.2 * 0.8)  # the 0.2 quantile: between the smallest two
+
+
+def test_a_resumed_machine_clips_to_the_norm_adaptive_clipping_had_reached():
+    norms = [5.0, 5.0]
+    m, agents = _machine(norms, dp_clip=1.0, dp_clip_quantile=0.5, clip=3.0)
+    m.begin()
+    closed, _ = _round(m, agents, norms)
+    assert closed.metrics["dp_clip"] == 3.0 and float(closed.state["policy.w"][0]) == pytest.approx(3.0)
+
+
+def test_the_clipped_counts_noise_has_its_std_and_the_updates_noise_the_adjusted_multiplier():
+    from fedrl.federation.privacy import noisy_unclipped_fraction, update_noise
+
+    g = torch.Generator().manual_seed(3)
+    fr = np.array([noisy_unclipped_fraction([0.5, 2.0, 2.0, 2.0, 2.0], 1.0, 1.5, g) for _ in range(20_000)])
+    # the centred count is -1.5 +- N(0, 1.5^2); over 5 agents, plus 1/2: 0.2 +- 0.3
+    assert float(fr.mean()) == pytest.approx(0.2, abs=0.3 * 5 / math.sqrt(20_000))
+    assert float(fr.std()) == pytest.approx(1.5 / 5, rel=0.03)
+    sigma, sb = 1.1, 1.0
+    su = update_noise(sigma, sb)
+    assert su == pytest.approx((sigma ** -2 - (2 * sb) ** -2) ** -0.5) and su > sigma
+    norms = [0.0] * 5
+    m, agents = _machine(norms, dp_clip=2.0, dp_noise=sigma, dp_clip_quantile=0.5, dp_count_noise=sb)
+    m.begin()
+    closed, _ = _round(m, agents, norms, torch.Generator().manual_seed(4))
+    z = closed.state["policy.w"]  # the updates are zero: the average is the noise
+    assert float(z.std()) == pytest.approx(su * 2.0 / 5, rel=0.08)  # 1,000 draws
+    assert noisy_unclipped_fraction([1.0, 1.0 + 1e-12, 0.2], 1.0, 0.0, None) == pytest.approx(2 / 3)  # at it: within
+    with pytest.raises(ValueError, match="must be above 0.55"):
+        update_noise(1.1, 0.5)
+
+
+def test_adaptive_clipping_spends_what_one_gaussian_of_the_runs_multiplier_does():
+    """The two mechanisms of a round (the updates' and the count's), composed by the accountant,
+    spend the epsilon of one Gaussian of multiplier sigma: the run's budget means what it says."""
+    from dp_accounting import dp_event, rdp
+
+    for sigma, sb, rounds in ((1.1, 1.0, 10), (4.0, 2.5, 20), (0.8, 5.0, 3)):
+        adaptive = epsilon(sigma, rounds, 1e-5, sb)
+        assert adaptive == pytest.approx(epsilon(sigma, rounds, 1e-5), rel=1e-6)
+        acc = rdp.RdpAccountant()  # without the adjustment the two would spend more
+        acc.compose(dp_event.SelfComposedDpEvent(dp_event.ComposedDpEvent(
+            [dp_event.GaussianDpEvent(sigma), dp_event.GaussianDpEvent(2 * sb)]), rounds))
+        assert acc.get_epsilon(1e-5) > adaptive * (1 + 1e-3)
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"dp_clip": 1.0, "dp_clip_quantile": 1.0}, "dp_clip_quantile: a share in (0, 1)"),
+    ({"dp_clip_quantile": 0.5}, "dp_clip_quantile: needs dp_clip > 0"),
+    ({"dp_clip": 1.0, "dp_count_noise": 1.0}, "dp_count_noise: needs dp_clip_quantile"),
+    ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_clip_lr": 0.0}, "dp_clip_lr: must be a finite number > 0"),
+    ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_noise": 1.1, "agents": 5},
+     "dp_count_noise: 0.25 (agents / 20, as it is unset) leaves nothing of dp_noise 1.1 for the updates: set it "
+     "above 0.55"),
+    ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "secagg_threshold": 2},
+     "dp_clip_quantile: adaptive clipping cannot run with secagg_threshold"),
+])
+def test_adaptive_clipping_settings_are_checked_by_name(settings, says):
+    with pytest.raises(ValueError) as e:
+        parse_run_config(settings)
+    assert says in str(e.value)
+    assert parse_run_config({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_noise": 1.1, "agents": 30}).dp_clip_lr == 0.2

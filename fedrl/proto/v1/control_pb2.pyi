@@ -147,20 +147,26 @@ class RunStatus(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., global_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., message: _Optional[str] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., config_json: _Optional[str] = ..., env_id: _Optional[str] = ..., evaluated_versions: _Optional[_Iterable[int]] = ..., evaluators_following: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySpent, _Mapping]] = ...) -> None: ...
 
 class PrivacySpent(_message.Message):
-    __slots__ = ("epsilon", "delta", "rounds", "noise_multiplier", "clip", "epsilon_budget")
+    __slots__ = ("epsilon", "delta", "rounds", "noise_multiplier", "clip", "epsilon_budget", "clip_quantile", "count_noise", "update_noise_multiplier")
     EPSILON_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     CLIP_FIELD_NUMBER: _ClassVar[int]
     EPSILON_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    CLIP_QUANTILE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_NOISE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     epsilon: float
     delta: float
     rounds: int
     noise_multiplier: float
     clip: float
     epsilon_budget: float
-    def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., rounds: _Optional[int] = ..., noise_multiplier: _Optional[float] = ..., clip: _Optional[float] = ..., epsilon_budget: _Optional[float] = ...) -> None: ...
+    clip_quantile: float
+    count_noise: float
+    update_noise_multiplier: float
+    def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., rounds: _Optional[int] = ..., noise_multiplier: _Optional[float] = ..., clip: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., clip_quantile: _Optional[float] = ..., count_noise: _Optional[float] = ..., update_noise_multiplier: _Optional[float] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("after_version",)
