@@ -355,7 +355,9 @@ class Launcher:
                            if k in ("loss_critic_td", "loss_cql_penalty", "loss_reg_data", "loss_bc_loss"))
         eps = r.get("loss_privacy_epsilon")
         spent = f"  epsilon {eps:.3g} (delta {self.cfg.run.dp_delta:g})" if eps is not None else ""
-        return f"round {r['round']:3d}/{self.cfg.run.rounds}  {ev}  {losses}{spent}  [{r['seconds']:.1f}s]"
+        if (clip := r.get("loss_dp_clip")) is not None:  # adaptive clipping: the norm this round clipped to
+            spent += f"  clip {clip:.3g} -> {r['loss_dp_clip_next']:.3g}"
+        return f"round {r['round']:3d}/{self.cfg.run.rounds}  {ev}{'  ' + losses if losses else ''}{spent}  [{r['seconds']:.1f}s]"
 
     def _write_results(self, rounds: dict[int, dict[str, Any]], final: dict) -> None:
         rows = [rounds[v] for v in sorted(rounds)]
