@@ -49,6 +49,8 @@ ENGINE_TESTS = ("tests/unit/test_batched.py", "tests/integration/test_engines_ag
 RND, CELLS = "fedrl/federation/round.py", "fedrl/federation/cells.py"
 SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/rounds.py"
 MACHINE, MACHINE_TESTS = "fedrl/federation/machine.py", ("tests/unit/test_machine.py",)
+PRIV, PRIV_TESTS = "fedrl/federation/privacy.py", ("tests/unit/test_privacy.py",)
+PRIV_SIM_TESTS = ("tests/integration/test_simulate.py",)
 SIM_TESTS = ("tests/integration/test_simulate.py",)
 SERVICE_TESTS = ("tests/service/test_federation.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
@@ -175,10 +177,29 @@ MUTANTS = (
            "new = aggregate(p.aggregation, [u.state for u in ups], w, p.trim_fraction, [u.flat for u in ups], alloc)",
            "new = ups[0].state", MACHINE_TESTS),
     Mutant("round-quorum-ignored", MACHINE, "and len(self.taken) >= self.plan.quorum)", ")", MACHINE_TESTS),
-    Mutant("round-dp-unclipped", MACHINE, "clipped = [clip_update(u.state, self.global_state, p.dp_clip)[0] for u in ups]",
-           "clipped = [u.state for u in ups]", MACHINE_TESTS),
+    Mutant("round-dp-unclipped", MACHINE, "done = [clip_update(u.state, self.global_state, self.clip) for u in ups]",
+           "done = [(u.state, 0.0) for u in ups]", MACHINE_TESTS),
+    # adaptive clipping (Andrew et al. 2021)
+    Mutant("adaptive-clip-moves-the-wrong-way", PRIV, "return clip * math.exp(-lr * (unclipped_fraction - quantile))",
+           "return clip * math.exp(lr * (unclipped_fraction - quantile))", PRIV_TESTS),
+    Mutant("adaptive-count-not-centred", PRIV, "centred = sum((1.0 if x <= clip else 0.0) - 0.5 for x in norms)",
+           "centred = sum((1.0 if x <= clip else 0.0) for x in norms)", PRIV_TESTS),
+    Mutant("adaptive-count-without-noise", PRIV, "        centred += count_noise * float(",
+           "        centred += 0 * float(", PRIV_TESTS),
+    Mutant("adaptive-update-noise-not-raised", MACHINE,
+           "new = noisy_average(new, len(ups), self.clip, update_noise(p.dp_noise, p.dp_count_noise), noise)",
+           "new = noisy_average(new, len(ups), self.clip, p.dp_noise, noise)", PRIV_TESTS),
+    Mutant("adaptive-norm-never-moves", MACHINE, "            self.clip = closed.next_clip\n", "            pass\n",
+           PRIV_TESTS),
+    Mutant("adaptive-resume-restarts-the-norm", MACHINE, "self.clip = plan.dp_clip if clip is None else clip",
+           "self.clip = plan.dp_clip", PRIV_TESTS),
+    Mutant("adaptive-agents-clip-themselves", PRIV, "return 0.0 if cfg.dp_clip_quantile else cfg.dp_clip",
+           "return cfg.dp_clip", PRIV_SIM_TESTS),
+    Mutant("adaptive-accountant-unadjusted", PRIV,
+           "one = dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(update_noise(noise, count_noise)),",
+           "one = dp_event.ComposedDpEvent([dp_event.GaussianDpEvent(noise),", PRIV_TESTS),
     Mutant("round-budget-ignored", MACHINE,
-           "if p.dp_epsilon_budget and (e := epsilon(p.dp_noise, r, p.dp_delta)) > p.dp_epsilon_budget:",
+           "if p.dp_epsilon_budget and (e := epsilon(p.dp_noise, r, p.dp_delta, p.dp_count_noise)) > p.dp_epsilon_budget:",
            "if False:", MACHINE_TESTS),
     Mutant("round-duplicate-taken", MACHINE, "        if agent in self.taken:\n", "        if False:\n", MACHINE_TESTS),
     Mutant("round-close-draws-noise-again", MACHINE, "        if self._pending is not None:\n",
