@@ -382,7 +382,7 @@ def privacy_record(cfg: SimConfig, rounds: int, metrics: list[dict[str, float]])
     from fedrl.federation.privacy import privacy_spent
 
     rec: dict[str, Any] = privacy_spent(cfg, rounds)
-    if metrics:
+    if metrics and all("clipped" in m for m in metrics):  # the agents clipped (fixed clipping, in the clear)
         rec["clipped_fraction"] = float(np.mean([m.get("clipped", 0.0) for m in metrics]))
         rec["update_norm_median"] = float(np.median([m.get("update_norm", 0.0) for m in metrics]))
     return rec

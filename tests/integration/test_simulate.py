@@ -545,6 +545,8 @@ def test_adaptive_clipping_moves_the_norm_each_round_and_a_resume_continues_it(t
     assert whole[0] == (1e-4, 0.0, pytest.approx(1e-4 * math.exp(0.25)))
     assert all(b[0] == a[2] for a, b in zip(whole, whole[1:]))
     assert [f for _, f, _ in whole] == [0.0, 0.0, 0.0]  # every real update is far past the norm: it grows
+    first = json.loads((tmp_path / "whole" / "rounds.jsonl").read_text().splitlines()[0])["privacy"]
+    assert "clipped_fraction" not in first  # the agents clipped nothing themselves: no share of theirs to report
     with pytest.raises(_Killed):
         run(cfg, tmp_path / "cut", log=_raise_on("round   1/3"), checkpoint=True)
     run(cfg, tmp_path / "cut", log=lambda m: None, checkpoint=True)
