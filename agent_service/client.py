@@ -354,6 +354,12 @@ class Agent:
         caller to send in one message; a large one is streamed here with SubmitUpdate (None returned).
         ``weights``: the task's inline weights where they were read from its bytes (read_task)."""
         trainer = self._trainer_for(task)
+        if self.run_config.secagg_threshold and self.run_config.dp_clip_quantile:
+            # adaptive clipping: this agent clips its update itself, to the norm of this round
+            if not task.dp_clip > 0:
+                raise SecAggError(f"round {task.round}'s task gives no clipping norm (an aggregator too old for "
+                                  "adaptive clipping under secure aggregation)")
+            trainer.update_clip = task.dp_clip
         stream = None
         if task.HasField("base_manifest"):  # small model: the base version came with the task
             manifest = manifest_from_proto(task.base_manifest)

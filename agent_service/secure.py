@@ -5,10 +5,9 @@ aggregator learns only the sum over the agents."""
 from __future__ import annotations
 
 import logging
-import math
 
 from fedrl.data.normalize import ObsStats
-from fedrl.federation.privacy import noise_generator
+from fedrl.federation.privacy import count_noise, count_share, noise_generator, noise_share_std
 from fedrl.federation.round import RoundInterrupted
 from fedrl.federation.runconfig import RunConfig, parse_run_config
 from fedrl.federation.secagg import AgentSession, PublicKeys, SecAggError, SecAggParams
@@ -32,9 +31,14 @@ class SecureSteps:
         update's norm: statistics of its data) stay here, on the agent's own metrics endpoint:
         the aggregator gets the sum and its training time, nothing else."""
         params = SecAggParams(threshold=rc.secagg_threshold, context=f"{task.run_id}/{task.round}".encode())
-        std = rc.dp_noise * rc.dp_clip / math.sqrt(rc.secagg_threshold) if rc.dp_noise else 0.0
-        self._steps(stub, task, params,
-                    lambda alpha: agent_vector(res.state, alpha, params, std, noise_generator() if std else None),
+        clip = task.dp_clip or rc.dp_clip  # the round's norm (adaptive clipping moves it)
+        std = noise_share_std(rc, clip)
+        gen = noise_generator() if std else None
+        # adaptive clipping: the centred bit "my update was within the norm", with its share of the
+        # count's noise, summed under the masks with the model (the aggregator sees only the sum)
+        extra = [count_share(res.metrics["clipped"] == 0.0, count_noise(rc), rc.secagg_threshold, gen)] \
+            if rc.dp_clip_quantile else []
+        self._steps(stub, task, params, lambda alpha: agent_vector(res.state, alpha, params, std, gen, extra),
                     federation_pb2.SecAggMasked(train_seconds=res.seconds))
 
     def moments(self, stub, task, st: ObsStats) -> None:

@@ -35,7 +35,7 @@ from fedrl.federation.aggregate import AggregationError, agent_weights
 from fedrl.federation.machine import Closed, Finished, Open, Refused, Stopped, Update
 from fedrl.federation.privacy import PRIVACY_EPSILON, noise_generator
 from fedrl.federation.secagg import SecAggError, SecAggParams, dequantize
-from fedrl.federation.secagg_sums import average_from_sum, moments_from_sum
+from fedrl.federation.secagg_sums import average_from_sum, extras_from_sum, moments_from_sum
 from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
@@ -88,7 +88,7 @@ class Rounds:
                         task = {"kind": "TRAIN", "run_id": run.run_id, "round": run.round,
                                 "base_version": run.version, "local_steps": run.cfg.local_steps,
                                 "run_config_json": run.config_json, "obs_mean": mean, "obs_std": std,
-                                "deadline_unix": run.deadline}
+                                "deadline_unix": run.deadline, "dp_clip": run.machine.clip}
                         enc = run.encoded[run.version]
                         if enc.manifest.total_bytes <= INLINE_MAX_BYTES:
                             task["base"] = enc  # sent inline: one RPC less per agent per round
@@ -232,7 +232,8 @@ class Rounds:
             run.secure = SecureRound(
                 SecAggParams(threshold=run.cfg.secagg_threshold, context=f"{run.run_id}/{r}".encode()),
                 list(run.selected), dict(zip(run.selected, weights)),
-                sum(t.numel() for t in run.global_state.values()), run.cfg.round_timeout, run.deadline)
+                sum(t.numel() for t in run.global_state.values()) + (1 if run.cfg.dp_clip_quantile else 0),
+                run.cfg.round_timeout, run.deadline)
         self.journal.event(run, "ROUND_OPENED", agents=list(run.selected))
 
     def _close_round(self, run: Run) -> None:
@@ -254,9 +255,12 @@ class Rounds:
                 if self.start.version_zero(run, mean, std, *run.dims, {}):
                     self.follow(run, run.machine.begin())
                 return
-            new = average_from_sum(dequantize(sec.total(), sec.params), run.global_state)
+            total = dequantize(sec.total(), sec.params)
+            new = average_from_sum(total, run.global_state)
             order = [a for a in run.selected if a in sec.survivors]
-            closed = run.machine.close_sum(new, order, [sec.metrics[a][0] for a in order])
+            # adaptive clipping: the agents' noisy centred bits, summed with their models
+            share = float(extras_from_sum(total, 1)[0]) + 0.5 if run.cfg.dp_clip_quantile else None
+            closed = run.machine.close_sum(new, order, [sec.metrics[a][0] for a in order], share)
         except (SecAggError, ValueError) as e:
             self.journal.fail(run, f"{self._secure_name(run)}: secure aggregation failed: {e}")
             return

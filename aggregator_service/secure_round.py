@@ -26,7 +26,8 @@ log = logging.getLogger("fedrl.aggregator")
 
 class SecureRound:
     """The aggregator's side of one round. ``selected``: the agents of the round; ``weights``:
-    their public weights (1 each, or their sample counts); ``size``: the values of the model."""
+    their public weights (1 each, or their sample counts); ``size``: the values of the model (and
+    the extra values each agent sums with it: adaptive clipping's share of the count)."""
 
     def __init__(self, params: SecAggParams, selected: list[str], weights: Mapping[str, float], size: int,
                  timeout: float, first_deadline: float) -> None:

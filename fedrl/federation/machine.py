@@ -238,16 +238,24 @@ class RoundMachine:
         return self._pending
 
     def close_sum(self, average: State, agents: Sequence[Hashable],
-                  metrics: Sequence[Mapping[str, float]] = ()) -> Closed:
+                  metrics: Sequence[Mapping[str, float]] = (), unclipped_fraction: float | None = None) -> Closed:
         """The open round's new version from a secure aggregation's ``average`` of the updates of
-        ``agents`` (its survivors; its noise, if any, is the agents' own)."""
+        ``agents`` (its survivors; its noise, if any, is the agents' own). Under adaptive clipping
+        ``unclipped_fraction`` is the share within the norm the same sum gave (noised by the
+        agents), and moves the norm."""
         if not self.plan.secure or self.phase != "open":
             raise RuntimeError(f"round {self.round} takes no secure sum ({self.phase}, secure {self.plan.secure})")
         unknown = [a for a in agents if a not in self.plan.agents]
         if unknown or not agents:
             raise ValueError(f"a secure sum of agents {list(agents)}: expected some of {list(self.plan.agents)}")
         order = tuple(a for a in self.plan.agents if a in set(agents))
-        self._pending = Closed(self.round, self.version + 1, average, order, self._spent(_mean_metrics(metrics)))
+        m, nxt = _mean_metrics(metrics), None
+        if self.plan.dp_clip_quantile:
+            if unclipped_fraction is None:
+                raise ValueError("adaptive clipping's secure sum needs the share of updates within the norm")
+            nxt = next_clip(self.clip, unclipped_fraction, self.plan.dp_clip_quantile, self.plan.dp_clip_lr)
+            m |= {"dp_clip": self.clip, "dp_unclipped_fraction": unclipped_fraction, "dp_clip_next": nxt}
+        self._pending = Closed(self.round, self.version + 1, average, order, self._spent(m), next_clip=nxt)
         return self._pending
 
     def commit(self, closed: Closed) -> Open | Finished | Stopped:

@@ -117,10 +117,7 @@ class FederationOptions:
                                    "aggregation hides; each agent checks and clips its own"),
                    "obs_norm": ("local", "the global policy's normaliser would be made from each agent's "
                                 "moments in the clear; pooled moments are summed under the masks")}
-        if self.dp_clip_quantile:
-            raise ValueError(f"{opt('dp_clip_quantile')}: adaptive clipping cannot run with "
-                             f"{opt('secagg_threshold')}: it counts the updates within the norm, which only the "
-                             f"aggregator could do seeing each one; use a fixed {opt('dp_clip')}")
+
         for name, (bad, why) in refused.items():
             if getattr(self, name) in ((bad,) if isinstance(bad, str) else bad):
                 raise ValueError(f"{opt(name)}: {getattr(self, name)!r} cannot run with "

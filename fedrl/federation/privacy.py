@@ -17,7 +17,9 @@ Adaptive clipping (Andrew et al. 2021, ``dp_clip_quantile``): ``C`` follows a qu
 agents' update norms instead of staying fixed. Each round the aggregator counts the updates
 within ``C`` (each agent's bit, centred: sensitivity 1/2), adds N(0, sigma_b^2) to the count
 (:func:`noisy_unclipped_fraction`), and moves ``C`` geometrically towards the target quantile
-(:func:`next_clip`). The updates' noise multiplier becomes ``sigma_u = (sigma^-2 - (2 sigma_b)^-2)^-1/2``
+(:func:`next_clip`). Under secure aggregation each agent clips to the round's norm and adds its
+noisy centred bit (:func:`count_share`) to the vector it masks, so the aggregator learns only the
+noisy count. The updates' noise multiplier becomes ``sigma_u = (sigma^-2 - (2 sigma_b)^-2)^-1/2``
 (:func:`update_noise`), so that the two Gaussian mechanisms of a round together spend what one
 of multiplier ``sigma`` does; :func:`epsilon` composes both, by the same accountant.
 
@@ -132,6 +134,28 @@ def noisy_unclipped_fraction(norms: list[float], clip: float, count_noise: float
     return centred / len(norms) + 0.5
 
 
+def noise_share_std(cfg, clip: float) -> float:
+    """The std of the noise each agent adds to its own update under secure aggregation (settings
+    ``cfg``, the round's norm ``clip``): ``sigma_u * clip / sqrt(t)``, so that any t or more
+    survivors' sum carries at least the central mechanism's N(0, (sigma_u * clip)^2); 0 without
+    noise. ``sigma_u`` is :func:`update_noise` (``dp_noise`` itself under fixed clipping)."""
+    if not cfg.dp_noise:
+        return 0.0
+    return update_noise(cfg.dp_noise, count_noise(cfg)) * clip / math.sqrt(cfg.secagg_threshold)
+
+
+def count_share(within: bool, count_noise: float, threshold: int, generator: torch.Generator | None) -> float:
+    """An agent's share of adaptive clipping's count under secure aggregation: its centred bit
+    (1/2 when its update was within the norm, else -1/2) with N(0, count_noise^2 / threshold)
+    added, so that any ``threshold`` or more agents' sum carries at least the central noise."""
+    share = 0.5 if within else -0.5
+    if count_noise > 0:
+        if generator is None:
+            raise ValueError("the clipped count's noise needs a generator")
+        share += count_noise / math.sqrt(threshold) * float(torch.randn((), generator=generator, dtype=torch.float64))
+    return share
+
+
 def next_clip(clip: float, unclipped_fraction: float, quantile: float, lr: float) -> float:
     """Adaptive clipping's geometric step: ``clip * exp(-lr * (unclipped_fraction - quantile))``
     (it grows while fewer than ``quantile`` of the updates fit, and shrinks while more do)."""
@@ -169,10 +193,11 @@ def count_noise(cfg) -> float:
 
 
 def agent_clip(cfg) -> float:
-    """The norm an agent clips its own update to: the run's fixed one, or none under adaptive
-    clipping (the aggregator clips to the norm it moves; an agent clipping to another would
-    skew its count)."""
-    return 0.0 if cfg.dp_clip_quantile else cfg.dp_clip
+    """The norm an agent clips its own update to at first: the run's, or none under adaptive
+    clipping without secure aggregation (the aggregator clips to the norm it moves; an agent
+    clipping to another would skew its count). Under secure aggregation the agent clips, and
+    adaptive clipping gives it each round's norm with the round's task."""
+    return 0.0 if cfg.dp_clip_quantile and not cfg.secagg_threshold else cfg.dp_clip
 
 
 def privacy_spent(cfg, rounds: int, clip: float | None = None) -> dict[str, float]:

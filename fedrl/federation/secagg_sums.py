@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,9 +24,10 @@ from fedrl.federation.secagg import (
 # a round's weighted average, every agent in this process (fedrl simulate)
 # ---------------------------------------------------------------------------------------------
 def agent_vector(state: Mapping, alpha: float, params: SecAggParams, noise_std: float = 0.0,
-                 generator=None) -> np.ndarray:
-    """What one agent masks: ``alpha * state`` (every tensor flattened in order, float64) and
-    ``alpha`` last, quantized. With ``noise_std`` the agent first adds its share of differential
+                 generator=None, extra: Sequence[float] = ()) -> np.ndarray:
+    """What one agent masks: ``alpha * state`` (every tensor flattened in order, float64), then
+    ``alpha * extra`` (adaptive clipping's share of the count, already noised), and ``alpha``
+    last, quantized. With ``noise_std`` the agent first adds its share of differential
     privacy's noise to its state. The agent checks its own update: a non-finite value, or one
     past the clipping range, is refused here (no one else sees it to check)."""
     import torch
@@ -38,7 +39,7 @@ def agent_vector(state: Mapping, alpha: float, params: SecAggParams, noise_std: 
         if noise_std > 0:
             x = x + noise_std * torch.randn(x.shape, generator=generator, dtype=torch.float64)
         parts.append(x.numpy())
-    flat = np.concatenate([*parts, [1.0]]) * alpha
+    flat = np.concatenate([*parts, np.asarray(extra, np.float64), [1.0]]) * alpha
     if not np.isfinite(flat).all():
         raise SecAggError("the update holds NaN or Inf: it is not sent")
     top = float(np.abs(flat).max())
@@ -64,6 +65,15 @@ def average_from_sum(s: np.ndarray, ref: Mapping) -> dict:
     return {k: out[k] for k in ref}
 
 
+def extras_from_sum(s: np.ndarray, n: int) -> np.ndarray:
+    """The weighted averages of the ``n`` extra values each :func:`agent_vector` carried (they sit
+    just before the weight)."""
+    weight = s[-1]
+    if not weight > 0:
+        raise SecAggError(f"the summed weight is {weight}: nothing to average")
+    return s[len(s) - 1 - n:len(s) - 1] / weight
+
+
 def average_bound(s: np.ndarray, n: int, params: SecAggParams) -> float:
     """How far the average of a sum ``s`` of ``n`` quantized vectors can be from the exact one."""
     weight = s[-1]
@@ -87,23 +97,29 @@ def secure_sum(vectors: Mapping[str, Callable[[], np.ndarray]], params: SecAggPa
 
 
 def secure_fedavg(states, weights, params: SecAggParams, noise_std: float = 0.0, generator=None,
-                  drop: Iterable[int] = ()) -> tuple[dict, dict]:
+                  drop: Iterable[int] = (), extras: Sequence[Sequence[float]] | None = None) -> tuple[dict, dict]:
     """FedAvg of ``states`` with ``weights`` (public: each agent's sample count, or 1) taken by the
     protocol, every agent and the aggregator here: (the average, a record of the round). Agents
     of index in ``drop`` leave after sharing their keys (their masks are then removed). The
-    average differs from plain FedAvg's by at most ``bound`` per value (the record's)."""
+    average differs from plain FedAvg's by at most ``bound`` per value (the record's).
+    ``extras``: each agent's extra values, summed with its model; their weighted averages are
+    the record's ``extras``."""
     import time
 
     t0 = time.perf_counter()
     ids = [f"agent-{i:05d}" for i in range(len(states))]
     total = float(sum(weights))
-    vectors = {a: (lambda i=i: agent_vector(states[i], weights[i] / total, params, noise_std, generator))
+    vectors = {a: (lambda i=i: agent_vector(states[i], weights[i] / total, params, noise_std, generator,
+                                            extras[i] if extras else ()))
                for i, a in enumerate(ids)}
     s, survivors, dropped = secure_sum(vectors, params, [ids[i] for i in drop])
     out = average_from_sum(s, states[0])
     bound = average_bound(s, len(survivors), params)
-    return out, {"threshold": params.threshold, "agents": len(ids), "survivors": len(survivors),
-                 "dropped": len(dropped), "bound": bound, "seconds": time.perf_counter() - t0}
+    rec = {"threshold": params.threshold, "agents": len(ids), "survivors": len(survivors),
+           "dropped": len(dropped), "bound": bound, "seconds": time.perf_counter() - t0}
+    if extras:
+        rec["extras"] = [float(x) for x in extras_from_sum(s, len(extras[0]))]
+    return out, rec
 
 
 # ---------------------------------------------------------------------------------------------

@@ -235,6 +235,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         while isinstance(action, Open):
             r = action.round
             t0 = time.perf_counter()
+            if cfg.secagg_threshold and cfg.dp_clip_quantile:  # the agents clip, to this round's norm
+                for tr in trainers:
+                    tr.update_clip = machine.clip
 
             def train(i: int):
                 if i in in_round:  # trained before the run was stopped: its learner is restored
@@ -259,8 +262,11 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 results = [train(i) for i in range(n_agents)]
             if cfg.secagg_threshold:
                 w = agent_weights(cfg.weighting, [res.num_samples for res in results])
-                average, sa_rec = secure_average(cfg, r, [res.state for res in results], w, noise_gen)
-                closed = machine.close_sum(average, [res.agent for res in results])
+                average, sa_rec = secure_average(cfg, r, [res.state for res in results], w, noise_gen, machine.clip,
+                                                 [res.metrics for res in results])
+                share = sa_rec.pop("extras", None)
+                closed = machine.close_sum(average, [res.agent for res in results],
+                                           unclipped_fraction=share[0] + 0.5 if share else None)
             else:
                 for res in results:
                     machine.take(res.agent, r, action.version, Update(res.state, res.num_samples))
@@ -342,18 +348,24 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     return summary
 
 
-def secure_average(cfg: SimConfig, r: int, states: list, weights: list[float], noise_gen) -> tuple[dict, dict]:
+def secure_average(cfg: SimConfig, r: int, states: list, weights: list[float], noise_gen, clip: float = 0.0,
+                   metrics: list[dict[str, float]] | None = None) -> tuple[dict, dict]:
     """Round ``r``'s FedAvg under secure aggregation (fedrl.federation.secagg), and its record.
-    With DP noise, each agent adds its share: std sigma * C / sqrt(t), so that any t or more
-    survivors' sum carries at least the central mechanism's N(0, (sigma * C)^2)."""
-    import math
-
+    With DP noise, each agent adds its share: std sigma * C / sqrt(t) (``clip``: the round's
+    norm C), so that any t or more survivors' sum carries at least the central mechanism's
+    N(0, (sigma * C)^2). Under adaptive clipping each agent also adds its noisy share of the
+    count (from its ``metrics``' ``clipped``); the record's ``extras`` is their average."""
+    from fedrl.federation.privacy import count_noise, count_share, noise_share_std
     from fedrl.federation.secagg import SecAggParams
     from fedrl.federation.secagg_sums import secure_fedavg
 
     params = SecAggParams(threshold=cfg.secagg_threshold, context=f"simulate/{cfg.seed}/{r}".encode())
-    std = cfg.dp_noise * cfg.dp_clip / math.sqrt(cfg.secagg_threshold) if noise_gen is not None else 0.0
-    return secure_fedavg(states, weights, params, std, noise_gen)
+    std = noise_share_std(cfg, clip) if noise_gen is not None else 0.0
+    extras = None
+    if cfg.dp_clip_quantile:
+        extras = [[count_share(m["clipped"] == 0.0, count_noise(cfg), cfg.secagg_threshold, noise_gen)]
+                  for m in metrics]
+    return secure_fedavg(states, weights, params, std, noise_gen, extras=extras)
 
 
 def secure_normalizer(cfg: SimConfig, stats: list[ObsStats]) -> tuple[tuple[np.ndarray, np.ndarray], dict]:

@@ -66,6 +66,25 @@ def test_an_agent_checks_its_own_update():
         secure_fedavg(big, [1.0] * 3, SecAggParams(threshold=2, context=b"t", clip=1e4))
 
 
+@pytest.mark.parametrize("first, share", [(1e-4, 0.0), (1e3, 1.0)])  # far below every update, far above
+def test_adaptive_clipping_under_secure_aggregation_moves_the_norm_as_in_the_clear(tmp_path, random_dataset, first,
+                                                                                    share):
+    """Without noise, the share of updates within the norm that the agents' bits give under the
+    masks is the one the aggregator counts in the clear, so the norm moves the same way round by
+    round (within the fixed point's rounding); the agents clip to each round's norm themselves."""
+    clips = {}
+    for sa in (0, 2):
+        cfg = tiny(random_dataset, algo="fed-bc", agents=3, rounds=3, eval_episodes=0, dp_clip=first,
+                   dp_clip_quantile=0.5, dp_clip_lr=0.5, secagg_threshold=sa)
+        run(cfg, tmp_path / f"r{sa}", log=lambda m: None)
+        rows = [json.loads(x)["privacy"] for x in (tmp_path / f"r{sa}" / "rounds.jsonl").read_text().splitlines()]
+        clips[sa] = [(r["clip"], r["unclipped_fraction"], r["clip_next"]) for r in rows]
+    assert [f for _, f, _ in clips[0]] == [share] * 3
+    for (c0, f0, n0), (c2, f2, n2) in zip(clips[0], clips[2]):
+        assert c2 == pytest.approx(c0, rel=1e-6) and f2 == pytest.approx(f0, abs=1e-8)
+        assert n2 == pytest.approx(n0, rel=1e-6)
+
+
 def test_simulate_with_secure_aggregation_matches_plain_fedavg(tmp_path, random_dataset):
     """Round 1's global policy, by the protocol and by plain FedAvg (same seeds, same training):
     equal within the bound the round records."""

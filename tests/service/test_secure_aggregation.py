@@ -8,6 +8,7 @@ run fails, saying so, and no version is stored."""
 from __future__ import annotations
 
 import grpc
+import pytest
 import torch
 
 from fedrl.federation.round import RoundInterrupted
@@ -136,6 +137,32 @@ def test_an_agent_gone_before_masking_is_left_out(aggregator, agent_threads, sta
     assert [e["agents"] for e in closed] == [["agent-0", "agent-1"]]
     v1 = aggregator.store.load_version(run_id, 1)
     assert all(torch.isfinite(t).all() for t in v1.values())
+
+
+def test_adaptive_clipping_under_the_masks_moves_the_norm_from_the_agents_summed_bits(aggregator, agent_threads,
+                                                                                     stand_dataset, one_thread,
+                                                                                     monkeypatch):
+    """Each agent clips its update to the norm its task gives and sums its centred bit with its
+    model under the masks: the aggregator's masked vectors carry one value more, and the norm
+    moves by the share the sum gives (every update within a norm of 1e3: the share is 1)."""
+    import math
+
+    from aggregator_service.secure_round import SecureRound
+
+    lengths = []
+    take = SecureRound._take_masked
+    monkeypatch.setattr(SecureRound, "_take_masked",
+                        lambda self, a, msg: (lengths.append((self.size, len(msg.vector))), take(self, a, msg))[1])
+    _, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=2, secagg_threshold=2, algo="fed-bc",
+                       dp_clip=1e3, dp_clip_quantile=0.5, dp_clip_lr=0.5)
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]
+    closed = [e["metrics"] for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert [c["dp_clip"] for c in closed] == [1e3, pytest.approx(1e3 * math.exp(-0.25))]
+    assert all(c["dp_unclipped_fraction"] == pytest.approx(1.0, abs=1e-8) for c in closed)
+    numel = sum(t.numel() for t in aggregator.store.load_version(run_id, 1).values())
+    rounds = [(size, n) for size, n in lengths if size == numel + 1]  # the moments' round 0 is its own size
+    assert len(rounds) == 2 * 3 and all(n == 8 * (numel + 2) for _, n in rounds)
 
 
 def test_round_metrics_an_agent_sends_under_the_masks_are_dropped_unread(aggregator, agent_threads, stand_dataset,

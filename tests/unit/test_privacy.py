@@ -214,11 +214,27 @@ def test_adaptive_clipping_spends_what_one_gaussian_of_the_runs_multiplier_does(
     ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_noise": 1.1, "agents": 5},
      "dp_count_noise: 0.25 (agents / 20, as it is unset) leaves nothing of dp_noise 1.1 for the updates: set it "
      "above 0.55"),
-    ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "secagg_threshold": 2},
-     "dp_clip_quantile: adaptive clipping cannot run with secagg_threshold"),
 ])
 def test_adaptive_clipping_settings_are_checked_by_name(settings, says):
     with pytest.raises(ValueError) as e:
         parse_run_config(settings)
     assert says in str(e.value)
     assert parse_run_config({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_noise": 1.1, "agents": 30}).dp_clip_lr == 0.2
+
+
+def test_under_secure_aggregation_each_agent_adds_its_share_of_both_noises():
+    """Any t agents' shares add up to the central mechanisms: the update's noise at the raised
+    multiplier times the round's norm, and the count's at its std (a statistical test)."""
+    from fedrl.federation.privacy import count_share, noise_share_std, update_noise
+
+    cfg = parse_run_config({"agents": 5, "secagg_threshold": 3, "dp_clip": 1.0, "dp_noise": 1.1,
+                            "dp_clip_quantile": 0.5, "dp_count_noise": 1.0})
+    assert noise_share_std(cfg, 2.5) == pytest.approx(update_noise(1.1, 1.0) * 2.5 / math.sqrt(3))
+    fixed = parse_run_config({"agents": 5, "secagg_threshold": 3, "dp_clip": 1.0, "dp_noise": 1.1})
+    assert noise_share_std(fixed, 1.0) == pytest.approx(1.1 / math.sqrt(3))
+    assert noise_share_std(parse_run_config({"agents": 5, "secagg_threshold": 3, "dp_clip": 1.0}), 1.0) == 0.0
+    g = torch.Generator().manual_seed(5)
+    sums = np.array([sum(count_share(True, 1.0, 3, g) for _ in range(3)) for _ in range(20_000)])
+    assert float(sums.mean()) == pytest.approx(1.5, abs=5 / math.sqrt(20_000))
+    assert float(sums.std()) == pytest.approx(1.0, rel=0.03)  # three shares of 1/3 variance each
+    assert count_share(False, 0.0, 3, None) == -0.5

@@ -228,7 +228,7 @@ class TaskRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("kind", "run_id", "round", "base_version", "local_steps", "run_config_json", "obs_mean", "obs_std", "deadline_unix", "base_manifest", "base_payload")
+    __slots__ = ("kind", "run_id", "round", "base_version", "local_steps", "run_config_json", "obs_mean", "obs_std", "deadline_unix", "base_manifest", "base_payload", "dp_clip")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Task.Kind]
@@ -252,6 +252,7 @@ class Task(_message.Message):
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     BASE_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     BASE_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    DP_CLIP_FIELD_NUMBER: _ClassVar[int]
     kind: Task.Kind
     run_id: str
     round: int
@@ -263,7 +264,8 @@ class Task(_message.Message):
     deadline_unix: float
     base_manifest: _weights_pb2.WeightsManifest
     base_payload: bytes
-    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., local_steps: _Optional[int] = ..., run_config_json: _Optional[str] = ..., obs_mean: _Optional[_Iterable[float]] = ..., obs_std: _Optional[_Iterable[float]] = ..., deadline_unix: _Optional[float] = ..., base_manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., base_payload: _Optional[bytes] = ...) -> None: ...
+    dp_clip: float
+    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., local_steps: _Optional[int] = ..., run_config_json: _Optional[str] = ..., obs_mean: _Optional[_Iterable[float]] = ..., obs_std: _Optional[_Iterable[float]] = ..., deadline_unix: _Optional[float] = ..., base_manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., base_payload: _Optional[bytes] = ..., dp_clip: _Optional[float] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("run_id", "version")
