@@ -103,12 +103,14 @@ def test_a_secure_run_equals_the_simulation_under_the_same_protocol(aggregator, 
     y = np.frombuffer(seen[("agent-0", f"{run_id}/1".encode())], dtype="<u8")
     counts = np.bincount(y.view(np.uint8), minlength=256)
     expected = y.nbytes / 256
-    assert float(((counts - expected) ** 2 / expected).sum()) < 330  # 255 dof: P(> 330) < 0.1 %
+    assert float(((counts - expected) ** 2 / expected).sum()) < 380  # 255 dof: P(> 380) < 1e-6
     v1 = aggregator.store.load_version(run_id, 1)
     x = quantize(np.concatenate([v1[k].double().reshape(-1).numpy() for k in sorted(v1)] + [np.ones(1)]) / 3,
                  SecAggParams(threshold=2, context=b""))  # about what agent-0 masked: a third of the average
     corr = np.corrcoef((y >> np.uint64(11)).astype(float), (x >> np.uint64(11)).astype(float))[0, 1]
-    assert abs(corr) < 0.05, corr
+    # uncorrelated: |corr| of n independent pairs is about N(0, 1/n); 5 / sqrt(n) fails one run in
+    # ~2 million by chance (0.05 failed one in 25 at this model's ~1,700 values); unmasked, corr is 1
+    assert abs(corr) < 5 / np.sqrt(len(y)), (corr, len(y))
 
 
 def test_an_agent_that_stops_after_masking_is_recovered(aggregator, agent_threads, stand_dataset, tmp_path,
