@@ -81,6 +81,11 @@ def dashboard() -> dict:
         panel(20, "CPU per process",
               [('rate(process_cpu_seconds_total{job=~".*fedrl.*"}[$__rate_interval])', "{{job}} {{instance}}")],
               0, 60, 12, 8, unit="percentunit", description="CPU seconds per second (1 = one core busy)."),
+        panel(21, "Differential privacy",
+              [("max(fedrl_aggregator_privacy_epsilon)", "epsilon spent"),
+               ("max(fedrl_aggregator_privacy_clip_norm)", "clipping norm")], 12, 60, 12, 8,
+              description="Epsilon the run has spent (at its dp_delta; 0 without dp_clip) and the norm its "
+                          "next round clips each update to (adaptive clipping moves it)."),
     ]
     return {
         "uid": "fedrl-federation", "title": "fedrl: federated DRPO", "tags": ["fedrl"],
