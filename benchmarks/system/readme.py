@@ -150,9 +150,13 @@ def measure_suite() -> int:
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--deselect", SELF_CHECK],
                        cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0
-    tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    lines = p.stdout.strip().splitlines()
+    tail = lines[-1] if lines else ""
+    failed = [x.split(" ", 1)[1].split(" - ")[0] for x in lines if x.startswith(("FAILED ", "ERROR "))]
+    if p.returncode:  # which tests, and why: the run's own report, not only its count
+        print(p.stdout[-20000:] + p.stderr[-4000:], file=sys.stderr)
     return _write("suite", {"command": f"python -m pytest --deselect {SELF_CHECK}", "wall_seconds": round(wall, 1),
-                            "summary": tail,
+                            "summary": tail, **({"failed": failed} if failed else {}),
                             "returncode": p.returncode, "machine_before": before, "machine_after": machine()}) and \
         (0 if p.returncode == 0 else 1)
 
