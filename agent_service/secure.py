@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from fedrl.data.normalize import ObsStats
-from fedrl.federation.privacy import count_noise, count_share, noise_generator, noise_share_std
+from fedrl.federation.privacy import count_extra, noise_generator, noise_share_std
 from fedrl.federation.round import RoundInterrupted
 from fedrl.federation.runconfig import RunConfig, parse_run_config
 from fedrl.federation.secagg import AgentSession, PublicKeys, SecAggError, SecAggParams
@@ -36,8 +36,7 @@ class SecureSteps:
         gen = noise_generator() if std else None
         # adaptive clipping: the centred bit "my update was within the norm", with its share of the
         # count's noise, summed under the masks with the model (the aggregator sees only the sum)
-        extra = [count_share(res.metrics["clipped"] == 0.0, count_noise(rc), rc.secagg_threshold, gen)] \
-            if rc.dp_clip_quantile else []
+        extra = count_extra(rc, res.metrics, gen)
         self._steps(stub, task, params, lambda alpha: agent_vector(res.state, alpha, params, std, gen, extra),
                     federation_pb2.SecAggMasked(train_seconds=res.seconds))
 

@@ -33,7 +33,7 @@ from aggregator_service.start import RunStart
 from aggregator_service.store import Store
 from fedrl.federation.aggregate import AggregationError, agent_weights
 from fedrl.federation.machine import Closed, Finished, Open, Refused, Stopped, Update
-from fedrl.federation.privacy import PRIVACY_EPSILON, noise_generator
+from fedrl.federation.privacy import PRIVACY_EPSILON, fraction_from_shares, noise_generator
 from fedrl.federation.secagg import SecAggError, SecAggParams, dequantize
 from fedrl.federation.secagg_sums import average_from_sum, extras_from_sum, moments_from_sum
 from fedrl.ops.metrics import AggregatorMetrics
@@ -259,7 +259,7 @@ class Rounds:
             new = average_from_sum(total, run.global_state)
             order = [a for a in run.selected if a in sec.survivors]
             # adaptive clipping: the agents' noisy centred bits, summed with their models
-            share = float(extras_from_sum(total, 1)[0]) + 0.5 if run.cfg.dp_clip_quantile else None
+            share = fraction_from_shares(float(extras_from_sum(total, 1)[0])) if run.cfg.dp_clip_quantile else None
             closed = run.machine.close_sum(new, order, [sec.metrics[a][0] for a in order], share)
         except (SecAggError, ValueError) as e:
             self.journal.fail(run, f"{self._secure_name(run)}: secure aggregation failed: {e}")

@@ -156,6 +156,20 @@ def count_share(within: bool, count_noise: float, threshold: int, generator: tor
     return share
 
 
+def count_extra(cfg, metrics: Mapping[str, float], generator: torch.Generator | None) -> list[float]:
+    """What an agent of a run with settings ``cfg`` sums with its model under secure aggregation
+    beside it: under adaptive clipping its :func:`count_share` (from its round's ``metrics``:
+    ``clipped`` is 0 when its update was within the norm), else nothing."""
+    if not cfg.dp_clip_quantile:
+        return []
+    return [count_share(metrics["clipped"] == 0.0, count_noise(cfg), cfg.secagg_threshold, generator)]
+
+
+def fraction_from_shares(mean_share: float) -> float:
+    """The share of updates within the norm from the mean of the agents' :func:`count_share`s."""
+    return mean_share + 0.5
+
+
 def next_clip(clip: float, unclipped_fraction: float, quantile: float, lr: float) -> float:
     """Adaptive clipping's geometric step: ``clip * exp(-lr * (unclipped_fraction - quantile))``
     (it grows while fewer than ``quantile`` of the updates fit, and shrinks while more do)."""

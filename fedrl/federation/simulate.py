@@ -51,7 +51,7 @@ from fedrl.federation.round import (
     initial_global_state,
 )
 from fedrl.federation.machine import Open, Plan, RoundMachine, Stopped, Update
-from fedrl.federation.privacy import agent_clip
+from fedrl.federation.privacy import agent_clip, fraction_from_shares
 from fedrl.federation.simconfig import SimConfig
 
 ENGINES = ("auto", "batched", "per-agent")
@@ -266,7 +266,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                                                  [res.metrics for res in results])
                 share = sa_rec.pop("extras", None)
                 closed = machine.close_sum(average, [res.agent for res in results],
-                                           unclipped_fraction=share[0] + 0.5 if share else None)
+                                           unclipped_fraction=fraction_from_shares(share[0]) if share else None)
             else:
                 for res in results:
                     machine.take(res.agent, r, action.version, Update(res.state, res.num_samples))
@@ -355,16 +355,13 @@ def secure_average(cfg: SimConfig, r: int, states: list, weights: list[float], n
     norm C), so that any t or more survivors' sum carries at least the central mechanism's
     N(0, (sigma * C)^2). Under adaptive clipping each agent also adds its noisy share of the
     count (from its ``metrics``' ``clipped``); the record's ``extras`` is their average."""
-    from fedrl.federation.privacy import count_noise, count_share, noise_share_std
+    from fedrl.federation.privacy import count_extra, noise_share_std
     from fedrl.federation.secagg import SecAggParams
     from fedrl.federation.secagg_sums import secure_fedavg
 
     params = SecAggParams(threshold=cfg.secagg_threshold, context=f"simulate/{cfg.seed}/{r}".encode())
     std = noise_share_std(cfg, clip) if noise_gen is not None else 0.0
-    extras = None
-    if cfg.dp_clip_quantile:
-        extras = [[count_share(m["clipped"] == 0.0, count_noise(cfg), cfg.secagg_threshold, noise_gen)]
-                  for m in metrics]
+    extras = [count_extra(cfg, m, noise_gen) for m in metrics] if cfg.dp_clip_quantile else None
     return secure_fedavg(states, weights, params, std, noise_gen, extras=extras)
 
 
