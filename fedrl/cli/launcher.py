@@ -334,12 +334,12 @@ class Launcher:
                                         "agents": e["agents"], **{f"loss_{k}": v for k, v in e["metrics"].items()}}
                 bar.set(e["round"] * per_round)
                 if not self.cfg.run.eval_episodes:
-                    say(self._line(rounds[e["version"]]))
+                    say(round_line(rounds[e["version"]], self.cfg.run))
             elif e["kind"] == "EVALUATED" and e["version"] in rounds:
                 ev = e["evaluation"]
                 rounds[e["version"]].update(return_mean=ev["return_mean"], return_std=ev["return_std"],
                                             score_mean=ev["score_mean"], score_std=ev["score_std"])
-                say(self._line(rounds[e["version"]]))
+                say(round_line(rounds[e["version"]], self.cfg.run))
             elif e["kind"] in ("RUN_FAILED", "RUN_STOPPED"):
                 say(f"run {e['kind'].split('_')[1].lower()}: {e.get('message', '')}")
         bar.close()
@@ -347,17 +347,6 @@ class Launcher:
             self._check_children()  # a dead aggregator explains a broken stream best
             raise errors[0]
         return rounds
-
-    def _line(self, r: dict[str, Any]) -> str:
-        ev = (f"return {r['return_mean']:8.1f} ± {r['return_std']:6.1f}  score {r['score_mean']:6.1f}"
-              if "return_mean" in r else "")
-        losses = "  ".join(f"{k[5:]}={v:.3g}" for k, v in r.items()
-                           if k in ("loss_critic_td", "loss_cql_penalty", "loss_reg_data", "loss_bc_loss"))
-        eps = r.get("loss_privacy_epsilon")
-        spent = f"  epsilon {eps:.3g} (delta {self.cfg.run.dp_delta:g})" if eps is not None else ""
-        if (clip := r.get("loss_dp_clip")) is not None:  # adaptive clipping: the norm this round clipped to
-            spent += f"  clip {clip:.3g} -> {r['loss_dp_clip_next']:.3g}"
-        return f"round {r['round']:3d}/{self.cfg.run.rounds}  {ev}{'  ' + losses if losses else ''}{spent}  [{r['seconds']:.1f}s]"
 
     def _write_results(self, rounds: dict[int, dict[str, Any]], final: dict) -> None:
         rows = [rounds[v] for v in sorted(rounds)]
@@ -388,6 +377,23 @@ class Launcher:
             summary["privacy"] = final["privacy"]
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+def round_line(r: dict[str, Any], run: RunConfig) -> str:
+    """One round as ``fedrl up`` prints it: the evaluation (once it exists), the mean losses, how
+    many agents' updates made the round when fewer than the run's (a quorum at the deadline, or the
+    survivors of secure aggregation), and under DP the budget spent and the clipping norm."""
+    ev = (f"return {r['return_mean']:8.1f} ± {r['return_std']:6.1f}  score {r['score_mean']:6.1f}"
+          if "return_mean" in r else "")
+    losses = "  ".join(f"{k[5:]}={v:.3g}" for k, v in r.items()
+                       if k in ("loss_critic_td", "loss_cql_penalty", "loss_reg_data", "loss_bc_loss"))
+    n = len(r.get("agents") or ())
+    short = f"  {n} of {run.agents} agents" if 0 < n < run.agents else ""
+    eps = r.get("loss_privacy_epsilon")
+    spent = f"  epsilon {eps:.3g} (delta {run.dp_delta:g})" if eps is not None else ""
+    if (clip := r.get("loss_dp_clip")) is not None:  # adaptive clipping: the norm this round clipped to
+        spent += f"  clip {clip:.3g} -> {r['loss_dp_clip_next']:.3g}"
+    return f"round {r['round']:3d}/{run.rounds}  {ev}{'  ' + losses if losses else ''}{short}{spent}  [{r['seconds']:.1f}s]"
 
 
 def _interrupt(signum, frame) -> None:

@@ -1,0 +1,29 @@
+"""``fedrl up``'s line per round: what it says, and what it says only when it applies."""
+
+from fedrl.cli.launcher import round_line
+from fedrl.federation.runconfig import RunConfig
+
+
+def _round(**extra):
+    return {"round": 2, "version": 2, "seconds": 12.34, "agents": ["agent-0", "agent-1", "agent-2"],
+            "loss_critic_td": 1.5, "loss_actor_total": 9.0, **extra}
+
+
+def test_a_full_round_names_no_agent_count_and_no_privacy():
+    line = round_line(_round(return_mean=812.4, return_std=20.1, score_mean=25.6, score_std=0.6),
+                      RunConfig(agents=3, rounds=5))
+    assert line.startswith("round   2/5  return    812.4 ±   20.1  score   25.6")
+    assert "critic_td=1.5" in line and "actor_total" not in line and line.endswith("[12.3s]")
+    assert "agents" not in line and "epsilon" not in line and "clip" not in line
+
+
+def test_a_round_closed_with_fewer_agents_says_how_many():
+    # a quorum at the deadline, or the survivors of secure aggregation
+    line = round_line(_round(agents=["agent-0", "agent-2"]), RunConfig(agents=3, rounds=5))
+    assert "2 of 3 agents" in line
+
+
+def test_privacy_spent_and_the_clipping_norm_show_when_recorded():
+    line = round_line(_round(loss_privacy_epsilon=4.2, loss_dp_clip=0.05, loss_dp_clip_next=0.0568),
+                      RunConfig(agents=3, rounds=5, dp_delta=1e-6))
+    assert "epsilon 4.2 (delta 1e-06)" in line and "clip 0.05 -> 0.0568" in line
