@@ -34,17 +34,28 @@ def _target(text: str) -> str:
     return text
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, runs, versions, fetch, stop")
-    p.add_argument("--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}",
-                   help=f"aggregator HOST[:PORT] (port {DEFAULT_PORT} when not given; default %(default)s)")
-    p.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of tables")
-    p.add_argument("--connect-timeout", type=argtypes.positive_seconds, default=None,
+def _connection_args(p: argparse.ArgumentParser, given_only: str | None = None) -> None:
+    """ctl's own options (where the aggregator is, how to reach it, how to print). On the
+    subcommands too, with ``given_only=argparse.SUPPRESS``: a value given there overrides one given
+    before the command, and an absent one leaves it (or its default) alone."""
+    def default(value):
+        return value if given_only is None else given_only
+
+    p.add_argument("--target", "--aggregator", dest="target", type=_target, default=default(f"127.0.0.1:{DEFAULT_PORT}"),
+                   help=f"aggregator HOST[:PORT] (port {DEFAULT_PORT} when not given; default 127.0.0.1:{DEFAULT_PORT})")
+    p.add_argument("--json", action="store_true", default=default(False),
+                   help="print JSON (for scripts) instead of tables")
+    p.add_argument("--connect-timeout", type=argtypes.positive_seconds, default=default(None),
                    help=f"seconds to wait for the aggregator to answer, also while nothing listens yet (e.g. "
                         f"while its pod starts). Default: {CTL_CONNECT_TIMEOUT:g} s, and a target where nothing "
                         f"listens (connection refused) is an error at once")
     from fedrl.wire.security import add_tls_arg
-    add_tls_arg(p)
+    add_tls_arg(p, default=default(None))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ctl", help="control a running aggregator: start, status, watch, runs, versions, fetch, stop")
+    _connection_args(p)
     p.epilog = 'The admin token, when the aggregator requires tokens, is read from $FEDRL_ADMIN_TOKEN.'
     csub = p.add_subparsers(dest="ctl_cmd", required=True)
     st = csub.add_parser("start", help="start a run", description=(
@@ -70,9 +81,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--force", action="store_true", help="write over an existing --out file")
     sp = csub.add_parser("stop", help="stop the active run")
     sp.add_argument("--reason", default="stopped by operator", help="recorded with the run (default: %(default)s)")
-    for each in csub.choices.values():  # --json before or after the command: `ctl --json watch`, `ctl watch --json`
-        each.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                          help="print JSON (for scripts) instead of tables")
+    for each in csub.choices.values():  # before or after the command: `ctl --target H status`, `ctl status --target H`
+        _connection_args(each, argparse.SUPPRESS)
     p.set_defaults(func=_cmd_ctl)
 
 

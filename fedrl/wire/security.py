@@ -324,8 +324,8 @@ class _CallDetails(grpc.ClientCallDetails):
         self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
 
 
-def add_tls_arg(p) -> None:
-    p.add_argument("--tls-dir", default=None, metavar="DIR",
+def add_tls_arg(p, default=None) -> None:
+    p.add_argument("--tls-dir", default=default, metavar="DIR",
                    help="TLS files in Kubernetes Secret layout: tls.crt + tls.key (serve or present), "
                         "ca.crt (trust; on a server: require client certificates). Default $FEDRL_TLS_DIR; "
                         "none: plaintext")

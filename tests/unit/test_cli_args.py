@@ -52,6 +52,25 @@ def test_a_ctl_target_without_a_port_gets_the_aggregators_default(given, target)
     assert fedrl_parser().parse_args(["ctl", "--target", given, "status"]).target == target
 
 
+@pytest.mark.parametrize("argv", [["ctl", "--target", "agg:7", "--json", "--connect-timeout", "3", "--tls-dir", "t",
+                                    "status"],
+                                   ["ctl", "status", "--target", "agg:7", "--json", "--connect-timeout", "3",
+                                    "--tls-dir", "t"],
+                                   ["ctl", "--aggregator", "agg:7", "--connect-timeout", "3", "status", "--json",
+                                    "--tls-dir", "t"],
+                                   ["ctl", "--target", "other:1", "status", "--aggregator", "agg:7", "--json",
+                                    "--connect-timeout", "3", "--tls-dir", "t"]])
+def test_ctls_own_options_go_before_or_after_the_command(argv):
+    # the agents' flag name, --aggregator, names the same target; after the command wins
+    a = fedrl_parser().parse_args(argv)
+    assert (a.target, a.json, a.connect_timeout, a.tls_dir) == ("agg:7", True, 3.0, "t")
+
+
+def test_ctls_options_left_out_keep_their_defaults():
+    a = fedrl_parser().parse_args(["ctl", "watch"])
+    assert (a.target, a.json, a.connect_timeout, a.tls_dir) == ("127.0.0.1:50051", False, None, None)
+
+
 def test_a_ctl_target_with_a_bad_port_is_named(capsys):
     with pytest.raises(SystemExit):
         fedrl_parser().parse_args(["ctl", "--target", "host:99999", "status"])
