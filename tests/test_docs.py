@@ -73,3 +73,15 @@ def test_ci_runs_the_readmes_test_command_in_a_new_virtualenv():
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install torch==2.13.0 -e ".[test]" && python -m pytest' in ci
     assert "python3 -m venv" in ci and "source" in ci
+
+
+def test_the_suites_measurement_keeps_pytests_slowest_phases():
+    from benchmarks.system.readme import slowest_tests
+
+    report = ["=========== slowest 40 durations ===========", "61.02s call     tests/e2e/test_up.py::test_up",
+              "3.10s setup    tests/service/test_a.py::test_b[a b]", "1.50s teardown tests/x.py::test_y",
+              "(12 durations < 1s hidden.  Use -vv to show these durations.)", "774 passed in 1173.62s (0:19:33)"]
+    assert slowest_tests(report) == [
+        {"seconds": 61.02, "phase": "call", "test": "tests/e2e/test_up.py::test_up"},
+        {"seconds": 3.1, "phase": "setup", "test": "tests/service/test_a.py::test_b[a b]"},
+        {"seconds": 1.5, "phase": "teardown", "test": "tests/x.py::test_y"}]

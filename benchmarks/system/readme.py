@@ -144,19 +144,39 @@ def measure_by_hand() -> int:
 SELF_CHECK = "tests/test_docs.py::test_every_rendered_number_matches_its_committed_result"
 
 
+SLOWEST = 40  # the slowest phases (setup, call, teardown) recorded with the suite's time
+
+
+def slowest_tests(lines: list[str]) -> list[dict]:
+    """pytest's ``--durations`` report (``12.34s call     tests/x.py::test_y``) as records, slowest first."""
+    out = []
+    for line in lines:
+        head, _, rest = line.partition("s ")
+        parts = rest.split(None, 1)
+        try:
+            seconds = float(head)
+        except ValueError:
+            continue
+        if len(parts) == 2 and parts[0] in ("setup", "call", "teardown") and "::" in parts[1]:
+            out.append({"seconds": seconds, "phase": parts[0], "test": parts[1].strip()})
+    return sorted(out, key=lambda r: -r["seconds"])
+
+
 def measure_suite() -> int:
     before = machine()
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--deselect", SELF_CHECK],
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--deselect", SELF_CHECK,
+                        f"--durations={SLOWEST}", "--durations-min=1"],
                        cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0
     lines = p.stdout.strip().splitlines()
     tail = lines[-1] if lines else ""
+    slowest = slowest_tests(lines)
     failed = [x.split(" ", 1)[1].split(" - ")[0] for x in lines if x.startswith(("FAILED ", "ERROR "))]
     if p.returncode:  # which tests, and why: the run's own report, not only its count
         print(p.stdout[-20000:] + p.stderr[-4000:], file=sys.stderr)
     return _write("suite", {"command": f"python -m pytest --deselect {SELF_CHECK}", "wall_seconds": round(wall, 1),
-                            "summary": tail, **({"failed": failed} if failed else {}),
+                            "summary": tail, **({"failed": failed} if failed else {}), "slowest": slowest,
                             "returncode": p.returncode, "machine_before": before, "machine_after": machine()}) and \
         (0 if p.returncode == 0 else 1)
 
