@@ -146,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
                               session=a.transport == "session", progress_seconds=a.progress_seconds,
                               share_moments=not a.private_moments),
                   shard, metrics)
-    health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc], tls=tls)
     def on_signal(signum, _frame) -> None:
         # a handler must not take locks the interrupted code may hold (logging's): the agent logs
         # why it stops from its own thread once the flag is seen
         agent.stop(signal.Signals(signum).name)
 
+    # before its ports are bound: a stop right after the announcement is a clean one
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    health = start_side_endpoints(a, metrics.registry, log, interceptors=[metrics.grpc], tls=tls)
     try:
         agent.run()
     except KeyboardInterrupt:

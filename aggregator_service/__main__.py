@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedrl.ops.endpoint import start_side_endpoints
     from fedrl.ops.metrics import AggregatorMetrics
     from fedrl.proto.v1 import control_pb2_grpc, federation_pb2_grpc
-    from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
+    from fedrl.wire.rpc import StopSignals, announce_port, create_server
     from fedrl.wire.streams import stream_limits
     from fedrl.wire.security import (
         Authenticator,
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("fedrl.aggregator")
     if auth.enabled and tls is None:
         log.warning("tokens without TLS travel in clear text; use --tls-dir outside a trusted network")
+    stop = StopSignals()  # before any port is bound: a stop right after the announcement is a clean one
     metrics = AggregatorMetrics()
     coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics, resume=a.resume, max_agents=a.max_agents)
     server = create_server([
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
              ", tokens required" if auth.enabled else "", a.state_dir)
     health = start_side_endpoints(a, metrics.registry, log, tls=tls)
     announce_port(a.port_file, server.port)
-    why = wait_for_shutdown()
+    why = stop.wait()
     st = coord.status()
     run = (f"run {st['run_id']} {st['state']} at round {st['round']}, global version {st['global_version']}"
            if st.get("run_id") else "no run")

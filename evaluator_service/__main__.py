@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedrl.ops.endpoint import start_side_endpoints
     from fedrl.ops.metrics import EvaluatorMetrics
     from fedrl.proto.v1 import evaluator_pb2_grpc
-    from fedrl.wire.rpc import announce_port, create_server, wait_for_shutdown
+    from fedrl.wire.rpc import StopSignals, announce_port, create_server
     from fedrl.wire.streams import stream_limits
     from fedrl.wire.security import (
         Authenticator,
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, SecurityConfigError) as e:
         print(f"fedrl-evaluator: error: {e}", file=sys.stderr)
         return 2
+    stop = StopSignals()  # before any port is bound: a stop right after the announcement is a clean one
     metrics = EvaluatorMetrics()
     follower = (Follower(a.aggregator, a.seed, a.num_envs, metrics=metrics, tls=tls,
                          token=os.environ.get("FEDRL_EVALUATOR_TOKEN") or None) if a.aggregator else None)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     announce_port(a.port_file, server.port)
     if follower is not None:
         threading.Thread(target=follower.run, daemon=True, name="follower").start()
-    why_stop = wait_for_shutdown()
+    why_stop = stop.wait()
     log.info("received %s; stopping (%s)", why_stop,
              f"following {a.aggregator}" if follower is not None else "on-demand evaluation only")
     if follower is not None:

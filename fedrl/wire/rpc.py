@@ -264,18 +264,26 @@ class StopFlag:
         return True
 
 
-def wait_for_shutdown() -> str:
-    """Block until SIGTERM or SIGINT (main thread only); the signal's name."""
-    done, got = StopFlag(), []
+class StopSignals:
+    """SIGTERM and SIGINT caught from the moment this is made (main thread only).
 
-    def on_signal(signum, _frame) -> None:
-        got.append(signal.Signals(signum).name)
-        done.set()
+    Make it before the service binds its ports: a launcher or supervisor that stops a service as
+    soon as it announces its port (or while it still starts) then gets a logged, clean stop, never
+    the default handler's silent death in between. :meth:`wait` blocks until one arrives (at
+    once if one already has) and names it."""
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    done.wait()
-    return got[0] if got else "a stop"
+    def __init__(self) -> None:
+        self._flag, self._got = StopFlag(), []
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._got.append(signal.Signals(signum).name)
+        self._flag.set()
+
+    def wait(self) -> str:
+        self._flag.wait()
+        return self._got[0] if self._got else "a stop"
 
 
 def create_health_server(host: str, port: int, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> Server:

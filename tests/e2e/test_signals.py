@@ -87,3 +87,40 @@ def test_an_agent_stops_within_seconds_while_training_or_long_polling(tmp_path, 
             assert "stopping (SIGTERM)" in text and text.rstrip().endswith("stopped (SIGTERM)"), text[-800:]
     finally:
         ps.close()
+
+
+# A service whose announcement of its port is itself a SIGTERM: the worst case of a launcher or
+# supervisor that stops a service as soon as it is up (seen: an evaluator stopped right after its
+# port file appeared died silently, its handler not yet installed).
+_STOP_AT_ANNOUNCE = """
+import os, signal, sys
+import fedrl.wire.rpc as rpc
+announce = rpc.announce_port
+def announce_and_stop(port_file, port):
+    if port_file:
+        os.kill(os.getpid(), signal.SIGTERM)
+    announce(port_file, port)
+rpc.announce_port = announce_and_stop
+from {module}.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_service_stopped_as_it_announces_its_port_stops_cleanly(tmp_path, stand_dataset):
+    import sys
+
+    services = {
+        "aggregator_service": ["--port", "0", "--port-file", str(tmp_path / "a.port"), "--state-dir",
+                               str(tmp_path / "state")],
+        "evaluator_service": ["--port", "0", "--port-file", str(tmp_path / "e.port"), "--aggregator", "127.0.0.1:9"],
+        "agent_service": ["--aggregator", "127.0.0.1:9", "--dataset", str(stand_dataset), "--metrics-port", "0",
+                          "--metrics-port-file", str(tmp_path / "m.port")],
+    }
+    for module, argv in services.items():
+        p = subprocess.run([sys.executable, "-c", _STOP_AT_ANNOUNCE.format(module=module), *argv],
+                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+        out = p.stdout + p.stderr
+        assert p.returncode == 0, f"{module} exited {p.returncode} (-15: killed by the default handler): {out[-1500:]}"
+        assert "received SIGTERM" in out or "stopping (SIGTERM)" in out, f"{module}: {out[-1500:]}"
+        assert "Traceback" not in out and out.rstrip().splitlines()[-1].endswith(("stopped", "stopped (SIGTERM)")), \
+            f"{module}: {out[-1500:]}"
