@@ -31,6 +31,45 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("D4RL_DATASET_DIR", str(root / "d4rl"))
 
 
+@pytest.fixture(scope="session")
+def _named_once(tmp_path_factory):
+    """Named datasets (``hopper-medium-v2``) made by the registry, as a user's first use makes
+    them, once per session: making one takes ~25 s, and every test has its own empty cache."""
+    import os
+
+    from fedrl.data.registry import resolve
+
+    root, made = tmp_path_factory.mktemp("named-once"), {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            keys = ("FEDRL_CACHE_DIR", "D4RL_DATASET_DIR")
+            before = {k: os.environ.get(k) for k in keys}
+            os.environ.update({"FEDRL_CACHE_DIR": str(root / "fedrl"), "D4RL_DATASET_DIR": str(root / "d4rl")})
+            try:
+                made[name] = resolve(name, progress=lambda message: None)
+            finally:
+                for k, v in before.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture
+def hopper_medium(_named_once, _isolated_cache) -> Path:
+    """``hopper-medium-v2`` as the registry makes it, copied into this test's own cache (a copy: a
+    test that writes there changes no other test's data)."""
+    import shutil
+
+    from fedrl.data.registry import cache_dir
+
+    out = cache_dir() / "datasets" / "hopper-medium-v2.hdf5"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_named_once("hopper-medium-v2"), out)
+    return out
+
+
 def stand_policy(obs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """A PD controller holding Hopper's joints at zero: ~1 reward per step, rarely falls."""
     return np.clip(-2.0 * obs[2:5] - 0.2 * obs[8:11], -1.0, 1.0).astype(np.float32)

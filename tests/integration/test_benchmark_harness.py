@@ -37,7 +37,7 @@ def test_float_rounding_comparison_still_sees_real_differences():
     assert not same_up_to_float_rounding({"algo": "drpo"}, {"algo": "cql"})
 
 
-def test_smoke_rerun_matches_the_committed_results(tmp_path):
+def test_smoke_rerun_matches_the_committed_results(tmp_path, hopper_medium):
     """Bit-identical on the machine that wrote them; elsewhere equal up to float rounding:
     BLAS and ATen pick kernels by CPU (AVX2, AVX-512), so another x86 machine differs in the
     8th digit (seen: 7.523176746 vs 7.523176802 after two rounds). A change to the algorithm
@@ -82,7 +82,7 @@ def test_benchmarks_md_tables_are_generated_from_the_committed_files():
             assert m.group(1) == body, f"{doc}: block {name} is stale: python -m benchmarks.paper render"
 
 
-def test_render_writes_tables_and_curves(tmp_path):
+def test_render_writes_tables_and_curves(tmp_path, hopper_medium):
     p = paper.presets.PRESETS["smoke"]
     for r in paper.presets.plan(p, "table", p.seeds):
         src = paper.presets.result_path(p, r, COMMITTED)
@@ -97,7 +97,7 @@ def test_render_writes_tables_and_curves(tmp_path):
     assert not (tmp_path / "paper-smoke" / "studies.png").exists()  # no study has results
 
 
-def test_q_scale_long_runs_with_its_own_rounds_and_renders_each_variant(tmp_path):
+def test_q_scale_long_runs_with_its_own_rounds_and_renders_each_variant(tmp_path, hopper_medium):
     p = paper.presets.PRESETS["smoke"]
     runs = paper.presets.plan(p, "q_scale_long", p.seeds)
     agents, steps, rounds, every = p.long
@@ -112,7 +112,7 @@ def test_q_scale_long_runs_with_its_own_rounds_and_renders_each_variant(tmp_path
     assert len(lines) == 4 and not any("not run yet" in ln for ln in lines), block
 
 
-def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parallel(tmp_path, capsys):
+def test_study_points_equal_to_a_table_run_are_reused_and_the_rest_run_in_parallel(tmp_path, capsys, hopper_medium):
     p = paper.presets.PRESETS["smoke"]
     for r in paper.presets.plan(p, "table", p.seeds):
         dst = paper.presets.result_path(p, r, tmp_path)
@@ -189,7 +189,7 @@ def test_lambdas_are_the_papers_two_sweeps_crossing_once():
                         "s0: 90.0 (r3) -> 90.0<br>s1: 40.0 (r2) -> 20.0 |")
 
 
-def test_a_file_without_td_weight_ran_at_the_old_default_and_is_not_reused_for_the_new(tmp_path):
+def test_a_file_without_td_weight_ran_at_the_old_default_and_is_not_reused_for_the_new(tmp_path, hopper_medium):
     p = paper.presets.PRESETS["smoke"]
     r = next(x for x in paper.presets.plan(p, "table", p.seeds) if x.algo == "drpo")  # Fed-BC reads no DRPO setting
     dst = paper.presets.result_path(p, r, tmp_path)
@@ -207,7 +207,7 @@ class _Stopped(Exception):
     pass
 
 
-def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path, monkeypatch, capsys):
+def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path, monkeypatch, capsys, hopper_medium):
     """A harness run stopped as the second agent of round 2 starts keeps round 1's checkpoint and
     the first agent's round 2 in its work folder; `status` names the run with both; running again
     trains only that second agent in round 2 and finishes with what an uninterrupted run computes."""
@@ -448,7 +448,7 @@ def test_minutes_left_are_the_agents_to_train_at_the_median_of_the_last_ones(tmp
     assert paper.cli.minutes_left(tmp_path, 3, 2) == pytest.approx(3 * 60 / 60)
 
 
-def test_the_claim_preset_runs_and_reports_its_plan_and_marks_the_rest(tmp_path, monkeypatch, capsys):
+def test_the_claim_preset_runs_and_reports_its_plan_and_marks_the_rest(tmp_path, monkeypatch, capsys, hopper_medium):
     """`status` of the claim preset marks the experiments outside its plan (the paper's studies at
     10k steps, ~90 h of one core) and `run --experiment all` runs exactly its plan's cells."""
     p = paper.presets.PRESETS["claim"]
@@ -468,7 +468,7 @@ def test_the_claim_preset_runs_and_reports_its_plan_and_marks_the_rest(tmp_path,
     assert paper.presets.PRESETS["smoke"].planned is None
 
 
-def test_inplace_times_each_piece_inside_the_real_processes_of_both_sides(tmp_path, capsys):
+def test_inplace_times_each_piece_inside_the_real_processes_of_both_sides(tmp_path, capsys, hopper_medium):
     """benchmarks/system/inplace.py: a short real federation whose processes time their own pieces
     (thread CPU); every agent piece is seen once a round in each agent, the aggregator's
     submission ten times a round, and nothing of the wrappers is left in this process."""
@@ -528,7 +528,7 @@ def test_device_paper_runs_the_column_as_one_batch_packs_and_unpacks_it(tmp_path
     assert all(c["rounds_done"] == 0 and not c["finished"] for c in info["cells"].values())
 
 
-def test_the_harness_batches_a_presets_cells_into_one_process(tmp_path):
+def test_the_harness_batches_a_presets_cells_into_one_process(tmp_path, hopper_medium):
     """``paper run --batched``: the smoke table's four cells trained as one batched model, each
     written in the harness's format (what render reads), and a second invocation has nothing to do."""
     import json
@@ -548,7 +548,13 @@ def test_the_harness_batches_a_presets_cells_into_one_process(tmp_path):
 
 def test_the_harness_runs_ant(tmp_path):
     """Issue 56: the presets name Ant-v5's sets, and the table's four methods run on one of them
-    (its random set, made from nothing; 27-dimensional observations) and finish."""
+    (its random set, 27-dimensional observations) and finish. The set is made here at 5,000 rows
+    where the registry finds it (making its 200,000 on demand is the registry's own test's)."""
+    from fedrl.data.make import make_dataset
+    from fedrl.data.registry import cache_dir
+
+    make_dataset("ant", "random", 0, cache_dir() / "datasets" / "ant-random-v2.hdf5", transitions=5000,
+                 progress=False)
     assert paper.presets.PRESETS["ant"].datasets == ("ant-medium-v2", "ant-medium-replay-v2", "ant-expert-v2")
     p = paper.presets.PRESETS["smoke-ant"]
     runs = paper.presets.plan(p, "table", p.seeds)
@@ -584,7 +590,7 @@ def test_a_rerun_at_new_drpo_settings_copies_fed_bc_from_the_older_preset_and_no
     assert paper.cells.find_identical(other_bc, bc_run, tmp_path) is None
 
 
-def test_device_paper_runs_claim_v2s_column_less_what_is_already_done(tmp_path):
+def test_device_paper_runs_claim_v2s_column_less_what_is_already_done(tmp_path, hopper_medium):
     """``device_paper run --preset claim-v2``: the claim-v2 cells at that preset's scale and today's
     defaults, less the cells whose result is already there (Fed-BC, copied from the claim; a cell
     finished on the CPU), so a lent GPU spends its minutes on what is missing. The results folder is
