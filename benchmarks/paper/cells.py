@@ -27,9 +27,61 @@ def _write_result(p: Preset, r: RunSpec, res: dict[str, Any], root: Path) -> dic
     return res
 
 
+class CellBusy(RuntimeError):
+    """The cell is being run by another process (its lock is held)."""
+
+
+def _lock(work: Path):
+    """Hold ``<work>.lock`` for this process (released when it exits, however it exits): two processes
+    training one cell would write each other's checkpoints in ``work``, and mix the runs silently."""
+    import fcntl
+    import os
+
+    work.parent.mkdir(parents=True, exist_ok=True)
+    f = open(work.with_name(work.name + ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise CellBusy(f"{work.name} is already running (pid {holder}; its rounds are in {work})") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def lock_holder(work: Path) -> int | None:
+    """The pid of the process running the cell whose rounds go to ``work``; 0 when none is; None
+    when no run of it ever took the lock (a run started before cells took locks: unknown)."""
+    import fcntl
+
+    path = work.with_name(work.name + ".lock")
+    if not path.exists():
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = f.read().strip()
+            return int(text) if text.isdigit() else -1
+        return 0  # closing the file releases the shared lock just taken
+
+
 def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1,
             device: str = "cpu") -> dict[str, Any]:
-    """Run one experiment cell on ``device`` (recorded in its config); write and return its result."""
+    """Run one experiment cell on ``device`` (recorded in its config); write and return its result.
+    Raises :class:`CellBusy`, having touched nothing, when another process runs the same cell."""
+    work = work_dir(p, r, root)  # checkpointed every round: a stopped run resumes after its last round
+    with _lock(work):
+        if result_path(p, r, root).exists():  # finished by the holder of the lock before this one took it
+            return json.loads(result_path(p, r, root).read_text())
+        return _execute(p, r, root, agent_threads, device, work)
+
+
+def _execute(p: Preset, r: RunSpec, root: Path, agent_threads: int, device: str, work: Path) -> dict[str, Any]:
     import torch
 
     from fedrl.federation.simulate import run as simulate
@@ -38,7 +90,6 @@ def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1,
     revision = code_revision()  # before the run: the code this process loaded, not later edits
     cfg = sim_config(p, r, device)
     t0 = time.perf_counter()
-    work = work_dir(p, r, root)  # checkpointed every round: a stopped run resumes after its last round
     work.mkdir(parents=True, exist_ok=True)
     resumed_from = rounds_done(work)
     summary = simulate(cfg, work, log=lambda m: _progress(work, m), checkpoint=True, parallel_agents=agent_threads)

@@ -40,9 +40,11 @@ from typing import Any
 
 from benchmarks.common import BENCHMARKS_MD, RESULTS, replace_blocks
 from benchmarks.paper.cells import (
+    CellBusy,
     agents_in_round,
     find_identical,
     load_results,
+    lock_holder,
     minutes_left,
     reuse,
     rounds_done,
@@ -107,11 +109,21 @@ def cmd_run(a) -> int:
             for r, res, secs in run_batched(p, pending, root, device):
                 report(r, res, secs, ", batched")
         return 0
+    busy = []
+
+    def skip(e: CellBusy) -> None:  # another process trains it: say so, and go on with the rest
+        busy.append(str(e))
+        print(f"skipped: {e}", flush=True)
+        bar.update(1)
+
     if jobs == 1:
         with bar:
             for r in pending:
-                report(*run_one(p.name, r, str(root), agent_threads, device))
-        return 0
+                try:
+                    report(*run_one(p.name, r, str(root), agent_threads, device))
+                except CellBusy as e:
+                    skip(e)
+        return 1 if busy else 0
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -119,8 +131,11 @@ def cmd_run(a) -> int:
         futs = [ex.submit(run_one, p.name, r, str(root), agent_threads, device) for r in pending]
         with bar:
             for fut in as_completed(futs):
-                report(*fut.result())
-    return 0
+                try:
+                    report(*fut.result())
+                except CellBusy as e:
+                    skip(e)
+    return 1 if busy else 0
 
 
 def cmd_status(a) -> int:
@@ -146,8 +161,10 @@ def _going(p: Preset, r: RunSpec, k: int, root: Path) -> str:
     work, rounds = work_dir(p, r, root), r.rounds or p.rounds
     m = agents_in_round(work, k + 1)
     left = minutes_left(work, (rounds - k) * r.agents - m, r.agents)
+    pid = lock_holder(work)
     return (f"; {r.key} at round {k}/{rounds}" + (f" (+{m} of {r.agents} agents of round {k + 1})" if m else "")
-            + (f", ~{left:.0f} min left at its last agents' pace" if left is not None else ""))
+            + (f", ~{left:.0f} min left at its last agents' pace" if left is not None else "")
+            + ("" if pid is None else f", running (pid {pid})" if pid else ", stopped (the run command resumes it)"))
 
 
 def cmd_render(a) -> int:

@@ -234,12 +234,42 @@ def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path,
     paper.cli.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path / "cut")}))
     said = capsys.readouterr().out
     assert f"{r.key} at round 1/2 (+1 of 2 agents of round 2), ~" in said and " min left at its last agents' pace" in said
+    assert "stopped (the run command resumes it)" in said  # its process ended: the lock is free
     calls.clear()
     resumed = paper.cells.execute(p, r, tmp_path / "cut")
     assert calls == [1]  # round 2's first agent was not trained again
     assert resumed["resumed_after_round"] == 1 and "resumed_after_round" not in clean
     assert resumed["curve"] == clean["curve"] and resumed["losses_per_round"] == clean["losses_per_round"]
     assert not work.exists()  # a finished run leaves its result, not its work folder
+
+
+def test_a_cell_another_process_runs_is_skipped_untouched_and_named(tmp_path, capsys):
+    """Two processes training one cell would write each other's checkpoints and mix the runs: the
+    second is refused before it touches the cell, the run command goes on with the others and
+    exits 1, and status names the process that holds it."""
+    import os
+
+    p = paper.presets.PRESETS["smoke"]
+    r = next(x for x in paper.presets.plan(p, "table", p.seeds) if x.algo == "drpo")
+    work = paper.cells.work_dir(p, r, tmp_path)
+    (work / "marker").parent.mkdir(parents=True)
+    (work / "marker").write_text("the holder's round")
+    held = paper.cells._lock(work)  # as the process running it holds it
+    try:
+        with pytest.raises(paper.cells.CellBusy, match=f"{r.key} is already running \\(pid {os.getpid()};"):
+            paper.cells.execute(p, r, tmp_path)
+        assert sorted(f.name for f in work.iterdir()) == ["marker"]
+        assert paper.cells.lock_holder(work) == os.getpid()
+        rc = paper.cli.main(["run", "--preset", "smoke", "--experiment", "table", "--only", r.key,
+                             "--results", str(tmp_path)])
+        assert rc == 1 and f"skipped: {r.key} is already running (pid {os.getpid()}" in capsys.readouterr().out
+        assert not paper.presets.result_path(p, r, tmp_path).exists()
+        (work / "progress.log").write_text("")
+        paper.cli.cmd_status(type("A", (), {"preset": "smoke", "results": str(tmp_path)}))
+        assert f"running (pid {os.getpid()})" in capsys.readouterr().out
+    finally:
+        held.close()
+    assert paper.cells.lock_holder(work) == 0
 
 
 def test_device_claim_plans_by_measured_rates():
