@@ -17,7 +17,7 @@ from agent_service.probe import TaskProbe
 from agent_service.secure import SecureSteps
 from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
-from fedrl.federation.privacy import agent_clip
+from fedrl.federation.privacy import agent_clip, task_clip
 from fedrl.federation.round import LocalTrainer, RoundInterrupted, algo_config
 from fedrl.federation.runconfig import parse_run_config
 from fedrl.federation.secagg import SecAggError
@@ -105,6 +105,7 @@ class Agent:
         self._bad_streak = 0  # global models refused in a row
         self.use_session = cfg.session  # turned off when the aggregator has no Session stream
         self._train_seconds = 0.0  # of the last local round
+        self._sat_out: tuple[str, int] | None = None  # the (run, round) whose task this agent refused
         # The buffer a fetched global is assembled in, written again each round (a fresh one is
         # zero-filled first). Reused only once the trainer no longer reads the last one.
         self._buffers = BufferPool(keep=1)
@@ -353,13 +354,18 @@ class Agent:
         """Train on ``task``. A small update is returned as (header, its Encoded payload) for the
         caller to send in one message; a large one is streamed here with SubmitUpdate (None returned).
         ``weights``: the task's inline weights where they were read from its bytes (read_task)."""
-        trainer = self._trainer_for(task)
-        if self.run_config.secagg_threshold and self.run_config.dp_clip_quantile:
-            # adaptive clipping: this agent clips its update itself, to the norm of this round
-            if not task.dp_clip > 0:
-                raise SecAggError(f"round {task.round}'s task gives no clipping norm (an aggregator too old for "
-                                  "adaptive clipping under secure aggregation)")
-            trainer.update_clip = task.dp_clip
+        trainer = self._trainer_for(task)  # sets self.run_config: the task's run's
+        try:  # adaptive clipping under the masks: this agent clips its update itself, to the round's norm
+            clip = task_clip(self.run_config, task.dp_clip, task.round)
+        except ValueError as e:  # trains nothing and takes no part; the round goes on without it
+            if self._sat_out == (task.run_id, task.round):  # the same task again: no faster than a long poll
+                self._stop.wait(self.cfg.task_wait)
+            else:
+                log.error("round %d: no part in the secure aggregation: %s", task.round, e)
+                self._sat_out = (task.run_id, task.round)
+            return None
+        if clip is not None:
+            trainer.update_clip = clip
         stream = None
         if task.HasField("base_manifest"):  # small model: the base version came with the task
             manifest = manifest_from_proto(task.base_manifest)

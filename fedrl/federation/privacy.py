@@ -214,6 +214,20 @@ def agent_clip(cfg) -> float:
     return 0.0 if cfg.dp_clip_quantile and not cfg.secagg_threshold else cfg.dp_clip
 
 
+def task_clip(cfg, given: float, round_: int) -> float | None:
+    """The norm an agent clips round ``round_``'s update to where its task must give it (adaptive
+    clipping under secure aggregation: the aggregator moves it every round), else None. A norm
+    that is not a positive finite number is refused (ValueError, naming the round): an update left
+    unclipped would break the privacy the run promises."""
+    if not (cfg.secagg_threshold and cfg.dp_clip_quantile):
+        return None
+    if not (math.isfinite(given) and given > 0):
+        why = "no clipping norm (an aggregator too old for adaptive clipping under secure aggregation)" \
+            if given == 0 else f"the clipping norm {given!r}, not a positive finite number"
+        raise ValueError(f"round {round_}'s task gives {why}")
+    return given
+
+
 def privacy_spent(cfg, rounds: int, clip: float | None = None) -> dict[str, float]:
     """What a run of settings ``cfg`` (its ``dp_*`` fields) has spent after ``rounds`` rounds
     (``clip``: the clipping norm now, where adaptive clipping moved it)."""

@@ -167,6 +167,38 @@ def test_adaptive_clipping_under_the_masks_moves_the_norm_from_the_agents_summed
     assert len(rounds) == 2 * 3 and all(n == 8 * (numel + 2) for _, n in rounds)
 
 
+def test_an_agent_whose_task_gives_no_norm_sits_the_round_out_and_the_others_close_it(aggregator, agent_threads,
+                                                                                      stand_dataset, one_thread,
+                                                                                      caplog, monkeypatch):
+    """Adaptive clipping under the masks, one agent's tasks without the round's norm (as from an
+    aggregator too old to send it): that agent trains nothing, says why, and stays up; the round
+    closes with the two others (the threshold is 2)."""
+    from agent_service.client import Agent
+
+    train, trained = Agent._train, []
+
+    def without_norm(self, stub, task, *a, **k):
+        if self.cfg.agent_id != "agent-2":
+            return train(self, stub, task, *a, **k)
+        task.dp_clip = 0.0
+        trained.append(train(self, stub, task, *a, **k))
+        return trained[-1]
+
+    monkeypatch.setattr(Agent, "_train", without_norm)
+    agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2,
+                            algo="fed-bc", dp_clip=1e3, dp_clip_quantile=0.5, dp_clip_lr=0.5, round_timeout=4.0)
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]
+    closed = [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert len(closed) == 1 and sorted(closed[0]["agents"]) == ["agent-0", "agent-1"], closed
+    # the aggregator offers it the round's task until the round closes (4 s): one refusal logged,
+    # and the offers taken no faster than its long poll (1 s here), never a tight loop
+    assert set(trained) == {None} and len(trained) <= 8, len(trained)
+    assert caplog.text.count("round 1: no part in the secure aggregation: round 1's task gives no clipping "
+                             "norm") == 1
+    assert agent_threads.threads[2].is_alive()  # it waits for the next task; it did not crash
+
+
 def test_round_metrics_an_agent_sends_under_the_masks_are_dropped_unread(aggregator, agent_threads, stand_dataset,
                                                                           one_thread, caplog):
     """An agent that still sends its round metrics with its masked vector (an older agent): the

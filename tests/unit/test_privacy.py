@@ -238,3 +238,21 @@ def test_under_secure_aggregation_each_agent_adds_its_share_of_both_noises():
     assert float(sums.mean()) == pytest.approx(1.5, abs=5 / math.sqrt(20_000))
     assert float(sums.std()) == pytest.approx(1.0, rel=0.03)  # three shares of 1/3 variance each
     assert count_share(False, 0.0, 3, None) == -0.5
+
+
+def test_an_agent_takes_the_rounds_norm_from_its_task_only_where_adaptive_clipping_is_masked():
+    from fedrl.federation.privacy import task_clip
+    from fedrl.federation.runconfig import RunConfig
+
+    masked = RunConfig(agents=3, secagg_threshold=2, dp_clip=1.0, dp_noise=1.0, dp_clip_quantile=0.5,
+                       dp_count_noise=1.0)
+    assert task_clip(masked, 0.37, 4) == 0.37
+    # a fixed norm, or adaptive clipping in the clear (the aggregator clips): the task gives none
+    assert task_clip(RunConfig(agents=3, secagg_threshold=2, dp_clip=1.0, dp_noise=1.0), 0.0, 4) is None
+    assert task_clip(RunConfig(agents=3, dp_clip=1.0, dp_noise=1.0, dp_clip_quantile=0.5, dp_count_noise=1.0),
+                     0.0, 4) is None
+    with pytest.raises(ValueError, match="round 4's task gives no clipping norm \\(an aggregator too old"):
+        task_clip(masked, 0.0, 4)
+    for bad in (-1.0, math.inf, math.nan):  # an update left unclipped would break the promised privacy
+        with pytest.raises(ValueError, match=f"round 4's task gives the clipping norm {bad!r}, not a positive"):
+            task_clip(masked, bad, 4)
