@@ -354,15 +354,17 @@ class Agent:
         """Train on ``task``. A small update is returned as (header, its Encoded payload) for the
         caller to send in one message; a large one is streamed here with SubmitUpdate (None returned).
         ``weights``: the task's inline weights where they were read from its bytes (read_task)."""
+        if self._sat_out == (task.run_id, task.round):
+            # a round this agent refused: offered again until it closes, taken no faster than a long
+            # poll, and never trained again (a refused secure step cannot be taken again)
+            self._stop.wait(self.cfg.task_wait)
+            return None
         trainer = self._trainer_for(task)  # sets self.run_config: the task's run's
         try:  # adaptive clipping under the masks: this agent clips its update itself, to the round's norm
             clip = task_clip(self.run_config, task.dp_clip, task.round)
         except ValueError as e:  # trains nothing and takes no part; the round goes on without it
-            if self._sat_out == (task.run_id, task.round):  # the same task again: no faster than a long poll
-                self._stop.wait(self.cfg.task_wait)
-            else:
-                log.error("round %d: no part in the secure aggregation: %s", task.round, e)
-                self._sat_out = (task.run_id, task.round)
+            log.error("round %d: no part in the secure aggregation: %s", task.round, e)
+            self._sat_out = (task.run_id, task.round)
             return None
         if clip is not None:
             trainer.update_clip = clip
@@ -407,6 +409,7 @@ class Agent:
                 self._secure_aggregation(stub, task, res)
             except SecAggError as e:  # this agent's own check, or a step it must refuse
                 log.error("round %d: no part in the secure aggregation: %s", task.round, e)
+                self._sat_out = (task.run_id, task.round)
             return None
         # An update too large for one message is streamed as chunk messages: they are built as it
         # is encoded, each chunk hashed in its message (one pass over the model, not two).

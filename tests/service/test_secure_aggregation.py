@@ -199,6 +199,34 @@ def test_an_agent_whose_task_gives_no_norm_sits_the_round_out_and_the_others_clo
     assert agent_threads.threads[2].is_alive()  # it waits for the next task; it did not crash
 
 
+def test_an_agent_that_refuses_a_secure_step_does_not_train_that_round_again(aggregator, agent_threads,
+                                                                              stand_dataset, one_thread, caplog,
+                                                                              monkeypatch):
+    """An agent whose secure steps end in a refusal (a step of the protocol it must refuse) is
+    offered the round's task again until the round closes: it trains the round once, not once an
+    offer, and the two others close the round."""
+    from agent_service.secure import SecureSteps
+    from fedrl.federation.secagg import SecAggError
+
+    update, refused = SecureSteps.update, []
+
+    def refusing(self, stub, task, rc, res):
+        if self.agent_id != "agent-2":
+            return update(self, stub, task, rc, res)
+        refused.append(task.round)
+        raise SecAggError("a refusal of this test's")
+
+    monkeypatch.setattr(SecureSteps, "update", refusing)
+    _, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2, algo="fed-bc",
+                       round_timeout=4.0)
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]
+    closed = [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert len(closed) == 1 and sorted(closed[0]["agents"]) == ["agent-0", "agent-1"], closed
+    assert refused == [1], refused
+    assert caplog.text.count("round 1: no part in the secure aggregation: a refusal of this test's") == 1
+
+
 def test_round_metrics_an_agent_sends_under_the_masks_are_dropped_unread(aggregator, agent_threads, stand_dataset,
                                                                           one_thread, caplog):
     """An agent that still sends its round metrics with its masked vector (an older agent): the
