@@ -348,7 +348,10 @@ class Agent:
         self._submitted(task)
 
     def _moments(self, stub, task) -> None:
-        self.secure.moments(stub, task, self.stats)
+        if self._sat_out == (task.run_id, task.round):  # refused: offered again until the step closes
+            self._stop.wait(self.cfg.task_wait)
+        elif not self.secure.moments(stub, task, self.stats):
+            self._sat_out = (task.run_id, task.round)
 
     def _train(self, stub, task, weights: bytes | memoryview | None = None):
         """Train on ``task``. A small update is returned as (header, its Encoded payload) for the

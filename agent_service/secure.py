@@ -40,10 +40,10 @@ class SecureSteps:
         self._steps(stub, task, params, lambda alpha: agent_vector(res.state, alpha, params, std, gen, extra),
                     federation_pb2.SecAggMasked(train_seconds=res.seconds))
 
-    def moments(self, stub, task, st: ObsStats) -> None:
+    def moments(self, stub, task, st: ObsStats) -> bool:
         """A MOMENTS task (round 0 of a secure run): the shard's observation moments ``st``,
         weighted by its share of the samples. A refusal of this agent's own (moments past the
-        fixed point's range) is logged, and the agent takes no part."""
+        fixed point's range) is logged, and the agent takes no part. Whether it took part."""
         rc = parse_run_config(task.run_config_json)
         params = moments_params(rc.secagg_threshold, f"{task.run_id}/0".encode())
         try:
@@ -51,8 +51,9 @@ class SecureSteps:
                         federation_pb2.SecAggMasked())
         except SecAggError as e:
             log.error("the observation moments: no part in the secure aggregation: %s", e)
-            return
+            return False
         log.info("observation moments sent by secure aggregation (run %s)", task.run_id)
+        return True
 
     def _steps(self, stub, task, params, vector, masked) -> None:
         """The protocol's four steps for ``task``: keys, the seeds' shares sealed to the others,

@@ -227,6 +227,30 @@ def test_an_agent_that_refuses_a_secure_step_does_not_train_that_round_again(agg
     assert caplog.text.count("round 1: no part in the secure aggregation: a refusal of this test's") == 1
 
 
+def test_an_agent_that_refuses_its_moments_step_tries_it_once(aggregator, agent_threads, stand_dataset,
+                                                                one_thread, caplog, monkeypatch):
+    """The same in round 0: an agent whose observation moments end in a refusal is offered the
+    MOMENTS task again until the step closes, and runs the protocol for them once."""
+    from agent_service.secure import SecureSteps
+    from fedrl.federation.secagg import SecAggError
+
+    steps, refused = SecureSteps._steps, []
+
+    def refusing(self, stub, task, *a, **k):
+        if self.agent_id != "agent-2" or task.round != 0:
+            return steps(self, stub, task, *a, **k)
+        refused.append(task.round)
+        raise SecAggError("a refusal of this test's")
+
+    monkeypatch.setattr(SecureSteps, "_steps", refusing)
+    _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2, algo="fed-bc",
+           round_timeout=4.0)
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]  # the two others' moments, then the round
+    assert refused == [0], refused
+    assert caplog.text.count("the observation moments: no part in the secure aggregation: a refusal") == 1
+
+
 def test_round_metrics_an_agent_sends_under_the_masks_are_dropped_unread(aggregator, agent_threads, stand_dataset,
                                                                           one_thread, caplog):
     """An agent that still sends its round metrics with its masked vector (an older agent): the
