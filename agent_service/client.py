@@ -362,7 +362,13 @@ class Agent:
             # poll, and never trained again (a refused secure step cannot be taken again)
             self._stop.wait(self.cfg.task_wait)
             return None
-        trainer = self._trainer_for(task)  # sets self.run_config: the task's run's
+        try:
+            trainer = self._trainer_for(task)  # sets self.run_config: the task's run's
+        except ValueError as e:  # a run config this agent cannot read: a newer aggregator's settings
+            log.error("round %d: no part in run %s: its config cannot be used here: %s (an agent older than "
+                      "the aggregator?)", task.round, task.run_id, e)
+            self._sat_out = (task.run_id, task.round)
+            return None
         try:  # adaptive clipping under the masks: this agent clips its update itself, to the round's norm
             clip = task_clip(self.run_config, task.dp_clip, task.round)
         except ValueError as e:  # trains nothing and takes no part; the round goes on without it

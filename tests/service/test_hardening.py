@@ -400,3 +400,34 @@ def test_one_poisoned_join_cannot_make_the_honest_agents_data_degenerate(aggrega
     mean, std = g["policy.obs_mean"].double().numpy(), g["policy.obs_std"].double().numpy()
     assert np.allclose((honest_mean - mean) / std, 0.0, atol=1e-6)  # the honest data's normalised mean
     assert np.allclose(honest_std / std, 1.0, atol=1e-6)  # and spread
+
+
+def test_an_agent_that_cannot_read_the_runs_config_sits_out_and_says_why(aggregator, agent_threads, stand_dataset,
+                                                                         caplog, monkeypatch):
+    """A task whose run config holds a setting this agent does not know (an aggregator newer than
+    the agent): the agent trains nothing, says why once, stays up, and the round closes with the
+    quorum of the others at its deadline. It used to end the agent with a traceback."""
+    import json
+
+    from agent_service.client import Agent
+
+    trainer_for = Agent._trainer_for
+
+    def newer(self, task):
+        if self.cfg.agent_id == "agent-2":
+            task.run_config_json = json.dumps({**json.loads(task.run_config_json), "a_future_setting": 1})
+        return trainer_for(self, task)
+
+    monkeypatch.setattr(Agent, "_trainer_for", newer)
+    agent_threads.start(aggregator.target, str(stand_dataset), 3, 2, seed=7)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 3)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
+        agents=3, min_agents=2, rounds=1, round_timeout=4.0, algo="fed-bc", local_steps=5)), timeout=5)
+    assert wait_for(lambda: status(aggregator)["state"] in ("finished", "failed"), timeout=60)
+    st = status(aggregator)
+    assert st["state"] == "finished", st["message"]
+    run = aggregator.store.read_run(st["run_id"])
+    closed = [e for e in run["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert len(closed) == 1 and sorted(closed[0]["agents"]) == ["agent-0", "agent-1"], closed
+    assert caplog.text.count("round 1: no part in run") == 1 and "unknown field(s) a_future_setting" in caplog.text
+    assert agent_threads.threads[2].is_alive()
