@@ -347,33 +347,41 @@ class Agent:
         self.secure.update(stub, task, self.run_config, res)
         self._submitted(task)
 
+    def _sit_out(self, task, why: str) -> None:
+        """Take no part in ``task``'s round, saying ``why`` once (see :meth:`_sitting_out`)."""
+        if why:
+            log.error("round %d: no part in %s", task.round, why)
+        self._sat_out = (task.run_id, task.round)
+
+    def _sitting_out(self, task) -> bool:
+        """Whether ``task`` is of a round this agent refused. The aggregator offers it again until
+        the round closes: it is taken no faster than a long poll, and never trained or run again
+        (a refused secure step cannot be taken again)."""
+        if self._sat_out != (task.run_id, task.round):
+            return False
+        self._stop.wait(self.cfg.task_wait)
+        return True
+
     def _moments(self, stub, task) -> None:
-        if self._sat_out == (task.run_id, task.round):  # refused: offered again until the step closes
-            self._stop.wait(self.cfg.task_wait)
-        elif not self.secure.moments(stub, task, self.stats):
-            self._sat_out = (task.run_id, task.round)
+        if not self._sitting_out(task) and not self.secure.moments(stub, task, self.stats):
+            self._sit_out(task, "")  # secure.moments said why
 
     def _train(self, stub, task, weights: bytes | memoryview | None = None):
         """Train on ``task``. A small update is returned as (header, its Encoded payload) for the
         caller to send in one message; a large one is streamed here with SubmitUpdate (None returned).
         ``weights``: the task's inline weights where they were read from its bytes (read_task)."""
-        if self._sat_out == (task.run_id, task.round):
-            # a round this agent refused: offered again until it closes, taken no faster than a long
-            # poll, and never trained again (a refused secure step cannot be taken again)
-            self._stop.wait(self.cfg.task_wait)
+        if self._sitting_out(task):
             return None
         try:
             trainer = self._trainer_for(task)  # sets self.run_config: the task's run's
         except ValueError as e:  # a run config this agent cannot read: a newer aggregator's settings
-            log.error("round %d: no part in run %s: its config cannot be used here: %s (an agent older than "
-                      "the aggregator?)", task.round, task.run_id, e)
-            self._sat_out = (task.run_id, task.round)
+            self._sit_out(task, f"run {task.run_id}: its config cannot be used here: {e} (an agent older than "
+                                "the aggregator?)")
             return None
         try:  # adaptive clipping under the masks: this agent clips its update itself, to the round's norm
             clip = task_clip(self.run_config, task.dp_clip, task.round)
         except ValueError as e:  # trains nothing and takes no part; the round goes on without it
-            log.error("round %d: no part in the secure aggregation: %s", task.round, e)
-            self._sat_out = (task.run_id, task.round)
+            self._sit_out(task, f"the secure aggregation: {e}")
             return None
         if clip is not None:
             trainer.update_clip = clip
@@ -417,8 +425,7 @@ class Agent:
             try:
                 self._secure_aggregation(stub, task, res)
             except SecAggError as e:  # this agent's own check, or a step it must refuse
-                log.error("round %d: no part in the secure aggregation: %s", task.round, e)
-                self._sat_out = (task.run_id, task.round)
+                self._sit_out(task, f"the secure aggregation: {e}")
             return None
         # An update too large for one message is streamed as chunk messages: they are built as it
         # is encoded, each chunk hashed in its message (one pass over the model, not two).

@@ -35,22 +35,16 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def _named_once(tmp_path_factory):
     """Named datasets (``hopper-medium-v2``) made by the registry, as a user's first use makes
     them, once per session: making one takes ~25 s, and every test has its own empty cache."""
-    import os
-
     from fedrl.data.registry import resolve
 
     root, made = tmp_path_factory.mktemp("named-once"), {}
 
     def get(name: str) -> Path:
         if name not in made:
-            keys = ("FEDRL_CACHE_DIR", "D4RL_DATASET_DIR")
-            before = {k: os.environ.get(k) for k in keys}
-            os.environ.update({"FEDRL_CACHE_DIR": str(root / "fedrl"), "D4RL_DATASET_DIR": str(root / "d4rl")})
-            try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("FEDRL_CACHE_DIR", str(root / "fedrl"))
+                mp.setenv("D4RL_DATASET_DIR", str(root / "d4rl"))
                 made[name] = resolve(name, progress=lambda message: None)
-            finally:
-                for k, v in before.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         return made[name]
 
     return get

@@ -31,6 +31,10 @@ class CellBusy(RuntimeError):
     """The cell is being run by another process (its lock is held)."""
 
 
+def _lock_path(work: Path) -> Path:
+    return work.with_name(work.name + ".lock")
+
+
 def _lock(work: Path):
     """Hold ``<work>.lock`` for this process (released when it exits, however it exits): two processes
     training one cell would write each other's checkpoints in ``work``, and mix the runs silently."""
@@ -38,7 +42,7 @@ def _lock(work: Path):
     import os
 
     work.parent.mkdir(parents=True, exist_ok=True)
-    f = open(work.with_name(work.name + ".lock"), "a+")
+    f = open(_lock_path(work), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -58,7 +62,7 @@ def lock_holder(work: Path) -> int | None:
     when no run of it ever took the lock (a run started before cells took locks: unknown)."""
     import fcntl
 
-    path = work.with_name(work.name + ".lock")
+    path = _lock_path(work)
     if not path.exists():
         return None
     with open(path) as f:

@@ -51,7 +51,7 @@ from fedrl.federation.round import (
     initial_global_state,
 )
 from fedrl.federation.machine import Open, Plan, RoundMachine, Stopped, Update
-from fedrl.federation.privacy import agent_clip, fraction_from_shares
+from fedrl.federation.privacy import agent_clip, fraction_from_shares, task_clip
 from fedrl.federation.simconfig import SimConfig
 
 ENGINES = ("auto", "batched", "per-agent")
@@ -235,9 +235,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         while isinstance(action, Open):
             r = action.round
             t0 = time.perf_counter()
-            if cfg.secagg_threshold and cfg.dp_clip_quantile:  # the agents clip, to this round's norm
+            if (clip := task_clip(cfg, machine.clip, r)) is not None:  # the agents clip, to this round's norm
                 for tr in trainers:
-                    tr.update_clip = machine.clip
+                    tr.update_clip = clip
 
             def train(i: int):
                 if i in in_round:  # trained before the run was stopped: its learner is restored
