@@ -9,7 +9,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -251,10 +251,18 @@ def run_one(preset: str, r: RunSpec, root: str, agent_threads: int = 1,
     return r, execute(PRESETS[preset], r, Path(root), agent_threads, device), time.perf_counter() - t0
 
 
-def run_batched(p: Preset, specs: list[RunSpec], root: Path, device: str):
+def run_batched(p: Preset, specs: list[RunSpec], root: Path, device: str,
+                on_busy: Callable[[CellBusy], None] | None = None):
     """``specs`` as batched processes (``fedrl.federation.cells``): every cell of the same rounds,
     local steps and evaluation trained as one model, one group after another; each finished
-    cell's result written as :func:`execute` writes it. Yields (spec, result, seconds)."""
+    cell's result written as :func:`execute` writes it. Yields (spec, result, seconds).
+
+    A group holds each member's lock while it trains: a member another process runs is left out
+    and handed to ``on_busy`` (raised when it is None), one finished meanwhile yields its result.
+    A group's checkpoint folder is named by its members, so a stopped group resumes in the next
+    invocation whatever else is still to run."""
+    import contextlib
+
     import torch
 
     from fedrl.federation.cells import SHARED, Cell, run_cells
@@ -264,15 +272,40 @@ def run_batched(p: Preset, specs: list[RunSpec], root: Path, device: str):
     for r in specs:
         cfg = sim_config(p, r, device)
         groups.setdefault(tuple(getattr(cfg, k) for k in SHARED), []).append((r, Cell(r.key, cfg)))
-    for i, members in enumerate(groups.values()):
-        work = work_dir(p, members[0][0], root).parent / f"batched-{members[0][0].experiment}-{i}"
-        t0 = time.perf_counter()
-        res = run_cells([c for _, c in members], work, log=lambda m: print(m, flush=True))
-        secs = time.perf_counter() - t0
-        for r, c in members:
-            out = cell_result(p, r, c, res[c.key] | {"rounds_jsonl": work / c.key / "rounds.jsonl"}, secs, device)
-            yield r, _write_result(p, r, out, root), secs
-        shutil.rmtree(work, ignore_errors=True)
+    for candidates in groups.values():
+        with contextlib.ExitStack() as held:
+            members = []
+            for r, c in candidates:
+                try:
+                    held.enter_context(_lock(work_dir(p, r, root)))
+                except CellBusy as e:
+                    if on_busy is None:
+                        raise
+                    on_busy(e)
+                    continue
+                if result_path(p, r, root).exists():  # finished by the lock's last holder
+                    yield r, json.loads(result_path(p, r, root).read_text()), 0.0
+                else:
+                    members.append((r, c))
+            if not members:
+                continue
+            work = group_work_dir(p, [r for r, _ in members], root)
+            t0 = time.perf_counter()
+            res = run_cells([c for _, c in members], work, log=lambda m: print(m, flush=True))
+            secs = time.perf_counter() - t0
+            for r, c in members:
+                out = cell_result(p, r, c, res[c.key] | {"rounds_jsonl": work / c.key / "rounds.jsonl"}, secs, device)
+                yield r, _write_result(p, r, out, root), secs
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def group_work_dir(p: Preset, members: list[RunSpec], root: Path = RESULTS) -> Path:
+    """The checkpoint folder of a batched group: named by its members' keys, never by its place in
+    one invocation's list (where a group stopped in one run would meet other cells in the next)."""
+    import hashlib
+
+    digest = hashlib.sha256("\n".join(sorted(r.key for r in members)).encode()).hexdigest()[:12]
+    return work_dir(p, members[0], root).parent / f"batched-{members[0].experiment}-{digest}"
 
 
 def load_results(p: Preset, experiment: str, root: Path = RESULTS) -> list[dict[str, Any]]:

@@ -104,11 +104,6 @@ def cmd_run(a) -> int:
         inner(r, res, secs, note)
         bar.update(1)
 
-    if getattr(a, "batched", False):
-        with bar:
-            for r, res, secs in run_batched(p, pending, root, device):
-                report(r, res, secs, ", batched")
-        return 0
     busy = []
 
     def skip(e: CellBusy) -> None:  # another process trains it: say so, and go on with the rest
@@ -116,6 +111,11 @@ def cmd_run(a) -> int:
         print(f"skipped: {e}", flush=True)
         bar.update(1)
 
+    if getattr(a, "batched", False):
+        with bar:
+            for r, res, secs in run_batched(p, pending, root, device, on_busy=skip):
+                report(r, res, secs, ", batched")
+        return 1 if busy else 0
     if jobs == 1:
         with bar:
             for r in pending:

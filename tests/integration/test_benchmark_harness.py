@@ -576,6 +576,30 @@ def test_the_harness_batches_a_presets_cells_into_one_process(tmp_path, hopper_m
     assert {f: f.stat().st_mtime_ns for f in files} == before
 
 
+def test_a_batched_run_leaves_out_a_cell_another_process_runs(tmp_path, hopper_medium, capsys):
+    """``run --batched`` takes each member's lock as a per-cell run does: a cell another process
+    trains is skipped and named (exit 1) while the rest of its group trains; the next invocation
+    trains it. A group's checkpoint folder is named by its members, not by its place in a list."""
+    import os
+
+    p = paper.presets.PRESETS["smoke"]
+    runs = paper.presets.plan(p, "table", p.seeds)
+    r = next(x for x in runs if x.algo == "drpo")
+    held = paper.cells._lock(paper.cells.work_dir(p, r, tmp_path))
+    try:
+        rc = paper.cli.main(["run", "--preset", "smoke", "--batched", "--results", str(tmp_path)])
+        assert rc == 1 and f"skipped: {r.key} is already running (pid {os.getpid()}" in capsys.readouterr().out
+        done = sorted(f.stem for f in (tmp_path / "paper-smoke" / "table").glob("*.json"))
+        assert done == sorted(x.key for x in runs if x is not r)
+    finally:
+        held.close()
+    assert paper.cli.main(["run", "--preset", "smoke", "--batched", "--results", str(tmp_path)]) == 0
+    assert paper.presets.result_path(p, r, tmp_path).exists()
+    a, b = runs[:2]
+    assert paper.cells.group_work_dir(p, [a, b], tmp_path) == paper.cells.group_work_dir(p, [b, a], tmp_path)
+    assert paper.cells.group_work_dir(p, [a], tmp_path) != paper.cells.group_work_dir(p, [a, b], tmp_path)
+
+
 def test_the_harness_runs_ant(tmp_path):
     """Issue 56: the presets name Ant-v5's sets, and the table's four methods run on one of them
     (its random set, 27-dimensional observations) and finish. The set is made here at 5,000 rows
