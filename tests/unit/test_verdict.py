@@ -69,6 +69,15 @@ def test_the_default_critic_is_the_papers_unless_the_gradient_stop_scores_higher
     assert f"the default is **{default}" in said
 
 
+def test_drpos_default_critic_is_the_one_the_committed_cells_choose():
+    """A rendered choice and the code agree: once both critics' cells are in, the default is the
+    one they choose; until then it is the gradient stop, as choices.md says."""
+    from fedrl.algos import DRPOConfig
+
+    chosen = verdict.chosen_critic(verdict.cells())
+    assert DRPOConfig().cql_calibration == (chosen or "returns-gradient")
+
+
 def test_the_table_and_the_gradients_come_from_the_cells(tmp_path):
     rs = full({"drpo": 40, "drpo-returns-gradient": 30, "fed-cql": 30, "cql": 20, "fed-bc": 10})
     table = verdict.table_md(rs)
