@@ -52,6 +52,17 @@ def test_cli_writes_a_complete_run_folder(tmp_path, random_dataset):
                          "--episodes", "2", "--seed", "0", "--json"], capture_output=True, text=True, timeout=120)
     assert ev.returncode == 0, ev.stderr
     assert json.loads(ev.stdout)["env_id"] == "Hopper-v5" and len(json.loads(ev.stdout)["returns"]) == 2
+    # several files (a glob over runs): each in turn, one JSON line each; a bad one is named first
+    policy = str(out / "global_policy.safetensors")
+    two = subprocess.run([*ev.args[:4], policy, policy, *ev.args[5:]], capture_output=True, text=True, timeout=120)
+    lines = [json.loads(x) for x in two.stdout.splitlines()]
+    assert two.returncode == 0 and [x.pop("policy") for x in lines] == [policy, policy]
+    one = json.loads(ev.stdout)
+    assert one.pop("policy") == policy
+    assert [x["returns"] for x in lines] == [one["returns"]] * 2  # the same rollouts: same policy, same seed
+    bad = subprocess.run([*ev.args[:4], policy, str(tmp_path / "gone.safetensors"), *ev.args[5:]],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "gone.safetensors" in bad.stderr and bad.stdout == "", bad.stderr
     # The same command again does not write over this run.
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     again = subprocess.run(proc.args, capture_output=True, text=True, timeout=120)
