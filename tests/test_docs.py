@@ -1,5 +1,6 @@
 """The documentation: a site that builds, reference pages generated from the code and current,
-numbers rendered from committed results, commands the parsers accept, and a README a newcomer can read in two minutes."""
+numbers rendered from committed results, commands the parsers accept, and a README a newcomer
+can read in two minutes."""
 
 from __future__ import annotations
 
