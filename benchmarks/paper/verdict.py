@@ -120,30 +120,38 @@ def sentence(results: list[dict[str, Any]]) -> str:
             + f" (ranked); {lead}; the seeds' spread is at most {max(sd.values()):.1f} points.")
 
 
-def chosen_critic(results: list[dict[str, Any]]) -> str | None:
-    """The ``cql_calibration`` DRPO's default should have, by the mean of the last rounds over
-    seeds: the paper's (``"none"``) when it scores at least as well as the gradient stop (issue
-    68's rule); None until every seed of both is in."""
+def _critic_scores(results: list[dict[str, Any]]) -> tuple[list[float], list[float]] | None:
+    """Each seed's mean of the last rounds for DRPO with the paper's critic and with the gradient
+    stop; None until every seed of both is in."""
     s = summary(results)
     pair = ("drpo", "drpo-returns-gradient")
     if not _complete(s, pair):
         return None
     a, b = ([x["last"] for x in s[m]] for m in pair)
-    return "none" if np.mean(a) >= np.mean(b) else "returns-gradient"
+    return a, b
+
+
+def chosen_critic(results: list[dict[str, Any]]) -> str | None:
+    """The ``cql_calibration`` DRPO's default should have, by the mean of the last rounds over
+    seeds: the paper's (``"none"``) when it scores at least as well as the gradient stop (issue
+    68's rule); None until every seed of both is in."""
+    scores = _critic_scores(results)
+    if scores is None:
+        return None
+    return "none" if np.mean(scores[0]) >= np.mean(scores[1]) else "returns-gradient"
 
 
 def critic_choice(results: list[dict[str, Any]]) -> str:
     """The sentence that gives :func:`chosen_critic` and its numbers."""
-    s = summary(results)
-    pair = ("drpo", "drpo-returns-gradient")
-    chosen = chosen_critic(results)
-    if chosen is None:
-        return (f"Not decided yet: {sum(len(s.get(m, [])) for m in pair)} of {2 * len(PRESET.seeds)} DRPO cells "
-                "are in.")
-    a, b = ([x["last"] for x in s[m]] for m in pair)
+    scores = _critic_scores(results)
+    if scores is None:
+        s = summary(results)
+        return (f"Not decided yet: {sum(len(s.get(m, [])) for m in ('drpo', 'drpo-returns-gradient'))} of "
+                f"{2 * len(PRESET.seeds)} DRPO cells are in.")
+    a, b = scores
     return (f"DRPO's mean score over the last {LAST} rounds, over {len(a)} seeds: the paper's critic (`none`) "
             f"{_ms(a)}, the gradient stop (`returns-gradient`) {_ms(b)}: the default is "
-            f"**{PAPERS if chosen == 'none' else '`returns-gradient`'}**.")
+            f"**{PAPERS if chosen_critic(results) == 'none' else '`returns-gradient`'}**.")
 
 
 GRADS = (("grad_q", "Q term"), ("grad_entropy", "alpha log pi"), ("grad_lambda1", "lambda1 D(pi, pi_b)"),
