@@ -88,10 +88,11 @@ def test_the_suites_measurement_keeps_pytests_slowest_phases():
         {"seconds": 1.5, "phase": "teardown", "test": "tests/x.py::test_y"}]
 
 
-def _documented_commands() -> list[tuple[str, str]]:
+def _documented_commands() -> list[tuple[str, str, list[str]]]:
     """Every ``fedrl``/service command the documents quote with an option: inline code spans and
     lines of shell blocks, split at ``&&``, ``|`` and ``;`` (the history and the generated
-    reference pages left out). Spans that only name a command are not invocations."""
+    reference pages left out), each with its words (``FOO=1`` prefixes dropped). Spans that only
+    name a command are not invocations."""
     import shlex
 
     files = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "deploy" / "README.md",
@@ -112,7 +113,7 @@ def _documented_commands() -> list[tuple[str, str]]:
                 if (words and words[0] in ("fedrl", "fedrl-aggregator", "fedrl-agent", "fedrl-evaluator")
                         and any(w.startswith("-") for w in words[1:])
                         and not re.search(r"[<\[{]|\.\.\.", part)):  # placeholders and optional parts
-                    out.append((f.relative_to(ROOT).as_posix(), part.strip()))
+                    out.append((f.relative_to(ROOT).as_posix(), part.strip(), words))
     return out
 
 
@@ -121,7 +122,6 @@ def test_every_documented_command_parses_with_the_current_flags():
     renamed or removed flag, or a required one left out, fails here and not in a reader's shell."""
     import contextlib
     import io
-    import shlex
 
     from aggregator_service.__main__ import build_parser as aggregator
     from agent_service.__main__ import build_parser as agent
@@ -132,10 +132,7 @@ def test_every_documented_command_parses_with_the_current_flags():
     commands = _documented_commands()
     assert len(commands) >= 25, len(commands)  # the scan finds the documents' commands (33 when written)
     bad = []
-    for where, cmd in commands:
-        words = shlex.split(cmd)
-        while re.match(r"^[A-Z_]+=", words[0]):
-            words = words[1:]
+    for where, cmd, words in commands:
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

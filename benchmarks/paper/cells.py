@@ -74,14 +74,20 @@ def lock_holder(work: Path) -> int | None:
         return 0  # closing the file releases the shared lock just taken
 
 
+def _finished(p: Preset, r: RunSpec, root: Path) -> dict[str, Any] | None:
+    """The cell's result when a run of it has finished, else None (read under its lock)."""
+    path = result_path(p, r, root)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def execute(p: Preset, r: RunSpec, root: Path = RESULTS, agent_threads: int = 1,
             device: str = "cpu") -> dict[str, Any]:
     """Run one experiment cell on ``device`` (recorded in its config); write and return its result.
     Raises :class:`CellBusy`, having touched nothing, when another process runs the same cell."""
     work = work_dir(p, r, root)  # checkpointed every round: a stopped run resumes after its last round
     with _lock(work):
-        if result_path(p, r, root).exists():  # finished by the holder of the lock before this one took it
-            return json.loads(result_path(p, r, root).read_text())
+        if (done := _finished(p, r, root)) is not None:  # by the lock's holder before this one took it
+            return done
         return _execute(p, r, root, agent_threads, device, work)
 
 
@@ -283,8 +289,8 @@ def run_batched(p: Preset, specs: list[RunSpec], root: Path, device: str,
                         raise
                     on_busy(e)
                     continue
-                if result_path(p, r, root).exists():  # finished by the lock's last holder
-                    yield r, json.loads(result_path(p, r, root).read_text()), 0.0
+                if (done := _finished(p, r, root)) is not None:  # by the lock's last holder
+                    yield r, done, 0.0
                 else:
                     members.append((r, c))
             if not members:

@@ -136,9 +136,11 @@ def chosen_critic(results: list[dict[str, Any]]) -> str | None:
     seeds: the paper's (``"none"``) when it scores at least as well as the gradient stop (issue
     68's rule); None until every seed of both is in."""
     scores = _critic_scores(results)
-    if scores is None:
-        return None
-    return "none" if np.mean(scores[0]) >= np.mean(scores[1]) else "returns-gradient"
+    return None if scores is None else _pick(*scores)
+
+
+def _pick(paper: list[float], gradient: list[float]) -> str:
+    return "none" if np.mean(paper) >= np.mean(gradient) else "returns-gradient"
 
 
 def critic_choice(results: list[dict[str, Any]]) -> str:
@@ -151,7 +153,7 @@ def critic_choice(results: list[dict[str, Any]]) -> str:
     a, b = scores
     return (f"DRPO's mean score over the last {LAST} rounds, over {len(a)} seeds: the paper's critic (`none`) "
             f"{_ms(a)}, the gradient stop (`returns-gradient`) {_ms(b)}: the default is "
-            f"**{PAPERS if chosen_critic(results) == 'none' else '`returns-gradient`'}**.")
+            f"**{PAPERS if _pick(a, b) == 'none' else '`returns-gradient`'}**.")
 
 
 GRADS = (("grad_q", "Q term"), ("grad_entropy", "alpha log pi"), ("grad_lambda1", "lambda1 D(pi, pi_b)"),
