@@ -6,9 +6,11 @@
 
 Hopper-medium, 5 agents x 20 rounds x 1,000 local steps (20,000 actor steps per agent, the
 paper's), each agent ~5,000 transitions, seeds 0-2; Fed-BC, Fed-CQL, CQL alone and DRPO with the
-critic as the paper writes it (CQL(H), ``cql_calibration="none"``), and DRPO at the critic that
-was the default before (``returns-gradient``) as a named variant. Every round is evaluated (10
-episodes) and the final policy again over 50. ``render`` reads the result files only:
+critic as the paper writes it (CQL(H), ``cql_calibration="none"``), and DRPO at the default
+critic (``returns-gradient``, which these cells chose) as a named variant. Every round is evaluated (10
+episodes) and the final policy again over 50. ``render`` reads the result files only, and renders
+nothing while cells of one seed trained on different shards (a machine's remade dataset that came
+out different): it names them.
 
 - the table: per method, the final score (50 episodes), the mean of the last 5 rounds' scores and
   the best round, as mean ± std over seeds and per seed;
@@ -95,6 +97,23 @@ def table_md(results: list[dict[str, Any]]) -> str:
 
 def _complete(s: dict[str, list[dict[str, Any]]], methods) -> bool:
     return all(len(s.get(m, [])) == len(PRESET.seeds) for m in methods)
+
+
+def _data_of(r: dict[str, Any]) -> tuple:
+    """What a cell trained on: each agent's episodes and transitions (not the file's path, which
+    is the machine's)."""
+    return tuple((sh["agent"], tuple(sh["episodes"]), sh["transitions"]) for sh in r.get("shards", []))
+
+
+def unlike_data(results: list[dict[str, Any]]) -> list[str]:
+    """A line per seed whose cells did not all train on the same shards (data made again on
+    another machine and come out different, or a changed split): their scores would not compare,
+    and the seed's discounted return (read from one cell's shards) would not be theirs."""
+    by_seed: dict[int, dict[tuple, list[str]]] = {}
+    for r in results:
+        by_seed.setdefault(r["seed"], {}).setdefault(_data_of(r), []).append(r.get("key", tables.method(r)))
+    return [f"seed {seed}: " + "; ".join(", ".join(sorted(keys)) for keys in groups.values())
+            for seed, groups in sorted(by_seed.items()) if len(groups) > 1]
 
 
 def sentence(results: list[dict[str, Any]]) -> str:
@@ -298,6 +317,10 @@ def cmd_render(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     drs = _data_returns(root)
     results = cells(root)
+    if bad := unlike_data(results):
+        print("not rendered: these cells of one seed trained on different data (each group its own; "
+              "rerun the odd ones on the others' data):\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
     if figure(results, out / "verdict.png", float(np.mean(list(drs.values()))) if drs else None):
         print(f"wrote {out / 'verdict.png'}")
     b = blocks(root)

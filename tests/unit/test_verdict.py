@@ -78,6 +78,40 @@ def test_drpos_default_critic_is_the_one_the_committed_cells_choose():
     assert DRPOConfig().cql_calibration == (chosen or "returns-gradient")
 
 
+def shards(*episodes) -> list[dict]:
+    return [{"agent": i, "source": f"/machine-{i}/hopper-medium-v2.hdf5", "episodes": list(e), "transitions": 100 * len(e)}
+            for i, e in enumerate(episodes)]
+
+
+def test_the_committed_cells_of_a_seed_trained_on_the_same_data():
+    """Cells run on several machines, each making the dataset again: a seed's cells must share
+    their agents' episodes, or the table compares runs on different data."""
+    rs = verdict.cells()
+    assert len({r["seed"] for r in rs}) == 3
+    assert verdict.unlike_data(rs) == []
+
+
+def test_render_refuses_cells_of_one_seed_on_different_data_and_names_them(tmp_path, capsys):
+    folder = tmp_path / "paper-verdict" / "table"
+    folder.mkdir(parents=True)
+    for key, method, seed, data in (("a-s0", "fed-bc", 0, ([1, 2], [3])), ("b-s0", "cql", 0, ([1, 2], [3])),
+                                    ("c-s0", "drpo", 0, ([1, 2], [4])), ("d-s1", "drpo", 1, ([5], [6]))):
+        r = {**cell(method, seed, [10.0] * 20, 10.0), "key": key, "shards": shards(*data)}
+        (folder / f"{key}.json").write_text(json.dumps(r))
+    rs = verdict.cells(tmp_path)
+    same = [r for r in rs if r["key"] != "c-s0"]
+    for r in same:  # the machine's path is not the data
+        r["shards"][0]["source"] = "/elsewhere/hopper-medium-v2.hdf5"
+    assert verdict.unlike_data(same) == []
+    assert verdict.unlike_data(rs) == ["seed 0: a-s0, b-s0; c-s0"]
+    assert verdict.main(["render", "--results", str(tmp_path), "--no-update-md"]) == 1
+    assert "seed 0: a-s0, b-s0; c-s0" in capsys.readouterr().err
+    assert not (tmp_path / "paper-verdict" / "verdict.md").exists()
+    (folder / "c-s0.json").unlink()
+    assert verdict.main(["render", "--results", str(tmp_path), "--no-update-md"]) == 0
+    assert (tmp_path / "paper-verdict" / "verdict.md").exists()
+
+
 def test_the_table_and_the_gradients_come_from_the_cells(tmp_path):
     rs = full({"drpo": 40, "drpo-returns-gradient": 30, "fed-cql": 30, "cql": 20, "fed-bc": 10})
     table = verdict.table_md(rs)
