@@ -117,6 +117,30 @@ def _documented_commands() -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def test_every_module_a_document_runs_exists():
+    """``python -m M`` in a current document names a module there is: a benchmark moved into a
+    package or removed leaves a reader a ModuleNotFoundError (the history and the changelog keep
+    what was true then)."""
+    import importlib.util
+
+    files = [*ROOT.glob("*.md"), *(ROOT / "benchmarks").rglob("*.md"), *(ROOT / "deploy").rglob("*.md"),
+             *(p for p in (ROOT / "docs").rglob("*.md") if "history" not in p.parts)]
+    found, bad = 0, []
+    for f in files:
+        if f.name == "CHANGELOG.md":
+            continue
+        for module in re.findall(r"python3? -m ([A-Za-z_][\w.]*[A-Za-z_\d])", f.read_text()):
+            found += 1
+            try:
+                exists = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:
+                exists = False
+            if not exists:
+                bad.append(f"{f.relative_to(ROOT)}: python -m {module}")
+    assert found >= 50, found  # the scan finds the documents' commands
+    assert not bad, "\n".join(bad)
+
+
 def test_every_documented_command_parses_with_the_current_flags():
     """A command a document quotes, with its options, is one the current parsers accept: a
     renamed or removed flag, or a required one left out, fails here and not in a reader's shell."""
