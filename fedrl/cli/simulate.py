@@ -61,7 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", action="store_true",
                    help="write the whole state to OUT/checkpoint.safetensors after every round (and each "
                         "agent's, as it finishes its local round, to OUT/agents-in-round/); the same command "
-                        "again continues a stopped run where it stopped, training no finished agent again")
+                        "again continues a stopped run where it stopped, training no finished agent again, and "
+                        "only on the data it started on (each shard's digest is in OUT/config.json)")
     p.add_argument("--config", default=None,
                    help="JSON file of run settings: SimConfig's fields, with 'drpo' and 'bc' objects of every "
                         "hyperparameter (docs/reference/config.md); the flags given override it")

@@ -8,6 +8,7 @@ the step taken from ``observations[i]``. ``terminals`` marks a true episode end 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -89,6 +90,16 @@ class Transitions:
             nxt = float(self.rewards[t]) + gamma * (1.0 - float(self.dones[t])) * (nxt if same else 0.0)
             g[t] = nxt
         return g
+
+    def digest(self) -> str:
+        """SHA-256 of the rows (every field's dtype, shape and bytes, in order): the same on any
+        machine for the same data, so a run's record says exactly what it trained on."""
+        h = hashlib.sha256()
+        for f in _TRANSITION_FIELDS:
+            a = np.ascontiguousarray(getattr(self, f))
+            h.update(f"{f}:{a.dtype.str}:{a.shape};".encode())
+            h.update(a.tobytes())
+        return h.hexdigest()
 
     def select(self, mask_or_idx: np.ndarray) -> "Transitions":
         """Rows picked by a boolean mask or index array."""

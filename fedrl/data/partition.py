@@ -23,6 +23,13 @@ class Shard:
     episodes: tuple[int, ...]
     transitions: Transitions
 
+    def record(self) -> dict:
+        """What a run's record keeps of it: which episodes of which file, how many rows, and
+        their digest (the file is made again on each machine; the digest says it came out the
+        same)."""
+        return {"agent": self.agent, "source": self.source, "episodes": list(self.episodes),
+                "transitions": len(self.transitions), "sha256": self.transitions.digest()}
+
 
 @dataclass(frozen=True)
 class ShardSource:

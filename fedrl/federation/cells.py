@@ -39,7 +39,7 @@ from fedrl.federation.round import (
     initial_global_state,
 )
 from fedrl.federation.machine import Plan, RoundMachine, Update
-from fedrl.federation.checkpoint import atomic_save, recorded_settings, settings
+from fedrl.federation.checkpoint import atomic_save, recorded_settings, same_data, settings
 from fedrl.federation.simconfig import SimConfig
 from fedrl.federation.simulate import curve_point, load_shards, round_evaluation
 
@@ -142,8 +142,7 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
         machine = RoundMachine(Plan.of(cfg, [s.agent for s in shards]), g0)
         states.append(_CellState(c, hp, len(shards), [len(s.transitions) for s in shards], machine,
                                  derive_seed(cfg.seed, SEED_EVAL) % 2**31, [],
-                                 [{"agent": s.agent, "source": s.source, "episodes": list(s.episodes),
-                                   "transitions": len(s.transitions)} for s in shards],
+                                 [s.record() for s in shards],
                                  float(np.mean([episode_return_mean(s.transitions.rewards, s.transitions.episode)
                                                 for s in shards]))))
         g = "bc" if isinstance(hp, BCConfig) else "drpo"
@@ -263,7 +262,7 @@ def _checkpoint(path: Path, r: int, cells: Sequence[Cell], states: list[_CellSta
     for g, tr in trainers.items():
         tensors |= {f"group/{g}/{k}": v for k, v in tr.checkpoint().items()}
     meta = {"round": r, "cells": [{"key": c.key, "sim": settings(c.cfg)} for c in cells],
-            "curves": [st.curve for st in states]}
+            "curves": [st.curve for st in states], "shards": [st.shards for st in states]}
     atomic_save(tensors, meta, path)
 
 
@@ -276,6 +275,11 @@ def _resume(path: Path, cells: Sequence[Cell], states: list[_CellState], trainer
     want = [{"key": c.key, "sim": settings(c.cfg)} for c in cells]
     if [{"key": c["key"], "sim": recorded_settings(c["sim"])} for c in meta["cells"]] != want:
         raise ValueError(f"{path} is a checkpoint of other cells or settings; pass another work folder")
+    for c, recorded, st in zip(cells, meta.get("shards", []), states):  # none in older checkpoints
+        try:
+            same_data(recorded, st.shards)
+        except ValueError as e:
+            raise ValueError(f"cell {c.key}: {e}") from None
     tensors = load_file(str(path))
 
     def part(prefix: str) -> dict[str, torch.Tensor]:

@@ -29,6 +29,20 @@ def has_checkpoint(out: str | Path) -> bool:
     return (out / CHECKPOINT).exists() or any((out / AGENTS_IN_ROUND).glob("agent-*.safetensors"))
 
 
+def same_data(recorded: list[dict[str, Any]], shards: list[dict[str, Any]]) -> None:
+    """Refuse to continue a run on data other than it started on (ValueError naming the agents):
+    the dataset is made again on each machine, and a stopped run may be resumed on another.
+    ``recorded`` is the run's ``config.json`` shards; a record without a digest (older runs) is
+    held to its episodes and row count only."""
+    keys = ("agent", "episodes", "transitions")
+    bad = [str(new["agent"]) for old, new in zip(recorded, shards)
+           if any(old.get(k) != new.get(k) for k in keys) or old.get("sha256", new.get("sha256")) != new.get("sha256")]
+    if len(recorded) != len(shards) or bad:
+        which = f"agent(s) {', '.join(bad)}" if bad else f"{len(recorded)} agents then, {len(shards)} now"
+        raise ValueError(f"this run started on other data ({which}: other episodes or contents than the dataset "
+                         "gives now); remake the dataset as it was, or pass another --out")
+
+
 def write_checkpoint(out: Path, cfg: SimConfig, r: int, curve: list, global_state: dict[str, torch.Tensor],
                      agent_states: list[dict[str, torch.Tensor]], learners: dict[str, Any], engine: str) -> None:
     """Everything round ``r + 1`` starts from, in one safetensors file written atomically

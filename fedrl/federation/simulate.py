@@ -37,6 +37,7 @@ from fedrl.federation.checkpoint import (
     has_checkpoint,
     resume,
     resume_agents,
+    same_data,
     write_agent_checkpoint,
     write_checkpoint,
 )
@@ -192,6 +193,8 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             done_rounds, curve, global_state, agent_states = resume(out, cfg, learners, n_agents, engine)
         if engine == "per-agent":
             in_round = resume_agents(out, cfg, done_rounds + 1, trainers)
+        if (out / "config.json").exists():
+            same_data(json.loads((out / "config.json").read_text())["shards"], [s.record() for s in shards])
         trained = f"; agents {', '.join(str(i + 1) for i in sorted(in_round))} of round {done_rounds + 1} " \
                   "already trained" if in_round else ""
         log(f"resuming {out} after round {done_rounds} of {cfg.rounds}{trained}")
@@ -200,8 +203,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         "sim": cfg.as_dict(), "algorithm_hparams": config_to_dict(hp), "env_id": env.gym_id,
         "device": str(device), "engine": engine,
         **({"secure_moments": moments_rec} if moments_rec else {}),
-        "shards": [{"agent": s.agent, "source": s.source, "episodes": list(s.episodes),
-                    "transitions": len(s.transitions)} for s in shards],
+        "shards": [s.record() for s in shards],
     }, indent=2))
     log(f"{cfg.algo}: {n_agents} agents x {cfg.trajectories} trajectories"
         f"{f' (at least {cfg.transitions} transitions each)' if cfg.transitions else ''} "

@@ -92,6 +92,29 @@ def test_cells_train_as_their_own_federations_and_resume_exactly(tmp_path, rando
         assert [losses(x) for x in ra] == [losses(x) for x in rb]
 
 
+def test_a_batch_refuses_to_resume_on_data_other_than_it_started_on(tmp_path, random_dataset):
+    import shutil
+
+    import h5py
+
+    data = tmp_path / "data.hdf5"
+    shutil.copy(random_dataset, data)
+    cs = cells(data)[:2]
+
+    def stop_after_round_1(m):
+        if m.startswith("round   1/2"):
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        run_cells(cs, tmp_path / "cut", log=stop_after_round_1)
+    with h5py.File(data, "r+") as f:
+        f["rewards"][...] = f["rewards"][...] * 2.0
+    with pytest.raises(ValueError, match=r"cell drpo-s0: this run started on other data \(agent\(s\) 0, 1:"):
+        run_cells(cs, tmp_path / "cut", log=lambda m: None)
+    shutil.copy(random_dataset, data)
+    assert all(r["finished"] for r in run_cells(cs, tmp_path / "cut", log=lambda m: None).values())
+
+
 def test_a_deadline_stops_before_a_round_that_would_not_fit(tmp_path, random_dataset):
     import time
 

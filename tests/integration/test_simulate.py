@@ -319,6 +319,46 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path, random_dataset)
             log=lambda m: None, checkpoint=True)
 
 
+def test_resume_refuses_data_other_than_the_run_started_on(tmp_path, random_dataset):
+    """Each machine makes its dataset again: a run stopped on one and resumed on another, whose
+    file came out with other rewards in the same episodes, stops instead of mixing the two."""
+    import shutil
+
+    import h5py
+
+    data = tmp_path / "data.hdf5"
+    shutil.copy(random_dataset, data)
+    cfg = tiny(data, rounds=2)
+    out = tmp_path / "run"
+    with pytest.raises(_Killed):
+        run(cfg, out, log=_raise_on("round   2/2"), checkpoint=True)
+    recorded = json.loads((out / "config.json").read_text())["shards"]
+    assert all(len(sh["sha256"]) == 64 for sh in recorded)
+    with h5py.File(data, "r+") as f:
+        f["rewards"][...] = f["rewards"][...] + 1.0  # other rewards: the episodes and row counts stay
+    with pytest.raises(ValueError, match=r"this run started on other data \(agent\(s\) 0, 1:"):
+        run(cfg, out, log=lambda m: None, checkpoint=True)
+    shutil.copy(random_dataset, data)  # the data as it was: the run continues
+    assert run(cfg, out, log=lambda m: None, checkpoint=True)["final"] is not None
+
+
+def test_a_run_recorded_before_shards_had_a_digest_resumes_on_the_same_episodes(tmp_path, random_dataset):
+    cfg = tiny(random_dataset, rounds=2)
+    out = tmp_path / "run"
+    with pytest.raises(_Killed):
+        run(cfg, out, log=_raise_on("round   2/2"), checkpoint=True)
+    old = json.loads((out / "config.json").read_text())
+    for sh in old["shards"]:
+        del sh["sha256"]
+    other = json.loads(json.dumps(old))
+    other["shards"][1]["episodes"][0] += 1  # a split the data no longer gives
+    (out / "config.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match=r"this run started on other data \(agent\(s\) 1:"):
+        run(cfg, out, log=lambda m: None, checkpoint=True)
+    (out / "config.json").write_text(json.dumps(old))
+    assert run(cfg, out, log=lambda m: None, checkpoint=True)["final"] is not None
+
+
 def _record_rounds(monkeypatch):
     """Wrap LocalTrainer.train_round: per call, the state it was given, the policy the learner
     held at its first local step, and the state it returned."""

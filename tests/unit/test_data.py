@@ -169,6 +169,31 @@ def test_shards_disjoint_whole_trajectories_seeded():
     assert [s.episodes for s in other] != [s.episodes for s in shards]
 
 
+def test_a_shards_digest_is_its_rows_and_nothing_else():
+    """The record a run keeps: equal rows give one digest (a copy, another path), and any change to
+    a value, a row's episode or a field's type gives another."""
+    import dataclasses
+    import hashlib
+
+    tr = synthetic_transitions()
+    shard = partition([ShardSource("/one/f.hdf5", tr, 2)], trajectories=3, seed=7)[0]
+    rec = shard.record()
+    copy = partition([ShardSource("/two/f.hdf5", tr.select(np.arange(len(tr))), 2)], trajectories=3, seed=7)[0]
+    assert copy.record() == {**rec, "source": "/two/f.hdf5"}
+    assert rec["transitions"] == len(shard.transitions) and rec["episodes"] == list(shard.episodes)
+    t = shard.transitions
+    h = hashlib.sha256()  # written out: every field's name, dtype and shape, then its bytes, in order
+    for f in ("obs", "actions", "rewards", "next_obs", "dones", "episode"):
+        a = np.ascontiguousarray(getattr(t, f))
+        h.update(f"{f}:{a.dtype.str}:{a.shape};".encode() + a.tobytes())
+    assert rec["sha256"] == h.hexdigest()
+    for field, change in (("rewards", lambda a: np.where(np.arange(len(a)) == 3, a + 1, a).astype(a.dtype)),
+                          ("next_obs", lambda a: np.where(np.arange(a.size).reshape(a.shape) == 0, a + 1, a)),
+                          ("episode", lambda a: a[::-1].copy()), ("dones", lambda a: a.astype(np.float64))):
+        changed = dataclasses.replace(t, **{field: change(getattr(t, field))})
+        assert changed.digest() != t.digest(), field
+
+
 def test_heterogeneous_mix_and_not_enough_episodes():
     expert, medium = synthetic_transitions(20), synthetic_transitions(10)
     shards = partition([ShardSource("expert", expert, 4), ShardSource("medium", medium, 1)], 5, seed=0)
