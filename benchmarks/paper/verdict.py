@@ -99,20 +99,32 @@ def _complete(s: dict[str, list[dict[str, Any]]], methods) -> bool:
     return all(len(s.get(m, [])) == len(PRESET.seeds) for m in methods)
 
 
-def _data_of(r: dict[str, Any]) -> tuple:
+def _data_of(r: dict[str, Any]) -> tuple[tuple, tuple | None]:
     """What a cell trained on: each agent's episodes and transitions (not the file's path, which
-    is the machine's)."""
-    return tuple((sh["agent"], tuple(sh["episodes"]), sh["transitions"]) for sh in r.get("shards", []))
+    is the machine's), and the shards' digests where its record has them (None where not)."""
+    shards = r.get("shards", [])
+    digests = tuple(sh.get("sha256") for sh in shards)
+    return (tuple((sh["agent"], tuple(sh["episodes"]), sh["transitions"]) for sh in shards),
+            digests if digests and all(digests) else None)
 
 
 def unlike_data(results: list[dict[str, Any]]) -> list[str]:
     """A line per seed whose cells did not all train on the same shards (data made again on
     another machine and come out different, or a changed split): their scores would not compare,
-    and the seed's discounted return (read from one cell's shards) would not be theirs."""
-    by_seed: dict[int, dict[tuple, list[str]]] = {}
-    for r in results:
-        by_seed.setdefault(r["seed"], {}).setdefault(_data_of(r), []).append(r.get("key", tables.method(r)))
-    return [f"seed {seed}: " + "; ".join(", ".join(sorted(keys)) for keys in groups.values())
+    and the seed's discounted return (read from one cell's shards) would not be theirs. Cells
+    agree on the same episodes, and on the same digests where both have them."""
+    by_seed: dict[int, list[list]] = {}  # per seed: [episodes, digests or None, keys]
+    for r in sorted(results, key=lambda r: _data_of(r)[1] is None):  # cells with digests first
+        episodes, digests = _data_of(r)
+        groups = by_seed.setdefault(r["seed"], [])
+        for g in groups:
+            if g[0] == episodes and (digests is None or g[1] in (None, digests)):
+                g[1] = g[1] or digests
+                g[2].append(r.get("key", tables.method(r)))
+                break
+        else:
+            groups.append([episodes, digests, [r.get("key", tables.method(r))]])
+    return [f"seed {seed}: " + "; ".join(", ".join(sorted(g[2])) for g in groups)
             for seed, groups in sorted(by_seed.items()) if len(groups) > 1]
 
 

@@ -107,6 +107,13 @@ def test_render_refuses_cells_of_one_seed_on_different_data_and_names_them(tmp_p
     assert verdict.main(["render", "--results", str(tmp_path), "--no-update-md"]) == 1
     assert "seed 0: a-s0, b-s0; c-s0" in capsys.readouterr().err
     assert not (tmp_path / "paper-verdict" / "verdict.md").exists()
+    digested = [json.loads(json.dumps(r)) for r in same]
+    for r in digested:  # records with digests: the same episodes with other contents differ
+        for sh in r["shards"]:
+            sh["sha256"] = "b" * 64 if r["key"] == "b-s0" else "a" * 64
+    assert verdict.unlike_data(digested) == ["seed 0: a-s0; b-s0"]
+    digested[1]["shards"][0].pop("sha256")  # a record without them agrees with either
+    assert verdict.unlike_data(digested[:2] + same[2:]) == []
     (folder / "c-s0.json").unlink()
     assert verdict.main(["render", "--results", str(tmp_path), "--no-update-md"]) == 0
     assert (tmp_path / "paper-verdict" / "verdict.md").exists()
