@@ -51,7 +51,7 @@ def test_the_sentence_waits_for_every_cell_of_the_ordering():
     ({"drpo": 25, "fed-cql": 24, "cql": 23, "fed-bc": 35}, False),
 ])
 def test_the_sentence_says_whether_the_papers_ordering_holds_on_the_last_rounds(levels, holds):
-    said = verdict.sentence(full({**levels, "drpo-returns-gradient": 0}))
+    said = verdict.sentence(full({**levels, "drpo-returns-gradient": 0})).split(" With DRPO's default critic")[0]
     assert ("**holds**" in said) == holds and ("**does not hold**" in said) == (not holds)
     assert "5 agents here, where the paper has 10" in said
     if levels["fed-bc"] > levels["drpo"]:
@@ -59,6 +59,37 @@ def test_the_sentence_says_whether_the_papers_ordering_holds_on_the_last_rounds(
     else:
         assert f"DRPO leads the next best by {levels['drpo'] - max(v for k, v in levels.items() if k != 'drpo'):.1f}" in said
     assert "the seeds' spread is at most 0.4 points" in said  # (s - 1) * 0.5 over seeds 0-2: std 0.41
+
+
+@pytest.mark.parametrize("gradient, holds, lead, wins", [
+    (50, False, "ahead of the next best (Fed-BC) by 15.0 points", 3),  # first, but the rest out of order
+    (20, False, "Fed-BC ahead of it by 15.0 points", 0),
+])
+def test_the_sentence_reads_the_ordering_again_with_the_default_critic(gradient, holds, lead, wins):
+    said = verdict.sentence(full({"drpo": 25, "drpo-returns-gradient": gradient, "fed-cql": 24, "cql": 23,
+                                  "fed-bc": 35}))
+    first, second = said.split(" With DRPO's default critic")
+    assert "**does not hold**" in first and "Fed-BC leads DRPO by 10.0 points" in first
+    assert f"**{'holds' if holds else 'does not hold'}**" in second
+    assert ("DRPO is first" in second) == (gradient > 35.5) and lead in second
+    assert f"DRPO {gradient:.1f} ± 0.4" in second and f"same seed in {wins} of 3 seeds" in second
+    assert "not a held-out one" in second
+
+
+def test_the_default_critics_seeds_are_each_held_to_the_other_methods_of_their_seed():
+    rs = full({"drpo": 25, "drpo-returns-gradient": 50, "fed-cql": 24, "cql": 23, "fed-bc": 35})
+    low = next(r for r in rs if r["variant"].get("method") == "drpo-returns-gradient" and r["seed"] == 1)
+    low["curve"] = [{"round": i + 1, "score_mean": 10.0} for i in range(20)]  # below every method of seed 1
+    second = verdict.sentence(rs).split(" With DRPO's default critic")[1]
+    assert "DRPO 36.7 ± 18.9, ahead of the next best (Fed-BC) by 1.7 points" in second
+    assert "same seed in 2 of 3 seeds" in second
+
+
+def test_the_ordering_with_the_default_critic_holds_when_it_leads_an_ordered_rest():
+    said = verdict.sentence(full({"drpo": 10, "drpo-returns-gradient": 50, "fed-cql": 40, "cql": 30, "fed-bc": 20}))
+    assert "**does not hold**" in said.split(" With")[0]
+    second = said.split(" With DRPO's default critic")[1]
+    assert "**holds**: DRPO 50.0" in second and "by 10.0 points" in second and "in 3 of 3 seeds" in second
 
 
 @pytest.mark.parametrize("paper, gradient, default", [(30, 30, "`none`"), (31, 30, "`none`"),
