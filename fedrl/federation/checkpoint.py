@@ -40,7 +40,7 @@ def same_data(recorded: list[dict[str, Any]], shards: list[dict[str, Any]]) -> N
     if len(recorded) != len(shards) or bad:
         which = f"agent(s) {', '.join(bad)}" if bad else f"{len(recorded)} agents then, {len(shards)} now"
         raise ValueError(f"this run started on other data ({which}: other episodes or contents than the dataset "
-                         "gives now); remake the dataset as it was, or pass another --out")
+                         "gives now); remake the dataset as it was, or start the run again in another folder (--out)")
 
 
 def write_checkpoint(out: Path, cfg: SimConfig, r: int, curve: list, global_state: dict[str, torch.Tensor],
