@@ -41,6 +41,7 @@ from benchmarks.common import BENCHMARKS_MD, RESULTS, ROOT, replace_blocks
 from benchmarks.paper import cells as runs, presets, tables, verdict_why
 
 PRESET = presets.PRESETS["verdict"]
+HELDOUT = presets.PRESETS["heldout-walker2d"]  # the critic's choice checked on a task it was not made on
 ORDER = ("drpo", "fed-cql", "cql", "fed-bc")  # the paper's ordering, best first
 COLUMNS = ("fed-bc", "fed-cql", "cql", "drpo", "drpo-returns-gradient")
 LABEL = {**presets.ALGO_LABEL, "drpo": "DRPO (paper's critic)", "drpo-returns-gradient": "DRPO, gradient stopped at G"}
@@ -209,6 +210,29 @@ def critic_choice(results: list[dict[str, Any]]) -> str:
             f"**{PAPERS if _pick(a, b) == 'none' else '`returns-gradient`'}**.")
 
 
+def heldout_cells(root: Path = RESULTS) -> list[dict[str, Any]]:
+    return [r for r in runs.load_results(HELDOUT, "table", root) if r.get("curve")]
+
+
+def heldout_reading(chosen: str | None, held: list[dict[str, Any]]) -> str:
+    """The two critics on the held-out task, and whether that task would choose as the verdict did."""
+    where = (f"Held out, on Walker2d-v5 medium with the verdict's protocol and settings (`python -m benchmarks.paper "
+             f"run --preset {HELDOUT.name} --experiment table`)")
+    scores = _critic_scores(held)
+    if scores is None:
+        return f"{where}: not in yet, {len(held)} of {2 * len(HELDOUT.seeds)} cells."
+    a, b = scores
+    there = _pick(a, b)
+    said = (f"{where}: DRPO's mean score over the last {LAST} rounds, over {len(a)} seeds, the paper's critic "
+            f"{_ms(a)}, the gradient stop {_ms(b)}: ")
+    if chosen is None:
+        return said + "the verdict has not chosen yet."
+    if there == chosen:
+        return said + "this task chooses as hopper-medium did."
+    return said + ("this task chooses the other critic, so the default rests on hopper-medium alone; the two tasks "
+                   "disagree.")
+
+
 GRADS = (("grad_q", "Q term"), ("grad_entropy", "alpha log pi"), ("grad_lambda1", "lambda1 D(pi, pi_b)"),
          ("grad_lambda2", "lambda2 D(pi, pi_bar)"), ("grad_actor", "all of L_pi"))
 
@@ -338,7 +362,9 @@ def blocks(root: Path = RESULTS) -> dict[str, str]:
     table, said = table_md(results), sentence(results)
     return {"verdict-table": table + "\n\n" + said, "verdict-grads": grads_md(results),
             "verdict-why": verdict_why.why_md(results, _data_returns(root), LABEL),
-            "verdict-critic": critic_choice(results), "readme-verdict": table + "\n\n" + said}
+            "verdict-critic": critic_choice(results),
+            "verdict-critic-heldout": heldout_reading(chosen_critic(results), heldout_cells(root)),
+            "readme-verdict": table + "\n\n" + said}
 
 
 README_MD = ROOT / "README.md"
@@ -361,7 +387,7 @@ def cmd_render(a) -> int:
     (out / "verdict.md").write_text("\n\n".join(f"### {k}\n\n{v}" for k, v in b.items()) + "\n")
     if a.update_md:
         for path, names in ((BENCHMARKS_MD, ("verdict-table", "verdict-grads", "verdict-why")), (README_MD, ("readme-verdict",)),
-                            (CHOICES_MD, ("verdict-critic",))):
+                            (CHOICES_MD, ("verdict-critic", "verdict-critic-heldout"))):
             path.write_text(replace_blocks(path.read_text(), {k: b[k] for k in names}))
             print(f"updated {path}")
     return 0

@@ -182,6 +182,34 @@ def test_the_preset_runs_the_issues_cells_with_every_setting_written_out():
     assert sorted({tables.method({"algo": r.algo, "variant": r.variant}) for r in runs}) == sorted(verdict.COLUMNS)
 
 
+def test_the_heldout_preset_is_the_verdicts_drpo_cells_on_walker2d():
+    from benchmarks.paper import presets
+
+    v, h = presets.PRESETS["verdict"], presets.PRESETS["heldout-walker2d"]
+    held = presets.plan(h, "table", h.seeds)
+    assert sorted(r.key for r in held) == sorted(f"{m}-medium-s{s}" for m in ("drpo", "drpo-returns-gradient")
+                                                 for s in (0, 1, 2))
+    mine = {r.key: r for r in presets.plan(v, "table", v.seeds)}
+    for r in held:
+        a, b = presets.sim_config(h, r).as_dict(), presets.sim_config(v, mine[r.key]).as_dict()
+        assert a.pop("datasets") == ["walker2d-medium-v2"] and b.pop("datasets") == ["hopper-medium-v2"]
+        assert a == b, r.key  # every other setting, the critic's included, is the verdict's
+
+
+@pytest.mark.parametrize("paper, gradient, chosen, said", [
+    (40, 30, "none", "this task chooses as hopper-medium did"),
+    (40, 30, "returns-gradient", "this task chooses the other critic"),
+    (30, 40, "returns-gradient", "this task chooses as hopper-medium did"),
+    (30, 40, None, "the verdict has not chosen yet"),
+])
+def test_the_heldout_task_says_whether_it_chooses_the_same_critic(paper, gradient, chosen, said):
+    held = [c for c in full({"drpo": paper, "drpo-returns-gradient": gradient, "fed-cql": 0, "cql": 0, "fed-bc": 0})
+            if c["algo"] == "drpo"]
+    text = verdict.heldout_reading(chosen, held)
+    assert said in text and f"the paper's critic {paper:.1f} ± 0.4, the gradient stop {gradient:.1f} ± 0.4" in text
+    assert verdict.heldout_reading(chosen, held[:5]).endswith("not in yet, 5 of 6 cells.")
+
+
 def why_cell(method: str, seed: int, scores, q, td, grad_q=None, reg=None) -> dict:
     r = cell(method, seed, scores)
     n = len(scores)
