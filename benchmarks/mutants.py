@@ -48,6 +48,7 @@ BATCHED_TESTS = ("tests/unit/test_batched.py",)
 ENGINE_TESTS = ("tests/unit/test_batched.py", "tests/integration/test_engines_agree.py", "tests/integration/test_cells.py")
 RND, CELLS = "fedrl/federation/round.py", "fedrl/federation/cells.py"
 SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/rounds.py"
+CKPT = "fedrl/federation/checkpoint.py"
 MACHINE, MACHINE_TESTS = "fedrl/federation/machine.py", ("tests/unit/test_machine.py",)
 PRIV, PRIV_TESTS = "fedrl/federation/privacy.py", ("tests/unit/test_privacy.py",)
 PRIV_SIM_TESTS = ("tests/integration/test_simulate.py",)
@@ -228,6 +229,13 @@ MUTANTS = (
     Mutant("secagg-moments-not-over-weight", SA_SUMS,
            "return ObsStats(1, s[:obs_dim] / weight, s[obs_dim:2 * obs_dim] / weight).mean_std()",
            "return ObsStats(1, s[:obs_dim], s[obs_dim:2 * obs_dim]).mean_std()", SA_SIM_TESTS),
+    # a run resumed on data other than it started on (a dataset remade on another machine)
+    Mutant("resume-ignores-the-contents", CKPT,
+           'or old.get("sha256", new.get("sha256")) != new.get("sha256")]', "]", SIM_TESTS),
+    Mutant("digest-skips-the-observations", "fedrl/data/d4rl.py", "        for f in _TRANSITION_FIELDS:\n            a = np",
+           "        for f in _TRANSITION_FIELDS[1:]:\n            a = np", ("tests/unit/test_data.py",)),
+    Mutant("batch-resumes-on-other-data", CELLS, "            same_data(recorded, st.shards)\n",
+           "            pass\n", ("tests/integration/test_cells.py",)),
 )
 
 
