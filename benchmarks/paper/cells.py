@@ -140,7 +140,8 @@ def cell_result(p, spec, cell, res: dict, wall: float, device: str) -> dict:
             "variant": spec.variant, "config": cell.cfg.as_dict(), "curve": res["curve"], "final": res["final"],
             "losses_per_round": round_losses(res["rounds_jsonl"]), "wall_seconds": round(wall, 1),
             "code_revision": code_revision(), "device_name": device_name(device), "torch": torch.__version__,
-            "shards": res["shards"], "engine": "batched cells (benchmarks.paper.device)"}
+            "shards": res["shards"], "engine": "batched cells (benchmarks.paper.device)",
+            **({"final_long": res["final_long"]} if "final_long" in res else {})}
 
 
 def work_dir(p: Preset, r: RunSpec, root: Path = RESULTS) -> Path:

@@ -111,7 +111,8 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
     that many local steps (``trace``). ``draws="per-agent"``: each agent draws its minibatches and
     noise as its cell's per-agent simulation does (:class:`BatchedTrainer`), so every cell computes
     its own ``fedrl simulate`` run up to float rounding (the check of this module).
-    Returns per cell ``{"curve", "final", "best", "rounds_done", "finished", ...}``."""
+    Returns per cell ``{"curve", "final", "best", "rounds_done", "finished", ...}``, and once the
+    last round is done, ``"final_long"`` for a cell whose ``final_eval_episodes`` asks for it."""
     check_cells(cells)
     log = log or print
     work = Path(work)
@@ -175,6 +176,7 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
     try:
         done = _rounds(states, trainers, groups, cells, work, ck, env, done, deadline, last_round_s, pool, log,
                        trace_every)
+        long = _final_long(states, env.gym_id, done, pool) if done == first.rounds else {}
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
@@ -185,7 +187,8 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
                             "best": max(curve, key=lambda c: c["return_mean"]) if curve else None,
                             "rounds_done": done, "finished": done == first.rounds, "shards": st.shards,
                             "data_return": st.data_return, "global_state": st.global_state,
-                            "agent_states": st.agent_states}
+                            "agent_states": st.agent_states,
+                            **({"final_long": long[st.cell.key]} if st.cell.key in long else {})}
     return out
 
 
@@ -231,15 +234,16 @@ def _rounds(states, trainers, groups, cells, work: Path, ck: Path, env, done: in
     return done
 
 
-def _evaluate(states: list[_CellState], recs: list[dict], env_id: str, episodes: int, pool=None) -> None:
-    """Every cell's policy (a ``cql`` cell's every agent's) in one vectorised pass (or one per
-    worker of ``pool``, the policies dealt out in contiguous chunks)."""
+def _evaluations(states: list[_CellState], env_id: str, episodes: int, seed_of, pool=None) -> list[dict[str, Any]]:
+    """Every given cell's policy (a ``cql`` cell's every agent's) over ``episodes`` from seed
+    ``seed_of(state)``, in one vectorised pass (or one per worker of ``pool``, the policies dealt
+    out in contiguous chunks): each cell's round evaluation, in order."""
     policies, seeds, owner = [], [], []
     for ci, st in enumerate(states):
         mine = st.agent_states if st.cell.cfg.algo == "cql" else [st.global_state]
         for s in mine:
             policies.append({k[len(POLICY) + 1:]: v for k, v in s.items() if k.startswith(POLICY + ".")})
-            seeds.append(st.eval_seed)
+            seeds.append(seed_of(st))
             owner.append(ci)
     if pool is None:
         results = evaluate_many(policies, env_id, episodes, seeds)
@@ -248,9 +252,26 @@ def _evaluate(states: list[_CellState], recs: list[dict], env_id: str, episodes:
         futures = [pool.submit(evaluate_many, policies[i:i + k], env_id, episodes, seeds[i:i + k])
                    for i in range(0, len(policies), k)]
         results = [x for f in futures for x in f.result()]
-    for ci, (st, rec) in enumerate(zip(states, recs)):
-        rec["eval"] = round_evaluation(st.cell.cfg.algo, [res.as_dict() for res, o in zip(results, owner) if o == ci])
+    return [round_evaluation(st.cell.cfg.algo, [res.as_dict() for res, o in zip(results, owner) if o == ci])
+            for ci, st in enumerate(states)]
+
+
+def _evaluate(states: list[_CellState], recs: list[dict], env_id: str, episodes: int, pool=None) -> None:
+    """Each cell's round evaluation, on the episodes ``fedrl simulate`` evaluates that round on."""
+    for st, rec, ev in zip(states, recs, _evaluations(states, env_id, episodes, lambda st: st.eval_seed, pool)):
+        rec["eval"] = ev
         st.curve.append(curve_point(rec["round"], rec["eval"]))
+
+
+def _final_long(states: list[_CellState], env_id: str, rounds: int, pool=None) -> dict[str, dict[str, Any]]:
+    """Per cell with ``final_eval_episodes``, its final policy again over that many episodes of
+    their own (``fedrl simulate``'s ``final_long``: the same seed, so the same episodes)."""
+    out: dict[str, dict[str, Any]] = {}
+    for n in sorted({st.cell.cfg.final_eval_episodes for st in states} - {0}):
+        mine = [st for st in states if st.cell.cfg.final_eval_episodes == n]
+        evs = _evaluations(mine, env_id, n, lambda st: derive_seed(st.cell.cfg.seed, SEED_EVAL, 1) % 2**31, pool)
+        out |= {st.cell.key: {"episodes": n, **curve_point(rounds, ev)} for st, ev in zip(mine, evs)}
+    return out
 
 
 def _checkpoint(path: Path, r: int, cells: Sequence[Cell], states: list[_CellState], trainers: dict) -> None:

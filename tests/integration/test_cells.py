@@ -115,6 +115,33 @@ def test_a_batch_refuses_to_resume_on_data_other_than_it_started_on(tmp_path, ra
     assert all(r["finished"] for r in run_cells(cs, tmp_path / "cut", log=lambda m: None).values())
 
 
+def test_a_finished_cell_evaluates_its_final_policy_again_over_its_own_episodes(tmp_path, random_dataset):
+    """``final_eval_episodes``: the final policy (a ``cql`` cell's every agent's) over that many
+    episodes from ``fedrl simulate``'s seed of its own, evaluated here by the plain evaluator."""
+    from fedrl.algos.base import POLICY, load_prefixed
+    from fedrl.algos.nets import TanhGaussianPolicy
+    from fedrl.common.device import derive_seed
+    from fedrl.envs.evaluation import evaluate
+    from fedrl.federation.round import SEED_EVAL
+
+    cs = [Cell(c.key, dataclasses.replace(c.cfg, final_eval_episodes=3 if c.key != "fed-bc-s0" else 0))
+          for c in cells(random_dataset) if c.key in ("drpo-s0", "cql-s0", "fed-bc-s0")]
+    out = run_cells(cs, tmp_path, log=lambda m: None)
+    assert "final_long" not in out["fed-bc-s0"]
+    for key in ("drpo-s0", "cql-s0"):
+        long = out[key]["final_long"]
+        states = out[key]["agent_states"] if key.startswith("cql") else [out[key]["global_state"]]
+        seed = derive_seed(0, SEED_EVAL, 1) % 2**31
+        returns = []
+        for st in states:
+            pol = TanhGaussianPolicy(11, 3, TINY_DRPO.hidden, TINY_DRPO.log_std_min, TINY_DRPO.log_std_max)
+            load_prefixed(pol, st, POLICY)
+            returns.append(evaluate(pol, "Hopper-v5", 3, seed).as_dict()["return_mean"])
+        assert long["episodes"] == 3 and long["round"] == 2
+        assert long["return_mean"] == pytest.approx(sum(returns) / len(returns), rel=1e-9), key
+        assert long["return_mean"] != pytest.approx(out[key]["final"]["return_mean"], rel=1e-9)  # not the round's
+
+
 def test_a_deadline_stops_before_a_round_that_would_not_fit(tmp_path, random_dataset):
     import time
 
