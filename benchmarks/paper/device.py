@@ -8,7 +8,9 @@ The column: DRPO, Fed-CQL, CQL alone and Fed-BC, 10 agents x 20 rounds x 1,000 l
 agent holding the paper's ~5,000 transitions (whole episodes, as the ``claim`` preset), three
 seeds; the cells and their settings are ``benchmarks.paper``'s (``paper`` preset, ``table``
 experiment), so the results render beside the harness's own. ``--preset claim-v2`` runs that
-preset's column instead (the claim's scale at today's defaults). Cells whose result is already in
+preset's column instead (the claim's scale at today's defaults), ``--preset verdict`` or
+``heldout-walker2d`` theirs (named variants included; ``--dataset`` defaults to the preset's
+first). Cells whose result is already in
 ``--results`` (default ``benchmarks/results``: finished on the CPU, or copied, as claim-v2's
 Fed-BC) are left out. Every cell trains in one process
 as one batched model (``fedrl.federation.cells``: the DRPO family in one batch, Fed-BC in
@@ -68,9 +70,9 @@ def plan_cells(p, dataset: str, seeds: tuple[int, ...], device: str, done_in: Pa
     less those whose result ``done_in`` already holds."""
     from fedrl.federation.cells import Cell
 
-    # the methods' own columns (a named variant such as Fed-BC at lr 3e-4 carries "method")
-    specs = [r for r in plan(p, "table", seeds)
-             if r.datasets == (dataset,) and r.algo in METHODS and "method" not in r.variant]
+    # every column of the preset's table, a named variant's too (the verdict's and the held-out
+    # preset's DRPO with the gradient stop): it is the same algorithm with other hyperparameters
+    specs = [r for r in plan(p, "table", seeds) if r.datasets == (dataset,) and r.algo in METHODS]
     if not specs:
         raise SystemExit(f"no cells of {dataset} in the {p.name} preset's table")
     if done_in is not None:
@@ -144,7 +146,8 @@ def cmd_run(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     done_in = Path(a.results) if a.results else None if a.tiny else ROOT / "benchmarks" / "results"
-    specs, cells = plan_cells(p, a.dataset, seeds, device, done_in)
+    dataset = a.dataset or p.datasets[0]
+    specs, cells = plan_cells(p, dataset, seeds, device, done_in)
     seeds = tuple(s for s in seeds if any(r.seed == s for r in specs))  # those with a cell left to run
     log(f"{len(cells)} cells planned on {device}: {', '.join(c.key for c in cells)}")
     rates = measure(cells, device, a.measure_seconds)
@@ -185,7 +188,7 @@ def cmd_run(a) -> int:
             shutil.copy(res["rounds_jsonl"], partial / f"{spec.key}.rounds.jsonl")
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device,
             "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor(),
-            "torch": torch.__version__, "budget_s": a.budget, "dataset": a.dataset, "preset": p.name,
+            "torch": torch.__version__, "budget_s": a.budget, "dataset": dataset, "preset": p.name,
             "seeds_planned": list(seeds), "seeds_run": list(chosen), "fits": fits, "rates": rates,
             "estimated_training_s": est, "run_seconds": round(wall, 1),
             "cells": {c.key: {"rounds_done": results[c.key]["rounds_done"], "finished": results[c.key]["finished"],
@@ -228,11 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--preset", default="paper",
                    help="benchmarks.paper preset whose table column runs (default paper: its agents and rounds, "
-                        "agents holding ~5,000 transitions; claim-v2: the claim at today's defaults)")
+                        "agents holding ~5,000 transitions; claim-v2: the claim at today's defaults; verdict, "
+                        "heldout-walker2d: their cells not yet in --results)")
     r.add_argument("--results", default=None,
                    help="cells whose result file this folder holds are left out (default benchmarks/results; "
                         "with --tiny, none)")
-    r.add_argument("--dataset", default="hopper-medium-v2")
+    r.add_argument("--dataset", default=None, help="the column's dataset (default: the preset's first)")
     r.add_argument("--seeds", default="0,1,2")
     r.add_argument("--device", default="auto")
     r.add_argument("--tiny", action="store_true", help="2 agents x 2 rounds x 5 steps, small networks (the CPU check)")

@@ -644,6 +644,32 @@ def test_a_rerun_at_new_drpo_settings_copies_fed_bc_from_the_older_preset_and_no
     assert paper.cells.find_identical(other_bc, bc_run, tmp_path) is None
 
 
+def test_device_paper_runs_a_presets_named_variants_and_its_own_dataset(tmp_path):
+    """The verdict's and the held-out preset's columns include DRPO with the gradient stop (a named
+    variant), with the variant's critic, and the dataset is the preset's unless one is named."""
+    from benchmarks.paper import device as dp
+
+    p = dp.preset(False, "heldout-walker2d")
+    specs, cs = dp.plan_cells(p, "walker2d-medium-v2", (0, 1, 2), "cpu")
+    assert sorted(r.key for r in specs) == sorted(f"{m}-medium-s{s}" for m in ("drpo", "drpo-returns-gradient")
+                                                  for s in (0, 1, 2))
+    by_key = {c.key: c.cfg for c in cs}
+    assert by_key["drpo-medium-s1"].drpo.cql_calibration == "none"
+    assert by_key["drpo-returns-gradient-medium-s1"].drpo.cql_calibration == "returns-gradient"
+    assert by_key["drpo-medium-s1"].final_eval_episodes == 50 and by_key["drpo-medium-s1"].datasets == ("walker2d-medium-v2",)
+    v = dp.preset(False, "verdict")
+    every, _ = dp.plan_cells(v, "hopper-medium-v2", (0, 1, 2), "cpu")
+    assert len(every) == 15
+    for r in every[:13]:  # all but two cells in: a GPU call runs what is left
+        f = paper.presets.result_path(v, r, tmp_path)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("{}")
+    left, _ = dp.plan_cells(v, "hopper-medium-v2", (0, 1, 2), "cpu", tmp_path)
+    assert [r.key for r in left] == [r.key for r in every[13:]]
+    with pytest.raises(SystemExit, match="no cells of hopper-medium-v2"):
+        dp.plan_cells(p, "hopper-medium-v2", (0,), "cpu")
+
+
 def test_device_paper_runs_claim_v2s_column_less_what_is_already_done(tmp_path, hopper_medium):
     """``device_paper run --preset claim-v2``: the claim-v2 cells at that preset's scale and today's
     defaults, less the cells whose result is already there (Fed-BC, copied from the claim; a cell
