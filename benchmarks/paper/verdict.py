@@ -45,6 +45,7 @@ HELDOUT = presets.PRESETS["heldout-walker2d"]  # the critic's choice checked on 
 ORDER = ("drpo", "fed-cql", "cql", "fed-bc")  # the paper's ordering, best first
 COLUMNS = ("fed-bc", "fed-cql", "cql", "drpo", "drpo-returns-gradient")
 LABEL = {**presets.ALGO_LABEL, "drpo": "DRPO (paper's critic)", "drpo-returns-gradient": "DRPO, gradient stopped at G"}
+NAMES = {"drpo": "DRPO", "fed-cql": "Fed-CQL", "cql": "CQL alone", "fed-bc": "Fed-BC"}  # in sentences
 LAST = 5  # rounds averaged for "the last rounds" (the objective defaults are chosen by)
 DATA_RETURNS = "data_returns.json"
 PAPERS = "`none`, the paper's"
@@ -142,7 +143,7 @@ def sentence(results: list[dict[str, Any]]) -> str:
     m = {a: float(np.mean([x["last"] for x in s[a]])) for a in ORDER}
     sd = {a: float(np.std([x["last"] for x in s[a]])) for a in ORDER}
     holds = all(m[a] > m[b] for a, b in zip(ORDER, ORDER[1:]))
-    names = {"drpo": "DRPO", "fed-cql": "Fed-CQL", "cql": "CQL alone", "fed-bc": "Fed-BC"}
+    names = NAMES
     ranked = sorted(ORDER, key=lambda a: -m[a])
     gap = m["drpo"] - max(m[a] for a in ORDER[1:])
     lead = (f"DRPO leads the next best by {gap:.1f} points" if gap > 0 else
@@ -162,7 +163,7 @@ def _with_default_critic(s: dict[str, list[dict[str, Any]]], m: dict[str, float]
     mean, others = float(np.mean(mine)), ORDER[1:]
     holds = mean > m["fed-cql"] > m["cql"] > m["fed-bc"]
     best_other = max(others, key=lambda a: m[a])
-    names = {"fed-cql": "Fed-CQL", "cql": "CQL alone", "fed-bc": "Fed-BC"}
+    names = NAMES
     lead = (f"ahead of the next best ({names[best_other]}) by {mean - m[best_other]:.1f} points" if mean > m[best_other]
             else f"{names[best_other]} ahead of it by {m[best_other] - mean:.1f} points")
     last = {a: {x["seed"]: x["last"] for x in s[a]} for a in others}

@@ -186,6 +186,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     curve: list[dict[str, Any]] = []
     done_rounds = 0
     in_round: dict[int, LocalResult] = {}  # agents of round done_rounds + 1 already trained
+    records = [s.record() for s in shards]  # each shard's digest, once
     if checkpoint and has_checkpoint(out):
         if (out / "summary.json").exists():
             raise ValueError(f"{out} holds a finished run (summary.json): nothing to resume")
@@ -194,7 +195,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         if engine == "per-agent":
             in_round = resume_agents(out, cfg, done_rounds + 1, trainers)
         if (out / "config.json").exists():
-            same_data(json.loads((out / "config.json").read_text())["shards"], [s.record() for s in shards])
+            same_data(json.loads((out / "config.json").read_text())["shards"], records)
         trained = f"; agents {', '.join(str(i + 1) for i in sorted(in_round))} of round {done_rounds + 1} " \
                   "already trained" if in_round else ""
         log(f"resuming {out} after round {done_rounds} of {cfg.rounds}{trained}")
@@ -203,7 +204,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         "sim": cfg.as_dict(), "algorithm_hparams": config_to_dict(hp), "env_id": env.gym_id,
         "device": str(device), "engine": engine,
         **({"secure_moments": moments_rec} if moments_rec else {}),
-        "shards": [s.record() for s in shards],
+        "shards": records,
     }, indent=2))
     log(f"{cfg.algo}: {n_agents} agents x {cfg.trajectories} trajectories"
         f"{f' (at least {cfg.transitions} transitions each)' if cfg.transitions else ''} "
