@@ -52,7 +52,11 @@ CKPT = "fedrl/federation/checkpoint.py"
 MACHINE, MACHINE_TESTS = "fedrl/federation/machine.py", ("tests/unit/test_machine.py",)
 PRIV, PRIV_TESTS = "fedrl/federation/privacy.py", ("tests/unit/test_privacy.py",)
 PRIV_SIM_TESTS = ("tests/integration/test_simulate.py",)
+GRAD_TESTS = tuple(f"tests/integration/test_engines_agree.py::test_the_batched_engine_runs_the_per_agent_federation[{c}]"
+                   for c in ("drpo-gradient-norms", "fed-cql-gradient-norms"))
 SIM_TESTS = ("tests/integration/test_simulate.py",)
+GRAD_TESTS = tuple(f"tests/integration/test_engines_agree.py::test_the_batched_engine_runs_the_per_agent_federation[{c}]"
+                   for c in ("drpo-gradient-norms", "fed-cql-gradient-norms"))
 SERVICE_TESTS = ("tests/service/test_federation.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
 SA_SUMS, SA_SIM_TESTS = "fedrl/federation/secagg_sums.py", ("tests/integration/test_secure_simulate.py",)
@@ -236,6 +240,12 @@ MUTANTS = (
            "        for f in _TRANSITION_FIELDS[1:]:\n            a = np", ("tests/unit/test_data.py",)),
     Mutant("batch-resumes-on-other-data", CELLS, "            same_data(recorded, st.shards)\n",
            "            pass\n", ("tests/integration/test_cells.py",)),
+    # the batched engine's gradient norms per term: measured, and averaged over the probed steps only
+    Mutant("batched-gradient-norms-not-measured", "fedrl/algos/batched.py",
+           "if p.requires_grad] if grad_norms else None)", "if p.requires_grad] if False else None)", GRAD_TESTS),
+    Mutant("batched-gradient-norms-over-every-step", "fedrl/federation/round.py",
+           "(v.double() / n).cpu().tolist() for k, (v, n) in of.items()",
+           "(v.double() / steps).cpu().tolist() for k, (v, n) in of.items()", GRAD_TESTS),
 )
 
 

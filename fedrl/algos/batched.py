@@ -290,16 +290,19 @@ class BatchedDRPO(_Stacked):
             self.log_alpha.copy_(state["log_alpha"])
 
     # -- one step for every learner ---------------------------------------------------------
-    def update(self, batch: Batch, noise: Noise | None = None) -> dict[str, torch.Tensor]:
+    def update(self, batch: Batch, noise: Noise | None = None, grad_norms: bool = False) -> dict[str, torch.Tensor]:
         """One DRPO step of every learner: ``batch`` holds learner l's minibatch at index l
-        (``(L, B, ...)``); returns each diagnostic per learner ``(L,)``."""
+        (``(L, B, ...)``); returns each diagnostic per learner ``(L,)``. ``grad_norms``: also each
+        learner's actor gradient norm from each term (:func:`fedrl.algos.drpo.actor_grad_norms`,
+        as :meth:`DRPOLearner.update` reports it); the step is the same."""
         cfg = self.cfg
         if noise is None:
             noise = draw_noise(self.gen, (self.members,), batch.obs.shape[1], self.act_dim, cfg, self.global_reg,
                                batch.obs.device, batch.obs.dtype)
         losses, diag = drpo_losses(self.policy, self.global_policy, self.critic, self.critic_target,
                                    batch, noise, cfg, self.coefs, self.log_alpha, self.alpha, self.act_dim, 1,
-                                   self.data_reg, self.global_reg)
+                                   self.data_reg, self.global_reg,
+                                   [p for p in self.policy.parameters() if p.requires_grad] if grad_norms else None)
         # a member whose lambda is 0 reports its term as a single learner does, as 0 (the batch
         # computed it for the members whose lambda is not)
         diag["reg_data"] = torch.where(self.coefs.lambda1 > 0, diag["reg_data"], 0.0)

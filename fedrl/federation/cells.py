@@ -44,7 +44,7 @@ from fedrl.federation.simconfig import SimConfig
 from fedrl.federation.simulate import curve_point, load_shards, round_evaluation
 
 CHECKPOINT = "cells-checkpoint.safetensors"
-SHARED = ("rounds", "local_steps", "eval_every", "eval_episodes", "federate", "obs_norm", "device")
+SHARED = ("rounds", "local_steps", "eval_every", "eval_episodes", "federate", "obs_norm", "device", "grad_norms_every")
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
             agents, cfgs, trs, ns, seeds = group_data[g]
             agents.append(s.agent), cfgs.append(hp), trs.append(s.transitions), ns.append(nm), seeds.append(cfg.seed)
     trainers = {g: BatchedTrainer(*group_data[g][:4], group_data[g][4], device, federate_critic,
-                                  local_normalizer=first.obs_norm == "local", rng_stream=k, draws=draws)
+                                  local_normalizer=first.obs_norm == "local", rng_stream=k, draws=draws,
+                                  grad_norms_every=first.grad_norms_every)
                 for k, g in enumerate(("drpo", "bc")) if groups[g]}
     done = 0
     ck = work / CHECKPOINT

@@ -159,7 +159,7 @@ class BatchedTrainer:
     def __init__(self, agents: Sequence[int], cfgs: Sequence[DRPOConfig | BCConfig], shards: Sequence[Transitions],
                  norms: Sequence[tuple[np.ndarray, np.ndarray]], seed: int | Sequence[int], device: torch.device,
                  federate_critic: bool = False, local_normalizer: bool = False, rng_stream: int = 0,
-                 draws: str = "batch") -> None:
+                 draws: str = "batch", grad_norms_every: int = 0) -> None:
         """``seed``: the run's seed, or one per agent (agents of several runs, e.g. a paper cell
         each: agent i's initial weights are those of agent ``agents[i]`` of a run seeded
         ``seed[i]``); the batch's own draws come from the first seed and ``rng_stream``.
@@ -169,7 +169,10 @@ class BatchedTrainer:
         its own, seeded and used in the order of agent ``agents[i]``'s :class:`LocalTrainer`:
         the batch then computes the per-agent engine's numbers, up to float rounding (how the
         batched engine is checked against it; on a GPU it costs a few small calls per member a
-        step)."""
+        step).
+
+        ``grad_norms_every``: as :class:`LocalTrainer`'s, for every DRPO member at once (a probed
+        diagnostic is its mean over the probed steps)."""
         from fedrl.algos.batched import build_batched
         from fedrl.data.buffer import StackedBuffer
 
@@ -177,7 +180,10 @@ class BatchedTrainer:
             raise ValueError("one agent, config, shard and normaliser each")
         if draws not in DRAWS:
             raise ValueError(f"draws: choose {', '.join(DRAWS)}, got {draws!r}")
+        if grad_norms_every < 0:
+            raise ValueError(f"grad_norms_every must be >= 0, got {grad_norms_every}")
         self.agents, self.cfgs, self.device = list(agents), list(cfgs), device
+        self.grad_norms_every = grad_norms_every if isinstance(cfgs[0], DRPOConfig) else 0
         self.federate_critic, self.local_normalizer, self.norms = federate_critic, local_normalizer, list(norms)
         self.buffers = [TensorBuffer(tr, m, sd, device, returns_gamma(c)) for tr, (m, sd), c in zip(shards, norms, cfgs)]
         self.buffer = StackedBuffer(self.buffers)
@@ -204,24 +210,36 @@ class BatchedTrainer:
             with torch.no_grad():
                 self.learner.policy.obs_mean.copy_(torch.as_tensor(np.stack([m for m, _ in self.norms])))
                 self.learner.policy.obs_std.copy_(torch.as_tensor(np.stack([s for _, s in self.norms])))
-        sums: dict[str, torch.Tensor] = {}
-        chunk: dict[str, torch.Tensor] = {}
+        # each diagnostic's sum and how many steps reported it (a probed one: the probed steps only)
+        sums: dict[str, list] = {}
+        chunk: dict[str, list] = {}
         trace: list[dict[str, list[float]]] = []
         batch = self.cfgs[0].batch_size
+
+        def add(into: dict[str, list], k: str, v: torch.Tensor) -> None:
+            if k in into:
+                into[k][0] += v.detach()
+                into[k][1] += 1
+            else:
+                into[k] = [v.detach().clone(), 1]
+
+        def means(of: dict[str, list]) -> dict[str, list[float]]:
+            return {k: (v.double() / n).cpu().tolist() for k, (v, n) in of.items()}
+
         for i in range(steps):
             if progress is not None:
                 progress(i, steps)
-            step = self.learner.update(*self._member_draws(batch)) if self.member_gens else \
-                self.learner.update(self.buffer.sample(batch, self.gen))
+            probe = {"grad_norms": True} if self.grad_norms_every and i % self.grad_norms_every == 0 else {}
+            step = self.learner.update(*self._member_draws(batch), **probe) if self.member_gens else \
+                self.learner.update(self.buffer.sample(batch, self.gen), **probe)
             for k, v in step.items():
-                sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
+                add(sums, k, v)
                 if trace_every:
-                    chunk[k] = chunk[k] + v.detach() if k in chunk else v.detach().clone()
+                    add(chunk, k, v)
             if trace_every and ((i + 1) % trace_every == 0 or i + 1 == steps):
-                n = (i % trace_every) + 1
-                trace.append({"step": i + 1, **{k: (v.double() / n).cpu().tolist() for k, v in chunk.items()}})
+                trace.append({"step": i + 1, **means(chunk)})
                 chunk = {}
-        metrics = {k: (v.double() / max(steps, 1)).cpu().tolist() for k, v in sums.items()}
+        metrics = means(sums)
         states = self.learner.shared_states(self.federate_critic)
         secs = time.perf_counter() - t0
         out = []

@@ -39,7 +39,7 @@ class SimConfig(FederationOptions):
     reported as the summary's ``final_long`` (0: not)."""
     grad_norms_every: int = 0
     """With > 0, DRPO/CQL agents measure the actor's gradient norm from each of its terms on every
-    this many-th local step (per-agent engine; the training is unchanged; 0: never)."""
+    this many-th local step (either engine; the training is unchanged; 0: never)."""
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda or cuda:N."""
 

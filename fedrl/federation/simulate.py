@@ -145,8 +145,6 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                          "trains them all in one model (pass --engine per-agent, or leave --parallel-agents out)")
     if draws not in DRAWS:
         raise ValueError(f"draws: choose {', '.join(DRAWS)}, got {draws!r}")
-    if engine == "batched" and cfg.grad_norms_every:
-        raise ValueError("--set grad_norms_every: it is measured by the per-agent engine only (pass --engine per-agent)")
     if cfg.secagg_threshold:
         n_total = sum(parse_source(spec, cfg.agents)[1] for spec in cfg.datasets)
         if cfg.secagg_threshold > n_total:
@@ -170,7 +168,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     if engine == "batched":
         batched = BatchedTrainer([s.agent for s in shards], [hp] * len(shards), [s.transitions for s in shards],
                                  norms, cfg.seed, device, federate_critic, local_normalizer=cfg.obs_norm == "local",
-                                 draws=draws)
+                                 draws=draws, grad_norms_every=cfg.grad_norms_every)
         learners = {"batched/": batched}
     else:
         trainers = [

@@ -88,6 +88,11 @@ CASES = {
     "drpo-temperature-from-zero": dict(algo="drpo", drpo=dataclasses.replace(DRPO, alpha_init=0.0)),
     "fed-cql-actor-moments-kept": dict(algo="fed-cql", drpo=dataclasses.replace(DRPO, reset_actor_optimizer=False)),
     "fed-bc-moments-kept": dict(algo="fed-bc", bc=dataclasses.replace(BC, reset_actor_optimizer=False)),
+    # the actor's gradient norm per term, probed on steps 0 and 4 of 6 (a mean over the probed
+    # steps, not all six); Fed-CQL's lambda terms are 0 and Fed-BC has none
+    "drpo-gradient-norms": dict(algo="drpo", drpo=PAPER_CRITIC, grad_norms_every=4),
+    "fed-cql-gradient-norms": dict(algo="fed-cql", drpo=DRPO, grad_norms_every=4),
+    "fed-bc-gradient-norms": dict(algo="fed-bc", grad_norms_every=4),
 }
 
 
@@ -113,6 +118,8 @@ def test_the_batched_engine_runs_the_per_agent_federation(tmp_path, random_datas
         assert r_got.num_samples == r_want.num_samples and r_got.metrics.keys() == r_want.metrics.keys()
         for k, v in r_want.metrics.items():
             assert r_got.metrics[k] == pytest.approx(v, rel=RTOL, abs=ATOL), (case, a, k)
+        probed = {k for k in r_want.metrics if k.startswith("grad_")}
+        assert bool(probed) == (cfg.grad_norms_every > 0 and cfg.algo != "fed-bc"), (case, sorted(probed))
     if cfg.federate == "policy+critic":
         assert any(k.startswith("critic_target.") for k in per[0][2].state)
     if cfg.algo != "cql":
@@ -129,7 +136,8 @@ def test_the_batched_engine_runs_the_per_agent_federation(tmp_path, random_datas
 def test_cells_of_different_seeds_in_one_batch_each_equal_their_own_simulation(tmp_path, random_dataset, monkeypatch,
                                                                                float64, federate):
     base = dict(datasets=(str(random_dataset),), agents=2, trajectories=3, rounds=2, local_steps=5, eval_episodes=0,
-                device="cpu", drpo=PAPER_CRITIC, bc=BC, federate=federate)
+                device="cpu", drpo=PAPER_CRITIC, bc=BC, federate=federate,
+                grad_norms_every=2 if federate == "policy+critic" else 0)
     cells = [Cell("drpo-s0", SimConfig(algo="drpo", seed=0, **base)),
              Cell("drpo-s1", SimConfig(algo="drpo", seed=1, **base)),
              Cell("fed-cql-s1", SimConfig(algo="fed-cql", seed=1, **base)),
@@ -156,6 +164,7 @@ def test_cells_of_different_seeds_in_one_batch_each_equal_their_own_simulation(t
         own = [json.loads(x) for x in (tmp_path / c.key / "rounds.jsonl").read_text().splitlines()]
         for r_cells, r_own in zip(rows, own, strict=True):
             for a_cells, a_own in zip(r_cells["agents"], r_own["agents"], strict=True):
+                assert a_cells.keys() == a_own.keys(), (c.key, sorted(a_cells.keys() ^ a_own.keys()))
                 for k in a_own:
                     if k != "seconds":
                         assert a_cells[k] == pytest.approx(a_own[k], rel=RTOL, abs=ATOL), (c.key, k)
