@@ -422,8 +422,14 @@ def test_every_mutant_still_names_one_line_of_the_code():
         text = (ROOT / m.path).read_text()
         assert text.count(m.old) == 1, f"{m.name}: {text.count(m.old)} occurrences in {m.path}"
         assert m.old != m.new
-        for t in m.tests:
-            assert (ROOT / t).exists(), f"{m.name}: no test file {t}"
+        for t in m.tests:  # a file, or a test in one: file::name[case]
+            path, _, node = t.partition("::")
+            assert (ROOT / path).exists(), f"{m.name}: no test file {path}"
+            name, _, case = node.partition("[")
+            if name:
+                assert f"def {name}(" in (ROOT / path).read_text(), f"{m.name}: no test {name} in {path}"
+            if case:
+                assert f'"{case[:-1]}"' in (ROOT / path).read_text(), f"{m.name}: no case {case[:-1]} in {path}"
 
 
 def test_lambda2_curves_draw_each_setting_and_the_reference(tmp_path, monkeypatch):
