@@ -143,15 +143,14 @@ def sentence(results: list[dict[str, Any]]) -> str:
     m = {a: float(np.mean([x["last"] for x in s[a]])) for a in ORDER}
     sd = {a: float(np.std([x["last"] for x in s[a]])) for a in ORDER}
     holds = all(m[a] > m[b] for a, b in zip(ORDER, ORDER[1:]))
-    names = NAMES
     ranked = sorted(ORDER, key=lambda a: -m[a])
     gap = m["drpo"] - max(m[a] for a in ORDER[1:])
     lead = (f"DRPO leads the next best by {gap:.1f} points" if gap > 0 else
-            f"{names[ranked[0]]} leads DRPO by {m[ranked[0]] - m['drpo']:.1f} points")
+            f"{NAMES[ranked[0]]} leads DRPO by {m[ranked[0]] - m['drpo']:.1f} points")
     said = (f"**At the paper's per-agent budget** (20 rounds x 1,000 local steps; 5 agents here, where the paper "
             f"has 10), the paper's ordering DRPO > Fed-CQL > CQL > Fed-BC **{'holds' if holds else 'does not hold'}** "
             f"on the mean score of the last {LAST} rounds over {len(PRESET.seeds)} seeds: "
-            + ", ".join(f"{names[a]} {m[a]:.1f} ± {sd[a]:.1f}" for a in ranked)
+            + ", ".join(f"{NAMES[a]} {m[a]:.1f} ± {sd[a]:.1f}" for a in ranked)
             + f" (ranked); {lead}; the seeds' spread is at most {max(sd.values()):.1f} points.")
     return said + (" " + _with_default_critic(s, m) if _complete(s, ("drpo-returns-gradient",)) else "")
 
@@ -163,9 +162,8 @@ def _with_default_critic(s: dict[str, list[dict[str, Any]]], m: dict[str, float]
     mean, others = float(np.mean(mine)), ORDER[1:]
     holds = mean > m["fed-cql"] > m["cql"] > m["fed-bc"]
     best_other = max(others, key=lambda a: m[a])
-    names = NAMES
-    lead = (f"ahead of the next best ({names[best_other]}) by {mean - m[best_other]:.1f} points" if mean > m[best_other]
-            else f"{names[best_other]} ahead of it by {m[best_other] - mean:.1f} points")
+    lead = (f"ahead of the next best ({NAMES[best_other]}) by {mean - m[best_other]:.1f} points" if mean > m[best_other]
+            else f"{NAMES[best_other]} ahead of it by {m[best_other] - mean:.1f} points")
     last = {a: {x["seed"]: x["last"] for x in s[a]} for a in others}
     wins = sum(x["last"] > max(last[a][x["seed"]] for a in others) for x in s["drpo-returns-gradient"])
     first = " (DRPO is first; the other three are out of the paper's order)" if mean > m[best_other] and not holds else ""

@@ -83,6 +83,13 @@ def initial_global_state(cfg: DRPOConfig | BCConfig, obs_dim: int, act_dim: int,
     return learner.shared_state(federate_critic)
 
 
+def _grad_norms_every(every: int, cfg: DRPOConfig | BCConfig) -> int:
+    """A trainer's probe interval: checked, and 0 for a learner without an actor loss to probe (BC)."""
+    if every < 0:
+        raise ValueError(f"grad_norms_every must be >= 0, got {every}")
+    return every if isinstance(cfg, DRPOConfig) else 0
+
+
 class LocalTrainer:
     """One agent: its private buffer, its learner, its own RNG stream."""
 
@@ -96,13 +103,11 @@ class LocalTrainer:
         ``update_clip`` > 0: the update a round returns is clipped to that L2 norm
         (:func:`fedrl.federation.privacy.clip_update`; differential privacy's first half), and
         its metrics hold ``update_norm``, the norm before, and ``clipped`` (1 when it was cut)."""
-        if grad_norms_every < 0:
-            raise ValueError(f"grad_norms_every must be >= 0, got {grad_norms_every}")
         if update_clip < 0:
             raise ValueError(f"update_clip must be >= 0, got {update_clip}")
         self.update_clip = update_clip
         self.agent, self.cfg, self.device = agent, cfg, device
-        self.grad_norms_every = grad_norms_every if isinstance(cfg, DRPOConfig) else 0
+        self.grad_norms_every = _grad_norms_every(grad_norms_every, cfg)
         self.federate_critic, self.local_normalizer = federate_critic, local_normalizer
         self.obs_mean, self.obs_std = obs_mean, obs_std
         self.buffer = TensorBuffer(transitions, obs_mean, obs_std, device, returns_gamma(cfg))
@@ -180,10 +185,8 @@ class BatchedTrainer:
             raise ValueError("one agent, config, shard and normaliser each")
         if draws not in DRAWS:
             raise ValueError(f"draws: choose {', '.join(DRAWS)}, got {draws!r}")
-        if grad_norms_every < 0:
-            raise ValueError(f"grad_norms_every must be >= 0, got {grad_norms_every}")
+        self.grad_norms_every = _grad_norms_every(grad_norms_every, cfgs[0])
         self.agents, self.cfgs, self.device = list(agents), list(cfgs), device
-        self.grad_norms_every = grad_norms_every if isinstance(cfgs[0], DRPOConfig) else 0
         self.federate_critic, self.local_normalizer, self.norms = federate_critic, local_normalizer, list(norms)
         self.buffers = [TensorBuffer(tr, m, sd, device, returns_gamma(c)) for tr, (m, sd), c in zip(shards, norms, cfgs)]
         self.buffer = StackedBuffer(self.buffers)
