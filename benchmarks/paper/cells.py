@@ -102,6 +102,7 @@ def _execute(p: Preset, r: RunSpec, root: Path, agent_threads: int, device: str,
     t0 = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     resumed_from = rounds_done(work)
+    kept = agents_in_round(work, resumed_from + 1)  # agents of the next round a stopped process trained
     summary = simulate(cfg, work, log=lambda m: _progress(work, m), checkpoint=True, parallel_agents=agent_threads)
     losses = round_losses(work / "rounds.jsonl")
     out = {"preset": p.name, "experiment": r.experiment, "key": r.key, "algo": r.algo, "datasets": list(r.datasets),
@@ -112,8 +113,10 @@ def _execute(p: Preset, r: RunSpec, root: Path, agent_threads: int, device: str,
            "wall_seconds": round(time.perf_counter() - t0, 1), "code_revision": revision,
            "device_name": device_name(cfg.device), "torch": torch.__version__,
            "shards": json.loads((work / "config.json").read_text())["shards"]}
-    if resumed_from:
-        out["resumed_after_round"] = resumed_from  # wall_seconds then counts only this process's rounds
+    if resumed_from or kept:  # wall_seconds then counts only this process's part of the run
+        out["resumed_after_round"] = resumed_from
+        if kept:
+            out["resumed_agents_kept"] = kept
     res = _write_result(p, r, out, root)
     shutil.rmtree(work, ignore_errors=True)
     return res

@@ -239,9 +239,33 @@ def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path,
     resumed = paper.cells.execute(p, r, tmp_path / "cut")
     assert calls == [1]  # round 2's first agent was not trained again
     assert resumed["resumed_after_round"] == 1 and "resumed_after_round" not in clean
+    assert resumed["resumed_agents_kept"] == 1 and "resumed_agents_kept" not in clean
     assert resumed["curve"] == clean["curve"] and resumed["losses_per_round"] == clean["losses_per_round"]
     assert not work.exists()  # a finished run leaves its result, not its work folder
 
+
+def test_a_run_stopped_in_its_first_round_records_that_it_resumed(tmp_path, monkeypatch, hopper_medium):
+    """Stopped as round 1's second agent starts, no round is checkpointed but the first agent is
+    kept: the finished result still says it resumed (its wall_seconds count only the second
+    process), with the agents it kept."""
+    from fedrl.federation import round as round_mod
+
+    p = paper.presets.PRESETS["smoke"]
+    r = next(x for x in paper.presets.plan(p, "table", p.seeds) if x.algo == "fed-bc")
+    real, calls = round_mod.LocalTrainer.train_round, []
+
+    def train_round(self, *a, **k):
+        calls.append(self.agent)
+        if len(calls) == 2:
+            raise _Stopped
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(round_mod.LocalTrainer, "train_round", train_round)
+    with pytest.raises(_Stopped):
+        paper.cells.execute(p, r, tmp_path)
+    assert paper.cells.rounds_done(paper.cells.work_dir(p, r, tmp_path)) == 0
+    resumed = paper.cells.execute(p, r, tmp_path)
+    assert resumed["resumed_after_round"] == 0 and resumed["resumed_agents_kept"] == 1
 
 def test_a_cell_another_process_runs_is_skipped_untouched_and_named(tmp_path, capsys):
     """Two processes training one cell would write each other's checkpoints and mix the runs: the
