@@ -207,25 +207,32 @@ class _Stopped(Exception):
     pass
 
 
-def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path, monkeypatch, capsys, hopper_medium):
-    """A harness run stopped as the second agent of round 2 starts keeps round 1's checkpoint and
-    the first agent's round 2 in its work folder; `status` names the run with both; running again
-    trains only that second agent in round 2 and finishes with what an uninterrupted run computes."""
+def _stop_training_at(monkeypatch, n: int) -> list[int]:
+    """Make the ``n``-th agent-round of any run raise :class:`_Stopped` as it starts, as a killed
+    process would stop there; the list returned records each agent-round's agent, in order."""
     from fedrl.federation import round as round_mod
 
-    p = paper.presets.PRESETS["smoke"]
-    r = next(x for x in paper.presets.plan(p, "table", p.seeds) if x.algo == "drpo")
-    assert r.agents == 2
-    clean = paper.cells.execute(p, r, tmp_path / "clean")
     real, calls = round_mod.LocalTrainer.train_round, []
 
     def train_round(self, *a, **k):
         calls.append(self.agent)
-        if len(calls) == 4:
+        if len(calls) == n:
             raise _Stopped
         return real(self, *a, **k)
 
     monkeypatch.setattr(round_mod.LocalTrainer, "train_round", train_round)
+    return calls
+
+
+def test_a_stopped_run_resumes_from_its_last_round_and_status_shows_it(tmp_path, monkeypatch, capsys, hopper_medium):
+    """A harness run stopped as the second agent of round 2 starts keeps round 1's checkpoint and
+    the first agent's round 2 in its work folder; `status` names the run with both; running again
+    trains only that second agent in round 2 and finishes with what an uninterrupted run computes."""
+    p = paper.presets.PRESETS["smoke"]
+    r = next(x for x in paper.presets.plan(p, "table", p.seeds) if x.algo == "drpo")
+    assert r.agents == 2
+    clean = paper.cells.execute(p, r, tmp_path / "clean")
+    calls = _stop_training_at(monkeypatch, 4)
     with pytest.raises(_Stopped):
         paper.cells.execute(p, r, tmp_path / "cut")
     work = paper.cells.work_dir(p, r, tmp_path / "cut")
@@ -248,24 +255,15 @@ def test_a_run_stopped_in_its_first_round_records_that_it_resumed(tmp_path, monk
     """Stopped as round 1's second agent starts, no round is checkpointed but the first agent is
     kept: the finished result still says it resumed (its wall_seconds count only the second
     process), with the agents it kept."""
-    from fedrl.federation import round as round_mod
-
     p = paper.presets.PRESETS["smoke"]
     r = next(x for x in paper.presets.plan(p, "table", p.seeds) if x.algo == "fed-bc")
-    real, calls = round_mod.LocalTrainer.train_round, []
-
-    def train_round(self, *a, **k):
-        calls.append(self.agent)
-        if len(calls) == 2:
-            raise _Stopped
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(round_mod.LocalTrainer, "train_round", train_round)
+    _stop_training_at(monkeypatch, 2)
     with pytest.raises(_Stopped):
         paper.cells.execute(p, r, tmp_path)
     assert paper.cells.rounds_done(paper.cells.work_dir(p, r, tmp_path)) == 0
     resumed = paper.cells.execute(p, r, tmp_path)
     assert resumed["resumed_after_round"] == 0 and resumed["resumed_agents_kept"] == 1
+
 
 def test_a_cell_another_process_runs_is_skipped_untouched_and_named(tmp_path, capsys):
     """Two processes training one cell would write each other's checkpoints and mix the runs: the
