@@ -342,9 +342,12 @@ def figure(results: list[dict[str, Any]], path: Path, data_return: float | None)
     top.set_ylabel("D4RL score")
     top.set_title("hopper-medium, 5 agents x 1,000 local steps a round: mean ± std over seeds", fontsize=10)
     top.legend(fontsize=8, ncol=3)
+    from matplotlib.ticker import MaxNLocator
+
     for a in (top, *panels):
         a.grid(alpha=0.3)
         a.set_xlabel("round", fontsize=8)
+        a.xaxis.set_major_locator(MaxNLocator(integer=True, steps=(1, 5, 10)))  # whole rounds: 5, 10, ...; no 2.5
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
