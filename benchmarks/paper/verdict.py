@@ -293,6 +293,7 @@ def figure(results: list[dict[str, Any]], path: Path, data_return: float | None)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if not results:  # the page shows the figure from the start: say what it waits for
         fig, ax = plt.subplots(figsize=(8, 2))
@@ -342,8 +343,6 @@ def figure(results: list[dict[str, Any]], path: Path, data_return: float | None)
     top.set_ylabel("D4RL score")
     top.set_title("hopper-medium, 5 agents x 1,000 local steps a round: mean ± std over seeds", fontsize=10)
     top.legend(fontsize=8, ncol=3)
-    from matplotlib.ticker import MaxNLocator
-
     for a in (top, *panels):
         a.grid(alpha=0.3)
         a.set_xlabel("round", fontsize=8)
