@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from fedrl.data.d4rl import RawDataset, load_d4rl
@@ -59,15 +60,39 @@ def resolve(spec: str, progress=print) -> Path:
         from fedrl.data.make import make_dataset
 
         out = cache_dir() / "datasets" / f"{spec}.hdf5"
-        progress(f"making {spec} in {ENVS[m['env']].gym_id} "
-                 f"(once, ~30 s) -> {out}")
-        return make_dataset(m["env"], m["quality"], seed=0, out=out,
-                            transitions=None if m["quality"] == "medium-replay" else NAMED_TRANSITIONS)
+        waiting = f"waiting for another process making a dataset in {out.parent}"
+        with _cache_locked(out.parent, lambda: progress(waiting)):
+            if out.is_file():  # made by another process while this one waited
+                return out
+            progress(f"making {spec} in {ENVS[m['env']].gym_id} "
+                     f"(once, ~30 s) -> {out}")
+            return make_dataset(m["env"], m["quality"], seed=0, out=out,
+                                transitions=None if m["quality"] == "medium-replay" else NAMED_TRANSITIONS)
     raise DatasetError(
         spec,
         f"not found in {d4rl_dir()} or {cache_dir() / 'datasets'}; for {m['env']} this project can "
         f"make only {', '.join(made)}. Put D4RL's file there or pass a path.",
     )
+
+
+@contextmanager
+def _cache_locked(folder: Path, on_wait):
+    """Hold an exclusive lock on the cache folder ``folder`` (released however this process
+    leaves): agents started together (``fedrl up``, ``--jobs``) that all ask for one missing
+    dataset make it once, not once each. ``on_wait()`` is called when another holds it."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def check_one_env(specs: list[str] | tuple[str, ...]) -> None:

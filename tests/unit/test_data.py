@@ -1,5 +1,7 @@
 """D4RL/Minari loading semantics, writing, validation errors, shards, normalisation."""
 
+import time
+
 import h5py
 import numpy as np
 import pytest
@@ -276,6 +278,39 @@ def test_random_dataset_is_made_on_demand_once(monkeypatch):
     assert len(raw) == 300 and raw.metadata["quality"] == "random" and raw.metadata["env_id"] == "Hopper-v5"
     assert resolve("hopper-random-v2", progress=messages.append) == path and len(messages) == 1
     assert sorted(p.name for p in path.parent.iterdir()) == ["hopper-random-v2.hdf5"]
+
+
+def test_agents_asking_together_for_a_missing_dataset_make_it_once(monkeypatch):
+    """Agents started together (fedrl up, --jobs) that each resolve one missing name: one makes
+    it, the others wait and read it; none makes it again."""
+    import threading
+
+    import fedrl.data.make as make
+    import fedrl.data.registry as reg
+    monkeypatch.setattr(reg, "NAMED_TRANSITIONS", 300)
+    real, calls, start = make.make_dataset, [], threading.Barrier(2, timeout=30)
+
+    def slow_make(*a, **kw):  # long enough that the second asker comes while the first makes
+        calls.append(kw["out"])
+        time.sleep(0.5)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(make, "make_dataset", slow_make)
+    paths, messages = [], []
+
+    def ask():
+        start.wait()
+        paths.append(resolve("hopper-random-v2", progress=messages.append))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert len(calls) == 1 and len(paths) == 2 and paths[0] == paths[1]
+    assert any(m.startswith("waiting for another process") for m in messages)
+    assert len(load_d4rl(paths[0])) == 300
 
 
 def test_truncated_and_foreign_hdf5_name_the_file(tmp_path, random_dataset):
