@@ -124,10 +124,11 @@ def cmd_run(a) -> int:
                 except CellBusy as e:
                     skip(e)
         return 1 if busy else 0
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import as_completed
 
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+    from fedrl.common.lifetime import child_pool
+
+    with child_pool(jobs) as ex:
         futs = [ex.submit(run_one, p.name, r, str(root), agent_threads, device) for r in pending]
         with bar:
             for fut in as_completed(futs):

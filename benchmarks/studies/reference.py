@@ -209,10 +209,9 @@ def cmd_run(a) -> int:
         for t in todo:
             drive(*t)
         return 0
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    from fedrl.common.lifetime import child_pool
 
-    with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as ex:
+    with child_pool(a.jobs) as ex:
         list(ex.map(_drive_star, todo))
     return 0
 

@@ -37,26 +37,12 @@ from typing import Any
 
 import grpc
 
+from fedrl.common.lifetime import die_with_parent
 from fedrl.federation.runconfig import RunConfig
 from fedrl.ops.local_prometheus import PrometheusError
 from fedrl.ops.endpoint import METRICS_TOKEN_ENV
 
 STARTUP_TIMEOUT = 120.0
-
-try:  # Linux: children get SIGTERM when fedrl up dies, even by SIGKILL (no orphaned services)
-    import ctypes
-
-    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-except OSError:
-    _LIBC = None
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: only a C call, nothing that takes a lock."""
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
 
 @dataclass
 class UpConfig:
@@ -110,7 +96,7 @@ class Launcher:
         metrics = ["--metrics-port", "0", "--metrics-port-file", str(self._port_file(f"{name}.metrics"))]
         p = subprocess.Popen([self.cfg.python, "-m", module, *args, *metrics], stdout=logf,
                              stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                             preexec_fn=_die_with_parent)
+                             preexec_fn=die_with_parent)
         self.children[name] = p
         return p
 
@@ -282,7 +268,7 @@ class Launcher:
                      "source checkout's deploy/, not in an installed wheel); metrics are scraped without them")
         logf = open(self.out / "logs" / "prometheus.log", "w")
         self.logs.append(logf)
-        self.prometheus = LocalPrometheus(folder, config, self.cfg.prometheus_bin, logf, preexec_fn=_die_with_parent)
+        self.prometheus = LocalPrometheus(folder, config, self.cfg.prometheus_bin, logf, preexec_fn=die_with_parent)
         self.prometheus.wait_ready()
         self.log(f"prometheus on {self.prometheus.url} (try the query fedrl_aggregator_rounds_completed_total)")
 

@@ -30,6 +30,7 @@ import torch
 from fedrl.algos import BCConfig
 from fedrl.algos.base import POLICY
 from fedrl.common.device import derive_seed, resolve_device
+from fedrl.common.lifetime import child_pool
 from fedrl.data.normalize import ObsStats, agent_normalizer, global_normalizer
 from fedrl.envs.evaluation import evaluate_many
 from fedrl.federation.round import (
@@ -170,10 +171,7 @@ def run_cells(cells: Sequence[Cell], work: str | Path, log: Callable[[str], None
     last_round_s = round_seconds_hint
     pool = None
     if eval_workers > 1:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        pool = ProcessPoolExecutor(eval_workers, mp_context=mp.get_context("spawn"))
+        pool = child_pool(eval_workers)
     try:
         done = _rounds(states, trainers, groups, cells, work, ck, env, done, deadline, last_round_s, pool, log,
                        trace_every)
