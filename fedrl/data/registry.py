@@ -90,6 +90,8 @@ def _cache_locked(folder: Path, on_wait):
         except BlockingIOError:
             on_wait()
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: each asker makes it (the write is atomic)
+            pass
         yield
     finally:
         os.close(fd)

@@ -313,6 +313,21 @@ def test_agents_asking_together_for_a_missing_dataset_make_it_once(monkeypatch):
     assert len(load_d4rl(paths[0])) == 300
 
 
+def test_a_cache_on_a_file_system_without_locks_still_makes_the_dataset(monkeypatch):
+    """flock refused (ENOLCK, as some network file systems answer): the dataset is made anyway."""
+    import errno
+    import fcntl
+
+    import fedrl.data.registry as reg
+    monkeypatch.setattr(reg, "NAMED_TRANSITIONS", 300)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "no locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert len(load_d4rl(resolve("hopper-random-v2", progress=lambda m: None))) == 300
+
+
 def test_truncated_and_foreign_hdf5_name_the_file(tmp_path, random_dataset):
     cut = tmp_path / "cut.hdf5"
     data = random_dataset.read_bytes()
