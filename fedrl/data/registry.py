@@ -78,7 +78,7 @@ def resolve(spec: str, progress=print) -> Path:
 @contextmanager
 def _cache_locked(folder: Path, on_wait):
     """Hold an exclusive lock on the cache folder ``folder`` (released however this process
-    leaves): agents started together (``fedrl up``, ``--jobs``) that all ask for one missing
+    leaves): processes started together (agents by hand, ``--jobs``) that all ask for one missing
     dataset make it once, not once each. ``on_wait()`` is called when another holds it."""
     import fcntl
 
