@@ -281,8 +281,8 @@ def test_random_dataset_is_made_on_demand_once(monkeypatch):
 
 
 def test_agents_asking_together_for_a_missing_dataset_make_it_once(monkeypatch):
-    """Agents started together (fedrl up, --jobs) that each resolve one missing name: one makes
-    it, the others wait and read it; none makes it again."""
+    """Processes started together (agents by hand, --jobs) that each resolve one missing name:
+    one makes it, the others wait and read it; none makes it again."""
     import threading
 
     import fedrl.data.make as make

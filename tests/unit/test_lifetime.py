@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.e2e.test_up import _alive, _children
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PARENT = """
@@ -22,28 +24,8 @@ time.sleep(120)
 """
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d.name))
-    return out
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's exit may wait for a PID 1 that never reaps)."""
-    try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except OSError:
-        return False
-
-
 def _workers(pid: int) -> list[int]:
+    """The pool's workers among ``pid``'s children (not its resource tracker)."""
     found = []
     for c in _children(pid):
         try:
@@ -69,9 +51,9 @@ def test_a_pools_workers_stop_when_its_process_is_killed():
         parent.kill()
         parent.wait(timeout=10)
         end = time.monotonic() + 15
-        while any(_running(w) for w in workers) and time.monotonic() < end:
+        while any(_alive(w) for w in workers) and time.monotonic() < end:
             time.sleep(0.1)
-        assert not [w for w in workers if _running(w)], "workers outlived the process that made them"
+        assert not [w for w in workers if _alive(w)], "workers outlived the process that made them"
     finally:
         parent.kill()
         for w in workers:
