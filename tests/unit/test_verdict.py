@@ -171,15 +171,22 @@ def test_the_preset_runs_the_issues_cells_with_every_setting_written_out():
 
     p = presets.PRESETS["verdict"]
     runs = presets.plan(p, "table", p.seeds)
-    assert len(runs) == 15 and {r.seed for r in runs} == {0, 1, 2}
+    assert len(runs) == 21 and {r.seed for r in runs} == {0, 1, 2}
     for r in runs:
         c = presets.sim_config(p, r)
         assert (c.agents, c.rounds, c.local_steps, c.transitions, c.eval_episodes) == (5, 20, 1000, 5000, 10)
         assert c.final_eval_episodes == 50 and c.datasets == ("hopper-medium-v2",)
         if r.algo != "fed-bc":
-            want = "returns-gradient" if r.key.startswith("drpo-returns-gradient") else "none"
+            want = "returns-gradient" if "-returns-gradient-" in r.key else "none"
             assert (c.drpo.cql_calibration, c.drpo.alpha_lr, c.drpo.td_weight) == (want, 3e-4, 2.0), r.key
-    assert sorted({tables.method({"algo": r.algo, "variant": r.variant}) for r in runs}) == sorted(verdict.COLUMNS)
+    footing = {"fed-cql-returns-gradient", "cql-returns-gradient"}  # the paper's ablation, the default critic
+    assert sorted({tables.method({"algo": r.algo, "variant": r.variant}) for r in runs}) == sorted({*verdict.COLUMNS, *footing})
+    for m in footing:  # the same method as its column under the paper's critic, but for the critic
+        a, b = ({r.seed: presets.sim_config(p, r).as_dict() for r in runs
+                 if tables.method({"algo": r.algo, "variant": r.variant}) == k} for k in (m, m.split("-returns")[0]))
+        for s in (0, 1, 2):
+            assert a[s]["drpo"].pop("cql_calibration") == "returns-gradient" and b[s]["drpo"].pop("cql_calibration") == "none"
+            assert a[s] == b[s], (m, s)
 
 
 def test_the_heldout_preset_is_the_verdicts_drpo_cells_on_walker2d():
@@ -187,7 +194,7 @@ def test_the_heldout_preset_is_the_verdicts_drpo_cells_on_walker2d():
 
     v, h = presets.PRESETS["verdict"], presets.PRESETS["heldout-walker2d"]
     held = presets.plan(h, "table", h.seeds)
-    assert sorted(r.key for r in held) == sorted(f"{m}-medium-s{s}" for m in ("drpo", "drpo-returns-gradient")
+    assert sorted(r.key for r in held) == sorted(f"{m}-medium-s{s}" for m in ("drpo", "drpo-returns-gradient", "fed-bc")
                                                  for s in (0, 1, 2))
     mine = {r.key: r for r in presets.plan(v, "table", v.seeds)}
     for r in held:
