@@ -146,13 +146,31 @@ def test_aggregator_and_evaluator_killed_mid_run_resume_bit_identically(procs):
     assert closed == list(range(1, 9)), "each version announced exactly once"
 
 
+def measured_round_seconds(c: ControlClient, procs: Procs, **kw) -> float:
+    """How long one round of ``config(**kw)`` takes on this machine now, with every agent: a
+    one-round run's ROUND_CLOSED time. A deadline made from it scales with the machine's load."""
+    run_id = c.start(config(rounds=1, eval_episodes=0, **kw))["run_id"]
+    wait_for(lambda: c.status()["state"] == "finished", 240, "the measuring run to finish", procs.alive())
+    events = (procs.tmp / "state" / "runs" / run_id / "events.jsonl").read_text().splitlines()
+    return max(json.loads(x)["seconds"] for x in events if json.loads(x)["kind"] == "ROUND_CLOSED")
+
+
 def test_a_killed_agent_is_covered_by_the_quorum_then_rejoins(procs):
     target = procs.aggregator()
     for i in range(2):
         procs.agent(i, target)
     with ControlClient(target) as c:
-        run_id = c.start(config(rounds=6, min_agents=1, round_timeout=3, eval_episodes=0))["run_id"]
-        wait_for(lambda: c.status()["global_version"] >= 1, 120, "round 1", procs.alive())
+        # The deadline covers a round (and a restarted agent's catching up) at this machine's pace,
+        # measured now; a fixed one lost the rejoining agent at load (its update came 0.6 s late).
+        per_round = measured_round_seconds(c, procs, local_steps=50)
+        deadline = max(3.0, 8 * per_round)
+        # Rounds enough that agent-1's restart (a new process importing torch: slow at load) falls
+        # inside the run: each round without it lasts a deadline, each with it a measured round.
+        rounds = 40
+        wait = rounds * (deadline + per_round) + 60  # a bound on the work waited for
+        run_id = c.start(config(rounds=rounds, min_agents=1, round_timeout=deadline, eval_episodes=0,
+                                local_steps=50))["run_id"]
+        wait_for(lambda: c.status()["global_version"] >= 1, wait, "round 1", procs.alive())
         procs.kill("agent-1")
         events_file = procs.tmp / "state" / "runs" / run_id / "events.jsonl"
 
@@ -160,10 +178,10 @@ def test_a_killed_agent_is_covered_by_the_quorum_then_rejoins(procs):
             return [json.loads(x) for x in events_file.read_text().splitlines()
                     if json.loads(x)["kind"] == "ROUND_CLOSED"]
 
-        wait_for(lambda: any(e["agents"] == ["agent-0"] for e in closed()), 60,
+        wait_for(lambda: any(e["agents"] == ["agent-0"] for e in closed()), wait,
                  "a round closed at its deadline with agent-0 alone", procs.alive())
         procs.agent(1, target)
         n = len(closed())
-        wait_for(lambda: any(e["agents"] == ["agent-0", "agent-1"] for e in closed()[n:]), 90,
+        wait_for(lambda: any(e["agents"] == ["agent-0", "agent-1"] for e in closed()[n:]), wait,
                  "the restarted agent-1 to take part again", procs.alive())
-        wait_for(lambda: c.status()["state"] == "finished", 120, "the run to finish", procs.alive())
+        wait_for(lambda: c.status()["state"] == "finished", wait, "the run to finish", procs.alive())
