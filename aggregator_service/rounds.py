@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -196,8 +197,25 @@ class Rounds:
         """A waiting run begins once enough agents of one task are connected (the start's job);
         its round 1 opens here once version 0 is made."""
         run = self.s.run
-        if self.start.maybe_begin() and run is not None and run.state == "running":
-            self.follow(run, run.machine.begin())
+        if run is None:
+            return
+        with self._failing(run, "the run's start"):
+            if self.start.maybe_begin() and run.state == "running":
+                self.follow(run, run.machine.begin())
+
+    @contextmanager
+    def _failing(self, run: Run, what: str) -> Iterator[None]:
+        """Supervises a step of ``run`` that the lock holder takes (a close, a secure step, the
+        start): any exception fails that run, naming ``what`` and the cause, and goes no further,
+        so neither the ticker nor the agent whose message closed the step is hurt by it. Nothing
+        is stored after it. Under the lock."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - whatever it is, this run cannot go on; the service can
+            log.exception("run %s: %s raised", run.run_id, what)
+            if run.state in ACTIVE:
+                self.journal.fail(run, f"{what} failed: {type(e).__name__}: {e}")
+            self.s.cond.notify_all()
 
     def _average_memory(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat tensor for a round's average: in a buffer from :attr:`averages` from
@@ -237,15 +255,20 @@ class Rounds:
         self.journal.event(run, "ROUND_OPENED", agents=list(run.selected))
 
     def _close_round(self, run: Run) -> None:
-        try:
-            closed = run.machine.close(self._dp_noise() if run.cfg.dp_noise else None, self._average_memory)
-        except (AggregationError, ValueError) as e:
-            self.journal.fail(run, f"aggregation failed in round {run.round}: {e}")
-            return
-        self._commit_round(run, closed)
+        with self._failing(run, f"round {run.round}'s close"):
+            try:
+                closed = run.machine.close(self._dp_noise() if run.cfg.dp_noise else None, self._average_memory)
+            except (AggregationError, ValueError) as e:
+                self.journal.fail(run, f"aggregation failed in round {run.round}: {e}")
+                return
+            self._commit_round(run, closed)
 
     def _close_secure(self, run: Run) -> None:
         """The round's version from its secure aggregation's sum (every step closed)."""
+        with self._failing(run, f"{self._secure_name(run)}'s close"):
+            self._close_secure_sum(run)
+
+    def _close_secure_sum(self, run: Run) -> None:
         sec = run.secure
         try:
             if run.round == 0:  # the observation moments: version 0 is made from their sum
@@ -341,13 +364,15 @@ class Rounds:
         """Close the secure aggregation's open steps that can close; its last closes the round.
         Below its threshold the run fails, and nothing is stored. Under the lock."""
         sec = run.secure
-        try:
-            moved = False
-            while sec.advance(now):
-                moved = True
-        except SecAggError as e:
-            self.journal.fail(run, f"{self._secure_name(run)}: {e}")
-            self.s.cond.notify_all()
+        moved = False
+        with self._failing(run, f"{self._secure_name(run)}'s secure aggregation"):
+            try:
+                while sec.advance(now):
+                    moved = True
+            except SecAggError as e:
+                self.journal.fail(run, f"{self._secure_name(run)}: {e}")
+                self.s.cond.notify_all()
+        if run.state != "running":  # a step failed the run
             return
         if sec.done:
             self._close_secure(run)
@@ -386,28 +411,33 @@ class Rounds:
                 run = self.s.run
                 if run is None:
                     continue
-                now = time.time()
-                if run.state == "waiting_for_agents" and now - run.created > run.cfg.join_timeout:
-                    live = [a for a in self.registry.agents.values() if self.registry.connected(a, now)]
-                    tasks = {task_of(a) for a in live}
-                    split = (f" (they hold {len(tasks)} different tasks: "
-                             + "; ".join(f"{e or 'no env'} {o}/{d}" for e, o, d in sorted(tasks)) + ")"
-                             if len(tasks) > 1 else "")
-                    self.journal.fail(run, f"only {len(live)} of the {run.cfg.agents} agents the run needs were connected "
-                                    f"within {run.cfg.join_timeout:.0f}s{split}")
-                    self.s.cond.notify_all()
-                elif run.state == "running" and run.non_finite:
-                    self._check_non_finite(run, now)
-                if run.state == "running" and run.secure is not None:
-                    self._advance_secure(run, now)  # its steps have their own deadlines
-                elif run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
-                    msg = (f"round {run.round} is past its deadline with {len(run.submissions)} of the "
-                           f"{run.cfg.quorum} updates it needs; waiting for agents")
-                    if run.message != msg:
-                        log.warning(msg)
-                        run.message = msg
-                elif run.state == "running" and run.machine is not None and run.machine.closable(
-                        now >= run.deadline or bool(run.message)):
-                    self._close_round(run)
-                    self.s.cond.notify_all()
+                with self._failing(run, "the aggregator's clock"):  # the clock goes on for the next run
+                    self._tick(run, time.time())
+
+    def _tick(self, run: Run, now: float) -> None:
+        """What the clock does for ``run`` at ``now``: deadlines of joins, rounds and secure steps.
+        Under the lock."""
+        if run.state == "waiting_for_agents" and now - run.created > run.cfg.join_timeout:
+            live = [a for a in self.registry.agents.values() if self.registry.connected(a, now)]
+            tasks = {task_of(a) for a in live}
+            split = (f" (they hold {len(tasks)} different tasks: "
+                     + "; ".join(f"{e or 'no env'} {o}/{d}" for e, o, d in sorted(tasks)) + ")"
+                     if len(tasks) > 1 else "")
+            self.journal.fail(run, f"only {len(live)} of the {run.cfg.agents} agents the run needs were connected "
+                            f"within {run.cfg.join_timeout:.0f}s{split}")
+            self.s.cond.notify_all()
+        elif run.state == "running" and run.non_finite:
+            self._check_non_finite(run, now)
+        if run.state == "running" and run.secure is not None:
+            self._advance_secure(run, now)  # its steps have their own deadlines
+        elif run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
+            msg = (f"round {run.round} is past its deadline with {len(run.submissions)} of the "
+                   f"{run.cfg.quorum} updates it needs; waiting for agents")
+            if run.message != msg:
+                log.warning(msg)
+                run.message = msg
+        elif run.state == "running" and run.machine is not None and run.machine.closable(
+                now >= run.deadline or bool(run.message)):
+            self._close_round(run)
+            self.s.cond.notify_all()
 

@@ -204,7 +204,7 @@ class RoundMachine:
         noisy share of the updates within the norm gives the next round's norm (the metrics'
         ``dp_clip``, ``dp_unclipped_fraction`` and ``dp_clip_next``). Raises
         :class:`fedrl.federation.aggregate.AggregationError` (or ValueError) for updates that do
-        not combine; the round stays open. Closing again before another update is taken gives
+        not combine, or an average that is not finite; the round stays open. Closing again before another update is taken gives
         the same version (one noise draw per version)."""
         if self._pending is not None:
             return self._pending
@@ -234,7 +234,8 @@ class RoundMachine:
                 new = noisy_average(new, len(ups), self.clip, update_noise(p.dp_noise, p.dp_count_noise), noise)
         else:
             new = aggregate(p.aggregation, [u.state for u in ups], w, p.trim_fraction, [u.flat for u in ups], alloc)
-        self._pending = Closed(self.round, self.version + 1, new, order, self._spent(metrics), next_clip=nxt)
+        self._pending = Closed(self.round, self.version + 1, _finite(new, self.round), order, self._spent(metrics),
+                               next_clip=nxt)
         return self._pending
 
     def close_sum(self, average: State, agents: Sequence[Hashable],
@@ -255,7 +256,8 @@ class RoundMachine:
                 raise ValueError("adaptive clipping's secure sum needs the share of updates within the norm")
             nxt = next_clip(self.clip, unclipped_fraction, self.plan.dp_clip_quantile, self.plan.dp_clip_lr)
             m |= {"dp_clip": self.clip, "dp_unclipped_fraction": unclipped_fraction, "dp_clip_next": nxt}
-        self._pending = Closed(self.round, self.version + 1, average, order, self._spent(m), next_clip=nxt)
+        self._pending = Closed(self.round, self.version + 1, _finite(average, self.round), order, self._spent(m),
+                               next_clip=nxt)
         return self._pending
 
     def commit(self, closed: Closed) -> Open | Finished | Stopped:
@@ -291,6 +293,15 @@ class RoundMachine:
                               f"over the budget of {p.dp_epsilon_budget:g}")
         self.phase, self.round = "open", r
         return Open(r, self.version)
+
+
+def _finite(state: State, round_: int) -> State:
+    """``state``, refused (ValueError) where a floating tensor holds NaN or Inf: no version is made
+    of it (an average of finite updates can still overflow, and noise can be past float32)."""
+    for k, v in state.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"round {round_}'s average holds NaN or Inf (in {k}): no version is made of it")
+    return state
 
 
 def _mean_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:

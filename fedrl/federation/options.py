@@ -134,8 +134,16 @@ class FederationOptions:
         if not self.dp_clip_quantile < 1.0:
             raise ValueError(f"{opt('dp_clip_quantile')}: a share in (0, 1) (0: fixed clipping), got "
                              f"{self.dp_clip_quantile}")
-        if not (isinstance(self.dp_clip_lr, int | float) and math.isfinite(self.dp_clip_lr) and self.dp_clip_lr > 0):
-            raise ValueError(f"{opt('dp_clip_lr')}: must be a finite number > 0, got {self.dp_clip_lr}")
+        from fedrl.federation.privacy import CLIP_LR_MAX, CLIP_RANGE, COUNT_NOISE_RANGE, NOISE_RANGE
+
+        for name, (low, high) in (("dp_clip", CLIP_RANGE), ("dp_noise", NOISE_RANGE),
+                                  ("dp_count_noise", COUNT_NOISE_RANGE)):
+            v = getattr(self, name)
+            if v and not low <= v <= high:
+                raise ValueError(f"{opt(name)}: 0 (off) or in [{low:g}, {high:g}], got {v:g}")
+        if not (isinstance(self.dp_clip_lr, int | float) and math.isfinite(self.dp_clip_lr)
+                and 0 < self.dp_clip_lr <= CLIP_LR_MAX):
+            raise ValueError(f"{opt('dp_clip_lr')}: must be in (0, {CLIP_LR_MAX:g}], got {self.dp_clip_lr}")
         if self.dp_count_noise and not self.dp_clip_quantile:
             raise ValueError(f"{opt('dp_count_noise')}: needs {opt('dp_clip_quantile')} (the count is adaptive "
                              "clipping's)")

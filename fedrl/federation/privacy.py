@@ -42,6 +42,14 @@ import torch
 NOT_LEARNED = ("obs_mean", "obs_std")
 # The key a round's record (its ROUND_CLOSED event's metrics) gives the epsilon spent so far
 PRIVACY_EPSILON = "privacy_epsilon"
+# The ranges the settings must lie in (0 turns each off), so that the arithmetic can take them:
+# a noise multiplier past ~1e155 overflows the accountant, one below 1e-3 spends an epsilon of
+# billions; noise x clip stays below 1e9, far inside float32, so a noisy average is finite.
+# Adaptive clipping keeps the norm it moves inside CLIP_RANGE whatever the noisy count says.
+CLIP_RANGE = (1e-6, 1e6)
+NOISE_RANGE = (1e-3, 1e3)
+COUNT_NOISE_RANGE = (1e-3, 1e4)
+CLIP_LR_MAX = 10.0
 
 
 def learned(name: str) -> bool:
@@ -172,8 +180,15 @@ def fraction_from_shares(mean_share: float) -> float:
 
 def next_clip(clip: float, unclipped_fraction: float, quantile: float, lr: float) -> float:
     """Adaptive clipping's geometric step: ``clip * exp(-lr * (unclipped_fraction - quantile))``
-    (it grows while fewer than ``quantile`` of the updates fit, and shrinks while more do)."""
-    return clip * math.exp(-lr * (unclipped_fraction - quantile))
+    (it grows while fewer than ``quantile`` of the updates fit, and shrinks while more do), taken
+    in log space and held inside :data:`CLIP_RANGE`: a noisy count far outside [0, 1] (large
+    noise, or one agent's share under secure aggregation, which nobody sees) moves the norm to
+    the range's end instead of overflowing. A fraction that is not a number is refused."""
+    if not math.isfinite(unclipped_fraction):
+        raise ValueError(f"the share of updates within the norm is {unclipped_fraction!r}, not a finite number")
+    low, high = CLIP_RANGE
+    step = math.log(clip) - lr * (unclipped_fraction - quantile)
+    return math.exp(min(max(step, math.log(low)), math.log(high)))
 
 
 def epsilon(noise: float, rounds: int, delta: float, count_noise: float = 0.0) -> float:

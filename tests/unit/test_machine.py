@@ -182,3 +182,38 @@ def test_a_plan_names_what_is_wrong_with_it():
         Plan(2, ("a", "a"))
     with pytest.raises(ValueError, match="quorum 3 for 2 agents"):
         Plan(2, ("a", "b"), quorum=3)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_an_average_that_is_not_finite_makes_no_version(secure, monkeypatch):
+    """Every path's close refuses an average with NaN or Inf (an overflow, or noise past float32;
+    the updates themselves are checked before): nothing is pending, the round stays open."""
+    import fedrl.federation.machine as mod
+
+    m = machine(secure=secure)
+    m.begin()
+    bad = state(float("inf"))
+    monkeypatch.setattr(mod, "aggregate", lambda *a, **k: bad)
+    with pytest.raises(ValueError, match="round 1's average holds NaN or Inf \\(in w\\)"):
+        if secure:
+            m.close_sum(bad, ["a", "b"])
+        else:
+            m.take("a", 1, 0, Update(state(2.0), 1))
+            m.take("b", 1, 0, Update(state(1.0), 1))
+            m.close()
+    assert m.phase == "open" and m.version == 0 and m._pending is None
+
+
+@pytest.mark.parametrize("fraction, lands", [(-5000.0, "high"), (5000.0, "low"), (1e308, "low")])
+def test_adaptive_clipping_keeps_its_norm_in_range_whatever_the_count_says(fraction, lands):
+    """A noisy count far outside [0, 1] (one agent's masked share of -15,000 gave -5,000 once, and
+    exp overflowed in the aggregator's clock thread) moves the norm to the end of its range."""
+    from fedrl.federation.privacy import CLIP_RANGE, next_clip
+
+    low, high = CLIP_RANGE
+    got = next_clip(1.0, fraction, 0.5, 0.2)
+    assert got == pytest.approx(high if lands == "high" else low, rel=1e-12)
+    assert next_clip(2.0, 0.75, 0.5, 0.2) == pytest.approx(2.0 * math.exp(-0.2 * 0.25), rel=1e-12)  # inside: exact
+    for nan in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="not a finite number"):
+            next_clip(1.0, nan, 0.5, 0.2)

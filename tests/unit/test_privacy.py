@@ -15,7 +15,7 @@ import torch
 
 from fedrl.algos import BCConfig, DRPOConfig
 from fedrl.data.d4rl import Transitions
-from fedrl.federation.privacy import clip_update, epsilon, noisy_average, update_norm
+from fedrl.federation.privacy import CLIP_RANGE, NOISE_RANGE, clip_update, epsilon, noisy_average, update_norm
 from fedrl.federation.round import LocalTrainer
 from fedrl.federation.runconfig import parse_run_config
 from fedrl.federation.simulate import SimConfig
@@ -210,7 +210,16 @@ def test_adaptive_clipping_spends_what_one_gaussian_of_the_runs_multiplier_does(
     ({"dp_clip": 1.0, "dp_clip_quantile": 1.0}, "dp_clip_quantile: a share in (0, 1)"),
     ({"dp_clip_quantile": 0.5}, "dp_clip_quantile: needs dp_clip > 0"),
     ({"dp_clip": 1.0, "dp_count_noise": 1.0}, "dp_count_noise: needs dp_clip_quantile"),
-    ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_clip_lr": 0.0}, "dp_clip_lr: must be a finite number > 0"),
+    ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_clip_lr": 0.0}, "dp_clip_lr: must be in (0, 10]"),
+    # settings the arithmetic cannot take (each once ended the aggregator's clock, or stored Inf)
+    ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_clip_lr": 1e4}, "dp_clip_lr: must be in (0, 10], got 10000"),
+    ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_noise": 1.0, "dp_count_noise": 1e300},
+     "dp_count_noise: 0 (off) or in [0.001, 10000], got 1e+300"),
+    ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_count_noise": 1e-160}, "dp_count_noise: 0 (off) or in [0.001"),
+    ({"dp_clip": 1.0, "dp_noise": 1e155}, "dp_noise: 0 (off) or in [0.001, 1000], got 1e+155"),
+    ({"dp_clip": 1.0, "dp_noise": 1e308, "dp_epsilon_budget": 8.0}, "dp_noise: 0 (off) or in [0.001, 1000]"),
+    ({"dp_clip": 1e20, "dp_noise": 1e20}, "dp_clip: 0 (off) or in [1e-06, 1e+06], got 1e+20"),
+    ({"dp_clip": 1e-300}, "dp_clip: 0 (off) or in [1e-06, 1e+06], got 1e-300"),
     ({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_noise": 1.1, "agents": 5},
      "dp_count_noise: 0.25 (agents / 20, as it is unset) leaves nothing of dp_noise 1.1 for the updates: set it "
      "above 0.55"),
@@ -219,6 +228,9 @@ def test_adaptive_clipping_settings_are_checked_by_name(settings, says):
     with pytest.raises(ValueError) as e:
         parse_run_config(settings)
     assert says in str(e.value)
+    for name, (low, high) in (("dp_clip", CLIP_RANGE), ("dp_noise", NOISE_RANGE)):  # the ends are taken
+        for v in (low, high):
+            assert getattr(parse_run_config({"dp_clip": 1.0, name: v}), name) == v
     assert parse_run_config({"dp_clip": 1.0, "dp_clip_quantile": 0.5, "dp_noise": 1.1, "agents": 30}).dp_clip_lr == 0.2
 
 
