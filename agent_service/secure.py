@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import grpc
+
 from fedrl.data.normalize import ObsStats
 from fedrl.federation.privacy import count_extra, noise_generator, noise_share_std
 from fedrl.federation.round import RoundInterrupted
@@ -73,11 +75,18 @@ class SecureSteps:
             shares={a: federation_pb2.SecAggShare(point=p, share=sh) for a, (p, sh) in answer.items()}))
 
     def _call(self, stub, task, **step):
-        """One step, sent again while the reply says the others are not all there yet."""
+        """One step, sent again while the reply says the others are not all there yet. A step the
+        aggregator refuses as malformed (INVALID_ARGUMENT) is this agent's to refuse too
+        (SecAggError): it sits the round out, and stays up."""
         msg = federation_pb2.SecAggMessage(agent_id=self.agent_id, run_id=task.run_id, round=task.round,
                                            wait_seconds=self.task_wait, **step)
         while True:
-            reply = stub.SecureAggregation(msg, timeout=self.task_wait + self.rpc_timeout)
+            try:
+                reply = stub.SecureAggregation(msg, timeout=self.task_wait + self.rpc_timeout)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                raise SecAggError(f"the aggregator refused the {next(iter(step))} step: {e.details()}") from None
             if not reply.pending:
                 return reply
             if self.stopped.is_set():

@@ -89,6 +89,8 @@ class Run:
     # config sets secagg_threshold; in round 0, the observation moments'.
     secure: Any = None
     dims: tuple[int, int] = (0, 0)  # (obs_dim, act_dim) of the selected agents, from round 0 on
+    # digests of every masked vector the run's secure rounds took: one sent again is refused
+    masked_seen: set[bytes] = field(default_factory=set)
 
     @property
     def round(self) -> int:

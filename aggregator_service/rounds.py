@@ -251,7 +251,7 @@ class Rounds:
                 SecAggParams(threshold=run.cfg.secagg_threshold, context=f"{run.run_id}/{r}".encode()),
                 list(run.selected), dict(zip(run.selected, weights)),
                 sum(t.numel() for t in run.global_state.values()) + (1 if run.cfg.dp_clip_quantile else 0),
-                run.cfg.round_timeout, run.deadline)
+                run.cfg.round_timeout, run.deadline, run.masked_seen)
         self.journal.event(run, "ROUND_OPENED", agents=list(run.selected))
 
     def _close_round(self, run: Run) -> None:

@@ -8,6 +8,7 @@ run fails saying so, with nothing stored."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -15,12 +16,20 @@ from typing import Any
 import grpc
 import numpy as np
 
-from fedrl.federation.secagg import SEED_BYTES, PublicKeys, SecAggError, SecAggParams, ServerSession
+from fedrl.federation.secagg import (
+    SEED_BYTES,
+    PublicKeys,
+    SecAggError,
+    SecAggParams,
+    ServerSession,
+    dequantize,
+    rounding_bound,
+)
 from fedrl.wire.rpc import ServiceError
 
 STEPS = ("keys", "shares", "masked", "answer")
 KEY_BYTES = 32
-SEALED_MAX_BYTES = 12 + 2 * SEED_BYTES + 16  # nonce, both shares, tag
+SEALED_BYTES = 12 + 2 * SEED_BYTES + 16  # nonce, both shares, tag
 log = logging.getLogger("fedrl.aggregator")
 
 
@@ -30,8 +39,10 @@ class SecureRound:
     the extra values each agent sums with it: adaptive clipping's share of the count)."""
 
     def __init__(self, params: SecAggParams, selected: list[str], weights: Mapping[str, float], size: int,
-                 timeout: float, first_deadline: float) -> None:
+                 timeout: float, first_deadline: float, seen: set[bytes] | None = None) -> None:
         self.params, self.size, self.timeout = params, size, timeout
+        # digests of the masked vectors the run has taken (shared by its rounds): a replay is refused
+        self.seen = set() if seen is None else seen
         self.server = ServerSession(params)
         self.weights = dict(weights)
         self.step = 0  # the step open now (4: all done)
@@ -75,14 +86,19 @@ class SecureRound:
         self.server.add_keys(agent_id, PublicKeys(bytes(msg.share_key), bytes(msg.mask_key)))
 
     def _take_shares(self, agent_id: str, msg) -> None:
-        if any(len(b) > SEALED_MAX_BYTES for b in msg.sealed.values()):
-            raise SecAggError(f"a sealed share is at most {SEALED_MAX_BYTES} bytes")
+        if any(len(b) != SEALED_BYTES for b in msg.sealed.values()):
+            raise SecAggError(f"a sealed share is {SEALED_BYTES} bytes (nonce, two shares, tag)")
         self.server.add_shares(agent_id, {k: bytes(v) for k, v in msg.sealed.items()})
 
     def _take_masked(self, agent_id: str, msg) -> None:
         if len(msg.vector) != 8 * (self.size + 1):
             raise SecAggError(f"a masked vector of {len(msg.vector)} bytes; this model's is {8 * (self.size + 1)}")
+        digest = hashlib.sha256(msg.vector).digest()
+        if digest in self.seen:
+            raise SecAggError(f"agent {agent_id} sent a masked vector this run has already taken (a replay): "
+                              "a round's vector is masked for that round alone")
         self.server.add_masked(agent_id, np.frombuffer(bytes(msg.vector), dtype="<u8").astype(np.uint64))
+        self.seen.add(digest)
         if msg.metrics:  # an agent that still sends them: they are statistics of its data
             log.warning("agent %s sent its round metrics in the clear under secure aggregation; they are "
                         "dropped, unread (an agent of this version sends none)", agent_id)
@@ -92,8 +108,11 @@ class SecureRound:
         names = set(self.survivors) | set(self.dropped)
         if set(msg.shares) != names:
             raise SecAggError("an answer must hold one share for each agent that shared, and only those")
-        if any(len(s.share) != SEED_BYTES or not 1 <= s.point <= len(self.server.roster) for s in msg.shares.values()):
-            raise SecAggError(f"a share is {SEED_BYTES} bytes at a point of the roster")
+        if any(len(s.share) != SEED_BYTES for s in msg.shares.values()):
+            raise SecAggError(f"a share is {SEED_BYTES} bytes")
+        point = sorted(self.alpha).index(agent_id) + 1  # Shamir's points: 1..n in the roster's order
+        if any(s.point != point for s in msg.shares.values()):
+            raise SecAggError(f"{agent_id}'s shares are at its own point, {point}, of the roster")
         self.answers[agent_id] = {a: (int(s.point), bytes(s.share)) for a, s in msg.shares.items()}
 
     # -- steps closing ----------------------------------------------------------------------
@@ -142,5 +161,21 @@ class SecureRound:
         return {"done": True}
 
     def total(self) -> np.ndarray:
-        """The survivors' sum (once every step has closed)."""
-        return self.server.finish(self.answers)
+        """The survivors' sum (once every step has closed), checked: its last value, the summed
+        weight, must be the survivors' public weights' total within the fixed point's rounding.
+        Shares off the polynomial are left out where more than the threshold answered; a sum
+        that does not check out raises SecAggError, and nothing is made of it."""
+        want = sum(self.alpha[a] for a in self.survivors)
+        bound = rounding_bound(len(self.survivors), self.params)
+
+        def weight_fits(last: np.uint64) -> bool:
+            return abs(float(dequantize(np.array([last]), self.params)[0]) - want) <= bound
+
+        try:
+            out = self.server.finish(self.answers, weight_fits)
+        except SecAggError as e:
+            raise SecAggError(f"the unmasking: {e}") from None
+        if self.server.left_out:
+            log.warning("secure aggregation: the unmasking shares of %s do not fit the others'; the sum was "
+                        "made without them", ", ".join(self.server.left_out))
+        return out

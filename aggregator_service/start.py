@@ -109,7 +109,7 @@ class RunStart:
         run.dims = (obs_dim, chosen[0].act_dim)
         run.secure = SecureRound(moments_params(run.cfg.secagg_threshold, f"{run.run_id}/0".encode()),
                                  list(run.selected), {a.agent_id: a.num_samples for a in chosen}, 2 * obs_dim,
-                                 run.cfg.round_timeout, run.deadline)
+                                 run.cfg.round_timeout, run.deadline, run.masked_seen)
         log.info("run %s: gathering the observation moments of %d agents by secure aggregation", run.run_id,
                  len(chosen))
 

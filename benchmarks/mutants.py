@@ -58,6 +58,9 @@ GRAD_TESTS = tuple(f"tests/integration/test_engines_agree.py::test_the_batched_e
 SERVICE_TESTS = ("tests/service/test_federation.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
 SA_SUMS, SA_SIM_TESTS = "fedrl/federation/secagg_sums.py", ("tests/integration/test_secure_simulate.py",)
+# the services' halves of secure aggregation and DP, and the hardening of private rounds (issue 84)
+SR, PRIVATE_TESTS = "aggregator_service/secure_round.py", ("tests/service/test_private_rounds.py",)
+OPTIONS = "fedrl/federation/options.py"
 MUTANTS = (
     # DRPO / CQL update (drpo.py)
     Mutant("actor-max-of-twins", D, "q_pi = q(obs, pi_a).min(dim=twin_dim)", "q_pi = q(obs, pi_a).max(dim=twin_dim)"),
@@ -183,8 +186,8 @@ MUTANTS = (
     Mutant("round-dp-unclipped", MACHINE, "done = [clip_update(u.state, self.global_state, self.clip) for u in ups]",
            "done = [(u.state, 0.0) for u in ups]", MACHINE_TESTS),
     # adaptive clipping (Andrew et al. 2021)
-    Mutant("adaptive-clip-moves-the-wrong-way", PRIV, "return clip * math.exp(-lr * (unclipped_fraction - quantile))",
-           "return clip * math.exp(lr * (unclipped_fraction - quantile))", PRIV_TESTS),
+    Mutant("adaptive-clip-moves-the-wrong-way", PRIV, "step = math.log(clip) - lr * (unclipped_fraction - quantile)",
+           "step = math.log(clip) + lr * (unclipped_fraction - quantile)", PRIV_TESTS),
     Mutant("adaptive-count-not-centred", PRIV, "centred = sum((1.0 if x <= clip else 0.0) - 0.5 for x in norms)",
            "centred = sum((1.0 if x <= clip else 0.0) for x in norms)", PRIV_TESTS),
     Mutant("adaptive-count-without-noise", PRIV, "        centred += count_noise * float(",
@@ -216,8 +219,7 @@ MUTANTS = (
     # secure aggregation (secagg.py): the masks that must cancel, the shares handed out
     Mutant("secagg-pairwise-signs-agree", SA, "return m if me == lo else (np.uint64(0) - m)", "return m",
            SA_TESTS),
-    Mutant("secagg-self-mask-left-in", SA, "total -= prg(_hkdf(seed, _SELF_INFO, self.params.context), size)",
-           "pass", SA_TESTS),
+    Mutant("secagg-self-mask-left-in", SA, "total -= prg(self_seeds[a], size)", "pass", SA_TESTS),
     Mutant("secagg-dropped-masks-added-twice", SA,
            "total += pairwise_mask(sk, self.roster[u].mask_key, v, u, self.params, size)",
            "total -= pairwise_mask(sk, self.roster[u].mask_key, v, u, self.params, size)", SA_TESTS),
@@ -231,6 +233,33 @@ MUTANTS = (
     Mutant("secagg-moments-not-over-weight", SA_SUMS,
            "return ObsStats(1, s[:obs_dim] / weight, s[obs_dim:2 * obs_dim] / weight).mean_std()",
            "return ObsStats(1, s[:obs_dim], s[obs_dim:2 * obs_dim]).mean_std()", SA_SIM_TESTS),
+    # private rounds under a hostile agent or operator: each protection of issue 84 removed
+    Mutant("clock-unsupervised", COORD, 'with self._failing(run, "the aggregator\'s clock"):', "if True:", PRIVATE_TESTS),
+    Mutant("close-unsupervised", COORD, "with self._failing(run, f\"round {run.round}'s close\"):", "if True:",
+           PRIVATE_TESTS),
+    Mutant("average-not-checked-finite", MACHINE, "if v.is_floating_point() and not bool(torch.isfinite(v).all()):",
+           "if False:", MACHINE_TESTS),
+    Mutant("adaptive-norm-unbounded", PRIV, "return math.exp(min(max(step, math.log(low)), math.log(high)))",
+           "return math.exp(step)", MACHINE_TESTS),
+    Mutant("dp-settings-unbounded", OPTIONS, "if v and not low <= v <= high:", "if False:", PRIV_TESTS),
+    Mutant("secagg-small-order-key-taken", SA, "            if not usable_key(k):\n", "            if False:\n",
+           PRIVATE_TESTS),
+    Mutant("secagg-repeated-key-taken", SA,
+           "if keys.share_key == keys.mask_key or {keys.share_key, keys.mask_key} & taken:", "if False:", PRIVATE_TESTS),
+    Mutant("secagg-sealed-length-unchecked", SR, "if any(len(b) != SEALED_BYTES for b in msg.sealed.values()):",
+           "if False:", PRIVATE_TESTS),
+    Mutant("secagg-answer-point-unchecked", SR, "if any(s.point != point for s in msg.shares.values()):", "if False:",
+           PRIVATE_TESTS),
+    Mutant("secagg-weight-unchecked", SR,
+           "return abs(float(dequantize(np.array([last]), self.params)[0]) - want) <= bound", "return True",
+           PRIVATE_TESTS),
+    Mutant("secagg-no-answer-left-out", SA,
+           "tries = [[]] + ([[a] for a in names] if len(answers) > self.params.threshold else [])", "tries = [[]]",
+           PRIVATE_TESTS),
+    Mutant("secagg-replay-taken", SR, "        if digest in self.seen:\n", "        if False:\n", PRIVATE_TESTS),
+    Mutant("secagg-agent-dies-on-refusal", "agent_service/secure.py",
+           'raise SecAggError(f"the aggregator refused the {next(iter(step))} step: {e.details()}") from None',
+           "raise", PRIVATE_TESTS),
     # a run resumed on data other than it started on (a dataset remade on another machine)
     Mutant("resume-ignores-the-contents", CKPT,
            'or old.get("sha256", new.get("sha256")) != new.get("sha256")]', "]", SIM_TESTS),

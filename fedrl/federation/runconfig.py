@@ -205,7 +205,7 @@ def parse_run_config(text: str | bytes | dict) -> RunConfig:
         kw[k] = v
     try:
         cfg = RunConfig(**kw)
-    except ValueError as e:  # a field out of range; the message names it
+    except (ValueError, ArithmeticError) as e:  # a field out of range (or one the arithmetic cannot take)
         raise ConfigError(str(e)) from None
     for k, top in LIMITS.items():
         if getattr(cfg, k) > top:

@@ -135,6 +135,31 @@ def prg(seed: bytes, size: int) -> np.ndarray:
     return np.frombuffer(enc.update(b"\0" * (8 * size)), dtype=np.uint64)
 
 
+def prg_at(seed: bytes, index: int) -> np.uint64:
+    """``prg(seed, n)[index]`` for any n > index, without the values before it: the keystream
+    from the 64-byte block that holds it (ChaCha20's counter is the nonce's first 4 bytes)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    block, offset = divmod(8 * index, 64)
+    enc = Cipher(algorithms.ChaCha20(seed, block.to_bytes(4, "little") + b"\0" * 12), mode=None).encryptor()
+    return np.frombuffer(enc.update(b"\0" * 64)[offset:offset + 8], dtype=np.uint64)[0]
+
+
+def usable_key(public: bytes) -> bool:
+    """Whether ``public`` is an X25519 public key an agreement can use: 32 bytes, and not a point
+    of small order (whose agreement with any key is zero, so that a mask or share key made from
+    it is known to everyone)."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
+    if len(public) != 32:
+        return False
+    try:
+        X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(public))
+    except ValueError:
+        return False
+    return True
+
+
 def _seal(key: bytes, plain: bytes, aad: bytes) -> bytes:
     from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
@@ -287,11 +312,14 @@ class AgentSession:
 def pairwise_mask(private, peer_public: bytes, me: str, peer: str, params: SecAggParams, size: int) -> np.ndarray:
     """The mask ``me`` adds for ``peer``: +PRG(s) when ``me`` sorts first, -PRG(s) otherwise, where
     s is their X25519 agreement run through HKDF with both ids: the two masks cancel in a sum."""
+    m = prg(_pair_seed(private, peer_public, me, peer, params), size)
+    return m if me < peer else (np.uint64(0) - m)
+
+
+def _pair_seed(private, peer_public: bytes, me: str, peer: str, params: SecAggParams) -> bytes:
     lo, hi = sorted((me, peer))
-    seed = _hkdf(_agree(private, peer_public), _PAIR_INFO + b"\0" + lo.encode() + b"\0" + hi.encode(),
+    return _hkdf(_agree(private, peer_public), _PAIR_INFO + b"\0" + lo.encode() + b"\0" + hi.encode(),
                  params.context)
-    m = prg(seed, size)
-    return m if me == lo else (np.uint64(0) - m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +336,18 @@ class ServerSession:
     masked: dict[str, np.ndarray] = field(default_factory=dict)
 
     def add_keys(self, agent_id: str, keys: PublicKeys) -> None:
+        """Take ``agent_id``'s two public keys; refused unless each is a usable X25519 point that
+        no agent (itself included) has advertised this round: a repeated or small-order key
+        would make a mask or a share's key that others know, or fail every peer's step later."""
         if agent_id in self.roster:
             raise SecAggError(f"agent {agent_id} already advertised its keys this round")
+        for name, k in (("share", keys.share_key), ("mask", keys.mask_key)):
+            if not usable_key(k):
+                raise SecAggError(f"{agent_id}'s {name} key is not a usable X25519 public key (32 bytes, not "
+                                  "of small order)")
+        taken = {k for pk in self.roster.values() for k in (pk.share_key, pk.mask_key)}
+        if keys.share_key == keys.mask_key or {keys.share_key, keys.mask_key} & taken:
+            raise SecAggError(f"{agent_id} advertises a key that this round has already seen")
         self.roster[agent_id] = keys
 
     def add_shares(self, agent_id: str, sealed: Mapping[str, bytes]) -> None:
@@ -343,30 +381,75 @@ class ServerSession:
                               "the round cannot be unmasked")
         return u3, [a for a in self.shared if a not in self.masked]
 
-    def finish(self, answers: Mapping[str, Mapping[str, tuple[int, bytes]]]) -> np.ndarray:
+    def finish(self, answers: Mapping[str, Mapping[str, tuple[int, bytes]]],
+               check: Callable[[np.uint64], bool] | None = None) -> np.ndarray:
         """The survivors' sum from the agents' ``answers`` to :meth:`unmask_request` (at least
-        ``threshold`` of them)."""
+        ``threshold`` of them). With ``check`` (a test of the sum's last value, which the caller
+        can predict: the survivors' summed weight), the sum must pass it. Where more than
+        ``threshold`` answered and it does not, each answering agent's shares are left out in
+        turn: the sum of the first set that passes is returned (:attr:`left_out` names whose
+        were), so that one agent's shares off the polynomial cannot make a wrong sum. Only the
+        last value is unmasked to test a set (:func:`prg_at`); the whole sum only once."""
         u3, dropped = self.unmask_request()
         answers = {a: r for a, r in answers.items() if a in u3}
         if len(answers) < self.params.threshold:
             raise SecAggError(f"{len(answers)} agents answered the unmasking, fewer than the threshold "
                               f"{self.params.threshold}: the sum cannot be recovered")
         size = next(iter(self.masked.values())).size
+        self.left_out: list[str] = []
+        if check is None:
+            return self._unmasked(self._seeds(answers, u3, dropped), u3, size)
+        names = sorted(answers)
+        tries = [[]] + ([[a] for a in names] if len(answers) > self.params.threshold else [])
+        for out in tries:
+            try:
+                seeds = self._seeds({a: r for a, r in answers.items() if a not in out}, u3, dropped)
+            except (SecAggError, ValueError):  # shares that rebuild no key, or a malformed share
+                continue
+            if check(self._unmasked_at(seeds, u3, size - 1)):
+                self.left_out = out
+                return self._unmasked(seeds, u3, size)
+        raise SecAggError(f"the unmasked sum does not check out with the answers of {len(answers)} agents"
+                          + (", nor with any one agent's left out" if len(tries) > 1 else
+                             f" (no answer to spare beyond the threshold {self.params.threshold})")
+                          + ": an answer or a masked vector is wrong")
+
+    def _seeds(self, answers, u3: list[str], dropped: list[str]) -> tuple[dict[str, bytes], dict[str, object]]:
+        """Each survivor's self-mask seed and each dropped agent's mask key, from ``answers``."""
+        self_seeds = {u: _hkdf(_combine(r[u] for r in answers.values()), _SELF_INFO, self.params.context) for u in u3}
+        keys = {}
+        for v in dropped:
+            sk = _x25519_from_seed(_combine(r[v] for r in answers.values()), self.params.context)
+            if _public_bytes(sk) != self.roster[v].mask_key:
+                raise SecAggError(f"the shares of {v}'s mask key rebuild another key: an answer is wrong")
+            keys[v] = sk
+        return self_seeds, keys
+
+    def _unmasked(self, seeds, u3: list[str], size: int) -> np.ndarray:
+        self_seeds, keys = seeds
         total = np.zeros(size, dtype=np.uint64)
         for a in u3:
             total += self.masked[a]
         for a in u3:  # each survivor's self mask
-            seed = _combine(r[a] for r in answers.values())
-            total -= prg(_hkdf(seed, _SELF_INFO, self.params.context), size)
-        for v in dropped:  # each dropped agent's pairwise masks with the survivors
-            seed = _combine(r[v] for r in answers.values())
-            sk = _x25519_from_seed(seed, self.params.context)
-            if _public_bytes(sk) != self.roster[v].mask_key:
-                raise SecAggError(f"the shares of {v}'s mask key rebuild another key: an answer is wrong")
+            total -= prg(self_seeds[a], size)
+        for v, sk in keys.items():  # each dropped agent's pairwise masks with the survivors
             for u in u3:
                 # u added pairwise_mask(u, v); the same mask, computed from v's side, is its negative
                 total += pairwise_mask(sk, self.roster[u].mask_key, v, u, self.params, size)
         return total
+
+    def _unmasked_at(self, seeds, u3: list[str], index: int) -> np.uint64:
+        """:meth:`_unmasked`'s value at ``index`` alone."""
+        self_seeds, keys = seeds
+        with np.errstate(over="ignore"):
+            x = np.uint64(0)
+            for a in u3:
+                x += self.masked[a][index] - prg_at(self_seeds[a], index)
+            for v, sk in keys.items():
+                for u in u3:
+                    m = prg_at(_pair_seed(sk, self.roster[u].mask_key, v, u, self.params), index)
+                    x += m if v < u else np.uint64(0) - m
+        return x
 
 
 # ---------------------------------------------------------------------------------------------

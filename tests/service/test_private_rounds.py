@@ -84,3 +84,168 @@ def test_a_hostile_count_share_moves_the_norm_to_its_range_end_and_the_run_goes_
     assert closed[0]["dp_unclipped_fraction"] < -1000 and closed[0]["dp_clip_next"] == pytest.approx(CLIP_RANGE[1])
     assert closed[1]["dp_clip"] == pytest.approx(CLIP_RANGE[1])
     assert aggregator.coord._ticker.is_alive() and unknown_answers(aggregator) == 0
+
+
+def _tamper(monkeypatch, step: str, change, rounds=(1,)):
+    """agent-2 sends ``change(message, task)`` in place of its ``step`` message of ``rounds``;
+    returns the status codes its tampered calls were answered with."""
+    from agent_service.secure import SecureSteps
+
+    call, codes = SecureSteps._call, []
+
+    class Recording:  # the stub, with the status of each refused call recorded
+        def __init__(self, stub):
+            self.stub = stub
+
+        def SecureAggregation(self, *a, **k):  # noqa: N802 - the RPC's name
+            try:
+                return self.stub.SecureAggregation(*a, **k)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+                raise
+
+    def tampering(self, stub, task, **kw):
+        if self.agent_id == "agent-2" and step in kw and task.round in rounds:
+            kw[step] = change(kw[step], task)
+            return call(self, Recording(stub), task, **kw)
+        return call(self, stub, task, **kw)
+
+    monkeypatch.setattr(SecureSteps, "_call", tampering)
+    return codes
+
+
+def _secure_run(aggregator, agent_threads, data, rounds=1, **cfg):
+    agent_threads.start(aggregator.target, str(data), 3, 2, seed=7, share_moments=False)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 3, what="agents to join")
+    start(aggregator, agents=3, rounds=rounds, secagg_threshold=2, algo="fed-bc", round_timeout=4.0, **cfg)
+    done = ended(aggregator)
+    assert all(t.is_alive() for t in agent_threads.threads)  # a refused step ends no agent, hostile or not
+    return done
+
+
+def _key(name, value):
+    def change(msg, task):
+        k = type(msg)()
+        k.CopyFrom(msg)
+        setattr(k, name, value(msg))
+        return k
+    return change
+
+
+@pytest.mark.parametrize("change", [
+    _key("mask_key", lambda m: bytes(32)),  # the point of order 1 (x = 0)
+    _key("share_key", lambda m: (1).to_bytes(32, "little")),  # x = 1: order 4, every agreement zero
+    _key("share_key", lambda m: m.mask_key),  # one key twice
+], ids=["zero-key", "small-order-key", "repeated-key"])
+def test_a_key_that_is_no_usable_point_or_repeats_is_refused_at_its_step(aggregator, agent_threads, stand_dataset,
+                                                                         monkeypatch, one_thread, change):
+    """The keys step refuses it (INVALID_ARGUMENT), so that no mask or share's key is made of it;
+    the round goes on with the two honest agents (the threshold)."""
+    codes = _tamper(monkeypatch, "keys", change)
+    done = _secure_run(aggregator, agent_threads, stand_dataset)
+    assert codes and set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}, codes
+    assert done["state"] == "finished", done["message"]
+    closed = [e for e in aggregator.store.read_run(done["run_id"])["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert sorted(closed[-1]["agents"]) == ["agent-0", "agent-1"]
+    assert unknown_answers(aggregator) == 0
+
+
+def _sealed(make):
+    def change(msg, task):
+        from fedrl.proto.v1 import federation_pb2
+
+        return federation_pb2.SecAggShares(sealed={a: make(b) for a, b in msg.sealed.items()})
+    return change
+
+
+@pytest.mark.parametrize("make", [lambda b: b"", lambda b: b[:-1], lambda b: b + b"\0"], ids=["empty", "short", "long"])
+def test_a_sealed_share_not_of_its_length_is_refused_at_its_step(aggregator, agent_threads, stand_dataset,
+                                                                 monkeypatch, one_thread, make):
+    codes = _tamper(monkeypatch, "shares", _sealed(make))
+    done = _secure_run(aggregator, agent_threads, stand_dataset)
+    assert codes and set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}, codes
+    assert done["state"] == "finished", done["message"]
+    assert unknown_answers(aggregator) == 0
+
+
+def _answer(change_share):
+    def change(msg, task):
+        from fedrl.proto.v1 import federation_pb2
+
+        return federation_pb2.SecAggAnswer(shares={a: change_share(s) for a, s in msg.shares.items()})
+    return change
+
+
+def test_an_answer_at_another_agents_point_is_refused_and_the_sum_is_made_without_it(
+        aggregator, agent_threads, stand_dataset, monkeypatch, one_thread):
+    from fedrl.proto.v1 import federation_pb2
+
+    codes = _tamper(monkeypatch, "answer", _answer(lambda s: federation_pb2.SecAggShare(
+        point=1 if s.point != 1 else 2, share=s.share)))
+    done = _secure_run(aggregator, agent_threads, stand_dataset)
+    assert codes and set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}, codes
+    assert done["state"] == "finished", done["message"]
+    assert unknown_answers(aggregator) == 0
+
+
+@pytest.mark.parametrize("share", [lambda s: bytes(16), lambda s: bytes(b ^ 1 for b in s)], ids=["zeros", "flipped"])
+def test_an_answer_off_the_polynomial_is_left_out_and_the_version_is_the_honest_one(
+        aggregator, agent_threads, stand_dataset, monkeypatch, one_thread, tmp_path, share, caplog):
+    """agent-2 answers the unmasking with shares that fit no polynomial (accepted: only their sum
+    can tell). Three answers for a threshold of 2: the aggregator leaves out the set that does not
+    check out, says whose, and stores the version of the honest run, bit for bit."""
+    import torch
+
+    from fedrl.proto.v1 import federation_pb2
+    from tests.service.test_secure_aggregation import _sim
+
+    _tamper(monkeypatch, "answer", _answer(lambda s: federation_pb2.SecAggShare(point=s.point, share=share(s.share))))
+    done = _secure_run(aggregator, agent_threads, stand_dataset)
+    assert done["state"] == "finished", done["message"]
+    assert "the unmasking shares of agent-2 do not fit the others'" in caplog.text
+    honest = SecAggRun.honest_version(tmp_path, stand_dataset)
+    stored = aggregator.store.load_version(done["run_id"], 1)
+    assert stored.keys() == honest.keys() and all(torch.equal(stored[k], honest[k]) for k in stored)
+
+
+class SecAggRun:
+    @staticmethod
+    def honest_version(tmp_path, data):
+        """Version 1 of the same secure run with every agent honest (the simulation's)."""
+        from fedrl.federation.simulate import SimConfig
+        from fedrl.federation.simulate import run as simulate
+        from tests.service.test_federation import SMALL, SMALL_BC
+
+        states = {}
+        simulate(SimConfig(algo="fed-bc", datasets=(str(data),), agents=3, trajectories=2, rounds=1, local_steps=3,
+                           eval_episodes=0, seed=7, device="cpu", drpo=SMALL, bc=SMALL_BC, secagg_threshold=2),
+                 tmp_path / "sim", log=lambda m: None, on_round=lambda r, s: states.__setitem__(r, s))
+        return states[1]
+
+
+def test_a_replayed_masked_vector_is_refused(aggregator, agent_threads, stand_dataset, monkeypatch, one_thread):
+    """agent-2 sends its round-1 masked vector again in round 2: refused at the step (its masks
+    were for round 1 and would not cancel); round 2 is made without agent-2, and is finite."""
+    import torch
+
+    kept = {}
+
+    def replay(msg, task):
+        if task.round == 1:
+            kept["v"] = bytes(msg.vector)
+            return msg
+        out = type(msg)()
+        out.CopyFrom(msg)
+        out.vector = kept["v"]
+        return out
+
+    codes = _tamper(monkeypatch, "masked", replay, rounds=(1, 2))
+    done = _secure_run(aggregator, agent_threads, stand_dataset, rounds=2)
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT], codes
+    assert done["state"] == "finished", done["message"]
+    closed = [e for e in aggregator.store.read_run(done["run_id"])["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert sorted(closed[0]["agents"]) == ["agent-0", "agent-1", "agent-2"]
+    assert sorted(closed[1]["agents"]) == ["agent-0", "agent-1"]
+    v2 = aggregator.store.load_version(done["run_id"], 2)
+    assert all(torch.isfinite(t).all() for t in v2.values())
+    assert unknown_answers(aggregator) == 0
