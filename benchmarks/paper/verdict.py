@@ -56,7 +56,10 @@ def _folder(root: Path) -> Path:
 
 
 def cells(root: Path = RESULTS) -> list[dict[str, Any]]:
-    return [r for r in runs.load_results(PRESET, "table", root) if r.get("curve")]
+    """The verdict's cells: its columns at the preset's seeds (the added seeds and the critic's
+    ablation under Fed-CQL and CQL, issue 83, are read apart)."""
+    return [r for r in runs.load_results(PRESET, "table", root)
+            if r.get("curve") and r["seed"] in PRESET.seeds and tables.method(r) in COLUMNS]
 
 
 def per_seed(r: dict[str, Any]) -> dict[str, Any]:
