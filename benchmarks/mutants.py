@@ -217,7 +217,7 @@ MUTANTS = (
     Mutant("service-skips-the-rounds-check", COORD, "            run.machine.check(agent_id, m.round, m.base_version)\n",
            "            pass\n", SERVICE_TESTS),
     # secure aggregation (secagg.py): the masks that must cancel, the shares handed out
-    Mutant("secagg-pairwise-signs-agree", SA, "return m if me == lo else (np.uint64(0) - m)", "return m",
+    Mutant("secagg-pairwise-signs-agree", SA, "return m if me < peer else (np.uint64(0) - m)", "return m",
            SA_TESTS),
     Mutant("secagg-self-mask-left-in", SA, "total -= prg(self_seeds[a], size)", "pass", SA_TESTS),
     Mutant("secagg-dropped-masks-added-twice", SA,
@@ -276,24 +276,39 @@ MUTANTS = (
 )
 
 
+def _pytest(tree: Path, tests: tuple[str, ...]) -> tuple[int, str]:
+    """Run ``tests`` in ``tree``: (pytest's exit status, the first failure's line or the last line)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                       cwd=tree, env=env, capture_output=True, text=True, timeout=900, check=False)
+    out = (p.stdout + p.stderr).strip().splitlines()
+    return p.returncode, next((ln for ln in out if ln.startswith(("FAILED", "ERROR"))), out[-1] if out else "")[:160]
+
+
+_CLEAN: set[tuple[str, ...]] = set()  # test sets seen to pass on the unmutated tree
+
+
 def run_mutant(m: Mutant, tree: Path, tests: tuple[str, ...]) -> tuple[bool, float, str]:
-    """Apply ``m`` to ``tree``, run ``tests`` there, restore the file. (killed, seconds, detail)."""
+    """Apply ``m`` to ``tree``, run ``tests`` there, restore the file. (killed, seconds, detail).
+    The tests must pass on the unmutated tree first (checked once per set): a failure that is not
+    the mutant's (a missing package, a broken test) would otherwise count as a kill."""
     f = tree / m.path
     text = f.read_text()
     if text.count(m.old) != 1:
         raise SystemExit(f"mutant {m.name}: its line occurs {text.count(m.old)} times in {m.path} "
                          "(the code changed: update the mutant)")
+    if tests not in _CLEAN:
+        rc, line = _pytest(tree, tests)
+        if rc != 0:
+            raise SystemExit(f"the tests of mutant {m.name} fail without it (pytest exit {rc}): {line}")
+        _CLEAN.add(tests)
     f.write_text(text.replace(m.old, m.new))
     t0 = time.monotonic()
     try:
-        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                           cwd=tree, env=env, capture_output=True, text=True, timeout=900, check=False)
+        rc, failed = _pytest(tree, tests)
     finally:
         f.write_text(text)
-    out = (p.stdout + p.stderr).strip().splitlines()
-    failed = next((ln for ln in out if ln.startswith(("FAILED", "ERROR"))), out[-1] if out else "")
-    return p.returncode != 0, time.monotonic() - t0, failed[:160]
+    return rc != 0, time.monotonic() - t0, failed
 
 
 def main(argv: list[str] | None = None) -> int:
