@@ -10,6 +10,8 @@ Layout::
                                                    just before its version is written)
     <state-dir>/runs/<run_id>/participants.json    the agents a running run selected, their
                                                    normalisers and env (what a restart needs)
+    <state-dir>/runs/<run_id>/FORMAT               the run's store format (2: every version has
+                                                   its checksum; a run without it predates them)
 
 Every version (and the config and participants) is written to a temporary name, fsynced, then
 renamed: a reader never sees half a file. The event log is appended without fsync, except a
@@ -40,7 +42,15 @@ WRITE_SLICE = 1 << 20
 
 
 class DamagedVersion(ValueError):
-    """A stored version whose bytes are not those written (or whose values are not finite)."""
+    """A stored version whose bytes are not those written (or whose values are not finite, or
+    whose checksum is missing where its run's format keeps one, or which the disk cannot read)."""
+
+
+# The store's format, written into each run's folder when it is made. 2: each version's checksum
+# is written with it, so a version without one is damage (a crash between the two writes, or a
+# file removed). A run folder with no FORMAT was made before checksums were kept: its versions
+# are read as they are.
+FORMAT = 2
 
 
 def _fsync_dir(d: Path) -> None:
@@ -74,6 +84,7 @@ class Store:
         d = self.run_dir(run_id)
         d.mkdir(parents=True, exist_ok=False)
         try:
+            self._write_bytes(d / "FORMAT", f"{FORMAT}\n".encode())
             self._write_bytes(d / "config.json", config_json.encode())
             _fsync_dir(d.parent)
         except BaseException:
@@ -101,15 +112,35 @@ class Store:
     def checksum_path(self, run_id: str, version: int) -> Path:
         return self.run_dir(run_id) / f"v{version:06d}.xxh3"
 
+    def format(self, run_id: str) -> int:
+        """The run's store format (1: made before checksums were kept)."""
+        try:
+            return int((self.run_dir(run_id) / "FORMAT").read_text().strip())
+        except FileNotFoundError:
+            return 1
+        except (OSError, ValueError) as e:
+            raise DamagedVersion(f"run {run_id}'s FORMAT file cannot be read: {e}") from None
+
     def read_version(self, run_id: str, version: int) -> bytes:
         """A stored version's bytes, checked against the checksum written with them
-        (:class:`DamagedVersion` when they differ; a version stored before checksums were kept is
-        read as it is). FileNotFoundError when it is not stored."""
-        data = self.version_path(run_id, version).read_bytes()
+        (:class:`DamagedVersion` when they differ, when the checksum is missing in a run of
+        format 2, or when the disk cannot read either; a version of a run made before checksums
+        were kept is read as it is). FileNotFoundError when it is not stored."""
+        try:
+            data = self.version_path(run_id, version).read_bytes()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise DamagedVersion(f"version {version} of run {run_id} cannot be read from disk: {e}") from None
         try:
             want = self.checksum_path(run_id, version).read_text().strip()
         except FileNotFoundError:
+            if self.format(run_id) >= 2:
+                raise DamagedVersion(f"version {version} of run {run_id} has no checksum beside it (a crash between "
+                                     "its two writes, or a file removed): it cannot be verified") from None
             return data
+        except (OSError, UnicodeDecodeError) as e:
+            raise DamagedVersion(f"the checksum of version {version} of run {run_id} cannot be read: {e}") from None
         if xxhash.xxh3_128_hexdigest(data) != want:
             raise DamagedVersion(f"version {version} of run {run_id} is damaged on disk: its bytes are not those "
                                  "written (their checksum differs from the one stored with them)")

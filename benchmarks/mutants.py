@@ -260,6 +260,8 @@ MUTANTS = (
     Mutant("secagg-agent-dies-on-refusal", "agent_service/secure.py",
            'raise SecAggError(f"the aggregator refused the {next(iter(step))} step: {e.details()}") from None',
            "raise", PRIVATE_TESTS),
+    Mutant("store-missing-checksum-accepted", "aggregator_service/store.py", "            if self.format(run_id) >= 2:\n",
+           "            if False:\n", ("tests/service/test_faults.py",)),
     # a run resumed on data other than it started on (a dataset remade on another machine)
     Mutant("resume-ignores-the-contents", CKPT,
            'or old.get("sha256", new.get("sha256")) != new.get("sha256")]', "]", SIM_TESTS),

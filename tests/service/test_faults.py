@@ -603,3 +603,50 @@ def test_restart_while_the_moments_are_summed_gathers_them_again(tmp_path):
         assert (task["kind"], task["run_id"], task["round"]) == ("MOMENTS", run_id, 0)
     finally:
         second.close()
+
+
+@pytest.mark.parametrize("damage", ["missing", "directory"])
+def test_a_stored_version_without_a_readable_checksum_is_damage_served_as_data_loss(tmp_path, caplog, damage):
+    """A version whose .xxh3 is missing (a crash between the two writes) or is a directory was
+    served and resumed unchecked, or answered UNKNOWN: it is damage now. FetchGlobal says
+    DATA_LOSS; a restart resumes from the version before, saying why."""
+    import shutil
+
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+
+    from .conftest import Aggregator
+
+    store, run_id, g = _run_rounds(tmp_path, rounds=3, done=2)
+    for v in (1, 2):
+        p = store.checksum_path(run_id, v)
+        p.unlink()
+        if damage == "directory":
+            p.mkdir()
+    with caplog.at_level("ERROR"):
+        second = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
+    try:
+        st = second.status()
+        assert st["global_version"] == 0 and st["round"] == 1, st  # neither 2 nor 1 can be verified
+        assert any("version 2" in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
+    finally:
+        second.close()
+    agg = Aggregator(tmp_path / "state2")
+    try:
+        shutil.copytree(store.run_dir(run_id), agg.store.run_dir(run_id))
+        with pytest.raises(grpc.RpcError) as e:
+            list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=1), timeout=10))
+        assert e.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in e.value.details(), e.value.details()
+    finally:
+        agg.close()
+
+
+def test_a_run_stored_before_checksums_were_kept_is_read_as_it_is(tmp_path):
+    """A run folder with no FORMAT file predates checksums: its versions have none, and are read."""
+    from aggregator_service.store import Store
+
+    store, run_id, g = _run_rounds(tmp_path, rounds=2, done=2)
+    (store.run_dir(run_id) / "FORMAT").unlink()
+    for v in store.versions(run_id):
+        store.checksum_path(run_id, v).unlink()
+    assert Store(tmp_path / "state").load_version(run_id, 2).keys()
