@@ -53,11 +53,11 @@ class FederationOptions:
     federate: str = "policy"
     """What is averaged: policy (paper) or policy+critic."""
     dp_clip: float = 0.0
-    """Differential privacy (agent-level DP-FedAvg; docs/guides/security.md): each agent clips its
-    update to this L2 norm before sending it (0 = off)."""
+    """Differential privacy (agent-level DP-FedAvg; docs/guides/privacy.md): each agent clips its
+    update to this L2 norm before sending it (0 = off; else in [1e-6, 1e6])."""
     dp_noise: float = 0.0
     """The noise multiplier sigma: the round's sum of clipped updates gets Gaussian noise of std
-    sigma * dp_clip (0 = clipping alone, no privacy guarantee)."""
+    sigma * dp_clip (0 = clipping alone, no privacy guarantee; else in [1e-3, 1e3])."""
     dp_delta: float = 1e-5
     """The delta at which the privacy spent, epsilon, is reported."""
     dp_epsilon_budget: float = 0.0
@@ -67,10 +67,11 @@ class FederationOptions:
     should hold, in (0, 1); dp_clip is then the norm's first value (0 = the norm stays dp_clip)."""
     dp_clip_lr: float = 0.2
     """Adaptive clipping's step: each round the norm is multiplied by exp(-lr * (share of the
-    updates within it - dp_clip_quantile))."""
+    updates within it - dp_clip_quantile)), in (0, 10]; the norm stays in [1e-6, 1e6]."""
     dp_count_noise: float = 0.0
     """Adaptive clipping's noise (std) on the count of updates within the norm; it must be above
-    dp_noise / 2, and the updates' noise is raised to keep the run's epsilon (0 = agents / 20)."""
+    dp_noise / 2, in [1e-3, 1e4], and the updates' noise is raised to keep the run's epsilon
+    (0 = agents / 20)."""
     secagg_threshold: int = 0
     """Secure aggregation (docs/guides/privacy.md): with t >= 2, every round's average is taken
     under the masks of Bonawitz et al. 2017, so that no single update is seen, and recovered
