@@ -56,6 +56,13 @@ class RunLifecycle:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"invalid run config: agents: {cfg.agents} is more than this aggregator keeps "
                                f"(--max-agents {self.registry.max_agents})", "bad_config")
+        if cfg.dp_clip:  # the accountant's first call imports it (seconds at load): here, not under the lock
+            try:
+                privacy_spent(cfg, cfg.rounds)
+            except (ArithmeticError, ValueError) as e:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"invalid run config: the privacy accountant cannot take these settings: {e}",
+                                   "bad_config") from None
         with self.s.cond:
             if self.s.run is not None and self.s.run.state in ACTIVE:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,

@@ -49,6 +49,10 @@ class RunConfig(FederationOptions):
                 raise ValueError(f"{k}: must be > 0 seconds, got {getattr(self, k)}")
         if self.secagg_threshold > self.agents:
             raise ValueError(f"secagg_threshold: {self.secagg_threshold} exceeds agents ({self.agents})")
+        if self.secagg_threshold and self.agents > SECAGG_MAX_AGENTS:
+            raise ValueError(f"agents: a secure run (secagg_threshold) takes at most {SECAGG_MAX_AGENTS} agents, got "
+                             f"{self.agents}: its round holds each agent's masked vector (up to 8 MiB) and n^2 "
+                             "sealed shares at the aggregator")
         hp = self.bc if self.algo == "fed-bc" else self.drpo  # the learner's settings (CQL: DRPO's, lambdas 0)
         if problem := check_step_bytes(hp, 1, 1):  # on the smallest task there is: one observation, one action
             raise ValueError(f"{'drpo' if hasattr(hp, 'cql_n_actions') else 'bc'}: {problem}")
@@ -62,6 +66,11 @@ class RunConfig(FederationOptions):
         d["drpo"], d["bc"] = config_to_dict(self.drpo), config_to_dict(self.bc)
         return json.dumps(d, sort_keys=True)
 
+
+# A secure round holds, at the aggregator, every agent's masked vector (8 bytes a value: at most
+# the 8 MiB message limit) and n^2 sealed shares of 60 bytes: with 100 agents at most 800 MiB and
+# 0.6 MB, and unmasking expands about n ChaCha20 masks of the model's size.
+SECAGG_MAX_AGENTS = 100
 
 # Upper bounds a service enforces, so one run config cannot make the aggregator or an agent
 # allocate without limit (a 10^9-wide layer, 10^12 agents) or wait for ever.

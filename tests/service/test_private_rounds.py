@@ -249,3 +249,42 @@ def test_a_replayed_masked_vector_is_refused(aggregator, agent_threads, stand_da
     v2 = aggregator.store.load_version(done["run_id"], 2)
     assert all(torch.isfinite(t).all() for t in v2.values())
     assert unknown_answers(aggregator) == 0
+
+
+def test_a_dp_runs_first_epsilon_is_computed_off_the_lock(aggregator, monkeypatch):
+    """StartRun computes a DP run's privacy once before it takes the coordinator's lock (the
+    accountant's first call imports it: seconds at load); meanwhile other calls are answered."""
+    import threading
+
+    import aggregator_service.lifecycle as lifecycle
+
+    inside, release, real = threading.Event(), threading.Event(), lifecycle.privacy_spent
+
+    def slow(*a, **k):
+        inside.set()
+        release.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(lifecycle, "privacy_spent", slow)
+    t = threading.Thread(target=start, args=(aggregator,), kwargs=dict(dp_clip=1.0, dp_noise=1.1), daemon=True)
+    t.start()
+    try:
+        assert inside.wait(30)
+        assert not status(aggregator)["run_id"]  # answered (under the lock it would time out): no run yet
+    finally:
+        release.set()
+        t.join(30)
+    assert status(aggregator)["state"] == "waiting_for_agents"
+
+
+def test_settings_the_accountant_cannot_take_are_refused_at_start_run(aggregator, monkeypatch):
+    import aggregator_service.lifecycle as lifecycle
+
+    def overflow(*a, **k):
+        raise OverflowError(34, "Numerical result out of range")
+
+    monkeypatch.setattr(lifecycle, "privacy_spent", overflow)
+    with pytest.raises(grpc.RpcError) as e:
+        start(aggregator, dp_clip=1.0, dp_noise=1.1)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "privacy accountant" in e.value.details()
+    assert unknown_answers(aggregator) == 0

@@ -268,3 +268,13 @@ def test_an_agent_takes_the_rounds_norm_from_its_task_only_where_adaptive_clippi
     for bad in (-1.0, math.inf, math.nan):  # an update left unclipped would break the promised privacy
         with pytest.raises(ValueError, match=f"round 4's task gives the clipping norm {bad!r}, not a positive"):
             task_clip(masked, bad, 4)
+
+
+def test_a_secure_run_has_its_own_cap_on_agents():
+    """Its memory grows with n masked vectors and n^2 sealed shares: 100 agents, not 10,000."""
+    from fedrl.federation.runconfig import SECAGG_MAX_AGENTS
+
+    assert parse_run_config({"agents": SECAGG_MAX_AGENTS, "secagg_threshold": 2}).agents == SECAGG_MAX_AGENTS
+    with pytest.raises(ValueError, match=f"a secure run \\(secagg_threshold\\) takes at most {SECAGG_MAX_AGENTS} agents"):
+        parse_run_config({"agents": SECAGG_MAX_AGENTS + 1, "secagg_threshold": 2})
+    assert parse_run_config({"agents": SECAGG_MAX_AGENTS + 1}).agents == SECAGG_MAX_AGENTS + 1  # plain runs: the general cap
