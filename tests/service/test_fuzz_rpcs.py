@@ -337,3 +337,71 @@ def test_secure_aggregation_steps_of_the_run_s_own_agents_answer_random_content_
         assert agg.store.versions(run_id) == ([0] if round_ else [])
     finally:
         agg.close()
+
+
+@pytest.mark.parametrize("obs_norm, round_", [("none", 1), ("pooled", 0)])
+def test_secure_aggregation_played_as_real_agents_answers_random_content_at_every_step(tmp_path, obs_norm, round_):
+    """Two real agents' sessions (``AgentSession``) of an open secure run take the protocol step by
+    step; at the masked and the answer steps random content meets the steps' checks: never
+    UNKNOWN/INTERNAL. Well-formed answers that are wrong then close the round: its sum does not
+    check out, the run fails saying so, and no version is made of it."""
+    import os
+
+    from fedrl.federation.secagg import AgentSession, PublicKeys, SecAggParams
+    from fedrl.federation.secagg_sums import moments_params
+
+    agg = Aggregator(tmp_path / "state", task_wait=0.2)
+    try:
+        join(agg, "a0", 0)
+        join(agg, "a1", 1)
+        run_id = status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(
+            config_json=run_config(secagg_threshold=2, obs_norm=obs_norm)), timeout=5))["run_id"]
+        name, method = next((n, m) for n, m in FED if m.name == "SecureAggregation")
+        context = f"{run_id}/{round_}".encode()
+        params = moments_params(2, context) if round_ == 0 else SecAggParams(threshold=2, context=context)
+        me = {a: AgentSession(a, params) for a in ("a0", "a1")}
+
+        def step(agent, wait=0.0, **kw):
+            return agg.fed.SecureAggregation(federation_pb2.SecAggMessage(
+                agent_id=agent, run_id=run_id, round=round_, wait_seconds=wait, **kw), timeout=10)
+
+        def both(make):  # the first sends without waiting, the second closes the step, the first's repeat reads it
+            step("a0", **make("a0"))
+            step("a1", wait=5, **make("a1"))
+            return {a: step(a, wait=5, **make(a)) for a in ("a0", "a1")}
+
+        def keys(a):
+            pk = me[a].advertise()
+            return {"keys": federation_pb2.SecAggKeys(share_key=pk.share_key, mask_key=pk.mask_key)}
+
+        replies = both(keys)
+        roster = {a: PublicKeys(bytes(k.share_key), bytes(k.mask_key)) for a, k in replies["a0"].roster.keys.items()}
+        sealed = {a: me[a].share_keys(roster) for a in me}
+        both(lambda a: {"shares": federation_pb2.SecAggShares(sealed=sealed[a])})
+        assert agg.coord.run.secure.step == 2
+
+        def own(m, agent):
+            m.agent_id, m.run_id, m.round = agent, run_id, round_
+            return m.SerializeToString()
+
+        @FUZZ
+        @given(messages(method.input_type), st.sampled_from(["a0", "a1"]))
+        def each(m, agent):
+            assert call(agg.channel, name, method, [own(m, agent)]) not in BAD
+
+        each()  # the masked step meets random content
+        size = agg.coord.run.secure.size + 1
+        for a in ("a0", "a1"):  # a masked vector of the right size: random, as a hostile agent's own input may be
+            step(a, masked=federation_pb2.SecAggMasked(vector=os.urandom(8 * size)))
+        assert agg.coord.run.secure.step == 3
+        each()  # the answer step meets random content
+        for a in ("a0", "a1"):  # well-formed answers at each agent's own point, with random shares
+            point = sorted(roster).index(a) + 1
+            step(a, answer=federation_pb2.SecAggAnswer(shares={
+                b: federation_pb2.SecAggShare(point=point, share=os.urandom(16)) for b in roster}))
+        s = status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
+        assert s["state"] == "failed" and "does not check out" in s["message"], s
+        assert agg.store.versions(run_id) == ([0] if round_ else [])
+        assert s["global_version"] == 0
+    finally:
+        agg.close()
