@@ -288,3 +288,122 @@ def test_settings_the_accountant_cannot_take_are_refused_at_start_run(aggregator
         start(aggregator, dp_clip=1.0, dp_noise=1.1)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "privacy accountant" in e.value.details()
     assert unknown_answers(aggregator) == 0
+
+
+def _learned_delta(agg, run_id, v=1):
+    """Version v minus version 0 over the learned tensors, as one float64 vector."""
+    import torch
+
+    from fedrl.federation.privacy import learned
+
+    a, b = agg.store.load_version(run_id, v), agg.store.load_version(run_id, 0)
+    return torch.cat([(a[k].double() - b[k].double()).reshape(-1) for k in sorted(a) if learned(k)])
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-clip", "adaptive-clip"])
+def test_a_secure_dp_run_through_the_agent_service_carries_its_clip_and_its_noise(aggregator, agent_threads,
+                                                                                  stand_dataset, one_thread,
+                                                                                  adaptive):
+    """Each agent (the agent service's own code) clips its update to the round's norm C and adds
+    N(0, (sigma_u C)^2 / t) before masking: without noise the round's change is within C (the
+    unclipped change is larger); with it, the change's std per value is sigma_u C / sqrt(t n)
+    (uniform weights 1/n), within the sampling error of its ~1,700 values."""
+    import math
+
+    from fedrl.federation.privacy import update_noise
+
+    c, t, n = 1e-4, 2, 3
+    extra = {"dp_clip_quantile": 0.5, "dp_count_noise": 1.0} if adaptive else {}
+    agent_threads.start(aggregator.target, str(stand_dataset), n, 2, seed=7, share_moments=False)
+    wait_for(lambda: len(status(aggregator)["agents"]) == n, what="agents to join")
+    runs = {}
+    for noise in (0.0, 1.0):
+        if noise == 0.0 and adaptive:
+            kw = {"dp_clip_quantile": 0.5}  # adaptive clipping without noise: no count noise either
+        else:
+            kw = extra
+        start(aggregator, agents=n, rounds=1, secagg_threshold=t, algo="fed-bc", dp_clip=c, dp_noise=noise, **kw)
+        done = ended(aggregator)
+        assert done["state"] == "finished", done["message"]
+        runs[noise] = _learned_delta(aggregator, done["run_id"])
+    start(aggregator, agents=n, rounds=1, secagg_threshold=t, algo="fed-bc")
+    plain = _learned_delta(aggregator, ended(aggregator)["run_id"])
+    assert float(plain.norm()) > 10 * c  # the clip has work to do
+    assert float(runs[0.0].norm()) <= c * (1 + 1e-3)
+    sigma_u = update_noise(1.0, 1.0) if adaptive else 1.0
+    want, got = sigma_u * c / math.sqrt(t * n), float(runs[1.0].std())
+    assert runs[1.0].numel() > 1000 and abs(got / want - 1) < 0.1, (got, want)
+
+
+def _unchanged_updates(agg, run_id, agents, round_=1, base=0):
+    """``agents`` each send the global model back unchanged (a zero update) for ``round_``."""
+    from fedrl.wire.codec import encode
+
+    g = agg.coord.run.global_state
+    m = encode(g, run_id, round_, base, 100).manifest
+    for a in agents:
+        agg.coord.submit(a, m, g, {}, 0.0)
+
+
+def test_a_round_closed_at_its_deadline_by_a_quorum_gets_the_noise_the_accountant_assumes(aggregator):
+    """Central DP, 3 agents, a quorum of 2: two send zero updates and the round closes at its
+    deadline. The accountant assumes noise of std sigma C on the sum of the updates taken, so
+    sigma C / 2 on their average: the new version's change, all noise, has that std per value."""
+    import math
+
+    from tests.service.test_federation import join
+
+    for i in range(3):
+        join(aggregator, f"a{i}", i)
+    sigma, c = 1.1, 1e-3
+    run_id = start(aggregator, agents=3, min_agents=2, rounds=1, round_timeout=0.5, dp_clip=c, dp_noise=sigma,
+                   obs_norm="none")["run_id"]
+    _unchanged_updates(aggregator, run_id, ["a0", "a1"])
+    done = ended(aggregator)
+    assert done["state"] == "finished", done["message"]
+    closed = [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert closed[0]["agents"] == ["a0", "a1"]
+    d = _learned_delta(aggregator, run_id)
+    want = sigma * c / 2
+    assert d.numel() > 1000 and abs(float(d.std()) / want - 1) < 0.1 and abs(float(d.mean())) < 5 * want / math.sqrt(d.numel())
+
+
+@pytest.mark.parametrize("delta", [1e-3, 1e-7])
+def test_dp_delta_reaches_the_round_records_and_the_budget_stop(aggregator, delta):
+    """The epsilon each ROUND_CLOSED carries, and the budget's stop, are at the run's own delta."""
+    from fedrl.federation.privacy import PRIVACY_EPSILON, epsilon
+    from tests.service.test_federation import join
+
+    for i in range(2):
+        join(aggregator, f"a{i}", i)
+    sigma = 1.1
+    budget = (epsilon(sigma, 2, delta) + epsilon(sigma, 3, delta)) / 2  # room for 2 rounds, not 3
+    run_id = start(aggregator, rounds=5, dp_clip=1.0, dp_noise=sigma, dp_delta=delta, dp_epsilon_budget=budget,
+                   obs_norm="none")["run_id"]
+    for r in (1, 2):
+        _unchanged_updates(aggregator, run_id, ["a0", "a1"], round_=r, base=r - 1)
+    done = ended(aggregator)
+    assert done["state"] == "stopped" and f"delta {delta:g}" in done["message"], done
+    events = aggregator.store.read_run(run_id)["events"]
+    spent = [e["metrics"][PRIVACY_EPSILON] for e in events if e["kind"] == "ROUND_CLOSED"]
+    assert spent == [pytest.approx(epsilon(sigma, r, delta), rel=1e-12) for r in (1, 2)]
+
+
+@pytest.mark.parametrize("how", ["stream", "inline"])
+def test_an_update_that_arrives_after_stop_run_makes_no_version(aggregator, how):
+    """Over each call an update travels by: taken before StopRun, refused after it
+    (FAILED_PRECONDITION), and no version is made of either. (A Session stream is given STOP
+    after StopRun: it has no task to answer.)"""
+    from tests.service.test_federation import join, submit
+
+    for i in range(2):
+        join(aggregator, f"a{i}", i)
+    run_id = start(aggregator, rounds=3, obs_norm="none")["run_id"]
+    g = aggregator.coord.run.global_state
+    submit(aggregator, "a0", g, run_id, inline=True)
+    aggregator.control.StopRun(control_pb2.StopRunRequest(reason="test"), timeout=5)
+    with pytest.raises(grpc.RpcError) as e:
+        submit(aggregator, "a1", g, run_id, inline=how == "inline")
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
+    assert aggregator.store.versions(run_id) == [0] and status(aggregator)["state"] == "stopped"
+    assert unknown_answers(aggregator) == 0

@@ -358,3 +358,25 @@ def test_the_pool_leaves_out_only_moments_far_from_the_majoritys():
     # two agents: nothing to judge by, both enter; a majority decides, even one of poisoners
     assert consistent([honest[0], poison]) == [True, True]
     assert consistent([honest[0], poison, poison]) == [False, True, True]
+
+
+@pytest.mark.parametrize("scale", [1e-2, 1.0, 1e3])  # stds above the floor (STD_FLOOR)
+def test_the_outlier_rule_measures_distance_in_the_agents_median_std(scale):
+    """An agent's mean is left out at OUTLIER_FACTOR of the agents' median std from their median
+    mean, whatever the data's scale and however far apart the honest means are: just inside
+    enters, just outside does not (in every dimension's own std)."""
+    from fedrl.data.normalize import OUTLIER_FACTOR, ObsStats, consistent
+
+    def agent(mean, std, n=1000):  # moments of n observations with this mean and std per dimension
+        mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+        return ObsStats(n, n * mean, n * (std ** 2 + mean ** 2))
+
+    stds = np.array([2.0, 0.5]) * scale  # two dimensions of different spread
+    means = np.array([[0.0, -1.0], [1.0, 0.0], [2.0, 0.5], [3.0, 1.0]]) * scale
+    honest = [agent(m, stds) for m in means]
+    median_mean = means[2]  # with one agent beyond the four, in each dimension: the third of five
+    for dim in (0, 1):
+        for k, enters in ((0.99, True), (1.01, False)):
+            m = median_mean.copy()
+            m[dim] += k * OUTLIER_FACTOR * stds[dim]
+            assert consistent([*honest, agent(m, stds)])[-1] is enters, (dim, k)

@@ -205,3 +205,24 @@ def test_an_agents_share_of_the_noise_has_the_stated_std_and_the_sum_at_least_th
     # var * n / sigma^2 ~ chi-square(n): within +-5 sd of its mean n (sd sqrt(2n))
     assert abs(var / sigma_c ** 2 - 1) < 5 * np.sqrt(2 / size), var
     assert abs(float(np.mean(noise))) < 5 * sigma_c / np.sqrt(size)
+
+
+def test_what_an_agent_hands_out_rebuilds_its_seeds_only_with_t_peers():
+    """The shares an agent's session seals to its peers, opened by each peer as the protocol
+    does: any t - 1 peers together rebuild neither of its seeds, any t rebuild both (the split is
+    Shamir's; this checks what the agent sends, and that no share carries the seed itself)."""
+    import itertools
+
+    p = params(t=3)
+    agents, server = setup_round([f"agent-{i}" for i in range(5)], p)
+    x = agents["agent-0"]
+    secret = {"mask": x._mask_seed, "self": x._self_seed}
+    held = {peer: s._held["agent-0"] for peer, s in agents.items()}  # what each peer opened of agent-0's
+    for peer, (m, s) in held.items():
+        assert m != secret["mask"] and s != secret["self"]
+    points = {peer: sorted(agents).index(peer) + 1 for peer in agents}  # Shamir's points: the roster's order
+    for k, ok in ((2, False), (3, True)):
+        for group in itertools.combinations(sorted(agents), k):
+            for i, name in ((0, "mask"), (1, "self")):
+                rebuilt = sa._combine((points[g], held[g][i]) for g in group)
+                assert (rebuilt == secret[name]) is ok, (group, name)
