@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import source
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -96,7 +98,7 @@ def _documented_commands() -> list[tuple[str, str, list[str]]]:
     import shlex
 
     files = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "deploy" / "README.md",
-             *(p for p in (ROOT / "docs").rglob("*.md") if not {"history", "reference"} & set(p.parts))]
+             *(p for p in source.files("docs", "*.md") if not {"history", "reference"} & set(p.parts))]
     out = []
     for f in files:
         text = f.read_text()
@@ -123,8 +125,8 @@ def test_every_module_a_document_runs_exists():
     what was true then)."""
     import importlib.util
 
-    files = [*ROOT.glob("*.md"), *(ROOT / "benchmarks").rglob("*.md"), *(ROOT / "deploy").rglob("*.md"),
-             *(p for p in (ROOT / "docs").rglob("*.md") if "history" not in p.parts)]
+    files = [*ROOT.glob("*.md"), *source.files("benchmarks", "*.md"), *source.files("deploy", "*.md"),
+             *(p for p in source.files("docs", "*.md") if "history" not in p.parts)]
     found, bad = 0, []
     for f in files:
         if f.name == "CHANGELOG.md":

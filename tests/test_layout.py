@@ -4,6 +4,8 @@ the core imports no service, services never import each other, protobuf stays at
 import ast
 from pathlib import Path
 
+from tests import source
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("aggregator_service", "agent_service", "evaluator_service")
 # The core's packages, bottom to top; each may import its own layer and the ones before it.
@@ -43,7 +45,7 @@ def test_every_core_module_sits_in_a_layer_package():
 
 
 def test_no_core_module_imports_upwards():
-    for f in (ROOT / "fedrl").rglob("*.py"):
+    for f in source.files("fedrl"):
         own = LAYER[core_package(f)]
         for mod in imported_modules(f):
             parts = mod.split(".")
@@ -60,7 +62,7 @@ def test_import_graph_has_no_cycle():
     """Imports between the modules of the core, the services and the benchmarks (those inside
     functions included) form no cycle."""
     mods = {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
-            for top in ("fedrl", *SERVICES, "benchmarks") for f in (ROOT / top).rglob("*.py") if our_modules(f)}
+            for top in ("fedrl", *SERVICES, "benchmarks") for f in source.files(top) if our_modules(f)}
     # (a module's own parent package is loaded before it anyway: ``from pkg import sibling`` is no cycle)
     graph = {m: sorted({i for i in imported_modules(f) if i in mods and i != m and not m.startswith(i + ".")})
              for m, f in mods.items()}
@@ -85,7 +87,7 @@ BENCHMARK_PACKAGES = {"paper": {"paper"}, "studies": {"studies"}, "system": {"sy
 
 
 def test_benchmark_packages_share_only_through_common():
-    for f in (ROOT / "benchmarks").rglob("*.py"):
+    for f in source.files("benchmarks"):
         rel = f.relative_to(ROOT / "benchmarks").parts
         if not our_modules(f) or len(rel) < 2:
             continue
@@ -98,12 +100,12 @@ def test_benchmark_packages_share_only_through_common():
 def test_behavior_does_not_import_data():
     """Datasets are made from behaviour policies, so data sits above behavior, never the reverse
     (``data.make`` and ``behavior.shipped`` used to import each other)."""
-    for f in (ROOT / "fedrl" / "behavior").rglob("*.py"):
+    for f in source.files("fedrl/behavior"):
         assert not any(m.startswith("fedrl.data") for m in imported_modules(f)), f
 
 
 def test_protobuf_types_only_in_the_wire_and_the_servicers():
-    for f in (ROOT / "fedrl").rglob("*.py"):
+    for f in source.files("fedrl"):
         if core_package(f) in ("wire", "proto"):
             continue
         for mod in imported_modules(f):
@@ -111,14 +113,14 @@ def test_protobuf_types_only_in_the_wire_and_the_servicers():
 
 
 def test_core_imports_no_service():
-    for f in (ROOT / "fedrl").rglob("*.py"):
+    for f in source.files("fedrl"):
         for mod in imported_modules(f):
             assert mod.split(".")[0] not in SERVICES, f"{f} imports {mod}"
 
 
 def test_services_do_not_import_each_other():
     for svc in SERVICES:
-        for f in (ROOT / svc).rglob("*.py"):
+        for f in source.files(svc):
             for mod in imported_modules(f):
                 top = mod.split(".")[0]
                 assert top == svc or top not in SERVICES, f"{f} imports {mod}"
@@ -130,7 +132,7 @@ def test_promised_top_level_layout_exists():
 
 
 def test_weights_never_pickled():
-    for f in (ROOT / "fedrl").rglob("*.py"):
+    for f in source.files("fedrl"):
         src = f.read_text()
         assert "import pickle" not in src and "torch.load(" not in src, f
 
@@ -143,7 +145,7 @@ def test_documented_layout_names_every_module_with_what_it_is():
 
     text = (ROOT / "docs" / "reference" / "layout.md").read_text()
     for top in ("fedrl", "aggregator_service", "agent_service", "evaluator_service", "benchmarks"):
-        for f in sorted((ROOT / top).rglob("*.py")):
+        for f in sorted(source.files(top)):
             # Flower's apps run in Flower's environment, not ours; a benchmark's own virtualenv is ignored by git
             if (f.name.endswith(("_pb2.py", "_pb2_grpc.py")) or {"flower_app", "flower_secagg_app"} & set(f.parts)
                     or any(part.startswith(".venv") for part in f.parts)):

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests import source
 from tests.e2e.test_up import _alive, _children
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +68,6 @@ def test_every_process_pool_is_a_child_pool():
     """A pool made directly (not by child_pool) would outlive a killed run: none is."""
     made = [str(p.relative_to(ROOT)) for d in ("fedrl", "benchmarks", "aggregator_service", "agent_service",
                                                "evaluator_service")
-            for p in (ROOT / d).rglob("*.py")
+            for p in source.files(d)
             if re.search(r"ProcessPoolExecutor\(|\.Pool\(", p.read_text()) and p.name != "lifetime.py"]
     assert made == []
