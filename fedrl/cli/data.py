@@ -19,8 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     info.add_argument("dataset", help="D4RL HDF5 file, Minari directory or dataset name")
     info.set_defaults(func=_cmd_data_info)
 
-    from fedrl.behavior.sac import SACConfig
-    from fedrl.data.make import QUALITIES
+    from fedrl.behavior.config import SACConfig
+    from fedrl.data import QUALITIES
 
     mk = dsub.add_parser("make", help="make a D4RL-format dataset from behaviour policies",
                          description="Roll the shipped behaviour policies (or --behavior-dir) out in "

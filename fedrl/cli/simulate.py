@@ -14,9 +14,8 @@ from fedrl.federation.choices import AGGREGATIONS, FEDERATE_CHOICES, WEIGHTINGS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from fedrl.common.device import DEVICE_CHOICES
-    from fedrl.federation.simconfig import DEFAULT_DATASET, SimConfig
-    from fedrl.federation.simulate import ENGINES
+    from fedrl.common.argtypes import DEVICE_CHOICES
+    from fedrl.federation.simconfig import DEFAULT_DATASET, ENGINES, SimConfig
 
     d, hp, bc = SimConfig(), DRPOConfig(), BCConfig()
     p = sub.add_parser("simulate", help="run a federation in one process (no network)",

@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+# the devices a command may name (``cuda:N`` too): here, so that a command's options load no torch
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
 
 def port(text: str) -> int:
     """A TCP port, 0-65535 (0: a free one)."""

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import torch
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
+from fedrl.common.argtypes import DEVICE_CHOICES  # noqa: E402 - re-exported
 
 
 def resolve_device(name: str = "auto") -> torch.device:

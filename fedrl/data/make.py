@@ -26,11 +26,11 @@ import gymnasium as gym
 import numpy as np
 
 from fedrl.common.progress import Progress
+from fedrl.data import QUALITIES
 from fedrl.data.d4rl import RawDataset, write_d4rl
 from fedrl.envs import env_info, route_mujoco_warnings
 from fedrl.envs.rollout import Policy, Segment, uniform_policy
 
-QUALITIES = ("random", "medium", "medium-replay", "expert", "medium-expert")
 D4RL_TRANSITIONS = 1_000_000
 
 

@@ -13,12 +13,12 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
+from fedrl.data import QUALITIES
 from fedrl.data.d4rl import RawDataset, load_d4rl
 from fedrl.data.errors import DatasetError
 from fedrl.data.minari import is_minari_dir, load_minari
 from fedrl.envs import ENVS, EnvInfo, env_info
 
-QUALITIES = ("random", "medium", "medium-replay", "medium-expert", "expert")
 # Size of a named dataset made on demand. D4RL's files have 1M rows; 200k (~200 expert episodes,
 # ~30 s to make) is far more than a federation of 10 agents x 5 trajectories samples from. A
 # full-size file made with ``fedrl data make --transitions 1000000 --out <cache>/<name>.hdf5``

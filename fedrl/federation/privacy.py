@@ -34,8 +34,10 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where noise is drawn or an update clipped: a settings check needs none
+    import torch
 
 # Tensors a shared state carries that no agent learns (the normaliser set from the pooled Join
 # moments): they are neither clipped nor noised, and must come back as they went out.
@@ -70,6 +72,8 @@ def clip_update(state: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tens
     """``base + (state - base) * min(1, clip / ||state - base||)``: the update scaled into the
     ball of radius ``clip`` (new tensors; ``state`` and ``base`` are not changed), and the
     update's norm before. Names ``base`` lacks, or of other shapes, are refused."""
+    import torch
+
     if not clip > 0:
         raise ValueError(f"the clipping norm must be > 0, got {clip}")
     missing = [k for k in state if learned(k) and state[k].is_floating_point()
@@ -91,6 +95,8 @@ def clip_update(state: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tens
 def noise_generator() -> torch.Generator:
     """A generator seeded from the operating system's secure source: noise nobody can replay
     from the run's settings."""
+    import torch
+
     g = torch.Generator()
     g.manual_seed(secrets.randbits(63))
     return g
@@ -101,6 +107,8 @@ def noisy_average(mean: Mapping[str, torch.Tensor], count: int, clip: float, noi
     """The average of ``count`` clipped updates (``mean``: their plain average, as FedAvg made it)
     with the mechanism's noise: ``N(0, (noise * clip)^2)`` on their sum, so ``noise * clip /
     count`` on each learned coordinate of the average. Unlearned tensors pass as they are."""
+    import torch
+
     if count < 1:
         raise ValueError(f"an average of {count} updates")
     std = noise * clip / count
@@ -132,6 +140,8 @@ def noisy_unclipped_fraction(norms: list[float], clip: float, count_noise: float
                              generator: torch.Generator | None) -> float:
     """The share of ``norms`` within ``clip``, with N(0, count_noise^2) added to their centred
     count (each update's bit minus 1/2): what adaptive clipping may release."""
+    import torch
+
     if not norms:
         raise ValueError("no update to count")
     centred = sum((1.0 if x <= clip else 0.0) - 0.5 for x in norms)
@@ -156,6 +166,8 @@ def count_share(within: bool, count_noise: float, threshold: int, generator: tor
     """An agent's share of adaptive clipping's count under secure aggregation: its centred bit
     (1/2 when its update was within the norm, else -1/2) with N(0, count_noise^2 / threshold)
     added, so that any ``threshold`` or more agents' sum carries at least the central noise."""
+    import torch
+
     share = 0.5 if within else -0.5
     if count_noise > 0:
         if generator is None:

@@ -11,6 +11,9 @@ from typing import Any
 from fedrl.algos.config import config_to_dict
 from fedrl.federation.options import FederationOptions
 
+# how `fedrl simulate` trains its agents (simulate.py)
+ENGINES = ("auto", "batched", "per-agent")
+
 DEFAULT_DATASET = "hopper-random-v2"
 
 

@@ -53,9 +53,8 @@ from fedrl.federation.round import (
 )
 from fedrl.federation.machine import Open, Plan, RoundMachine, Stopped, Update
 from fedrl.federation.privacy import agent_clip, fraction_from_shares, task_clip
-from fedrl.federation.simconfig import SimConfig
+from fedrl.federation.simconfig import ENGINES, SimConfig  # noqa: F401 - ENGINES re-exported
 
-ENGINES = ("auto", "batched", "per-agent")
 
 
 def resolve_engine(engine: str, device: torch.device) -> str:
