@@ -87,7 +87,7 @@ class RunLifecycle:
             run = self.s.run
             if run is None or run.state not in ACTIVE:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no active run to stop", "no_run")
-            run.state, run.message = "stopped", reason or "stopped by operator"
+            run.state, run.message, run.ended = "stopped", reason or "stopped by operator", time.time()
             self.journal.event(run, "RUN_STOPPED", message=run.message)
             self.s.cond.notify_all()
             return self._status()
@@ -285,11 +285,13 @@ class RunLifecycle:
         log.info("resumed run %s at version %d (%s)", run_id, v, run.state)
 
     def _watch_over(self, run: Run) -> bool:
-        """A run's event stream ends once it is over and every version has been evaluated
-        (or evaluation is off, or no evaluator follows the run, or ``eval_grace`` seconds passed)."""
+        """A run's event stream ends once it is over, however it ended (finished, stopped by its
+        privacy budget or an operator, failed), and every version it stored has been evaluated
+        (or evaluation is off, or no evaluator follows the run, or ``eval_grace`` seconds passed):
+        a stop keeps the rounds it paid for."""
         if run.state in ACTIVE:
             return False
-        if run.state != "finished" or run.cfg.eval_episodes == 0 or not self.registry.evaluators_following():
+        if run.cfg.eval_episodes == 0 or not self.registry.evaluators_following():
             return True
         missing = [v for v in range(1, run.version + 1) if v not in run.evaluations]
         return not missing or time.time() - run.ended > self.eval_grace

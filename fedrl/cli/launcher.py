@@ -297,7 +297,7 @@ class Launcher:
         bar = Progress(run.rounds * per_round, f"run {run_id}", "steps", stream=sys.stdout,
                        enabled=self.progress)
         say = bar.write if bar.enabled else self.log
-        seen, polled = 0, 0.0
+        seen, polled, ending = 0, 0.0, ""
         while not done.is_set() or seen < len(events):
             if seen == len(events):
                 done.wait(0.2)
@@ -326,9 +326,11 @@ class Launcher:
                 rounds[e["version"]].update(return_mean=ev["return_mean"], return_std=ev["return_std"],
                                             score_mean=ev["score_mean"], score_std=ev["score_std"])
                 say(round_line(rounds[e["version"]], self.cfg.run))
-            elif e["kind"] in ("RUN_FAILED", "RUN_STOPPED"):
-                say(f"run {e['kind'].split('_')[1].lower()}: {e.get('message', '')}")
+            elif e["kind"] in ("RUN_FAILED", "RUN_STOPPED"):  # said once the last rounds' evaluations are in
+                ending = f"run {e['kind'].split('_')[1].lower()}: {e.get('message', '')}"
         bar.close()
+        if ending:
+            self.log(ending)
         if errors:
             self._check_children()  # a dead aggregator explains a broken stream best
             raise errors[0]

@@ -50,6 +50,31 @@ def test_up_runs_the_federation_and_writes_the_run_folder(stand_dataset, tmp_pat
     assert ev.returncode == 0 and "on Hopper-v5, 1 episodes" in ev.stdout and "D4RL score" in ev.stdout
 
 
+def test_a_privacy_budget_stop_keeps_every_round_it_paid_for(stand_dataset, tmp_path):
+    """The budget allows 2 of 3 rounds: round 2 is trained, stored and evaluated, and fedrl up
+    waits for that evaluation before it stops everything: its line, its rounds.jsonl row with
+    the evaluation, and summary.json's final are round 2's; the stop is said last."""
+    from fedrl.federation.privacy import epsilon
+
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({**TINY, "round_timeout": 120}))
+    out = tmp_path / "run"
+    budget = (epsilon(1.1, 2, 1e-5) + epsilon(1.1, 3, 1e-5)) / 2
+    p = fedrl("up", "--config", str(cfg), "--dataset", str(stand_dataset), "--agents", "2", "--trajectories", "2",
+              "--rounds", "3", "--local-steps", "3", "--eval-episodes", "1", "--device", "cpu", "--out", str(out),
+              "--set", "dp_clip=1.0", "--set", "dp_noise=1.1", "--set", f"dp_epsilon_budget={budget}")
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    last_round = max(i for i, x in enumerate(lines) if x.startswith("round   2/3"))
+    assert "return" in lines[last_round], p.stdout
+    stop = next(i for i, x in enumerate(lines) if x.startswith("run stopped: privacy budget"))
+    assert stop > last_round, p.stdout
+    rows = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and all("return_mean" in r for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["state"] == "stopped" and summary["final"]["round"] == 2, summary
+
+
 def test_up_refuses_a_missing_dataset_before_starting_anything(tmp_path):
     p = fedrl("up", "--dataset", str(tmp_path / "missing.hdf5"), "--agents", "2", "--out", str(tmp_path / "r"))
     assert p.returncode == 2 and "missing.hdf5" in p.stderr

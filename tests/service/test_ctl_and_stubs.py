@@ -327,3 +327,47 @@ def _drain(call):
         list(call)
     except grpc.RpcError:
         pass
+
+
+@pytest.mark.parametrize("how", ["budget", "operator"])
+def test_a_stopped_runs_watch_waits_for_the_last_versions_evaluation(aggregator, how):
+    """A run stopped by its privacy budget (or by ctl stop) after storing its last version: the
+    watch (what fedrl up reads) goes on until that version's evaluation comes, so the last round
+    the run paid for gets its line, its evaluation and summary.json's final."""
+    import threading
+
+    from fedrl.federation.privacy import epsilon
+    from fedrl.proto.v1 import control_pb2
+    from fedrl.wire.codec import encode
+    from fedrl.wire.rpc import EVALUATOR_HEADER
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    budget = {"dp_clip": 1.0, "dp_noise": 1.1, "dp_epsilon_budget": epsilon(1.1, 1, 1e-5) + 1e-9} if how == "budget" else {}
+    run_id = aggregator.coord.start_run(run_config(rounds=3, eval_episodes=2, obs_norm="none", **budget))["run_id"]
+    follower = aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=60,
+                                              metadata=((EVALUATOR_HEADER, "1"),))
+    threading.Thread(target=lambda: [None for _ in follower], daemon=True).start()
+    assert wait_for(lambda: aggregator.coord.evaluators == 1)
+    g = aggregator.coord.run.global_state
+    for a in ("a0", "a1"):
+        aggregator.coord.submit(a, encode(g, run_id, 1, 0, 100).manifest, g, {}, 0.0)
+    if how == "operator":
+        aggregator.coord.stop_run("enough")
+    assert wait_for(lambda: aggregator.coord.status()["state"] == "stopped")
+    seen: list[str] = []
+
+    def read():
+        with ControlClient(aggregator.target) as c:
+            seen.extend(e["kind"] for e in c.watch(timeout=30))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert wait_for(lambda: "RUN_STOPPED" in seen)
+    reader.join(0.5)
+    assert reader.is_alive(), seen  # version 1 is not evaluated yet: the stream waits
+    aggregator.coord.report_evaluation({"run_id": run_id, "version": 1, "return_mean": 1.0, "return_std": 0.0,
+                                        "score_mean": 1.0, "score_std": 0.0, "episodes": 2})
+    reader.join(30)
+    assert not reader.is_alive() and seen[-1] == "EVALUATED", seen
+    follower.cancel()
