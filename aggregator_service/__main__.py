@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     st = coord.status()
     run = (f"run {st['run_id']} {st['state']} at round {st['round']}, global version {st['global_version']}"
            if st.get("run_id") else "no run")
-    log.info("received %s; stopping (%s; a restart with --resume continues a running run)", why, run)
+    log.info("received %s; stopping (%s; a restart on the same --state-dir continues a running run)", why, run)
     if health is not None:
         health.stop(0.5)
     server.stop(1.0)

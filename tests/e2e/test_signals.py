@@ -89,6 +89,31 @@ def test_an_agent_stops_within_seconds_while_training_or_long_polling(tmp_path, 
         ps.close()
 
 
+def test_the_aggregator_and_the_evaluator_stop_within_seconds_mid_round(tmp_path, stand_dataset):
+    """Mid-round, agents training and the evaluator following, with the default 30 s long polls:
+    SIGTERM ends the aggregator, then the evaluator, within 5 s each (a supervisor's short grace
+    period would otherwise SIGKILL them), logging why and that they have stopped."""
+    ps = Procs(tmp_path, stand_dataset)
+    logs = tmp_path / "logs"
+    try:
+        target = ps.aggregator(task_wait=30)
+        ps.evaluator(target)
+        for i in range(2):
+            ps.agent(i, target)
+        with ControlClient(target) as c:
+            c.start({"agents": 2, "rounds": 1, "local_steps": 1_000_000, "eval_episodes": 1, "seed": 3})
+            wait_for(lambda: len(st := c.status()["agents"]) == 2 and all(a["steps_done"] > 0 for a in st), 120,
+                     "both agents to train", ps.alive())
+        took = {name: _stop_seconds(ps.procs[name], name, logs / f"{name}.log") for name in ("aggregator", "evaluator")}
+        print("seconds from SIGTERM to exit:", took)
+        for name, s in took.items():
+            assert s < 5.0, f"{name} took {s:.1f} s to stop after SIGTERM"
+            text = (logs / f"{name}.log").read_text()
+            assert "Traceback" not in text and "stopped" in text.rstrip().splitlines()[-1], text[-800:]
+    finally:
+        ps.close()
+
+
 # A service whose announcement of its port is itself a SIGTERM: the worst case of a launcher or
 # supervisor that stops a service as soon as it is up (seen: an evaluator stopped right after its
 # port file appeared died silently, its handler not yet installed).
