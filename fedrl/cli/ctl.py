@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from fedrl.cli.settings import set_pairs, settings_file
+from fedrl.cli.settings import apply_sets, settings_file
 from fedrl.common import argtypes
 
 
@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         + ", the rest the run config's defaults (algo drpo); --set changes any of them."))
     st.add_argument("--config", default=None, help="run config JSON file (default: see above)")
     st.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                    help="override a field, e.g. --set rounds=10 --set 'drpo={\"lambda1\": 0.2}'")
+                    help="override a field, e.g. --set rounds=10 --set drpo.lambda1=0.2 --set 'drpo={\"lambda1\": 0.2}'")
     st.add_argument("--if-idle", action="store_true",
                     help="succeed without starting anything when a run is already active (idempotent jobs)")
     csub.add_parser("status", help="the run's state, round, agents and last evaluation")
@@ -102,7 +102,7 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
         return 2
     if a.ctl_cmd == "start":  # the settings are read before any connection: a bad file is named at once
         data = settings_file(a.config) if a.config else dict(CTL_START_DEFAULTS)
-        data.update(set_pairs(a.set))
+        data = apply_sets(data, a.set)
     from fedrl.wire.rpc import nothing_listens
 
     if a.connect_timeout is None and nothing_listens(a.target):

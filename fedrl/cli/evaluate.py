@@ -33,7 +33,7 @@ def _cmd_evaluate(a: argparse.Namespace) -> int:
         if a.json:
             print(json.dumps({"policy": path, **res}), flush=True)  # one line per policy
             continue
-        print(f"{path} on {env}, {a.episodes} episodes (seed {a.seed}), the deterministic policy tanh(mu(s)):\n"
+        print(f"{path} on {env}, {a.episodes} episode{'' if a.episodes == 1 else 's'} (seed {a.seed}), the deterministic policy tanh(mu(s)):\n"
               f"return {res['return_mean']:.1f} ± {res['return_std']:.1f}   D4RL score {res['score_mean']:.1f} "
               f"± {res['score_std']:.1f}")
         rets = res.get("returns") or []

@@ -34,3 +34,25 @@ def set_pairs(pairs: list[str]) -> dict:
         except json.JSONDecodeError:
             out[k] = v
     return out
+
+
+def apply_sets(data: dict, pairs: list[str]) -> dict:
+    """``data`` (run settings) with each ``--set`` pair applied in turn, the same in ``fedrl up``,
+    ``fedrl simulate`` and ``fedrl ctl start``: ``KEY=VALUE`` sets a field,
+    ``drpo.FIELD=VALUE`` (or ``bc.FIELD``) one field of the learner's settings, and
+    ``drpo={...}`` merges into the learner's settings already there. Returns ``data``."""
+    for kv in pairs:
+        ((k, value),) = set_pairs([kv]).items()
+        head, dot, field = k.partition(".")
+        if dot:
+            if head not in ("drpo", "bc") or not field:
+                raise ValueError(f"--set {kv!r}: only drpo.FIELD and bc.FIELD have parts")
+            data.setdefault(head, {})
+            if not isinstance(data[head], dict):
+                raise ValueError(f"--set {kv!r}: {head} is not an object in the settings")
+            data[head][field] = value
+        elif k in ("drpo", "bc") and isinstance(value, dict) and isinstance(data.get(k), dict):
+            data[k] = {**data[k], **value}
+        else:
+            data[k] = value
+    return data

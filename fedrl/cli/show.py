@@ -9,6 +9,11 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def plural(n: int, noun: str) -> str:
+    """``1 stored version``, ``2 stored versions``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Columns left-aligned to their widest cell, two spaces apart."""
     cells = [[str(c) for c in header]] + [["" if c is None else str(c) for c in r] for r in rows]
@@ -33,7 +38,7 @@ def evaluation(ev: dict[str, Any] | None) -> str:
         return "not evaluated yet"
     n = len(ev.get("returns", []))
     return (f"version {ev.get('version', '?')}: return {ev.get('return_mean', 0):.1f} "
-            f"± {ev.get('return_std', 0):.1f}, score {ev.get('score_mean', 0):.1f} ({n} episodes)")
+            f"± {ev.get('return_std', 0):.1f}, score {ev.get('score_mean', 0):.1f} ({plural(n, 'episode')})")
 
 
 def adaptive(dp: dict[str, Any]) -> str:
@@ -98,7 +103,7 @@ def versions(v: dict[str, Any]) -> str:
     rows = [[x["version"], x["version"], when(x["time_unix"]), size(x["size_bytes"]), x["sha256"][:16],
              f"{x['score_mean']:.1f}" if x.get("score_mean") is not None else "-",
              f"{x['return_mean']:.1f}" if x.get("return_mean") is not None else "-"] for x in v["versions"]]
-    head = (f"run {v['run_id']}: {len(rows)} stored versions (version v is the model after round v; sha256 of the "
+    head = (f"run {v['run_id']}: {plural(len(rows), 'stored version')} (version v is the model after round v; sha256 of the "
             "stored file, the whole global model as served: `ctl fetch` writes its policy alone, another file)")
     return head + "\n\n" + table(["version", "round", "stored", "size", "sha256 (first 16)", "score", "return"], rows)
 

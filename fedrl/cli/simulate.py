@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from fedrl.cli.settings import set_pairs, settings_file
+from fedrl.cli.settings import apply_sets, settings_file
 from fedrl.algos import ALGOS, BCConfig, DRPOConfig
 from fedrl.common import argtypes
 from fedrl.data.normalize import NORM_CHOICES
@@ -125,21 +125,7 @@ def _sim_settings(a: argparse.Namespace):
     not given leaves the file's value, or the default)."""
     from fedrl.federation.simconfig import parse_sim_config
 
-    data = settings_file(a.config)
-    for kv in a.set:
-        ((k, value),) = set_pairs([kv]).items()
-        head, dot, field = k.partition(".")
-        if dot:  # drpo.alpha_lr=...
-            if head not in ("drpo", "bc"):
-                raise ValueError(f"--set {kv!r}: only drpo.FIELD and bc.FIELD have parts")
-            data.setdefault(head, {})
-            if not isinstance(data[head], dict):
-                raise ValueError(f"--set {kv!r}: {head} is not an object in the settings")
-            data[head][field] = value
-        elif k in ("drpo", "bc") and isinstance(value, dict) and isinstance(data.get(k), dict):
-            data[k] = {**data[k], **value}
-        else:
-            data[k] = value
+    data = apply_sets(settings_file(a.config), a.set)
     given = getattr(a, "given", None)  # None (called without main): every flag counts
     for dest in _SIM_FLAGS if given is None else given:
         if dest not in _SIM_FLAGS or (dest == "dataset" and a.dataset is None):

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedrl.cli.settings import set_pairs, settings_file
+from fedrl.cli.settings import apply_sets, settings_file
 from fedrl.common import argtypes
 from fedrl.federation.choices import AGGREGATIONS
 
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, help="run config JSON file (fields of RunConfig); flags override it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="a run config field over --config, e.g. --set dp_clip=1 --set dp_noise=1.1 "
-                        "--set 'drpo={\"lambda1\": 0.2}' (flags override it)")
+                        "--set drpo.lambda1=0.2 --set 'drpo={\"lambda1\": 0.2}' (flags override it)")
     p.add_argument("--dataset", action="append", metavar="PATH|NAME[:AGENTS]",
                    help=f"the federation's data, dealt to agents in shards (default {UP_DEFAULT_DATASET})")
     p.add_argument("--algo", choices=SERVICE_ALGOS, default=None,
@@ -68,8 +68,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
     from fedrl.federation.runconfig import parse_run_config
 
     data = dict(UP_DEFAULTS)
-    data_from_file = settings_file(a.config)
-    data_from_file.update(set_pairs(a.set))
+    data_from_file = apply_sets(settings_file(a.config), a.set)
     data.update(data_from_file)
     for k in ("algo", "agents", "rounds", "local_steps", "eval_episodes", "seed", "aggregation"):
         if getattr(a, k) is not None:

@@ -47,7 +47,7 @@ def test_up_runs_the_federation_and_writes_the_run_folder(stand_dataset, tmp_pat
     ev = fedrl("evaluate", str(out / "global_policy.safetensors"), "--episodes", "1", "--json")
     assert ev.returncode == 0 and json.loads(ev.stdout)["env_id"] == "Hopper-v5"
     ev = fedrl("evaluate", str(out / "global_policy.safetensors"), "--episodes", "1")  # for a person: a table
-    assert ev.returncode == 0 and "on Hopper-v5, 1 episodes" in ev.stdout and "D4RL score" in ev.stdout
+    assert ev.returncode == 0 and "on Hopper-v5, 1 episode (seed" in ev.stdout and "D4RL score" in ev.stdout
 
 
 def test_a_privacy_budget_stop_keeps_every_round_it_paid_for(stand_dataset, tmp_path):

@@ -131,7 +131,7 @@ def test_ctl_fetch_saves_a_global_version_as_a_policy_file(aggregator, tmp_path)
     assert v0["version"] == 0 and v0["size_bytes"] == path.stat().st_size
     assert v0["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and v0["score_mean"] is None
     p = ctl("versions")
-    assert p.returncode == 0 and v0["sha256"][:16] in p.stdout and f"run {run_id}: 1 stored versions" in p.stdout
+    assert p.returncode == 0 and v0["sha256"][:16] in p.stdout and f"run {run_id}: 1 stored version (" in p.stdout
     policy, meta = load_policy(out)  # what `fedrl evaluate` reads
     assert (meta["run_id"], meta["version"], meta["algo"]) == (run_id, 0, "drpo")
     state = {f"policy.{k}": v for k, v in policy.state_dict().items()}
@@ -371,3 +371,32 @@ def test_a_stopped_runs_watch_waits_for_the_last_versions_evaluation(aggregator,
     reader.join(30)
     assert not reader.is_alive() and seen[-1] == "EVALUATED", seen
     follower.cancel()
+
+
+SETS = ["--set", "agents=2", "--set", "drpo.alpha_lr=1e-4", "--set", 'bc={"lr": 0.002}', "--set", "drpo.lambda1=0.3"]
+
+
+def _check_sets(cfg) -> None:
+    assert (cfg.agents, cfg.drpo.alpha_lr, cfg.bc.lr, cfg.drpo.lambda1) == (2, 1e-4, 0.002, 0.3)
+
+
+def test_set_takes_the_same_forms_in_ctl_start_up_and_simulate(aggregator, monkeypatch, tmp_path):
+    """KEY=VALUE, drpo.FIELD=VALUE and drpo={...} mean the same to all three (fedrl up refused the
+    dotted form that fedrl simulate's help shows)."""
+    import fedrl.cli.launcher as launcher
+    from fedrl.cli import build_parser
+    from fedrl.cli.simulate import _sim_settings
+    from fedrl.cli.up import _cmd_up
+    from fedrl.federation.runconfig import parse_run_config
+
+    p = _ctl(aggregator.target, "start", *SETS)
+    assert p.returncode == 0, p.stderr
+    _check_sets(parse_run_config(aggregator.coord.run.config_json))
+    got = {}
+    monkeypatch.setattr(launcher, "up", lambda cfg, *a, **k: got.setdefault("up", cfg) and 0)
+    _cmd_up(build_parser().parse_args(["up", *SETS, "--out", str(tmp_path / "r")]))
+    _check_sets(got["up"].run)
+    ns = build_parser().parse_args(["simulate", *SETS])
+    ns.given = set()  # as main sets it: no flag given, so none overrides a --set
+    _check_sets(_sim_settings(ns))
+    assert _ctl(aggregator.target, "start", "--set", "x.y=1").returncode != 0
