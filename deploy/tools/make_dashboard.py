@@ -26,21 +26,22 @@ def panel(pid: int, title: str, targets: list[tuple[str, str]], x: int, y: int, 
 
 
 def dashboard() -> dict:
+    # the evaluator's gauges are NaN before its first evaluation: "> -Inf" drops them (no data, not NaN)
     panels = [
         panel(1, "Global version", [("max(fedrl_aggregator_global_version)", "version")], 0, 0, 4, 4, "stat"),
         panel(2, "Rounds completed", [("sum(fedrl_aggregator_rounds_completed_total)", "rounds")], 4, 0, 4, 4, "stat"),
         panel(3, "Agents connected / expected",
               [("sum(fedrl_aggregator_agents_connected)", "connected"),
                ("sum(fedrl_aggregator_agents_expected)", "expected")], 8, 0, 8, 4, "stat"),
-        panel(4, "Latest normalised score", [("max(fedrl_evaluator_normalized_score)", "score")], 16, 0, 8, 4, "stat"),
+        panel(4, "Latest normalised score", [("max(fedrl_evaluator_normalized_score > -Inf)", "score")], 16, 0, 8, 4, "stat"),
         panel(5, "Evaluation score per global version",
-              [("max(fedrl_evaluator_normalized_score)", "normalised score"),
-               ("max(fedrl_evaluator_evaluated_version)", "version evaluated")], 0, 4, 12, 8,
+              [("max(fedrl_evaluator_normalized_score > -Inf)", "normalised score"),
+               ("max(fedrl_evaluator_evaluated_version > -Inf)", "version evaluated")], 0, 4, 12, 8,
               description="D4RL-normalised score (0 random, 100 expert) of each global version as the "
                           "evaluator finishes it; the second series is the version it belongs to."),
         panel(6, "Evaluation return",
-              [("max(fedrl_evaluator_return)", "mean return"),
-               ("max(fedrl_evaluator_return_std)", "std over episodes")], 12, 4, 12, 8),
+              [("max(fedrl_evaluator_return > -Inf)", "mean return"),
+               ("max(fedrl_evaluator_return_std > -Inf)", "std over episodes")], 12, 4, 12, 8),
         panel(7, "Round duration",
               [("histogram_quantile(0.5, sum by (le) (rate(fedrl_aggregator_round_duration_seconds_bucket[$__rate_interval])))", "p50"),
                ("rate(fedrl_aggregator_round_duration_seconds_sum[$__rate_interval]) / "

@@ -278,6 +278,8 @@ class EvaluatorMetrics:
             self.evaluations.labels(origin)
         self.failures = Counter(f"{p}_evaluation_failures_total", "Global versions that could not be "
                                 "evaluated (bad model or config).", registry=r)
+        for g in (self.ret, self.ret_std, self.score, self.version):  # not a real 0 before the first evaluation
+            g.set(float("nan"))
 
     def rollout(self, origin: str, episodes: int, env_steps: int, seconds: float) -> None:
         self.evaluations.labels(origin).inc()

@@ -384,3 +384,25 @@ def test_a_scrape_without_the_credential_gets_no_priority(tmp_path):
                 f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer " + "x" * 32}), timeout=5).read()
     finally:
         flood.close()
+
+
+def test_the_evaluator_exports_no_return_before_its_first_evaluation():
+    """Before any evaluation its return, score and version are NaN, not a 0 that reads as a real
+    return of 0; the dashboard's panels drop NaN (``> -Inf``) and show no data."""
+    import math
+
+    from fedrl.ops.metrics import EvaluatorMetrics
+
+    m = EvaluatorMetrics()
+    names = ("fedrl_evaluator_return", "fedrl_evaluator_return_std", "fedrl_evaluator_normalized_score",
+             "fedrl_evaluator_evaluated_version")
+    assert all(math.isnan(m.registry.get_sample_value(n)) for n in names)
+    m.latest({"return_mean": 0.0, "return_std": 0.0, "score_mean": -1.0, "version": 1})
+    assert [m.registry.get_sample_value(n) for n in names] == [0.0, 0.0, -1.0, 1.0]
+    import json
+    from pathlib import Path
+
+    board = (Path(__file__).resolve().parents[2] / "deploy/components/monitoring/dashboards/fedrl.json").read_text()
+    exprs = [t["expr"] for p in json.loads(board)["panels"] for t in p.get("targets", [])]
+    shown = [e for e in exprs if any(f"({n} " in e or f"({n})" in e for n in names)]
+    assert len(shown) == 5 and all(e.endswith(" > -Inf)") for e in shown), shown
