@@ -203,7 +203,8 @@ class Launcher:
                         raise RuntimeError(f"the evaluator did not follow the aggregator within {STARTUP_TIMEOUT:.0f}s")
                     time.sleep(0.1)
             st = client.start(cfg.run)
-            self.log(f"run {st['run_id']}: {cfg.run.algo}, {cfg.run.rounds} rounds x {cfg.run.local_steps} local steps")
+            self.log(f"run {st['run_id']}: {cfg.run.algo}, {cfg.run.rounds} rounds x {cfg.run.local_steps} local steps"
+                     + private_rounds(cfg.run))
             rounds = self._follow(client, st["run_id"])
             final = client.status()
             # a run that stopped at its privacy budget did what it was asked to
@@ -367,6 +368,21 @@ class Launcher:
         return summary
 
 
+def private_rounds(run: RunConfig) -> str:
+    """What the run start's line adds for private updates: secure aggregation, DP, or nothing."""
+    parts = []
+    if run.secagg_threshold:
+        parts.append(f"updates by secure aggregation (the aggregator sees only their sum; any "
+                     f"{run.secagg_threshold} of {run.agents} agents recover it)")
+    if run.dp_clip:
+        noise = f"noise multiplier {run.dp_noise:g}" if run.dp_noise else "no noise (no privacy guarantee)"
+        clip = (f"adaptive clipping from {run.dp_clip:g} to the {run.dp_clip_quantile:g} quantile"
+                if run.dp_clip_quantile else f"clip {run.dp_clip:g}")
+        budget = f", budget epsilon {run.dp_epsilon_budget:g}" if run.dp_epsilon_budget else ""
+        parts.append(f"differential privacy: {clip}, {noise}{budget} at delta {run.dp_delta:g}")
+    return "; " + "; ".join(parts) if parts else ""
+
+
 def round_line(r: dict[str, Any], run: RunConfig) -> str:
     """One round as ``fedrl up`` prints it: the evaluation (once it exists), the mean losses, how
     many agents' updates made the round when fewer than the run's (a quorum at the deadline, or the
@@ -376,7 +392,10 @@ def round_line(r: dict[str, Any], run: RunConfig) -> str:
     losses = "  ".join(f"{k[5:]}={v:.3g}" for k, v in r.items()
                        if k in ("loss_critic_td", "loss_cql_penalty", "loss_reg_data", "loss_bc_loss"))
     n = len(r.get("agents") or ())
-    short = f"  {n} of {run.agents} agents" if 0 < n < run.agents else ""
+    if run.secagg_threshold:  # every secure round says how many agents' masked updates its sum holds
+        short = f"  {n} of {run.agents} agents survived" if n else ""
+    else:
+        short = f"  {n} of {run.agents} agents" if 0 < n < run.agents else ""
     eps = r.get("loss_privacy_epsilon")
     spent = f"  epsilon {eps:.3g} (delta {run.dp_delta:g})" if eps is not None else ""
     if (clip := r.get("loss_dp_clip")) is not None:  # adaptive clipping: the norm this round clipped to

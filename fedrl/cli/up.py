@@ -30,8 +30,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "and takes a few minutes on 2 CPU cores.")
     p.add_argument("--config", default=None, help="run config JSON file (fields of RunConfig); flags override it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="a run config field over --config, e.g. --set dp_clip=1 --set dp_noise=1.1 "
-                        "--set drpo.lambda1=0.2 --set 'drpo={\"lambda1\": 0.2}' (flags override it)")
+                   help="a run config field over --config, e.g. --set drpo.lambda1=0.2 or --set "
+                        "'drpo={\"lambda1\": 0.2}' (flags override it). Private updates: secure aggregation "
+                        "--set secagg_threshold=T; differential privacy --set dp_clip=C --set dp_noise=SIGMA "
+                        "[--set dp_epsilon_budget=E --set dp_delta=D], adaptive clipping --set "
+                        "dp_clip_quantile=Q (docs/guides/privacy.md)")
     p.add_argument("--dataset", action="append", metavar="PATH|NAME[:AGENTS]",
                    help=f"the federation's data, dealt to agents in shards (default {UP_DEFAULT_DATASET})")
     p.add_argument("--algo", choices=SERVICE_ALGOS, default=None,
@@ -52,9 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also start a real Prometheus on 127.0.0.1 scraping every process, with the "
                         "deployment's alert rules (needs the prometheus binary, e.g. apt-get install prometheus)")
     p.add_argument("--prometheus-bin", default=None, help="the prometheus binary (default: from PATH)")
-    p.add_argument("--secure", action="store_true",
+    p.add_argument("--tls", "--secure", dest="secure", action="store_true",
                    help="mutual TLS (a throwaway CA in <out>/tls) and a bearer token per process, to try "
-                        "the federation's identity checks")
+                        "the federation's identity checks (--secure: the same; secure aggregation of the "
+                        "updates is --set secagg_threshold=T)")
     p.add_argument("--linger", type=argtypes.seconds, default=0.0, metavar="SECONDS",
                    help="keep every process (and Prometheus) up this long after the run, to look at "
                         "metrics and dashboards; Ctrl-C ends it early")

@@ -27,3 +27,20 @@ def test_privacy_spent_and_the_clipping_norm_show_when_recorded():
     line = round_line(_round(loss_privacy_epsilon=4.2, loss_dp_clip=0.05, loss_dp_clip_next=0.0568),
                       RunConfig(agents=3, rounds=5, dp_delta=1e-6))
     assert "epsilon 4.2 (delta 1e-06)" in line and "clip 0.05 -> 0.0568" in line
+
+
+def test_a_secure_round_says_how_many_agents_survived_even_all():
+    run = RunConfig(agents=3, rounds=5, secagg_threshold=2)
+    assert "3 of 3 agents survived" in round_line(_round(), run)
+    assert "2 of 3 agents survived" in round_line(_round(agents=["agent-0", "agent-2"]), run)
+
+
+def test_the_run_line_says_when_updates_are_private():
+    from fedrl.cli.launcher import private_rounds
+
+    assert private_rounds(RunConfig(agents=3)) == ""
+    said = private_rounds(RunConfig(agents=3, secagg_threshold=2, dp_clip=1.0, dp_noise=1.1, dp_epsilon_budget=8))
+    assert "secure aggregation" in said and "any 2 of 3 agents" in said
+    assert "clip 1, noise multiplier 1.1, budget epsilon 8 at delta 1e-05" in said
+    assert "adaptive clipping from 1 to the 0.5 quantile" in private_rounds(
+        RunConfig(agents=3, dp_clip=1.0, dp_clip_quantile=0.5))
