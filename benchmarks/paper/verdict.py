@@ -222,7 +222,8 @@ def heldout_reading(chosen: str | None, held: list[dict[str, Any]]) -> str:
              f"run --preset {HELDOUT.name} --experiment table`)")
     scores = _critic_scores(held)
     if scores is None:
-        return f"{where}: not in yet, {len(held)} of {2 * len(HELDOUT.seeds)} cells."
+        n = sum(tables.method(r) in ("drpo", "drpo-returns-gradient") for r in held)
+        return f"{where}: not in yet, {n} of {2 * len(HELDOUT.seeds)} DRPO cells."
     a, b = scores
     there = _pick(a, b)
     said = (f"{where}: DRPO's mean score over the last {LAST} rounds, over {len(a)} seeds, the paper's critic "
@@ -388,10 +389,15 @@ def cmd_render(a) -> int:
     if figure(results, out / "verdict.png", float(np.mean(list(drs.values()))) if drs else None):
         print(f"wrote {out / 'verdict.png'}")
     b = blocks(root)
+    from benchmarks.paper import footing
+
+    b |= footing.blocks(root)  # issue 83: equal footing, five seeds, the second task, both tasks' critic
     (out / "verdict.md").write_text("\n\n".join(f"### {k}\n\n{v}" for k, v in b.items()) + "\n")
     if a.update_md:
-        for path, names in ((BENCHMARKS_MD, ("verdict-table", "verdict-grads", "verdict-why")), (README_MD, ("readme-verdict",)),
-                            (CHOICES_MD, ("verdict-critic", "verdict-critic-heldout"))):
+        for path, names in ((BENCHMARKS_MD, ("verdict-table", "verdict-grads", "verdict-why", "footing-table",
+                                             "footing-spread", "heldout-table")),
+                            (README_MD, ("readme-verdict", "readme-footing")),
+                            (CHOICES_MD, ("verdict-critic", "verdict-critic-heldout", "critic-two-tasks"))):
             path.write_text(replace_blocks(path.read_text(), {k: b[k] for k in names}))
             print(f"updated {path}")
     return 0

@@ -214,7 +214,7 @@ def test_the_heldout_task_says_whether_it_chooses_the_same_critic(paper, gradien
             if c["algo"] == "drpo"]
     text = verdict.heldout_reading(chosen, held)
     assert said in text and f"the paper's critic {paper:.1f} ± 0.4, the gradient stop {gradient:.1f} ± 0.4" in text
-    assert verdict.heldout_reading(chosen, held[:5]).endswith("not in yet, 5 of 6 cells.")
+    assert verdict.heldout_reading(chosen, held[:5]).endswith("not in yet, 5 of 6 DRPO cells.")
 
 
 def why_cell(method: str, seed: int, scores, q, td, grad_q=None, reg=None) -> dict:

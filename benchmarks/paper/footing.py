@@ -1,0 +1,197 @@
+"""DRPO's lead on equal footing and on a second task (issue 83), read from result files only.
+
+    python -m benchmarks.paper run --preset verdict --only fed-cql-returns-gradient-medium-s0,...
+    python -m benchmarks.paper run --preset verdict --seeds 3,4 --only drpo-returns-gradient-medium-s3,...
+    python -m benchmarks.paper run --preset heldout-walker2d
+    python -m benchmarks.paper.verdict render            (renders these tables with the verdict's)
+
+- **Equal footing** (hopper-medium, the verdict's cells, seeds 0-2): every CQL-based method under
+  both critics, the paper's (``none``) and the gradient stop (``returns-gradient``). The paper's
+  ablation is DRPO against Fed-CQL (DRPO without its two regularisers) under the same critic: its
+  sentence gives DRPO - Fed-CQL under each critic, by seed.
+- **More seeds** where the spread is large: DRPO with the gradient stop and Fed-BC at seeds 0-4.
+- **The second task** (Walker2d-v5 medium, ``heldout-walker2d``): DRPO under both critics and
+  Fed-BC, seeds 0-2, with the verdict's protocol.
+- **The default critic by both tasks**: each task's mean over seeds of DRPO's last-5-round score
+  under each critic, the two tasks weighted equally; the paper's critic unless the gradient stop's
+  two-task mean is higher. Until the second task is in, the verdict's one-task rule stands.
+
+Every number is a cell's mean D4RL score over its last ``verdict.LAST`` rounds; until a table's
+cells are all in, it says how many are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import RESULTS
+from benchmarks.paper import cells as runs, tables, verdict
+
+CQL_METHODS = ("drpo", "fed-cql", "cql")
+GRADIENT = "-returns-gradient"
+CRITICS = (("", "the paper's critic (`none`)"), (GRADIENT, "the gradient stop (`returns-gradient`)"))
+NAMES = {"drpo": "DRPO", "fed-cql": "Fed-CQL", "cql": "CQL alone", "fed-bc": "Fed-BC"}
+SEEDS = verdict.PRESET.seeds  # the verdict's (0, 1, 2)
+ADDED_SEEDS = (3, 4)  # the spread's seeds: DRPO with the gradient stop, and Fed-BC
+SPREAD_METHODS = ("drpo" + GRADIENT, "fed-bc")
+HELD_METHODS = ("fed-bc", "drpo", "drpo" + GRADIENT)
+
+
+def hopper(root: Path = RESULTS) -> list[dict[str, Any]]:
+    """Every finished cell of the verdict preset, at any seed and method."""
+    return [r for r in runs.load_results(verdict.PRESET, "table", root) if r.get("curve")]
+
+
+def walker(root: Path = RESULTS) -> list[dict[str, Any]]:
+    return verdict.heldout_cells(root)
+
+
+def last_by_seed(results: list[dict[str, Any]], method: str, seeds: tuple[int, ...]) -> dict[int, float]:
+    """``method``'s mean score over its last rounds, by seed, for the ``seeds`` that are in."""
+    return {r["seed"]: verdict.per_seed(r)["last"] for r in results
+            if tables.method(r) == method and r["seed"] in seeds}
+
+
+def _cell(xs: dict[int, float], want: int) -> str:
+    return f"{verdict._ms(list(xs.values()))} ({len(xs)} of {want})"
+
+
+def _diff(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    return [a[s] - b[s] for s in sorted(a) if s in b]
+
+
+def footing_md(results: list[dict[str, Any]]) -> str:
+    """The CQL-based methods under both critics, and the paper's ablation on that footing."""
+    rows = ["| method | " + " | ".join(name for _, name in CRITICS) + " | gradient stop - paper's, by seed |",
+            "| --- | --- | --- | --- |"]
+    last = {m + c: last_by_seed(results, m + c, SEEDS) for m in CQL_METHODS for c, _ in CRITICS}
+    for m in CQL_METHODS:
+        d = _diff(last[m + GRADIENT], last[m])
+        rows.append(f"| {NAMES[m]} | " + " | ".join(_cell(last[m + c], len(SEEDS)) for c, _ in CRITICS)
+                    + f" | {', '.join(f'{x:+.1f}' for x in d) or '-'} |")
+    return "\n".join(rows) + "\n\n" + footing_sentence(last)
+
+
+def footing_sentence(last: dict[str, dict[int, float]]) -> str:
+    if any(len(v) < len(SEEDS) for v in last.values()):
+        added = [m + GRADIENT for m in CQL_METHODS[1:]]  # the cells issue 83 adds: the gradient stop under those two
+        n = sum(len(last[m]) for m in added)
+        return (f"**The paper's ablation on equal footing**: not in yet, {n} of {len(added) * len(SEEDS)} cells "
+                f"of Fed-CQL and CQL alone with the gradient stop "
+                f"(`python -m benchmarks.paper status --preset {verdict.PRESET.name}`).")
+    parts, leads = [], []
+    for c, name in CRITICS:
+        d = _diff(last["drpo" + c], last["fed-cql" + c])
+        leads.append(float(np.mean(d)) > 0)
+        parts.append(f"under {name} {float(np.mean(d)):+.1f} ± {float(np.std(d)):.1f} (by seed "
+                     + ", ".join(f"{x:+.1f}" for x in d) + f"; DRPO ahead in {sum(x > 0 for x in d)} of {len(d)})")
+    where = ("under both critics" if all(leads) else "under neither critic" if not any(leads)
+             else f"only under {CRITICS[leads.index(True)][1]}")
+    critic = {m: float(np.mean(_diff(last[m + GRADIENT], last[m]))) for m in CQL_METHODS}
+    return (f"**The paper's ablation on equal footing** (DRPO against Fed-CQL, which is DRPO without its two "
+            f"regularisers, under the same critic), DRPO - Fed-CQL over the last {verdict.LAST} rounds: "
+            + "; ".join(parts) + f". The dual regularisation leads {where}. The critic alone moves each method by "
+            + ", ".join(f"{NAMES[m]} {critic[m]:+.1f}" for m in CQL_METHODS) + " (gradient stop - paper's).")
+
+
+def spread_md(results: list[dict[str, Any]]) -> str:
+    """DRPO with the gradient stop and Fed-BC over five seeds: the spread's own table."""
+    seeds = (*SEEDS, *ADDED_SEEDS)
+    rows = ["| method | mean of the last rounds | " + " | ".join(f"s{s}" for s in seeds) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in seeds) + " |"]
+    last = {m: last_by_seed(results, m, seeds) for m in SPREAD_METHODS}
+    for m in SPREAD_METHODS:
+        rows.append(f"| {verdict.LABEL[m]} | {_cell(last[m], len(seeds))} | "
+                    + " | ".join(f"{last[m][s]:.1f}" if s in last[m] else "-" for s in seeds) + " |")
+    added = sum(s in last[m] for m in SPREAD_METHODS for s in ADDED_SEEDS)
+    if added < len(SPREAD_METHODS) * len(ADDED_SEEDS):
+        said = (f"**Five seeds**: not in yet, {added} of {len(SPREAD_METHODS) * len(ADDED_SEEDS)} added cells "
+                f"(`python -m benchmarks.paper run --preset {verdict.PRESET.name} --seeds 3,4`).")
+    else:
+        a, b = last[SPREAD_METHODS[0]], last[SPREAD_METHODS[1]]
+        d = _diff(a, b)
+        said = (f"**Five seeds**: DRPO with the gradient stop {verdict._ms(list(a.values()))}, Fed-BC "
+                f"{verdict._ms(list(b.values()))}; DRPO above Fed-BC in {sum(x > 0 for x in d)} of {len(d)} seeds "
+                f"(by {', '.join(f'{x:+.1f}' for x in d)}).")
+    return "\n".join(rows) + "\n\n" + said
+
+
+def walker_md(held: list[dict[str, Any]]) -> str:
+    """The second task's table (as the verdict's) and its sentence."""
+    s = verdict.summary(held)
+    rows = [f"| method | final, 50 episodes | mean of the last {verdict.LAST} rounds | best round | seeds | "
+            f"by seed: final / last {verdict.LAST} / best (round) |", "| --- | --- | --- | --- | --- | --- |"]
+    for m in HELD_METHODS:
+        xs = s.get(m, [])
+        rows.append(f"| {verdict.LABEL[m]} | {verdict._ms([x['final50'] for x in xs])} | "
+                    f"{verdict._ms([x['last'] for x in xs])} | {verdict._ms([x['best'] for x in xs])} | "
+                    f"{len(xs)} of {len(verdict.HELDOUT.seeds)} | "
+                    f"{'<br>'.join(verdict._seed_line(x) for x in xs) or 'not run yet'} |")
+    n, want = sum(len(s.get(m, [])) for m in HELD_METHODS), len(HELD_METHODS) * len(verdict.HELDOUT.seeds)
+    if n < want:
+        said = (f"**The second task** (Walker2d-v5 medium, the verdict's protocol): not in yet, {n} of {want} cells "
+                f"(`python -m benchmarks.paper status --preset {verdict.HELDOUT.name}`).")
+    else:
+        m = {k: float(np.mean([x["last"] for x in s[k]])) for k in HELD_METHODS}
+        ranked = sorted(HELD_METHODS, key=lambda k: -m[k])
+        said = (f"**The second task** (Walker2d-v5 medium, the verdict's protocol), mean of the last {verdict.LAST} "
+                f"rounds over {len(verdict.HELDOUT.seeds)} seeds: "
+                + ", ".join(f"{verdict.LABEL[k]} {m[k]:.1f} ± {float(np.std([x['last'] for x in s[k]])):.1f}"
+                            for k in ranked) + " (ranked).")
+    return "\n".join(rows) + "\n\n" + said
+
+
+def task_critics(results: list[dict[str, Any]], seeds: tuple[int, ...]) -> tuple[float, float] | None:
+    """One task's DRPO mean over seeds under the paper's critic and the gradient stop (None until
+    every seed of both is in)."""
+    a, b = (last_by_seed(results, "drpo" + c, seeds) for c, _ in CRITICS)
+    if len(a) < len(seeds) or len(b) < len(seeds):
+        return None
+    return float(np.mean(list(a.values()))), float(np.mean(list(b.values())))
+
+
+def two_task_choice(hop: list[dict[str, Any]], held: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(the default critic by both tasks, its sentence); (None, why) until both tasks are in."""
+    h, w = task_critics(hop, SEEDS), task_critics(held, verdict.HELDOUT.seeds)
+    if h is None or w is None:
+        missing = "hopper-medium" if h is None else "walker2d-medium"
+        return None, (f"**By both tasks**: not decided yet, {missing}'s DRPO cells are not all in; until they are, "
+                      "the default is hopper-medium's choice above.")
+    paper, gradient = (h[0] + w[0]) / 2, (h[1] + w[1]) / 2
+    chosen = "none" if paper >= gradient else "returns-gradient"
+    prefer = ["none" if x[0] >= x[1] else "returns-gradient" for x in (h, w)]
+    agree = ("both tasks prefer the same critic" if prefer[0] == prefer[1] else
+             f"the two tasks disagree: hopper-medium prefers `{prefer[0]}`, walker2d-medium `{prefer[1]}`")
+    return chosen, (f"**By both tasks** (DRPO's mean of the last {verdict.LAST} rounds over seeds, each task "
+                    f"weighted equally): hopper-medium, the paper's critic {h[0]:.1f}, the gradient stop {h[1]:.1f}; "
+                    f"walker2d-medium {w[0]:.1f} and {w[1]:.1f}; the mean over both tasks {paper:.1f} and "
+                    f"{gradient:.1f}. {agree[0].upper() + agree[1:]}, and the default is "
+                    f"**{verdict.PAPERS if chosen == 'none' else '`returns-gradient`'}**.")
+
+
+def default_critic(root: Path = RESULTS) -> str | None:
+    """The ``cql_calibration`` the committed cells choose: by both tasks once both are in, else
+    the verdict's hopper-medium rule (None until that is in)."""
+    chosen, _ = two_task_choice(hopper(root), walker(root))
+    return chosen if chosen is not None else verdict.chosen_critic(verdict.cells(root))
+
+
+def readme_md(hop: list[dict[str, Any]], held: list[dict[str, Any]]) -> str:
+    """README's part: each table with its sentence once all its cells are in, else one line on
+    where it stands (BENCHMARKS.md shows the cells that are in)."""
+    out = []
+    for md in (footing_md(hop), walker_md(held)):
+        table, said = md.rsplit("\n\n", 1)
+        out.append(f"- {said} BENCHMARKS.md shows the cells that are in." if "not in yet" in said else md)
+    return "\n\n".join(out)
+
+
+def blocks(root: Path = RESULTS) -> dict[str, str]:
+    hop, held = hopper(root), walker(root)
+    return {"footing-table": footing_md(hop), "footing-spread": spread_md(hop), "heldout-table": walker_md(held),
+            "critic-two-tasks": two_task_choice(hop, held)[1], "readme-footing": readme_md(hop, held)}
+
+

@@ -1,0 +1,85 @@
+"""Issue 83's tables read result files as the issue defines them: the paper's ablation on equal
+footing, five seeds, the second task, and the default critic by both tasks."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.paper import footing, verdict
+from tests.unit.test_verdict import cell
+
+
+def cells(levels: dict[str, float], seeds=(0, 1, 2), spread: float = 0.5) -> list[dict]:
+    """A cell per method and seed, its last rounds at the method's level +- ``spread`` by seed."""
+    return [cell(m, s, [90.0] * 3 + [levels[m] + (s - 1) * spread] * 17, final50=levels[m]) for m in levels for s in seeds]
+
+
+FOOTING = {"drpo": 31.0, "fed-cql": 28.0, "cql": 31.5, "drpo-returns-gradient": 54.0,
+           "fed-cql-returns-gradient": 50.0, "cql-returns-gradient": 40.0}
+
+
+def test_the_ablation_waits_for_the_added_cells_and_says_how_many():
+    partial = [r for r in cells(FOOTING) if not (tables_method(r) == "cql-returns-gradient" and r["seed"] == 2)]
+    said = footing.footing_md(partial)
+    assert "not in yet, 5 of 6 cells of Fed-CQL and CQL alone with the gradient stop" in said
+    assert "| CQL alone | 31.5 ± 0.4 (3 of 3) | 39.8 ± 0.2 (2 of 3) |" in said
+
+
+def tables_method(r):
+    from benchmarks.paper import tables
+
+    return tables.method(r)
+
+
+@pytest.mark.parametrize("gradient_drpo, where", [(54.0, "under both critics"),
+                                                  (49.0, "only under the paper's critic (`none`)"),
+                                                  (27.0, "only under the paper's critic (`none`)")])
+def test_the_ablation_gives_drpo_minus_fed_cql_under_each_critic(gradient_drpo, where):
+    said = footing.footing_md(cells({**FOOTING, "drpo-returns-gradient": gradient_drpo}))
+    d = gradient_drpo - 50.0
+    assert f"under the gradient stop (`returns-gradient`) {d:+.1f} ± 0.0" in said
+    assert "under the paper's critic (`none`) +3.0 ± 0.0 (by seed +3.0, +3.0, +3.0; DRPO ahead in 3 of 3)" in said
+    assert f"The dual regularisation leads {where}." in said
+    assert "Fed-CQL +22.0" in said  # the critic alone, gradient stop - paper's
+
+
+def test_neither_critic_when_fed_cql_leads_under_both():
+    said = footing.footing_md(cells({**FOOTING, "fed-cql": 40.0, "fed-cql-returns-gradient": 60.0}))
+    assert "The dual regularisation leads under neither critic." in said
+
+
+def test_five_seeds_wait_for_the_added_cells_then_count_the_seeds_drpo_leads():
+    five = (0, 1, 2, 3, 4)
+    rs = cells({"drpo-returns-gradient": 50.0, "fed-bc": 30.0}, seeds=five, spread=12.0)
+    assert "not in yet, 3 of 4 added cells" in footing.spread_md(rs[:-1])
+    said = footing.spread_md(rs)
+    assert "DRPO above Fed-BC in 5 of 5 seeds" in said and "| 38.0 | 50.0 | 62.0 | 74.0 | 86.0 |" in said
+
+
+@pytest.mark.parametrize("hop, walk, chosen, agree", [
+    ((31.0, 54.0), (40.0, 30.0), "returns-gradient", "disagree"),  # means 35.5 vs 42.0
+    ((31.0, 54.0), (60.0, 30.0), "none", "disagree"),  # 45.5 vs 42.0
+    ((31.0, 54.0), (30.0, 40.0), "returns-gradient", "same"),
+    ((40.0, 40.0), (30.0, 30.0), "none", "same"),  # a tie keeps the paper's critic
+])
+def test_the_default_critic_is_chosen_by_the_mean_over_both_tasks(hop, walk, chosen, agree):
+    h = cells({"drpo": hop[0], "drpo-returns-gradient": hop[1]})
+    w = cells({"drpo": walk[0], "drpo-returns-gradient": walk[1], "fed-bc": 20.0})
+    got, said = footing.two_task_choice(h, w)
+    assert got == chosen
+    assert ("the two tasks disagree" if agree == "disagree" else "both tasks prefer the same critic") in said.lower()
+    assert footing.two_task_choice(h, w[1:])[0] is None  # until both tasks are in (a DRPO cell missing)
+
+
+def test_the_readme_shows_a_table_only_once_its_cells_are_all_in():
+    w = cells({"drpo": 40.0, "drpo-returns-gradient": 30.0, "fed-bc": 35.0})
+    md = footing.readme_md(cells(FOOTING)[:-1], w)
+    assert md.startswith("- **The paper's ablation on equal footing**: not in yet") and "| Fed-BC |" in md
+    assert "DRPO (paper's critic) 40.0 ± 0.4, Fed-BC 35.0 ± 0.4, DRPO, gradient stopped at G 30.0 ± 0.4 (ranked)" in md
+
+
+def test_drpos_default_critic_is_the_one_the_committed_cells_choose_by_the_rule_in_force():
+    from fedrl.algos import DRPOConfig
+
+    assert DRPOConfig().cql_calibration == (footing.default_critic() or "returns-gradient")
+    assert verdict.chosen_critic(verdict.cells()) is not None
