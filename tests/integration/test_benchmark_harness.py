@@ -680,7 +680,7 @@ def test_device_paper_runs_a_presets_named_variants_and_its_own_dataset(tmp_path
 
     p = dp.preset(False, "heldout-walker2d")
     specs, cs = dp.plan_cells(p, "walker2d-medium-v2", (0, 1, 2), "cpu")
-    assert sorted(r.key for r in specs) == sorted(f"{m}-medium-s{s}" for m in ("drpo", "drpo-returns-gradient")
+    assert sorted(r.key for r in specs) == sorted(f"{m}-medium-s{s}" for m in ("drpo", "drpo-returns-gradient", "fed-bc")
                                                   for s in (0, 1, 2))
     by_key = {c.key: c.cfg for c in cs}
     assert by_key["drpo-medium-s1"].drpo.cql_calibration == "none"
@@ -688,13 +688,14 @@ def test_device_paper_runs_a_presets_named_variants_and_its_own_dataset(tmp_path
     assert by_key["drpo-medium-s1"].final_eval_episodes == 50 and by_key["drpo-medium-s1"].datasets == ("walker2d-medium-v2",)
     v = dp.preset(False, "verdict")
     every, _ = dp.plan_cells(v, "hopper-medium-v2", (0, 1, 2), "cpu")
-    assert len(every) == 15
-    for r in every[:13]:  # all but two cells in: a GPU call runs what is left
+    assert len(every) == 21  # the verdict's 15 and the critic's ablation under Fed-CQL and CQL alone (issue 83)
+    assert {r.key for r in every} >= {f"{m}-returns-gradient-medium-s{s}" for m in ("fed-cql", "cql") for s in (0, 1, 2)}
+    for r in every[:-2]:  # all but two cells in: a GPU call runs what is left
         f = paper.presets.result_path(v, r, tmp_path)
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text("{}")
     left, _ = dp.plan_cells(v, "hopper-medium-v2", (0, 1, 2), "cpu", tmp_path)
-    assert [r.key for r in left] == [r.key for r in every[13:]]
+    assert [r.key for r in left] == [r.key for r in every[-2:]]
     with pytest.raises(SystemExit, match="no cells of hopper-medium-v2"):
         dp.plan_cells(p, "hopper-medium-v2", (0,), "cpu")
 
