@@ -119,6 +119,93 @@ def spread_md(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n\n" + said
 
 
+DATA_QUALITY = "data_quality.json"
+AT = ("alpha", "entropy", "reg_data", "q_data")  # the diagnostics read at the last round
+DIAGNOSTICS = {"alpha": "alpha", "entropy": "entropy", "reg_data": "NLL of the data actions",
+               "q_data": "Q on the data", "share": "Q term / regularisers (actor gradient)"}
+
+
+def data_quality(root: Path = RESULTS) -> dict[str, dict[str, float]]:
+    """Per seed, what its agents' episodes hold: their number, mean return and D4RL score (from the
+    dataset and each seed's shards, as a cell recorded them), kept in the results folder (render
+    reads the file). ``python -m benchmarks.paper.verdict data-quality``."""
+    import json
+
+    from fedrl.data.d4rl import to_transitions
+    from fedrl.data.registry import load
+    from fedrl.envs.scores import normalized_score
+
+    tr = to_transitions(load(verdict.PRESET.datasets[0]))
+    out: dict[str, dict[str, float]] = {}
+    for r in hopper(root):
+        if str(r["seed"]) in out:
+            continue
+        rets = [float(tr.rewards[tr.episode == e].sum()) for sh in r["shards"] for e in sh["episodes"]]
+        out[str(r["seed"])] = {"episodes": len(rets), "return": round(float(np.mean(rets)), 1),
+                               "score": round(float(np.mean([normalized_score("Hopper-v5", x) for x in rets])), 2)}
+    path = Path(root) / f"paper-{verdict.PRESET.name}" / DATA_QUALITY
+    path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def _at_last(r: dict[str, Any], key: str) -> float | None:
+    v = r.get("losses_per_round", {}).get(key)
+    return float(v[-1]) if v else None
+
+
+def seed_reading(results: list[dict[str, Any]], quality: dict[str, dict[str, float]],
+                 method: str = "drpo" + GRADIENT) -> dict[int, dict[str, float]]:
+    """Per seed of ``method``: its last rounds' score, the last round's diagnostics (:data:`AT`, the
+    Q term's share of the actor's gradient), its data's score, and Fed-BC's score on that seed."""
+    seeds = (*SEEDS, *ADDED_SEEDS)
+    bc = last_by_seed(results, "fed-bc", seeds)
+    out = {}
+    for r in results:
+        if tables.method(r) != method or r["seed"] not in seeds:
+            continue
+        x = {"last": verdict.per_seed(r)["last"], **{k: _at_last(r, k) for k in AT}}
+        gq, l1, l2 = (_at_last(r, k) for k in ("grad_q", "grad_lambda1", "grad_lambda2"))
+        x["share"] = gq / (l1 + l2) if gq is not None and l1 and l2 else None
+        q = quality.get(str(r["seed"]))
+        x["data_score"] = q["score"] if q else None
+        x["fed_bc"] = bc.get(r["seed"])
+        out[r["seed"]] = x
+    return dict(sorted(out.items()))
+
+
+def seed_md(results: list[dict[str, Any]], quality: dict[str, dict[str, float]]) -> str:
+    """What sets the seed that never lifts apart (issue 83, item 2): the diagnostics at the last
+    round side by side with its data's score and Fed-BC's, and one sentence from them. The seed
+    that never lifts is the one with the lowest last-rounds score; a diagnostic "sets it apart"
+    when its value lies outside the others' range by more than 5% of their spread's scale."""
+    rd = seed_reading(results, quality)
+    if len(rd) < len(SEEDS):
+        return f"**The seed that never lifts**: not in yet, {len(rd)} of {len(SEEDS)} seeds."
+    cols = ("last", "data_score", "fed_bc", *AT, "share")
+    head = {"last": f"DRPO, last {verdict.LAST} rounds", "data_score": "the agents' data (D4RL score)",
+            "fed_bc": "Fed-BC, same seed", **{k: f"{DIAGNOSTICS[k]} at the last round" for k in (*AT, "share")}}
+    rows = ["| seed | " + " | ".join(head[c] for c in cols) + " |", "| --- | " + " | ".join("---" for _ in cols) + " |"]
+    for seed, x in rd.items():
+        rows.append(f"| s{seed} | " + " | ".join("-" if x[c] is None else f"{x[c]:.3g}" for c in cols) + " |")
+    low = min(rd, key=lambda k: rd[k]["last"])
+    others = [x for k, x in rd.items() if k != low]
+    apart = []
+    for c in (*AT, "share", "data_score", "fed_bc"):
+        mine, rest = rd[low][c], [x[c] for x in others if x[c] is not None]
+        if mine is None or not rest:
+            continue
+        scale = max(abs(v) for v in (*rest, mine)) or 1.0
+        if mine < min(rest) - 0.05 * scale or mine > max(rest) + 0.05 * scale:
+            apart.append(head[c] if c not in AT and c != "share" else DIAGNOSTICS[c])
+    same = [DIAGNOSTICS[c] for c in (*AT, "share") if DIAGNOSTICS[c] not in apart]
+    said = (f"**The seed that never lifts** is s{low} (DRPO with the gradient stop, {rd[low]['last']:.1f} over its last "
+            f"{verdict.LAST} rounds). At the last round its " + ", ".join(same)
+            + (" lie within 5% of the other seeds' range" if same else "")
+            + ("; what sets it apart: " + ", ".join(apart) if apart else "; nothing logged sets it apart")
+            + ". Seeds whose data scores lower than the others' are the test of that reading.")
+    return "\n".join(rows) + "\n\n" + said
+
+
 def walker_md(held: list[dict[str, Any]]) -> str:
     """The second task's table (as the verdict's) and its sentence."""
     s = verdict.summary(held)
@@ -189,9 +276,17 @@ def readme_md(hop: list[dict[str, Any]], held: list[dict[str, Any]]) -> str:
     return "\n\n".join(out)
 
 
+def _quality(root: Path) -> dict[str, dict[str, float]]:
+    import json
+
+    path = Path(root) / f"paper-{verdict.PRESET.name}" / DATA_QUALITY
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def blocks(root: Path = RESULTS) -> dict[str, str]:
     hop, held = hopper(root), walker(root)
-    return {"footing-table": footing_md(hop), "footing-spread": spread_md(hop), "heldout-table": walker_md(held),
+    return {"footing-table": footing_md(hop), "footing-spread": spread_md(hop) + "\n\n" + seed_md(hop, _quality(root)),
+            "heldout-table": walker_md(held),
             "critic-two-tasks": two_task_choice(hop, held)[1], "readme-footing": readme_md(hop, held)}
 
 

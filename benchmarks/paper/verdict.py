@@ -2,6 +2,7 @@
 
     python -m benchmarks.paper run --preset verdict --experiment table [--only KEY]   (the cells)
     python -m benchmarks.paper.verdict data-returns      (the data's discounted return, per seed; once)
+    python -m benchmarks.paper.verdict data-quality      (each seed's agents' data: its D4RL score; once)
     python -m benchmarks.paper.verdict render            (table, figure, sentence -> README, BENCHMARKS.md)
 
 Hopper-medium, 5 agents x 20 rounds x 1,000 local steps (20,000 actor steps per agent, the
@@ -410,6 +411,16 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("data-returns", help="the data's discounted return per seed, kept beside the results")
     d.add_argument("--results", default=str(RESULTS))
     d.set_defaults(func=lambda a: print(json.dumps(data_returns(Path(a.results)))) or 0)
+    q = sub.add_parser("data-quality", help="each seed's agents' data: episodes, mean return, D4RL score (issue 83)")
+    q.add_argument("--results", default=str(RESULTS))
+
+    def quality(a) -> int:
+        from benchmarks.paper.footing import data_quality
+
+        print(json.dumps(data_quality(Path(a.results))))
+        return 0
+
+    q.set_defaults(func=quality)
     r = sub.add_parser("render", help="table, figure and sentence; README, BENCHMARKS.md and choices.md blocks")
     r.add_argument("--results", default=str(RESULTS))
     r.add_argument("--no-update-md", dest="update_md", action="store_false")

@@ -83,3 +83,19 @@ def test_drpos_default_critic_is_the_one_the_committed_cells_choose_by_the_rule_
 
     assert DRPOConfig().cql_calibration == (footing.default_critic() or "returns-gradient")
     assert verdict.chosen_critic(verdict.cells()) is not None
+
+
+def test_the_seed_that_never_lifts_is_read_against_its_data_and_its_diagnostics():
+    """The lowest seed's diagnostics at the last round against the others' range: equal ones are
+    said to be within it, its data's score and Fed-BC's on the same seed set it apart."""
+    rs = [*cells({"drpo-returns-gradient": 60.0}), *cells({"fed-bc": 30.0}, spread=4.0)]
+    for r in rs:
+        if r["seed"] == 1 and r["variant"].get("method") == "drpo-returns-gradient":
+            r["curve"][-5:] = [{"round": 16 + i, "score_mean": 31.0} for i in range(5)]
+    quality = {"0": {"score": 30.0}, "1": {"score": 28.2}, "2": {"score": 30.2}}
+    said = footing.seed_md(rs, quality)
+    assert "**The seed that never lifts** is s1 (DRPO with the gradient stop, 31.0" in said
+    assert "alpha, entropy, NLL of the data actions, Q on the data, Q term / regularisers (actor gradient) lie within" in said
+    assert "what sets it apart: the agents' data (D4RL score)." in said  # Fed-BC's s1 is the middle of its three
+    assert "| s1 | 31 | 28.2 | 30 |" in said
+    assert "not in yet, 2 of 3 seeds" in footing.seed_md([r for r in rs if r["seed"] != 2], quality)
