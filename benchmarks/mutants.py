@@ -262,6 +262,11 @@ MUTANTS = (
            "raise", PRIVATE_TESTS),
     Mutant("store-missing-checksum-accepted", "aggregator_service/store.py", "            if self.format(run_id) >= 2:\n",
            "            if False:\n", ("tests/service/test_faults.py",)),
+    Mutant("secure-run-uncapped", "fedrl/federation/runconfig.py",
+           "if self.secagg_threshold and self.agents > SECAGG_MAX_AGENTS:", "if False:", PRIV_TESTS),
+    Mutant("stopped-watch-ends-at-once", "aggregator_service/lifecycle.py",
+           "if run.cfg.eval_episodes == 0 or not self.registry.evaluators_following():", "if True:",
+           ("tests/service/test_ctl_and_stubs.py",)),
     # a run resumed on data other than it started on (a dataset remade on another machine)
     Mutant("resume-ignores-the-contents", CKPT,
            'or old.get("sha256", new.get("sha256")) != new.get("sha256")]', "]", SIM_TESTS),
