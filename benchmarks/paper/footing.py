@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import RESULTS
-from benchmarks.paper import cells as runs, tables, verdict
+from benchmarks.paper import cells as runs, readings as verdict, tables
 
 CQL_METHODS = ("drpo", "fed-cql", "cql")
 GRADIENT = "-returns-gradient"
