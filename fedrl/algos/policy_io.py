@@ -18,6 +18,7 @@ from safetensors.torch import save
 
 from fedrl.algos.base import POLICY, load_prefixed, prefixed_state
 from fedrl.algos.nets import TanhGaussianPolicy
+from fedrl.algos.policy_file import sorted_header
 
 
 def save_policy(policy: TanhGaussianPolicy, path: str | Path, metadata: Mapping[str, Any] | None = None,
@@ -31,21 +32,9 @@ def save_policy(policy: TanhGaussianPolicy, path: str | Path, metadata: Mapping[
     meta["log_std_bounds"] = json.dumps([policy.log_std_min, policy.log_std_max])
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(_sorted_header(save(state, metadata=meta)))
+        f.write(sorted_header(save(state, metadata=meta)))
     os.replace(tmp, path)
     return path
-
-
-def _sorted_header(raw: bytes) -> bytes:
-    """A safetensors file with its JSON header's keys sorted: the library writes the metadata in
-    a hash map's order, which changes from process to process, so the same policy saved twice
-    differed byte-wise. The header keeps its length (the library pads it with spaces), so the
-    tensors' offsets stay as they are."""
-    n = int.from_bytes(raw[:8], "little")
-    header = json.dumps(json.loads(raw[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
-    if len(header) > n:  # cannot happen (the same keys, compactly); keep the library's file
-        return raw
-    return raw[:8] + header + b" " * (n - len(header)) + raw[8 + n:]
 
 
 def policy_from_state(state: Mapping[str, torch.Tensor], log_std_min: float = -5.0,

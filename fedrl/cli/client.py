@@ -33,15 +33,15 @@ class ControlClient(ControlCalls):
         """Write a global version as a policy file (``fedrl evaluate`` reads it): of ``run_id``
         (default: the current run), ``version`` (default: its latest). Returns the metadata
         written with it (run, version, env, algo, hyperparameters), read from the version itself."""
-        from fedrl.algos.policy_io import policy_from_state, save_policy
+        from fedrl.algos.policy_file import policy_tensors, write_policy_file
 
         if not run_id and not self.status().get("run_id"):
             raise ValueError("the aggregator has no run: nothing to fetch (a stored run: --run RUN; see runs)")
-        state, info, v, rid = self.fetch_version(run_id, version)
+        payload, info, v, rid = self.fetch_payload(run_id, version)  # no torch: a file moves, nothing trains
         hp = json.loads(info.get("hparams") or "{}")
         meta = {"env_id": info.get("env_id", ""), "algo": info.get("algo", ""), "run_id": rid, "version": v,
                 "hparams": hp}
-        save_policy(policy_from_state(state, hp.get("log_std_min", -5.0), hp.get("log_std_max", 2.0)), path, meta)
+        write_policy_file(policy_tensors(payload), path, meta, (hp.get("log_std_min", -5.0), hp.get("log_std_max", 2.0)))
         return meta
 
 

@@ -91,6 +91,29 @@ class ControlCalls:
         meta = payload_metadata(chunks)
         return assemble(manifest, chunks), meta, manifest.base_version, manifest.run_id
 
+    def fetch_payload(self, run_id: str = "", version: int = -1) -> tuple[bytes, dict[str, str], int, str]:
+        """A global version's safetensors bytes, checked against its manifest's size and checksum
+        without torch (``ctl fetch`` writes a file of them), the metadata they were written with,
+        its version and its run. CodecError when they are not what the manifest says."""
+        import json
+
+        from fedrl.wire.manifest import CodecError, checksum
+
+        fetch, _ = weights_calls(self.channel)
+        manifest, chunks = read_weight_messages(fetch(federation_pb2.FetchRequest(run_id=run_id, version=version),
+                                                      timeout=max(self.timeout, 120)))
+        payload = b"".join(bytes(c) for c in chunks)
+        if len(payload) != manifest.total_bytes:
+            raise CodecError("truncated", f"received {len(payload)} of {manifest.total_bytes} declared bytes")
+        if checksum(payload) != manifest.checksum:
+            raise CodecError("checksum_mismatch", "the version's bytes do not match its manifest's checksum")
+        n = int.from_bytes(payload[:8], "little")
+        try:
+            meta = json.loads(payload[8:8 + n]).get("__metadata__") or {}
+        except (ValueError, UnicodeDecodeError):
+            raise CodecError("bad_header", "the version's safetensors header is not JSON") from None
+        return payload, meta, manifest.base_version, manifest.run_id
+
     def fetch_global(self, run_id: str = "", version: int = -1) -> dict[str, torch.Tensor]:
         """Tensors of a global version (verified: size, checksum, names, shapes, finiteness)."""
         from fedrl.wire.codec import assemble

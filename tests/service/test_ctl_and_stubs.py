@@ -400,3 +400,31 @@ def test_set_takes_the_same_forms_in_ctl_start_up_and_simulate(aggregator, monke
     ns.given = set()  # as main sets it: no flag given, so none overrides a --set
     _check_sets(_sim_settings(ns))
     assert _ctl(aggregator.target, "start", "--set", "x.y=1").returncode != 0
+
+
+def test_ctl_fetch_writes_the_policy_file_save_policy_writes_and_loads_no_torch(aggregator, tmp_path):
+    """``ctl fetch`` moves a file: it writes the bytes ``save_policy`` writes of the policy rebuilt
+    from the version (torch's way, kept for the learners), in a process that never loads torch
+    (it took 14 s at load 8 when it did), and ``fedrl evaluate`` reads it."""
+    import json
+
+    from fedrl.algos.policy_io import load_policy, policy_from_state, save_policy
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    run_id = _finish_one_round_run(aggregator)
+    out = tmp_path / "p.safetensors"
+    probe = ("import sys; from fedrl.cli import main; rc = main(sys.argv[1:]); "
+             "sys.exit(rc or (3 if 'torch' in sys.modules else 0))")
+    p = subprocess.run([sys.executable, "-c", probe, "ctl", "--target", aggregator.target, "fetch", "--out", str(out),
+                        "--json"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr  # 3: torch was loaded
+    with ControlClient(aggregator.target) as c:
+        state, info, v, rid = c.fetch_version(run_id, -1)
+    hp = json.loads(info.get("hparams") or "{}")
+    meta = {"env_id": info.get("env_id", ""), "algo": info.get("algo", ""), "run_id": rid, "version": v, "hparams": hp}
+    ref = save_policy(policy_from_state(state, hp.get("log_std_min", -5.0), hp.get("log_std_max", 2.0)),
+                      tmp_path / "ref.safetensors", meta)
+    assert out.read_bytes() == ref.read_bytes()
+    policy, read = load_policy(out)
+    assert read["run_id"] == run_id and read["version"] == 1
