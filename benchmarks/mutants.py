@@ -267,6 +267,11 @@ MUTANTS = (
     Mutant("stopped-watch-ends-at-once", "aggregator_service/lifecycle.py",
            "if run.cfg.eval_episodes == 0 or not self.registry.evaluators_following():", "if True:",
            ("tests/service/test_ctl_and_stubs.py",)),
+    Mutant("pool-count-uncapped", "fedrl/data/normalize.py",
+           "weights = np.minimum(counts, COUNT_CAP * np.median(counts))", "weights = counts", ("tests/unit/test_data.py",)),
+    Mutant("pool-mean-unclipped", "fedrl/data/normalize.py",
+           "m = np.clip(means, med_mean - MEAN_CLIP * med_std, med_mean + MEAN_CLIP * med_std)", "m = means",
+           ("tests/unit/test_data.py",)),
     # a run resumed on data other than it started on (a dataset remade on another machine)
     Mutant("resume-ignores-the-contents", CKPT,
            'or old.get("sha256", new.get("sha256")) != new.get("sha256")]', "]", SIM_TESTS),

@@ -70,6 +70,40 @@ def consistent(stats: list[ObsStats]) -> list[bool]:
     return ok.tolist() if ok.sum() * 2 > len(stats) else [True] * len(stats)  # no majority: judge nothing
 
 
+# One agent's weight in the pool is at most COUNT_CAP times the agents' median count (a count is
+# the agent's own word), and its mean enters clipped to MEAN_CLIP median stds of the agents'
+# median mean (its std to [1/MEAN_CLIP, MEAN_CLIP] median stds). Honest agents of one task sit well
+# inside both, and their pool is then the exact pooled moments, bit for bit.
+COUNT_CAP, MEAN_CLIP = 2.0, 10.0
+
+
+def bounded_pool(stats: list[ObsStats]) -> ObsStats:
+    """The pooled moments of ``stats``, one agent's influence bounded (with three or more agents).
+
+    Each agent weighs min(count, COUNT_CAP x median count), and its mean and std enter clipped to
+    the agents' median mean +- MEAN_CLIP median stds and to [median std / MEAN_CLIP, MEAN_CLIP x
+    median std], per dimension. So one agent moves the pooled mean, in each dimension, by at most
+    its capped share of the pool times (MEAN_CLIP median stds + the other agents' own distance from
+    the median mean): with n - 1 honest agents of equal counts whose means agree, by at most
+    2 MEAN_CLIP / (n + 1) median stds (5.0 among 3 agents, 3.3 among 5, 2.0 among 9), where plain
+    pooling let one agent under the outlier rule, declaring a large count, move it ~100. When no
+    agent needs capping or clipping, this is :meth:`ObsStats.pool` exactly."""
+    if len(stats) < 3:
+        return ObsStats.pool(stats)
+    counts = np.array([s.count for s in stats], dtype=np.float64)
+    means = np.array([s.total / max(s.count, 1) for s in stats], dtype=np.float64)
+    sq = np.array([s.total_sq / max(s.count, 1) for s in stats], dtype=np.float64)
+    stds = np.sqrt(np.maximum(sq - means * means, 0.0))
+    med_mean, med_std = np.median(means, axis=0), np.maximum(np.median(stds, axis=0), STD_FLOOR)
+    weights = np.minimum(counts, COUNT_CAP * np.median(counts))
+    m = np.clip(means, med_mean - MEAN_CLIP * med_std, med_mean + MEAN_CLIP * med_std)
+    sd = np.clip(stds, med_std / MEAN_CLIP, MEAN_CLIP * med_std)
+    if np.array_equal(weights, counts) and np.array_equal(m, means) and np.array_equal(sd, stds):
+        return ObsStats.pool(stats)
+    w = (weights / weights.sum())[:, None]  # each agent's share of the pool
+    return ObsStats(1, (w * m).sum(axis=0), (w * (sd * sd + m * m)).sum(axis=0))  # moments of one unit of weight
+
+
 def identity(dim: int) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(dim, np.float32), np.ones(dim, np.float32)
 
@@ -82,7 +116,7 @@ def global_normalizer(mode: str, stats: list[ObsStats]) -> tuple[np.ndarray, np.
     if mode == "none":
         return identity(len(stats[0].total))
     if mode == "pooled":
-        return ObsStats.pool([s for s, ok in zip(stats, consistent(stats)) if ok]).mean_std()
+        return bounded_pool([s for s, ok in zip(stats, consistent(stats)) if ok]).mean_std()
     per = [s.mean_std() for s in stats]
     return (np.mean([m for m, _ in per], axis=0, dtype=np.float64).astype(np.float32),
             np.mean([sd for _, sd in per], axis=0, dtype=np.float64).astype(np.float32))

@@ -380,3 +380,51 @@ def test_the_outlier_rule_measures_distance_in_the_agents_median_std(scale):
             m = median_mean.copy()
             m[dim] += k * OUTLIER_FACTOR * stds[dim]
             assert consistent([*honest, agent(m, stds)])[-1] is enters, (dim, k)
+
+
+def _agent(mean, std, n):
+    from fedrl.data.normalize import ObsStats
+
+    mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+    return ObsStats(n, n * mean, n * (std ** 2 + mean ** 2))
+
+
+@pytest.mark.parametrize("n", [3, 5, 9])
+def test_one_agent_moves_the_pooled_mean_by_at_most_the_stated_bound(n):
+    """n - 1 honest agents (mean 0, std 1, 1,000 observations each) and one just under the outlier
+    rule (99 median stds away) declaring a billion observations: plain pooling put the honest
+    agents' data ~99 of their stds off centre; the bounded pool moves its mean by at most
+    2 MEAN_CLIP / (n + 1) median stds, and here by exactly that (the boundary)."""
+    from fedrl.data.normalize import MEAN_CLIP, OUTLIER_FACTOR, ObsStats, consistent, global_normalizer
+
+    honest = [_agent([0.0, 0.0], [1.0, 1.0], 1000) for _ in range(n - 1)]
+    poison = _agent([0.99 * OUTLIER_FACTOR, -0.99 * OUTLIER_FACTOR], [1.0, 1.0], 10 ** 9)
+    assert all(consistent([*honest, poison]))  # the outlier rule lets it in
+    plain = ObsStats.pool([*honest, poison]).mean_std()[0]
+    assert np.all(np.abs(plain) > 0.98 * OUTLIER_FACTOR)
+    mean, std = global_normalizer("pooled", [*honest, poison])
+    bound = 2 * MEAN_CLIP / (n + 1)
+    assert np.allclose(np.abs(mean), bound, rtol=1e-6), (mean, bound)
+    assert np.all(np.isfinite(std)) and np.all(std < MEAN_CLIP)
+
+
+def test_the_bounded_pool_of_honest_agents_is_the_exact_pool_bit_for_bit():
+    """Counts within twice the median and means within ten median stds: nothing is capped or
+    clipped, and the pool is the exact pooled moments (the normaliser every run had)."""
+    from fedrl.data.normalize import ObsStats, global_normalizer
+
+    rng = np.random.default_rng(3)
+    honest = [ObsStats.of(rng.normal(loc=0.5 * i, scale=1 + 0.2 * i, size=(600 + 300 * i, 4))) for i in range(4)]
+    exact = ObsStats.pool(honest).mean_std()
+    assert all(np.array_equal(a, b) for a, b in zip(global_normalizer("pooled", honest), exact))
+
+
+def test_a_tiny_or_huge_std_enters_clipped():
+    from fedrl.data.normalize import MEAN_CLIP, global_normalizer
+
+    honest = [_agent([0.0], [1.0], 1000) for _ in range(4)]
+    for odd in (1e-9, 50.0):  # inside the outlier rule (100 x), outside the clip (10 x)
+        _, std = global_normalizer("pooled", [*honest, _agent([0.0], [odd], 1000)])
+        plain_var = (4 + odd ** 2) / 5
+        assert std[0] != pytest.approx(np.sqrt(plain_var), rel=1e-3) or odd < 1
+        assert std[0] <= np.sqrt((4 + MEAN_CLIP ** 2) / 5) + 1e-6
