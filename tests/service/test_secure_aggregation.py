@@ -343,3 +343,50 @@ def test_round_0_gathers_the_moments_before_any_version(aggregator):
     assert_refused(lambda: list(aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st["run_id"], version=0),
                                                            timeout=5)),
                    grpc.StatusCode.FAILED_PRECONDITION, "has not made its first version")
+
+
+def test_weighting_by_samples_and_round_0_are_right_when_shards_differ_in_size(aggregator, agent_threads,
+                                                                               random_dataset, tmp_path, one_thread):
+    """Shards of 3 different sizes, weighting=samples: version 0's normaliser is the exact pooled
+    moments (within the fixed point's bound; uniform weights would be far off) and version 1 is
+    the simulation's under the same protocol, bit for bit (its weighted average)."""
+    import numpy as np
+
+    from fedrl.data.normalize import ObsStats
+
+    shards, _ = load_shards([str(random_dataset)], 3, 2, 7, None, lambda m: None)
+    sizes = [len(sh.transitions) for sh in shards]
+    assert len(set(sizes)) == 3, sizes
+    states = {}
+    simulate(SimConfig(algo="drpo", datasets=(str(random_dataset),), agents=3, trajectories=2, rounds=1, local_steps=3,
+                       eval_episodes=0, seed=7, device="cpu", drpo=SMALL, bc=SMALL_BC, secagg_threshold=2,
+                       weighting="samples"),
+             tmp_path / "sim", log=lambda m: None, on_round=lambda r, s: states.__setitem__(r, s))
+    _, run_id = _start(aggregator, agent_threads, random_dataset, 3, session=False, rounds=1, secagg_threshold=2,
+                       weighting="samples")
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]
+    v0 = aggregator.store.load_version(run_id, 0)
+    exact_mean, exact_std = ObsStats.pool([ObsStats.of(sh.transitions.obs) for sh in shards]).mean_std()
+    uniform = np.mean([ObsStats.of(sh.transitions.obs).mean_std()[0] for sh in shards], axis=0)
+    got = v0["policy.obs_mean"].numpy()
+    assert np.allclose(got, exact_mean, atol=1e-5) and np.allclose(v0["policy.obs_std"].numpy(), exact_std, atol=1e-5)
+    assert np.abs(uniform - exact_mean).max() > 100 * np.abs(got - exact_mean).max()  # the weights matter here
+    stored = aggregator.store.load_version(run_id, 1)
+    for k in stored:
+        assert torch.equal(stored[k], states[1][k]), k
+
+
+def test_adaptive_clipping_counts_the_survivors_alone_when_an_agent_drops(aggregator, agent_threads, stand_dataset,
+                                                                          one_thread):
+    """Every update within the norm (1e3), no noise: the share within it is 1 whoever survives.
+    agent-2 leaves before masking: the sum's count and weight are the two survivors', so the
+    share is still 1 (not 2/3: the estimate stays unbiased)."""
+    agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2, algo="fed-bc",
+                            dp_clip=1e3, dp_clip_quantile=0.5, dp_clip_lr=0.5, round_timeout=4.0)
+    _stop_at(agents[2], "masked")
+    done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
+    assert done["state"] == "finished", done["message"]
+    closed = [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert closed[0]["agents"] == ["agent-0", "agent-1"]
+    assert closed[0]["metrics"]["dp_unclipped_fraction"] == pytest.approx(1.0, abs=1e-8)
