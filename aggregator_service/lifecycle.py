@@ -31,7 +31,7 @@ from aggregator_service.records import (
 from aggregator_service.rounds import Rounds
 from aggregator_service.store import Store
 from fedrl.federation.machine import Plan, RoundMachine
-from fedrl.federation.privacy import privacy_spent
+from fedrl.federation.privacy import privacy_spent, warm_epsilon
 from fedrl.federation.runconfig import (
     ConfigError,
     parse_run_config,
@@ -59,6 +59,7 @@ class RunLifecycle:
         if cfg.dp_clip:  # the accountant's first call imports it (seconds at load): here, not under the lock
             try:
                 privacy_spent(cfg, cfg.rounds)
+                warm_epsilon(cfg, 1)  # round 1's close and round 2's budget check find them computed
             except (ArithmeticError, ValueError) as e:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"invalid run config: the privacy accountant cannot take these settings: {e}",

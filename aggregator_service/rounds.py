@@ -34,7 +34,7 @@ from aggregator_service.start import RunStart
 from aggregator_service.store import Store
 from fedrl.federation.aggregate import AggregationError, agent_weights
 from fedrl.federation.machine import Closed, Finished, Open, Refused, Stopped, Update
-from fedrl.federation.privacy import PRIVACY_EPSILON, fraction_from_shares, noise_generator
+from fedrl.federation.privacy import PRIVACY_EPSILON, fraction_from_shares, noise_generator, warm_epsilon
 from fedrl.federation.secagg import SecAggError, SecAggParams, dequantize
 from fedrl.federation.secagg_sums import average_from_sum, extras_from_sum, moments_from_sum
 from fedrl.ops.metrics import AggregatorMetrics
@@ -401,6 +401,8 @@ class Rounds:
             # Once it ends, both go back to the OS.
             self.buffers.keep = run.cfg.agents if active else 0
             self.averages.keep = AVERAGES_KEPT if active else 0
+            if active and run.cfg.dp_clip:  # the accountant's values the open round's close will ask for
+                warm_epsilon(run.cfg, max(run.round, 1))
             if was_active and not active:
                 release_free_memory()
             was_active = active

@@ -31,6 +31,7 @@ sends none); floating-point Gaussian noise is not exactly the mechanism analysed
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 from collections.abc import Mapping
@@ -203,12 +204,15 @@ def next_clip(clip: float, unclipped_fraction: float, quantile: float, lr: float
     return math.exp(min(max(step, math.log(low)), math.log(high)))
 
 
+@functools.lru_cache(maxsize=4096)
 def epsilon(noise: float, rounds: int, delta: float, count_noise: float = 0.0) -> float:
     """The epsilon at ``delta`` that ``rounds`` rounds of the Gaussian mechanism with noise
     multiplier ``noise`` spend (every agent in every round), by ``dp-accounting``'s RDP
     accountant; ``inf`` without noise, 0 before the first round. With ``count_noise`` (adaptive
     clipping) each round is two Gaussian mechanisms, the updates' at :func:`update_noise` and the
-    centred count's at ``2 * count_noise``, composed by the accountant."""
+    centred count's at ``2 * count_noise``, composed by the accountant. Kept once computed (a few
+    thousand values): the aggregator computes a round's ahead of its close, off its lock
+    (:func:`warm_epsilon`), so that the close finds it."""
     if rounds <= 0:
         return 0.0
     if not noise > 0:
@@ -222,6 +226,14 @@ def epsilon(noise: float, rounds: int, delta: float, count_noise: float = 0.0) -
     acc = rdp.RdpAccountant()
     acc.compose(dp_event.SelfComposedDpEvent(one, rounds))
     return float(acc.get_epsilon(delta))
+
+
+def warm_epsilon(cfg, rounds: int) -> None:
+    """Compute (and keep) what the rounds of a run of settings ``cfg`` will ask the accountant for
+    around round ``rounds``: the epsilon spent by it and by the round after (the budget's check)."""
+    if cfg.dp_clip and cfg.dp_noise:
+        for r in (rounds, rounds + 1):
+            epsilon(cfg.dp_noise, r, cfg.dp_delta, count_noise(cfg))
 
 
 def count_noise(cfg) -> float:

@@ -407,3 +407,35 @@ def test_an_update_that_arrives_after_stop_run_makes_no_version(aggregator, how)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
     assert aggregator.store.versions(run_id) == [0] and status(aggregator)["state"] == "stopped"
     assert unknown_answers(aggregator) == 0
+
+
+def test_no_accountant_call_runs_under_the_coordinators_lock(aggregator, monkeypatch):
+    """A DP run with a budget over six rounds: every epsilon a close or a budget check asks for
+    was computed ahead, off the lock (StartRun, then the clock); under the lock they are read."""
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    from fedrl.federation.privacy import epsilon
+    from tests.service.test_federation import join
+
+    epsilon.cache_clear()
+    held, real = [], rdp.RdpAccountant.get_epsilon
+    lock = aggregator.coord.shared.cond
+
+    def recording(self, *a, **k):
+        held.append(lock._is_owned())
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(rdp.RdpAccountant, "get_epsilon", recording)
+    import aggregator_service.rounds as rounds_mod
+
+    warmed, warm = set(), rounds_mod.warm_epsilon
+    monkeypatch.setattr(rounds_mod, "warm_epsilon", lambda cfg, r: (warm(cfg, r), warmed.add(r)))
+    for i in range(2):
+        join(aggregator, f"a{i}", i)
+    run_id = start(aggregator, rounds=6, dp_clip=1.0, dp_noise=1.1, dp_epsilon_budget=100.0, obs_norm="none")["run_id"]
+    for r in range(1, 7):
+        # the clock warms round r's values once the round is open (a tick is 20 ms here)
+        wait_for(lambda: aggregator.coord.status()["round"] == r and r in warmed, what=f"round {r}'s epsilon ahead of its close")
+        _unchanged_updates(aggregator, run_id, ["a0", "a1"], round_=r, base=r - 1)
+    assert ended(aggregator)["state"] == "finished"
+    assert held and not any(held), held  # computed, and never with the lock held
