@@ -272,6 +272,8 @@ MUTANTS = (
     Mutant("pool-mean-unclipped", "fedrl/data/normalize.py",
            "m = np.clip(means, med_mean - MEAN_CLIP * med_std, med_mean + MEAN_CLIP * med_std)", "m = means",
            ("tests/unit/test_data.py",)),
+    Mutant("epsilon-not-warmed", COORD, "                warm_epsilon(run.cfg, max(run.round, 1))\n",
+           "                pass\n", PRIVATE_TESTS),
     # a run resumed on data other than it started on (a dataset remade on another machine)
     Mutant("resume-ignores-the-contents", CKPT,
            'or old.get("sha256", new.get("sha256")) != new.get("sha256")]', "]", SIM_TESTS),
