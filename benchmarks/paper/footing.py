@@ -209,14 +209,7 @@ def seed_md(results: list[dict[str, Any]], quality: dict[str, dict[str, float]])
 def walker_md(held: list[dict[str, Any]]) -> str:
     """The second task's table (as the verdict's) and its sentence."""
     s = verdict.summary(held)
-    rows = [f"| method | final, 50 episodes | mean of the last {verdict.LAST} rounds | best round | seeds | "
-            f"by seed: final / last {verdict.LAST} / best (round) |", "| --- | --- | --- | --- | --- | --- |"]
-    for m in HELD_METHODS:
-        xs = s.get(m, [])
-        rows.append(f"| {verdict.LABEL[m]} | {verdict._ms([x['final50'] for x in xs])} | "
-                    f"{verdict._ms([x['last'] for x in xs])} | {verdict._ms([x['best'] for x in xs])} | "
-                    f"{len(xs)} of {len(verdict.HELDOUT.seeds)} | "
-                    f"{'<br>'.join(verdict._seed_line(x) for x in xs) or 'not run yet'} |")
+    rows = [verdict.method_table(held, HELD_METHODS, len(verdict.HELDOUT.seeds))]
     n, want = sum(len(s.get(m, [])) for m in HELD_METHODS), len(HELD_METHODS) * len(verdict.HELDOUT.seeds)
     if n < want:
         said = (f"**The second task** (Walker2d-v5 medium, the verdict's protocol): not in yet, {n} of {want} cells "

@@ -90,3 +90,17 @@ def _pick(paper: list[float], gradient: list[float]) -> str:
 
 def heldout_cells(root: Path = RESULTS) -> list[dict[str, Any]]:
     return [r for r in runs.load_results(HELDOUT, "table", root) if r.get("curve")]
+
+
+def method_table(results: list[dict[str, Any]], methods: tuple[str, ...], seeds: int) -> str:
+    """Per method, the final score (50 episodes), the mean of the last rounds and the best round,
+    as mean ± std over seeds and per seed (``seeds``: how many the table expects)."""
+    s = summary(results)
+    rows = [f"| method | final, 50 episodes | mean of the last {LAST} rounds | best round | seeds | "
+            f"by seed: final / last {LAST} / best (round) |", "| --- | --- | --- | --- | --- | --- |"]
+    for m in methods:
+        xs = s.get(m, [])
+        rows.append(f"| {LABEL[m]} | {_ms([x['final50'] for x in xs])} | {_ms([x['last'] for x in xs])} | "
+                    f"{_ms([x['best'] for x in xs])} | {len(xs)} of {seeds} | "
+                    f"{'<br>'.join(_seed_line(x) for x in xs) or 'not run yet'} |")
+    return "\n".join(rows)

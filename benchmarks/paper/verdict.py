@@ -61,21 +61,14 @@ from benchmarks.paper.readings import (  # noqa: F401 - the verdict's names, kep
     chosen_critic,
     _pick,
     heldout_cells,
+    method_table,
 )
 
 DATA_RETURNS = "data_returns.json"
 
 
 def table_md(results: list[dict[str, Any]]) -> str:
-    s = summary(results)
-    rows = [f"| method | final, 50 episodes | mean of the last {LAST} rounds | best round | seeds | "
-            f"by seed: final / last {LAST} / best (round) |", "| --- | --- | --- | --- | --- | --- |"]
-    for m in COLUMNS:
-        xs = s.get(m, [])
-        rows.append(f"| {LABEL[m]} | {_ms([x['final50'] for x in xs])} | {_ms([x['last'] for x in xs])} | "
-                    f"{_ms([x['best'] for x in xs])} | {len(xs)} of {len(PRESET.seeds)} | "
-                    f"{'<br>'.join(_seed_line(x) for x in xs) or 'not run yet'} |")
-    return "\n".join(rows)
+    return method_table(results, COLUMNS, len(PRESET.seeds))
 
 
 def _data_of(r: dict[str, Any]) -> tuple[tuple, tuple | None]:

@@ -295,6 +295,18 @@ def test_the_explicit_examples_set_every_kind_of_field():
 
 
 
+def _secure_run_of_two(tmp_path, obs_norm: str):
+    """An aggregator whose secure run (threshold 2) has agents a0 and a1 joined and open:
+    (aggregator, run id, the SecureAggregation method's path and descriptor)."""
+    agg = Aggregator(tmp_path / "state", task_wait=0.2)
+    join(agg, "a0", 0)
+    join(agg, "a1", 1)
+    run_id = status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(secagg_threshold=2, obs_norm=obs_norm)), timeout=5))["run_id"]
+    name, method = next((n, m) for n, m in FED if m.name == "SecureAggregation")
+    return agg, run_id, name, method
+
+
 @pytest.mark.parametrize("obs_norm, round_", [("none", 1), ("pooled", 0)])
 def test_secure_aggregation_steps_of_the_run_s_own_agents_answer_random_content_specifically(tmp_path, obs_norm,
                                                                                               round_):
@@ -302,13 +314,8 @@ def test_secure_aggregation_steps_of_the_run_s_own_agents_answer_random_content_
     names a real agent of an open secure run and its round (1; or 0, the observation moments'),
     so the steps' own checks (sizes, order, shares per roster agent) meet random content: never
     UNKNOWN/INTERNAL, and no version is made of it."""
-    agg = Aggregator(tmp_path / "state", task_wait=0.2)
+    agg, run_id, name, method = _secure_run_of_two(tmp_path, obs_norm)
     try:
-        join(agg, "a0", 0)
-        join(agg, "a1", 1)
-        run_id = status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(
-            config_json=run_config(secagg_threshold=2, obs_norm=obs_norm)), timeout=5))["run_id"]
-        name, method = next((n, m) for n, m in FED if m.name == "SecureAggregation")
         assert agg.coord.run.round == round_
 
         def own(m, agent):
@@ -350,13 +357,8 @@ def test_secure_aggregation_played_as_real_agents_answers_random_content_at_ever
     from fedrl.federation.secagg import AgentSession, PublicKeys, SecAggParams
     from fedrl.federation.secagg_sums import moments_params
 
-    agg = Aggregator(tmp_path / "state", task_wait=0.2)
+    agg, run_id, name, method = _secure_run_of_two(tmp_path, obs_norm)
     try:
-        join(agg, "a0", 0)
-        join(agg, "a1", 1)
-        run_id = status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(
-            config_json=run_config(secagg_threshold=2, obs_norm=obs_norm)), timeout=5))["run_id"]
-        name, method = next((n, m) for n, m in FED if m.name == "SecureAggregation")
         context = f"{run_id}/{round_}".encode()
         params = moments_params(2, context) if round_ == 0 else SecAggParams(threshold=2, context=context)
         me = {a: AgentSession(a, params) for a in ("a0", "a1")}
