@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedrl.data.errors import DatasetError
     from fedrl.data.partition import Shard
     from fedrl.data.registry import infer_env, load
-    from fedrl.federation.simulate import load_shards
+    from fedrl.federation.shards import load_shards
     from fedrl.wire.security import tls_from_args
 
     log = logging.getLogger("fedrl.agent")

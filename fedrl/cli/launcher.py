@@ -140,11 +140,8 @@ class Launcher:
         from fedrl.cli.client import ControlClient
         from fedrl.common.device import resolve_device
         from fedrl.data.registry import check_one_env, resolve
-        from fedrl.federation.simulate import (
-            load_shards,
-            parse_source,
-            refuse_a_used_folder,
-        )
+        from fedrl.federation.shards import load_shards, parse_source
+        from fedrl.federation.simulate import refuse_a_used_folder
 
         cfg = self.cfg
         # its results would be overwritten and its state directory mixed with this run's
@@ -352,7 +349,7 @@ class Launcher:
         env = final.get("env_id", "")
         if curve and env:
             from fedrl.envs import env_info
-            from fedrl.federation.simulate import parse_source
+            from fedrl.federation.shards import parse_source
             from fedrl.ops.plotting import learning_curve
             run = self.cfg.run
             names = ", ".join(Path(parse_source(d, run.agents)[0]).name for d in self.cfg.datasets)

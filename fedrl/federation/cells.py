@@ -42,7 +42,8 @@ from fedrl.federation.round import (
 from fedrl.federation.machine import Plan, RoundMachine, Update
 from fedrl.federation.checkpoint import atomic_save, recorded_settings, same_data, settings
 from fedrl.federation.simconfig import SimConfig
-from fedrl.federation.simulate import curve_point, load_shards, round_evaluation
+from fedrl.federation.shards import load_shards
+from fedrl.federation.simulate import curve_point, round_evaluation
 
 CHECKPOINT = "cells-checkpoint.safetensors"
 SHARED = ("rounds", "local_steps", "eval_every", "eval_episodes", "federate", "obs_norm", "device", "grad_norms_every")

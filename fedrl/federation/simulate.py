@@ -23,12 +23,7 @@ from fedrl.algos.nets import TanhGaussianPolicy
 from fedrl.algos.policy_io import save_policy
 from fedrl.common.device import derive_seed, resolve_device, seed_everything
 from fedrl.common.progress import Progress
-from fedrl.data.d4rl import check_env_dims, to_transitions
-from fedrl.data.errors import DatasetError
 from fedrl.data.normalize import ObsStats, agent_normalizer, global_normalizer
-from fedrl.data.partition import Shard, ShardSource, partition
-from fedrl.data.registry import check_one_env, infer_env, load
-from fedrl.envs import EnvInfo
 from fedrl.envs.evaluation import evaluate
 from fedrl.federation.aggregate import agent_weights
 from fedrl.federation.checkpoint import (
@@ -44,7 +39,6 @@ from fedrl.federation.checkpoint import (
 from fedrl.federation.round import (
     DRAWS,
     SEED_EVAL,
-    SEED_SHARDS,
     BatchedTrainer,
     LocalResult,
     LocalTrainer,
@@ -53,6 +47,7 @@ from fedrl.federation.round import (
 )
 from fedrl.federation.machine import Open, Plan, RoundMachine, Stopped, Update
 from fedrl.federation.privacy import agent_clip, fraction_from_shares, task_clip
+from fedrl.federation.shards import load_shards, parse_source  # noqa: F401 - re-exported for the simulator's users
 from fedrl.federation.simconfig import ENGINES, SimConfig  # noqa: F401 - ENGINES re-exported
 
 
@@ -67,46 +62,12 @@ def resolve_engine(engine: str, device: torch.device) -> str:
         return "batched" if device.type == "cuda" else "per-agent"
     return engine
 
-def parse_source(spec: str, default_agents: int) -> tuple[str, int]:
-    """``PATH`` or ``PATH:N`` -> (path, agents)."""
-    head, sep, tail = spec.rpartition(":")
-    if sep and tail.isdigit() and head:
-        return head, int(tail)
-    return spec, default_agents
-
-
 def refuse_a_used_folder(out: str | Path, markers: tuple[str, ...]) -> None:
     """Raise (naming them) if ``out`` holds any of ``markers``: a run's results are never written
     over by another's."""
     held = [n for n in markers if (Path(out) / n).exists()]
     if held:
         raise ValueError(f"{out} already holds a run ({', '.join(held)}): pass another --out or remove it")
-
-
-def load_shards(datasets: tuple[str, ...] | list[str], default_agents: int, trajectories: int,
-                seed: int, env_name: str | None, log: Callable[[str], None],
-                transitions: int = 0) -> tuple[list[Shard], EnvInfo]:
-    """Load every source, check it against the env, deal trajectories to agents (seeded).
-
-    The agent service calls this too and keeps only its own shard, so a service run and an
-    in-process run with the same settings train on identical data.
-    """
-    sources, env = [], None
-    check_one_env([parse_source(spec, default_agents)[0] for spec in datasets])
-    for spec in datasets:
-        path, n_agents = parse_source(spec, default_agents)
-        raw = load(path, progress=log)
-        e = infer_env(raw, path, env_name)
-        env = env or e
-        if e.key != env.key:
-            raise ValueError(f"datasets mix environments: {env.gym_id} and {e.gym_id} ({path})")
-        try:  # the evaluator must be able to produce this observation layout
-            env.gym_kwargs(raw.obs_dim)
-        except ValueError as e:
-            raise DatasetError(raw.source, f"observations have {raw.obs_dim} dims: {e}") from None
-        check_env_dims(raw, raw.obs_dim, env.act_dim, env.gym_id)
-        sources.append(ShardSource(raw.source, to_transitions(raw), n_agents))
-    return partition(sources, trajectories, derive_seed(seed, SEED_SHARDS), transitions=transitions), env
 
 
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
