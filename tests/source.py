@@ -34,3 +34,30 @@ def files(top: str | Path, pattern: str = "*.py") -> list[Path]:
     else:
         found = (p for p in tracked if p.is_relative_to(base) and p.match(pattern) and p.is_file())
     return sorted(found)
+
+
+def round_record_fields() -> dict[str, str]:
+    """The fields of a ``rounds.jsonl`` record as docs/guides/simulate.md documents them
+    (its ``round-record`` table): name -> what it holds."""
+    text = (ROOT / "docs" / "guides" / "simulate.md").read_text()
+    table = text.split("<!-- round-record -->", 1)[1].split("<!-- end:round-record -->", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.strip().splitlines()[2:]]
+    return {name.strip().strip("`"): what.strip() for name, what in rows}
+
+
+def check_round_record(rec: dict, producer: str) -> None:
+    """``rec`` (a rounds.jsonl line of ``producer``, "up" or "simulate") holds only documented
+    fields, every field both producers write, and, for nested ones, only documented names."""
+    import re
+
+    doc = round_record_fields()
+    assert set(rec) <= set(doc), sorted(set(rec) - set(doc))
+    assert {"round", "version", "seconds", "agents", "metrics"} <= set(rec), sorted(rec)
+    assert ("train_seconds" in rec) == (producer == "simulate")
+    if "eval" in rec:
+        assert {"return_mean", "return_std", "score_mean", "score_std"} <= set(rec["eval"]), rec["eval"]
+    for field in ("privacy", "secure_aggregation"):
+        if field in rec:
+            named = set(re.findall(r"`(\w+)`", doc[field]))
+            extra = set(rec[field]) - named - ({"bound", "seconds"} if field == "secure_aggregation" else set())
+            assert not extra, (field, sorted(extra))

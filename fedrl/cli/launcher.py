@@ -314,15 +314,13 @@ class Launcher:
             e = events[seen]
             seen += 1
             if e["kind"] == "ROUND_CLOSED":
-                rounds[e["version"]] = {"round": e["round"], "version": e["version"], "seconds": e["seconds"],
-                                        "agents": e["agents"], **{f"loss_{k}": v for k, v in e["metrics"].items()}}
+                rounds[e["version"]] = round_record(e, self.cfg.run)
                 bar.set(e["round"] * per_round)
                 if not self.cfg.run.eval_episodes:
                     say(round_line(rounds[e["version"]], self.cfg.run))
             elif e["kind"] == "EVALUATED" and e["version"] in rounds:
                 ev = e["evaluation"]
-                rounds[e["version"]].update(return_mean=ev["return_mean"], return_std=ev["return_std"],
-                                            score_mean=ev["score_mean"], score_std=ev["score_std"])
+                rounds[e["version"]]["eval"] = {k: ev[k] for k in ("return_mean", "return_std", "score_mean", "score_std")}
                 say(round_line(rounds[e["version"]], self.cfg.run))
             elif e["kind"] in ("RUN_FAILED", "RUN_STOPPED"):  # said once the last rounds' evaluations are in
                 ending = f"run {e['kind'].split('_')[1].lower()}: {e.get('message', '')}"
@@ -339,13 +337,13 @@ class Launcher:
         with open(self.out / "rounds.jsonl", "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-        keys = sorted({k for r in rows for k in r if k != "agents"})
+        flat = [flat_row(r) for r in rows]
+        keys = list(dict.fromkeys(k for r in flat for k in r))
         with open(self.out / "rounds.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             w.writeheader()
-            w.writerows(rows)
-        curve = [{"round": r["round"], **{k: r[k] for k in ("return_mean", "return_std", "score_mean", "score_std")}}
-                 for r in rows if "return_mean" in r]
+            w.writerows(flat)
+        curve = [{"round": r["round"], **r["eval"]} for r in rows if "eval" in r]
         env = final.get("env_id", "")
         if curve and env:
             from fedrl.envs import env_info
@@ -363,6 +361,43 @@ class Launcher:
             summary["privacy"] = final["privacy"]
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+# ROUND_CLOSED's metrics that are differential privacy's (the record's ``privacy``), by their name there
+PRIVACY_METRICS = {"privacy_epsilon": "epsilon", "dp_clip": "clip", "dp_unclipped_fraction": "unclipped_fraction",
+                   "dp_clip_next": "clip_next"}
+
+
+def round_record(e: dict[str, Any], run: RunConfig) -> dict[str, Any]:
+    """A round's line of ``rounds.jsonl`` from its ROUND_CLOSED event, in the schema ``fedrl
+    simulate`` writes (docs/guides/simulate.md): the agents' mean metrics (what the aggregator
+    saw; none under secure aggregation) under ``metrics``, privacy under ``privacy``, the survivors
+    of secure aggregation under ``secure_aggregation``; ``eval`` is added once evaluated."""
+    from fedrl.federation.privacy import privacy_spent
+
+    m = dict(e["metrics"])
+    rec: dict[str, Any] = {"round": e["round"], "version": e["version"], "seconds": e["seconds"],
+                           "agents": [{"agent": a} for a in e["agents"]],
+                           "metrics": {k: v for k, v in m.items() if k not in PRIVACY_METRICS}}
+    if run.dp_clip:
+        rec["privacy"] = privacy_spent(run, e["round"], m.get("dp_clip")) | {
+            PRIVACY_METRICS[k]: v for k, v in m.items() if k in PRIVACY_METRICS}
+        if "clipped" in m:
+            rec["privacy"]["clipped_fraction"] = m["clipped"]
+    if run.secagg_threshold:
+        rec["secure_aggregation"] = {"threshold": run.secagg_threshold, "agents": run.agents,
+                                     "survivors": len(e["agents"]), "dropped": run.agents - len(e["agents"])}
+    return rec
+
+
+def flat_row(r: dict[str, Any]) -> dict[str, Any]:
+    """A ``rounds.jsonl`` record as one ``rounds.csv`` row: its scalars, its metrics and its
+    evaluation by their own names, privacy's as ``privacy_<name>``, the agents as their number."""
+    out = {k: v for k, v in r.items() if not isinstance(v, (dict, list))}
+    out["agents"] = len(r.get("agents", ()))
+    out |= r.get("metrics", {}) | r.get("eval", {})
+    out |= {f"privacy_{k}": v for k, v in r.get("privacy", {}).items()}
+    return out
 
 
 def private_rounds(run: RunConfig) -> str:
@@ -384,20 +419,21 @@ def round_line(r: dict[str, Any], run: RunConfig) -> str:
     """One round as ``fedrl up`` prints it: the evaluation (once it exists), the mean losses, how
     many agents' updates made the round when fewer than the run's (a quorum at the deadline, or the
     survivors of secure aggregation), and under DP the budget spent and the clipping norm."""
-    ev = (f"return {r['return_mean']:8.1f} ± {r['return_std']:6.1f}  score {r['score_mean']:6.1f}"
-          if "return_mean" in r else "")
-    losses = "  ".join(f"{k[5:]}={v:.3g}" for k, v in r.items()
-                       if k in ("loss_critic_td", "loss_cql_penalty", "loss_reg_data", "loss_bc_loss"))
+    ev = r.get("eval")
+    shown = (f"return {ev['return_mean']:8.1f} ± {ev['return_std']:6.1f}  score {ev['score_mean']:6.1f}"
+             if ev else "")
+    losses = "  ".join(f"{k}={v:.3g}" for k, v in r.get("metrics", {}).items()
+                       if k in ("critic_td", "cql_penalty", "reg_data", "bc_loss"))
     n = len(r.get("agents") or ())
     if run.secagg_threshold:  # every secure round says how many agents' masked updates its sum holds
         short = f"  {n} of {run.agents} agents survived" if n else ""
     else:
         short = f"  {n} of {run.agents} agents" if 0 < n < run.agents else ""
-    eps = r.get("loss_privacy_epsilon")
-    spent = f"  epsilon {eps:.3g} (delta {run.dp_delta:g})" if eps is not None else ""
-    if (clip := r.get("loss_dp_clip")) is not None:  # adaptive clipping: the norm this round clipped to
-        spent += f"  clip {clip:.3g} -> {r['loss_dp_clip_next']:.3g}"
-    return f"round {r['round']:3d}/{run.rounds}  {ev}{'  ' + losses if losses else ''}{short}{spent}  [{r['seconds']:.1f}s]"
+    dp = r.get("privacy") or {}
+    spent = f"  epsilon {dp['epsilon']:.3g} (delta {dp['delta']:g})" if "epsilon" in dp else ""
+    if "clip_next" in dp:  # adaptive clipping: the norm this round clipped to, and the next
+        spent += f"  clip {dp['clip']:.3g} -> {dp['clip_next']:.3g}"
+    return f"round {r['round']:3d}/{run.rounds}  {shown}{'  ' + losses if losses else ''}{short}{spent}  [{r['seconds']:.1f}s]"
 
 
 def _interrupt(signum, frame) -> None:

@@ -240,9 +240,10 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             # a secure run records what its aggregator would learn: no agent's metrics (statistics of
             # its data), only its sample count and training time
             shown = [{} if cfg.secagg_threshold else res.metrics for res in results]
-            rec: dict[str, Any] = {"round": r, "train_seconds": train_s,
+            rec: dict[str, Any] = {"round": r, "version": machine.version, "train_seconds": train_s,
                                    "agents": [{"agent": res.agent, "num_samples": res.num_samples,
-                                               "seconds": res.seconds, **m} for res, m in zip(results, shown)]}
+                                               "seconds": res.seconds, **m} for res, m in zip(results, shown)],
+                                   "metrics": mean_metrics([m for m in shown if m])}
             rounds_run = r
             if cfg.dp_clip:
                 rec["privacy"] = privacy_record(cfg, r, [m for m in shown if m])
@@ -337,6 +338,12 @@ def secure_normalizer(cfg: SimConfig, stats: list[ObsStats]) -> tuple[tuple[np.n
 
 # adaptive clipping's round metrics (the machine's) -> their names in a round's privacy record
 ADAPTIVE = {"dp_clip": "clip", "dp_unclipped_fraction": "unclipped_fraction", "dp_clip_next": "clip_next"}
+
+
+def mean_metrics(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """The agents' mean of each metric they all report (what an aggregator's record holds)."""
+    keys = [k for k in metrics[0] if all(k in m for m in metrics)] if metrics else []
+    return {k: float(np.mean([m[k] for m in metrics])) for k in keys}
 
 
 def resumed_clip(cfg: SimConfig, lines: list[str]) -> float | None:

@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests import source
+
 TINY = {"drpo": {"hidden": [32, 32], "batch_size": 16, "cql_n_actions": 2},
         "bc": {"hidden": [32, 32], "batch_size": 16}}
 
@@ -32,8 +34,11 @@ def test_up_runs_the_federation_and_writes_the_run_folder(stand_dataset, tmp_pat
     assert p.returncode == 0, p.stdout + p.stderr
     assert "round   2/2" in p.stdout and "return" in p.stdout
     rows = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2] and all("return_mean" in r for r in rows)
-    assert (out / "rounds.csv").read_text().splitlines()[0].startswith("loss_")
+    assert [r["round"] for r in rows] == [1, 2] and all("return_mean" in r["eval"] for r in rows)
+    for r in rows:
+        source.check_round_record(r, "up")  # the schema fedrl simulate writes, as documented
+    head = (out / "rounds.csv").read_text().splitlines()[0].split(",")
+    assert head[:4] == ["round", "version", "seconds", "agents"] and "critic_td" in head and "return_mean" in head
     assert (out / "learning_curve.png").stat().st_size > 1000
     summary = json.loads((out / "summary.json").read_text())
     assert summary["state"] == "finished" and summary["env_id"] == "Hopper-v5"
@@ -70,7 +75,10 @@ def test_a_privacy_budget_stop_keeps_every_round_it_paid_for(stand_dataset, tmp_
     stop = next(i for i, x in enumerate(lines) if x.startswith("run stopped: privacy budget"))
     assert stop > last_round, p.stdout
     rows = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2] and all("return_mean" in r for r in rows)
+    assert [r["round"] for r in rows] == [1, 2] and all("return_mean" in r["eval"] for r in rows)
+    for r in rows:
+        source.check_round_record(r, "up")
+        assert r["privacy"]["epsilon"] == pytest.approx(epsilon(1.1, r["round"], 1e-5)) and "loss_privacy_epsilon" not in r
     summary = json.loads((out / "summary.json").read_text())
     assert summary["state"] == "stopped" and summary["final"]["round"] == 2, summary
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from fedrl.algos import BCConfig, DRPOConfig
 from fedrl.federation.simulate import SimConfig, run
+from tests import source
 
 TINY_DRPO = DRPOConfig(hidden=(16, 16), batch_size=16, cql_n_actions=2)
 TINY_BC = BCConfig(hidden=(16, 16), batch_size=16)
@@ -40,6 +41,10 @@ def test_cli_writes_a_complete_run_folder(tmp_path, random_dataset):
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(len(r["agents"]) == 2 and len(r["eval"]["returns"]) == 2 for r in rounds)
     assert {"critic_td", "cql_penalty", "reg_data", "reg_global"} <= set(rounds[0]["agents"][0])
+    for r in rounds:  # the schema fedrl up writes too, as documented; metrics: the agents' means
+        source.check_round_record(r, "simulate")
+        assert r["version"] == r["round"]
+        assert r["metrics"]["critic_td"] == pytest.approx(sum(a["critic_td"] for a in r["agents"]) / 2)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final"]["return_mean"] == rounds[-1]["eval"]["return_mean"]
     cfg = json.loads((out / "config.json").read_text())
@@ -576,6 +581,8 @@ def test_differential_privacy_reports_its_epsilon_each_round_and_stops_at_its_bu
     eps = [r["privacy"]["epsilon"] for r in rows]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(epsilon(1.0, 3, 1e-5))
     assert all(r["privacy"]["clipped_fraction"] == 1.0 for r in rows)  # a clip of 0.01 cuts every update
+    for r in rows:
+        source.check_round_record(r, "simulate")
     assert summary["stopped"].startswith("privacy budget: round 4 would spend epsilon")
     assert summary["privacy"]["rounds"] == 3 and any("epsilon" in m for m in logs)
 
