@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from fedrl.common import argtypes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--client", action="append", default=None,
                    help="client certificate to make, named by its identity: admin, or an agent id "
                         "(repeatable; default admin, agent-0, agent-1, agent-2)")
-    d.add_argument("--days", type=int, default=30)
+    d.add_argument("--days", type=argtypes.integer, default=30)
     p.set_defaults(func=_cmd_certs)
 
 

@@ -29,9 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mk.add_argument("--env", required=True, help="Hopper-v5, HalfCheetah-v5, Walker2d-v5 or Ant-v5")
     mk.add_argument("--quality", required=True, choices=QUALITIES)
     size = mk.add_mutually_exclusive_group()
-    size.add_argument("--episodes", type=int, default=None, help="whole episodes to record")
-    size.add_argument("--transitions", type=int, default=None, help="rows to record")
-    mk.add_argument("--seed", type=int, default=0)
+    size.add_argument("--episodes", type=argtypes.integer, default=None, help="whole episodes to record")
+    size.add_argument("--transitions", type=argtypes.integer, default=None, help="rows to record")
+    mk.add_argument("--seed", type=argtypes.integer, default=0)
     mk.add_argument("--out", required=True, help="output .hdf5 file (written atomically)")
     mk.add_argument("--behavior-dir", default=None,
                     help="a behaviour set written by ship-behavior (default: the shipped one)")
@@ -41,8 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                "train-behavior run and write a behaviour set")
     sh.add_argument("run", help="the --out folder of train-behavior")
     sh.add_argument("--dest", required=True, help="e.g. fedrl/behavior/checkpoints/hopper")
-    sh.add_argument("--replay-checkpoints", type=int, default=5)
-    sh.add_argument("--episodes", type=int, default=10, help="episodes per candidate measurement")
+    sh.add_argument("--replay-checkpoints", type=argtypes.integer, default=5)
+    sh.add_argument("--episodes", type=argtypes.integer, default=10, help="episodes per candidate measurement")
     sh.set_defaults(func=_cmd_ship_behavior)
 
     c = SACConfig()
@@ -52,14 +52,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "policies. Rerun the same command to resume after an interruption.")
     tb.add_argument("--env", required=True, help="Hopper-v5, HalfCheetah-v5, Walker2d-v5 or Ant-v5")
     tb.add_argument("--out", required=True, help="run folder (checkpoints/, progress.jsonl, state/)")
-    tb.add_argument("--steps", type=int, default=c.total_steps,
+    tb.add_argument("--steps", type=argtypes.integer, default=c.total_steps,
                     help="total environment steps (the shipped sets ran with 1000000, stopped earlier)")
-    tb.add_argument("--start-steps", type=int, default=c.start_steps)
-    tb.add_argument("--eval-every", type=int, default=c.eval_every)
-    tb.add_argument("--eval-episodes", type=int, default=c.eval_episodes)
-    tb.add_argument("--batch-size", type=int, default=c.batch_size)
-    tb.add_argument("--hidden", type=int, nargs="+", default=list(c.hidden))
-    tb.add_argument("--seed", type=int, default=c.seed)
+    tb.add_argument("--start-steps", type=argtypes.integer, default=c.start_steps)
+    tb.add_argument("--eval-every", type=argtypes.integer, default=c.eval_every)
+    tb.add_argument("--eval-episodes", type=argtypes.integer, default=c.eval_episodes)
+    tb.add_argument("--batch-size", type=argtypes.integer, default=c.batch_size)
+    tb.add_argument("--hidden", type=argtypes.integer, nargs="+", default=list(c.hidden))
+    tb.add_argument("--seed", type=argtypes.integer, default=c.seed)
     tb.add_argument("--device", default="auto")
     tb.add_argument("--threads", type=argtypes.at_least(0), default=0,
                     help="torch CPU threads (0: torch's default, one per core). Use 1 beside other "

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from fedrl.common import argtypes
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="roll a saved policy out in MuJoCo")
     p.add_argument("policy", nargs="+", help="a global_policy.safetensors written by a run (several: each "
                                              "in turn, all read before any is rolled out)")
     p.add_argument("--env", default=None, help="default: the env recorded in the file")
-    p.add_argument("--episodes", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--episodes", type=argtypes.integer, default=10)
+    p.add_argument("--seed", type=argtypes.integer, default=0)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (for scripts)")
     p.set_defaults(func=_cmd_evaluate)
 

@@ -28,15 +28,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"D4RL HDF5 file, Minari directory or dataset name (repeat for a "
                         f"heterogeneous mix, e.g. expert.hdf5:4 medium.hdf5:1); default {DEFAULT_DATASET}")
     p.add_argument("--env", default=None, help="evaluation env (default: from the dataset)")
-    p.add_argument("--agents", type=int, default=d.agents)
-    p.add_argument("--trajectories", type=int, default=d.trajectories, help="whole trajectories per agent")
-    p.add_argument("--transitions", type=int, default=d.transitions,
+    p.add_argument("--agents", type=argtypes.integer, default=d.agents)
+    p.add_argument("--trajectories", type=argtypes.integer, default=d.trajectories, help="whole trajectories per agent")
+    p.add_argument("--transitions", type=argtypes.integer, default=d.transitions,
                    help="with > 0, more whole trajectories per agent until it holds at least this many transitions")
-    p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--local-steps", type=int, default=d.local_steps)
-    p.add_argument("--eval-episodes", type=int, default=d.eval_episodes)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--rounds", type=argtypes.integer, default=d.rounds)
+    p.add_argument("--local-steps", type=argtypes.integer, default=d.local_steps)
+    p.add_argument("--eval-episodes", type=argtypes.integer, default=d.eval_episodes)
+    p.add_argument("--eval-every", type=argtypes.integer, default=d.eval_every)
+    p.add_argument("--seed", type=argtypes.integer, default=d.seed)
     p.add_argument("--device", default=d.device, help=f"one of {', '.join(DEVICE_CHOICES)}[:N]")
     p.add_argument("--threads", type=argtypes.at_least(0), default=0,
                    help="torch CPU threads (0: torch's default). Results are bit-identical only for "
@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--federate", choices=FEDERATE_CHOICES, default=d.federate)
     p.add_argument("--aggregation", choices=AGGREGATIONS, default=d.aggregation)
     p.add_argument("--trim-fraction", type=float, default=d.trim_fraction)
-    p.add_argument("--secagg-threshold", type=int, default=d.secagg_threshold,
+    p.add_argument("--secagg-threshold", type=argtypes.integer, default=d.secagg_threshold,
                    help="secure aggregation: with t >= 2 each round's average is taken under pairwise masks "
                         "and recovered while at least t agents answer (0: off; docs/guides/privacy.md)")
     p.add_argument("--out", default=None, help="run folder (default runs/<algo>-<time>)")
@@ -77,8 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--q-scale", choices=("raw", "normalized"), default=hp.q_scale)
     g.add_argument("--actor-lr", type=float, default=hp.actor_lr)
     g.add_argument("--critic-lr", type=float, default=hp.critic_lr)
-    g.add_argument("--batch-size", type=int, default=hp.batch_size)
-    g.add_argument("--hidden", type=int, nargs="+", default=list(hp.hidden))
+    g.add_argument("--batch-size", type=argtypes.integer, default=hp.batch_size)
+    g.add_argument("--hidden", type=argtypes.integer, nargs="+", default=list(hp.hidden))
     g.add_argument("--gamma", type=float, default=hp.gamma)
     g2 = p.add_argument_group("BC hyperparameters")
     g2.add_argument("--bc-loss", choices=("nll", "mse"), default=bc.loss)

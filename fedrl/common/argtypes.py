@@ -60,6 +60,11 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
+def integer(text: str) -> int:
+    """An integer, refused in the words a run setting's wrong type gets (``expected an integer``)."""
+    return _int(text)
+
+
 class DefaultsHelp(argparse.RawDescriptionHelpFormatter):
     """Help that shows each option's real default, ``(default: X)``, unless it has none (None,
     False for a switch), is required, or its help already says it."""

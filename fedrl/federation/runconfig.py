@@ -162,7 +162,8 @@ def _sub_config(cls, value: Any, name: str):
             v = tuple(v)
         elif isinstance(d, int | float) and d is not None and not isinstance(d, str):
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise ConfigError(f"{name}.{k}: expected a finite number, got {v!r}")
+                what = "an integer" if isinstance(d, int) else "a finite number"  # the words parse_run_config uses
+                raise ConfigError(f"{name}.{k}: expected {what}, got {v!r}")
             if isinstance(d, int) and not float(v).is_integer():
                 raise ConfigError(f"{name}.{k}: expected an integer, got {v!r}")
             v = type(d)(v)

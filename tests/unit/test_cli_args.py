@@ -130,7 +130,7 @@ def test_simulate_takes_every_setting_from_a_file_and_set_and_the_flags_given_wi
 @pytest.mark.parametrize("argv, message", [
     (["--set", "nope=1"], "unknown field(s) nope"),
     (["--set", "drpo.nope=1"], "drpo: unknown field(s) nope"),
-    (["--set", 'agents="x"'], "agents: expected a finite number, got 'x'"),
+    (["--set", 'agents="x"'], "agents: expected an integer, got 'x'"),
     (["--set", "agents"], "expected KEY=VALUE"),
     (["--set", "rounds.x=1"], "only drpo.FIELD and bc.FIELD"),
 ])
