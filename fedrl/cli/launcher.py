@@ -364,8 +364,10 @@ class Launcher:
 
 
 # ROUND_CLOSED's metrics that are differential privacy's (the record's ``privacy``), by their name there
-PRIVACY_METRICS = {"privacy_epsilon": "epsilon", "dp_clip": "clip", "dp_unclipped_fraction": "unclipped_fraction",
-                   "dp_clip_next": "clip_next"}
+def _privacy_metrics() -> dict[str, str]:
+    from fedrl.federation.privacy import ADAPTIVE_RECORD, PRIVACY_EPSILON
+
+    return {PRIVACY_EPSILON: "epsilon", **ADAPTIVE_RECORD}
 
 
 def round_record(e: dict[str, Any], run: RunConfig) -> dict[str, Any]:
@@ -375,13 +377,14 @@ def round_record(e: dict[str, Any], run: RunConfig) -> dict[str, Any]:
     of secure aggregation under ``secure_aggregation``; ``eval`` is added once evaluated."""
     from fedrl.federation.privacy import privacy_spent
 
+    names = _privacy_metrics()
     m = dict(e["metrics"])
     rec: dict[str, Any] = {"round": e["round"], "version": e["version"], "seconds": e["seconds"],
                            "agents": [{"agent": a} for a in e["agents"]],
-                           "metrics": {k: v for k, v in m.items() if k not in PRIVACY_METRICS}}
+                           "metrics": {k: v for k, v in m.items() if k not in names}}
     if run.dp_clip:
         rec["privacy"] = privacy_spent(run, e["round"], m.get("dp_clip")) | {
-            PRIVACY_METRICS[k]: v for k, v in m.items() if k in PRIVACY_METRICS}
+            names[k]: v for k, v in m.items() if k in names}
         if "clipped" in m:
             rec["privacy"]["clipped_fraction"] = m["clipped"]
     if run.secagg_threshold:

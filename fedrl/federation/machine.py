@@ -213,7 +213,7 @@ class RoundMachine:
         p = self.plan
         order = tuple(a for a in p.agents if a in self.taken)
         ups = [self.taken[a] for a in order]
-        metrics = _mean_metrics([u.metrics for u in ups])
+        metrics = mean_metrics([u.metrics for u in ups])
         if p.own_policies:
             own = dict(zip(order, (u.state for u in ups)))
             states = tuple(own.get(a, s) for a, s in zip(p.agents, self.agent_states))
@@ -250,7 +250,7 @@ class RoundMachine:
         if unknown or not agents:
             raise ValueError(f"a secure sum of agents {list(agents)}: expected some of {list(self.plan.agents)}")
         order = tuple(a for a in self.plan.agents if a in set(agents))
-        m, nxt = _mean_metrics(metrics), None
+        m, nxt = mean_metrics(metrics), None
         if self.plan.dp_clip_quantile:
             if unclipped_fraction is None:
                 raise ValueError("adaptive clipping's secure sum needs the share of updates within the norm")
@@ -304,7 +304,7 @@ def _finite(state: State, round_: int) -> State:
     return state
 
 
-def _mean_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def mean_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """Each metric's mean over the updates (a metric an update lacks counts as 0 there)."""
     out: dict[str, float] = {}
     for m in metrics:

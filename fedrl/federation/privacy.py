@@ -45,6 +45,8 @@ if TYPE_CHECKING:  # torch is imported where noise is drawn or an update clipped
 NOT_LEARNED = ("obs_mean", "obs_std")
 # The key a round's record (its ROUND_CLOSED event's metrics) gives the epsilon spent so far
 PRIVACY_EPSILON = "privacy_epsilon"
+# Adaptive clipping's metrics of a round (its ROUND_CLOSED event's), by their names in a round's record
+ADAPTIVE_RECORD = {"dp_clip": "clip", "dp_unclipped_fraction": "unclipped_fraction", "dp_clip_next": "clip_next"}
 # The ranges the settings must lie in (0 turns each off), so that the arithmetic can take them:
 # a noise multiplier past ~1e155 overflows the accountant, one below 1e-3 spends an epsilon of
 # billions; noise x clip stays below 1e9, far inside float32, so a noisy average is finite.

@@ -45,8 +45,8 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
-from fedrl.federation.machine import Open, Plan, RoundMachine, Stopped, Update
-from fedrl.federation.privacy import agent_clip, fraction_from_shares, task_clip
+from fedrl.federation.machine import Open, Plan, RoundMachine, Stopped, Update, mean_metrics
+from fedrl.federation.privacy import ADAPTIVE_RECORD, agent_clip, fraction_from_shares, task_clip
 from fedrl.federation.shards import load_shards, parse_source  # noqa: F401 - re-exported for the simulator's users
 from fedrl.federation.simconfig import ENGINES, SimConfig  # noqa: F401 - ENGINES re-exported
 
@@ -247,7 +247,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             rounds_run = r
             if cfg.dp_clip:
                 rec["privacy"] = privacy_record(cfg, r, [m for m in shown if m])
-                rec["privacy"] |= {ADAPTIVE[k]: v for k, v in closed.metrics.items() if k in ADAPTIVE}
+                rec["privacy"] |= {ADAPTIVE_RECORD[k]: v for k, v in closed.metrics.items() if k in ADAPTIVE_RECORD}
             if cfg.secagg_threshold:
                 rec["secure_aggregation"] = sa_rec
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
@@ -337,13 +337,6 @@ def secure_normalizer(cfg: SimConfig, stats: list[ObsStats]) -> tuple[tuple[np.n
 
 
 # adaptive clipping's round metrics (the machine's) -> their names in a round's privacy record
-ADAPTIVE = {"dp_clip": "clip", "dp_unclipped_fraction": "unclipped_fraction", "dp_clip_next": "clip_next"}
-
-
-def mean_metrics(metrics: list[dict[str, float]]) -> dict[str, float]:
-    """The agents' mean of each metric they all report (what an aggregator's record holds)."""
-    keys = [k for k in metrics[0] if all(k in m for m in metrics)] if metrics else []
-    return {k: float(np.mean([m[k] for m in metrics])) for k in keys}
 
 
 def resumed_clip(cfg: SimConfig, lines: list[str]) -> float | None:
