@@ -67,12 +67,19 @@ class SecureSteps:
         alpha = reply.roster.alpha[self.agent_id]
         reply = self._call(stub, task, shares=federation_pb2.SecAggShares(sealed=me.share_keys(roster)))
         me.receive_shares({a: bytes(b) for a, b in reply.relay.sealed.items()})
-        y = me.masked_input(vector(alpha), list(reply.relay.shared))
+        shared = list(reply.relay.shared)
+        y = me.masked_input(vector(alpha), shared)
         masked.vector = y.astype("<u8").tobytes()
+        unopened = [a for a in me.unopened if a in shared]
+        if unopened:  # a hostile or broken peer: named, so that the round can go on without it
+            log.warning("round %d: the sealed shares of %s did not open here; the aggregator is told",
+                        task.round, ", ".join(unopened))
+        masked.unopened.extend(unopened)
         reply = self._call(stub, task, masked=masked)
-        answer = me.unmask(list(reply.unmask.survivors), list(reply.unmask.dropped))
+        answer = me.unmask(list(reply.unmask.survivors), list(reply.unmask.dropped), list(reply.unmask.excluded))
         self._call(stub, task, answer=federation_pb2.SecAggAnswer(
-            shares={a: federation_pb2.SecAggShare(point=p, share=sh) for a, (p, sh) in answer.items()}))
+            shares={a: federation_pb2.SecAggShare(point=p, share=sh) for a, (p, sh) in answer.shares.items()},
+            pair_seeds=answer.pair_seeds))
 
     def _call(self, stub, task, **step):
         """One step, sent again while the reply says the others are not all there yet. A step the

@@ -17,7 +17,9 @@ import grpc
 import numpy as np
 
 from fedrl.federation.secagg import (
+    PAIR_SEED_BYTES,
     SEED_BYTES,
+    Answer,
     PublicKeys,
     SecAggError,
     SecAggParams,
@@ -50,9 +52,10 @@ class SecureRound:
         self.deadline = first_deadline  # the keys step waits for training: the round's deadline
         self.alpha: dict[str, float] = {}
         self.metrics: dict[str, tuple[dict[str, float], float]] = {}
-        self.answers: dict[str, dict[str, tuple[int, bytes]]] = {}
+        self.answers: dict[str, Answer] = {}
         self.survivors: list[str] = []
         self.dropped: list[str] = []
+        self.excluded: list[str] = []  # senders whose shares too few survivors could open
 
     # -- what agents send -------------------------------------------------------------------
     def took_part(self, agent_id: str) -> bool:
@@ -97,7 +100,8 @@ class SecureRound:
         if digest in self.seen:
             raise SecAggError(f"agent {agent_id} sent a masked vector this run has already taken (a replay): "
                               "a round's vector is masked for that round alone")
-        self.server.add_masked(agent_id, np.frombuffer(bytes(msg.vector), dtype="<u8").astype(np.uint64))
+        self.server.add_masked(agent_id, np.frombuffer(bytes(msg.vector), dtype="<u8").astype(np.uint64),
+                               list(msg.unopened))
         self.seen.add(digest)
         if msg.metrics:  # an agent that still sends them: they are statistics of its data
             log.warning("agent %s sent its round metrics in the clear under secure aggregation; they are "
@@ -105,15 +109,21 @@ class SecureRound:
         self.metrics[agent_id] = ({}, float(msg.train_seconds))
 
     def _take_answer(self, agent_id: str, msg) -> None:
-        names = set(self.survivors) | set(self.dropped)
+        names = (set(self.survivors) | set(self.dropped)) - self.server.unopened[agent_id]
         if set(msg.shares) != names:
-            raise SecAggError("an answer must hold one share for each agent that shared, and only those")
+            raise SecAggError("an answer must hold one share for each surviving or dropped agent whose shares "
+                              "it opened, and only those")
         if any(len(s.share) != SEED_BYTES for s in msg.shares.values()):
             raise SecAggError(f"a share is {SEED_BYTES} bytes")
         point = sorted(self.alpha).index(agent_id) + 1  # Shamir's points: 1..n in the roster's order
         if any(s.point != point for s in msg.shares.values()):
             raise SecAggError(f"{agent_id}'s shares are at its own point, {point}, of the roster")
-        self.answers[agent_id] = {a: (int(s.point), bytes(s.share)) for a, s in msg.shares.items()}
+        if set(msg.pair_seeds) != set(self.excluded):
+            raise SecAggError("an answer must hold one pairwise seed for each excluded agent, and only those")
+        if any(len(v) != PAIR_SEED_BYTES for v in msg.pair_seeds.values()):
+            raise SecAggError(f"a pairwise seed is {PAIR_SEED_BYTES} bytes")
+        self.answers[agent_id] = Answer({a: (int(s.point), bytes(s.share)) for a, s in msg.shares.items()},
+                                        {a: bytes(v) for a, v in msg.pair_seeds.items()})
 
     # -- steps closing ----------------------------------------------------------------------
     def advance(self, now: float) -> bool:
@@ -135,8 +145,12 @@ class SecureRound:
         elif step == "shares":
             self.server.sealed = {a: s for a, s in self.server.sealed.items() if a in have}
         elif step == "masked":
-            self.survivors, self.dropped = self.server.unmask_request()
+            self.survivors, self.dropped, self.excluded = self.server.unmask_request()
             have = set(self.survivors)
+            if self.excluded:
+                log.warning("secure aggregation: the shares of %s opened for fewer than the threshold of the "
+                            "survivors; they are left out of this round's sum (by %s's pairwise seeds)",
+                            ", ".join(self.excluded), ", ".join(self.survivors))
         self.step += 1
         self.expected = set(have) if step != "answer" else set()
         self.deadline = now + self.timeout
@@ -157,7 +171,7 @@ class SecureRound:
         if step == "shares":
             return {"sealed": self.server.shares_for(agent_id), "shared": self.server.shared}
         if step == "masked":
-            return {"survivors": list(self.survivors), "dropped": list(self.dropped)}
+            return {"survivors": list(self.survivors), "dropped": list(self.dropped), "excluded": list(self.excluded)}
         return {"done": True}
 
     def total(self) -> np.ndarray:

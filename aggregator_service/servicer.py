@@ -200,6 +200,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         elif step == "masked":
             reply.unmask.survivors.extend(out["survivors"])
             reply.unmask.dropped.extend(out["dropped"])
+            reply.unmask.excluded.extend(out["excluded"])
         else:
             reply.done = True
         return reply

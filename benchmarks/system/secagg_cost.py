@@ -61,7 +61,7 @@ def wire_bytes(states: list[dict[str, torch.Tensor]], params: SecAggParams) -> d
           pb.SecAggMessage(agent_id=a0, run_id="r" * 22, round=1, shares=pb.SecAggShares(sealed=sealed)),
           pb.SecAggMessage(agent_id=a0, run_id="r" * 22, round=1, masked=pb.SecAggMasked(vector=y.astype("<u8").tobytes())),
           pb.SecAggMessage(agent_id=a0, run_id="r" * 22, round=1, answer=pb.SecAggAnswer(
-              shares={a: pb.SecAggShare(point=q, share=sh) for a, (q, sh) in answer.items()}))]
+              shares={a: pb.SecAggShare(point=q, share=sh) for a, (q, sh) in answer.shares.items()}))]
     down = [roster, relay, pb.SecAggReply(unmask=pb.SecAggUnmask(survivors=ids)), pb.SecAggReply(done=True)]
     return {"secure_up": sum(m.ByteSize() for m in up), "secure_down": sum(m.ByteSize() for m in down),
             "plain_up": 4 * sum(v.numel() for v in states[0].values())}

@@ -25,6 +25,15 @@ One round, for the agents U that take part (n of them; threshold t):
    survivors' self masks and the dropped agents' pairwise masks with the survivors, and
    subtracts them: what remains is the survivors' sum.
 
+**A sender whose shares do not open.** An agent that cannot open a peer's sealed shares (a hostile
+peer can seal right-length garbage) does not stop: it names that sender with its masked input
+(``unopened``). A sender that fewer than t of the survivors can open is **excluded** (E): its
+masked input, if it came, is left out of the sum, and each survivor u answers for it with the
+pairwise seed s_uv itself, not a share. That is what the aggregator would rebuild for a dropped
+agent from the shares, and it gives nothing of b_v: v's input stays masked. Excluding a sender
+needs every survivor's answer (a survivor's pairwise mask with v can come only from it).
+
+
 Vectors are fixed point in Z_(2^64): :func:`quantize` clips each value to [-clip, clip] and keeps
 ``frac_bits`` fractional bits. A sum of n of them is exact while n * clip * 2^frac_bits < 2^63;
 its rounding error is at most n * 2^-(frac_bits + 1) per entry (:func:`rounding_bound`).
@@ -36,11 +45,13 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 RING_BITS = 64
 SEED_BYTES = 16
+PAIR_SEED_BYTES = 32  # a pairwise mask's seed (HKDF-SHA256's output)
 # The domain of every derived key: a key of one use is never one of another.
 _PAIR_INFO, _SHARE_INFO, _SELF_INFO, _SK_INFO = (b"fedrl secagg v1 " + s for s in
                                                  (b"pairwise mask", b"share key", b"self mask", b"mask key"))
@@ -253,18 +264,33 @@ class AgentSession:
             out[peer] = _seal(key, plain, _aad(self.params, self.id, peer))
         return out
 
-    def receive_shares(self, sealed: Mapping[str, bytes]) -> None:
-        """The ciphertexts addressed to this agent, by sender; each is opened and kept."""
+    def receive_shares(self, sealed: Mapping[str, bytes]) -> list[str]:
+        """The ciphertexts addressed to this agent, by sender; each is opened and kept. A sender
+        whose ciphertext does not open (altered, garbage, or not for this agent and round) is
+        kept in :attr:`unopened`, not raised: one hostile sender must not stop the round. Returns
+        the senders not opened by this call."""
         if not self._roster:
             raise SecAggError(f"agent {self.id}: shares came before the roster")
+        bad = []
         for sender, blob in sealed.items():
             if sender not in self._roster:
                 raise SecAggError(f"a share from {sender!r}, who is not in the round's roster")
-            key = _hkdf(_agree(self._share_sk, self._roster[sender].share_key), _SHARE_INFO, self.params.context)
-            plain = _open(key, blob, _aad(self.params, sender, self.id))
+            try:
+                key = _hkdf(_agree(self._share_sk, self._roster[sender].share_key), _SHARE_INFO, self.params.context)
+                plain = _open(key, blob, _aad(self.params, sender, self.id))
+            except SecAggError:
+                bad.append(sender)
+                continue
             if len(plain) != 2 * SEED_BYTES:
-                raise SecAggError(f"a share from {sender!r} has {len(plain)} bytes")
+                bad.append(sender)
+                continue
             self._held[sender] = (plain[:SEED_BYTES], plain[SEED_BYTES:])
+        return bad
+
+    @property
+    def unopened(self) -> list[str]:
+        """The peers of the roster whose shares for this agent have not opened (or not come)."""
+        return sorted(a for a in self._roster if a not in self._held and a != self.id)
 
     def masked_input(self, x: np.ndarray, shared: Iterable[str]) -> np.ndarray:
         """``x`` (uint64, already quantized) masked for the agents ``shared`` (U2: those whose
@@ -284,29 +310,41 @@ class AgentSession:
             y = y + m
         return y
 
-    def unmask(self, survivors: Iterable[str], dropped: Iterable[str]) -> dict[str, tuple[int, bytes]]:
-        """The shares the aggregator may have: for each survivor its self-seed share, for each
-        dropped agent its mask-seed share, as ``{agent: (point, share)}``. Answered once per
-        round, only to a request whose two sets are disjoint, together the agents that shared
-        (U2), with at least ``threshold`` survivors including this agent."""
-        u3, d = frozenset(survivors), frozenset(dropped)
+    def unmask(self, survivors: Iterable[str], dropped: Iterable[str], excluded: Iterable[str] = ()) -> Answer:
+        """What the aggregator may have: for each survivor its self-seed share, for each dropped
+        agent its mask-seed share (each only where this agent opened that sender's shares), and
+        for each excluded agent (:attr:`ServerSession.excluded`) this agent's pairwise seed with
+        it. Answered once per round, only to a request whose three sets are disjoint, together
+        the agents that shared (U2), with at least ``threshold`` survivors including this agent."""
+        u3, d, e = frozenset(survivors), frozenset(dropped), frozenset(excluded)
         if self._answered:
             raise SecAggError(f"agent {self.id}: it already answered an unmasking request this round; a "
                               "second could ask for the other share of an agent")
         if u3 & d:
             raise SecAggError(f"the request names {sorted(u3 & d)} as both survived and dropped: both shares "
                               "of one agent would unmask its input")
-        if self._masked_for is None or u3 | d != self._masked_for or self.id not in u3:
+        if e & (u3 | d):
+            raise SecAggError(f"the request names {sorted(e & (u3 | d))} as excluded and also as survived or "
+                              "dropped")
+        if self._masked_for is None or u3 | d | e != self._masked_for or self.id not in u3:
             raise SecAggError(f"agent {self.id}: the request's agents are not those it masked for")
         if len(u3) < self.params.threshold:
             raise SecAggError(f"{len(u3)} agents survived, fewer than the threshold {self.params.threshold}")
-        missing = sorted(a for a in u3 | d if a not in self._held)
-        if missing:
-            raise SecAggError(f"agent {self.id}: holds no shares of {missing}")
         self._answered = True
         point = self._index[self.id]
         # for a survivor only its self-seed share, for a dropped agent only its mask-seed share
-        return {a: (point, self._held[a][1] if a in u3 else self._held[a][0]) for a in u3 | d}
+        shares = {a: (point, self._held[a][1] if a in u3 else self._held[a][0]) for a in u3 | d if a in self._held}
+        seeds = {v: _pair_seed(self._mask_sk, self._roster[v].mask_key, self.id, v, self.params) for v in sorted(e)}
+        return Answer(shares, seeds)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One agent's answer to the unmasking: ``shares`` by agent, as (its Shamir point, the
+    share); ``pair_seeds``: its pairwise seed with each excluded agent."""
+
+    shares: dict[str, tuple[int, bytes]]
+    pair_seeds: dict[str, bytes] = field(default_factory=dict)
 
 
 def pairwise_mask(private, peer_public: bytes, me: str, peer: str, params: SecAggParams, size: int) -> np.ndarray:
@@ -334,6 +372,7 @@ class ServerSession:
     roster: dict[str, PublicKeys] = field(default_factory=dict)
     sealed: dict[str, dict[str, bytes]] = field(default_factory=dict)  # sender -> receiver -> blob
     masked: dict[str, np.ndarray] = field(default_factory=dict)
+    unopened: dict[str, frozenset[str]] = field(default_factory=dict)  # by agent: whose shares it could not open
 
     def add_keys(self, agent_id: str, keys: PublicKeys) -> None:
         """Take ``agent_id``'s two public keys; refused unless each is a usable X25519 point that
@@ -366,39 +405,70 @@ class ServerSession:
         """U2: the agents whose shares came."""
         return sorted(self.sealed)
 
-    def add_masked(self, agent_id: str, y: np.ndarray) -> None:
+    def add_masked(self, agent_id: str, y: np.ndarray, unopened: Iterable[str] = ()) -> None:
+        """Take ``agent_id``'s masked input, and the senders whose shares it could not open."""
         if agent_id not in self.sealed:
             raise SecAggError(f"a masked input from {agent_id}, whose shares did not come")
         if self.masked and next(iter(self.masked.values())).shape != np.shape(y):
             raise SecAggError(f"a masked input from {agent_id} of another size")
+        unopened = set(unopened)
+        if not unopened <= set(self.sealed) - {agent_id}:
+            raise SecAggError(f"{agent_id} names shares it could not open from {sorted(unopened)}: only other "
+                              "agents that shared can be named")
         self.masked[agent_id] = np.asarray(y, dtype=np.uint64)
+        self.unopened[agent_id] = frozenset(unopened)
 
-    def unmask_request(self) -> tuple[list[str], list[str]]:
-        """(survivors U3, dropped U2 - U3), once every masked input that will come has come."""
-        u3 = sorted(self.masked)
-        if len(u3) < self.params.threshold:
-            raise SecAggError(f"{len(u3)} masked inputs came, fewer than the threshold {self.params.threshold}: "
+    def unmask_request(self) -> Unmask:
+        """Who survived (U3, less the excluded), who dropped (U2 - U3, less the excluded) and who is
+        excluded: the agents that shared whose shares fewer than ``threshold`` of the remaining
+        survivors opened (themselves included), found by leaving such agents out until none is
+        left. Once every masked input that will come has come."""
+        t = self.params.threshold
+        u3 = set(self.masked)
+        if len(u3) < t:
+            raise SecAggError(f"{len(u3)} masked inputs came, fewer than the threshold {t}: "
                               "the round cannot be unmasked")
-        return u3, [a for a in self.shared if a not in self.masked]
+        excluded: set[str] = set()
+        while True:
+            alive = u3 - excluded
+            if len(alive) < t:
+                raise SecAggError(f"{len(u3)} masked inputs came, but the shares of {sorted(excluded)} opened for "
+                                  f"fewer than the threshold {t} of the survivors: {len(alive)} are left, the round "
+                                  "cannot be unmasked")
+            more = {v for v in self.shared if v not in excluded
+                    and sum(v not in self.unopened.get(u, ()) for u in alive) < t}
+            if not more:
+                break
+            excluded |= more
+        survivors = sorted(u3 - excluded)
+        return Unmask(survivors, [a for a in self.shared if a not in u3 and a not in excluded], sorted(excluded))
 
-    def finish(self, answers: Mapping[str, Mapping[str, tuple[int, bytes]]],
-               check: Callable[[np.uint64], bool] | None = None) -> np.ndarray:
+    def finish(self, answers: Mapping[str, Answer], check: Callable[[np.uint64], bool] | None = None) -> np.ndarray:
         """The survivors' sum from the agents' ``answers`` to :meth:`unmask_request` (at least
         ``threshold`` of them). With ``check`` (a test of the sum's last value, which the caller
         can predict: the survivors' summed weight), the sum must pass it. Where more than
         ``threshold`` answered and it does not, each answering agent's shares are left out in
         turn: the sum of the first set that passes is returned (:attr:`left_out` names whose
         were), so that one agent's shares off the polynomial cannot make a wrong sum. Only the
-        last value is unmasked to test a set (:func:`prg_at`); the whole sum only once."""
-        u3, dropped = self.unmask_request()
+        last value is unmasked to test a set (:func:`prg_at`); the whole sum only once. With
+        excluded agents, every survivor's pairwise seeds with them are needed."""
+        u3, dropped, excluded = self.unmask_request()
         answers = {a: r for a, r in answers.items() if a in u3}
         if len(answers) < self.params.threshold:
             raise SecAggError(f"{len(answers)} agents answered the unmasking, fewer than the threshold "
                               f"{self.params.threshold}: the sum cannot be recovered")
+        if excluded:
+            silent = sorted(u for u in u3 if u not in answers or set(answers[u].pair_seeds) != set(excluded))
+            if silent:
+                raise SecAggError(f"{sorted(excluded)} are excluded (their shares did not open), and {silent} gave no "
+                                  "pairwise seeds with them: the survivors' masks with them cannot be removed")
+        pairs = {(u, v): bytes(answers[u].pair_seeds[v]) for u in u3 for v in excluded}
+        if any(len(seed) != PAIR_SEED_BYTES for seed in pairs.values()):
+            raise SecAggError(f"a pairwise seed is {PAIR_SEED_BYTES} bytes")
         size = next(iter(self.masked.values())).size
         self.left_out: list[str] = []
         if check is None:
-            return self._unmasked(self._seeds(answers, u3, dropped), u3, size)
+            return self._unmasked(self._seeds(answers, u3, dropped), pairs, u3, size)
         names = sorted(answers)
         tries = [[]] + ([[a] for a in names] if len(answers) > self.params.threshold else [])
         for out in tries:
@@ -406,26 +476,35 @@ class ServerSession:
                 seeds = self._seeds({a: r for a, r in answers.items() if a not in out}, u3, dropped)
             except (SecAggError, ValueError):  # shares that rebuild no key, or a malformed share
                 continue
-            if check(self._unmasked_at(seeds, u3, size - 1)):
+            if check(self._unmasked_at(seeds, pairs, u3, size - 1)):
                 self.left_out = out
-                return self._unmasked(seeds, u3, size)
+                return self._unmasked(seeds, pairs, u3, size)
         raise SecAggError(f"the unmasked sum does not check out with the answers of {len(answers)} agents"
                           + (", nor with any one agent's left out" if len(tries) > 1 else
                              f" (no answer to spare beyond the threshold {self.params.threshold})")
                           + ": an answer or a masked vector is wrong")
 
-    def _seeds(self, answers, u3: list[str], dropped: list[str]) -> tuple[dict[str, bytes], dict[str, object]]:
-        """Each survivor's self-mask seed and each dropped agent's mask key, from ``answers``."""
-        self_seeds = {u: _hkdf(_combine(r[u] for r in answers.values()), _SELF_INFO, self.params.context) for u in u3}
+    def _seeds(self, answers: Mapping[str, Answer], u3: list[str],
+               dropped: list[str]) -> tuple[dict[str, bytes], dict[str, object]]:
+        """Each survivor's self-mask seed and each dropped agent's mask key, from ``answers``: each
+        from the answers that hold a share of it, at least ``threshold`` of them."""
+        def combine(a: str) -> bytes:
+            held = [r.shares[a] for r in answers.values() if a in r.shares]
+            if len(held) < self.params.threshold:
+                raise SecAggError(f"{len(held)} answers hold a share of {a}'s seed, fewer than the threshold "
+                                  f"{self.params.threshold}")
+            return _combine(held)
+
+        self_seeds = {u: _hkdf(combine(u), _SELF_INFO, self.params.context) for u in u3}
         keys = {}
         for v in dropped:
-            sk = _x25519_from_seed(_combine(r[v] for r in answers.values()), self.params.context)
+            sk = _x25519_from_seed(combine(v), self.params.context)
             if _public_bytes(sk) != self.roster[v].mask_key:
                 raise SecAggError(f"the shares of {v}'s mask key rebuild another key: an answer is wrong")
             keys[v] = sk
         return self_seeds, keys
 
-    def _unmasked(self, seeds, u3: list[str], size: int) -> np.ndarray:
+    def _unmasked(self, seeds, pairs: Mapping[tuple[str, str], bytes], u3: list[str], size: int) -> np.ndarray:
         self_seeds, keys = seeds
         total = np.zeros(size, dtype=np.uint64)
         for a in u3:
@@ -436,9 +515,12 @@ class ServerSession:
             for u in u3:
                 # u added pairwise_mask(u, v); the same mask, computed from v's side, is its negative
                 total += pairwise_mask(sk, self.roster[u].mask_key, v, u, self.params, size)
+        for (u, v), seed in pairs.items():  # each survivor's pairwise mask with an excluded agent
+            m = prg(seed, size)
+            total += (np.uint64(0) - m) if u < v else m
         return total
 
-    def _unmasked_at(self, seeds, u3: list[str], index: int) -> np.uint64:
+    def _unmasked_at(self, seeds, pairs: Mapping[tuple[str, str], bytes], u3: list[str], index: int) -> np.uint64:
         """:meth:`_unmasked`'s value at ``index`` alone."""
         self_seeds, keys = seeds
         with np.errstate(over="ignore"):
@@ -449,7 +531,18 @@ class ServerSession:
                 for u in u3:
                     m = prg_at(_pair_seed(sk, self.roster[u].mask_key, v, u, self.params), index)
                     x += m if v < u else np.uint64(0) - m
+            for (u, v), seed in pairs.items():
+                m = prg_at(seed, index)
+                x += (np.uint64(0) - m) if u < v else m
         return x
+
+
+class Unmask(NamedTuple):
+    """The aggregator's unmasking request: the survivors, the dropped, the excluded."""
+
+    survivors: list[str]
+    dropped: list[str]
+    excluded: list[str]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def secure_sum(vectors: Mapping[str, Callable[[], np.ndarray]], params: SecAggPa
     for a, make in vectors.items():
         if a not in gone:
             server.add_masked(a, agents[a].masked_input(make(), server.shared))
-    survivors, dropped = server.unmask_request()
+    survivors, dropped, _ = server.unmask_request()  # nobody is excluded: every share here opens
     answers = {a: agents[a].unmask(survivors, dropped) for a in survivors}
     return dequantize(server.finish(answers), params), survivors, dropped
 

@@ -187,6 +187,44 @@ def test_a_sealed_share_not_of_its_length_is_refused_at_its_step(step_deadline, 
     assert unknown_answers(aggregator) == 0
 
 
+def test_a_sender_whose_sealed_shares_do_not_open_is_left_out_and_the_sum_is_the_others(step_deadline,
+        aggregator, agent_threads, stand_dataset, monkeypatch, one_thread, caplog):
+    """agent-2 seals right-length random bytes where its shares belong: the aggregator cannot
+    tell (it cannot open them), its peers can. They name it with their masked vectors, it is
+    excluded, and their pairwise seeds with it unmask the others' sum: the round's unmasked sum is
+    agent-0's and agent-1's vectors' ring sum, exactly, and the run finishes."""
+    import os
+
+    import numpy as np
+
+    from aggregator_service.secure_round import SecureRound
+    from fedrl.federation.secagg import AgentSession
+
+    plain, totals = {}, {}
+    masked_input, total = AgentSession.masked_input, SecureRound.total
+
+    def recording(self, x, shared):
+        plain[(self.id, self.params.context)] = np.array(x, dtype=np.uint64)
+        return masked_input(self, x, shared)
+
+    def summed(self):
+        totals[self.params.context] = out = total(self)
+        return out
+
+    monkeypatch.setattr(AgentSession, "masked_input", recording)
+    monkeypatch.setattr(SecureRound, "total", summed)
+    codes = _tamper(monkeypatch, "shares", _sealed(lambda b: os.urandom(len(b))))
+    done = _secure_run(aggregator, agent_threads, stand_dataset, step_deadline)
+    assert not codes  # nothing the aggregator could refuse
+    assert done["state"] == "finished", done["message"]
+    closed = [e for e in aggregator.store.read_run(done["run_id"])["events"] if e["kind"] == "ROUND_CLOSED"]
+    assert sorted(closed[-1]["agents"]) == ["agent-0", "agent-1"]
+    ctx = f"{done['run_id']}/1".encode()
+    assert np.array_equal(totals[ctx], plain[("agent-0", ctx)] + plain[("agent-1", ctx)])
+    assert "the shares of agent-2 opened for fewer than the threshold" in caplog.text
+    assert unknown_answers(aggregator) == 0
+
+
 def _answer(change_share):
     def change(msg, task):
         from fedrl.proto.v1 import federation_pb2

@@ -28,8 +28,8 @@ def run_round(xs, p, drop_before_mask=(), silent_at_unmask=()):
     for a, s in agents.items():
         if a not in drop_before_mask:
             server.add_masked(a, s.masked_input(xs[a], server.shared))
-    survivors, dropped = server.unmask_request()
-    answers = {a: agents[a].unmask(survivors, dropped) for a in survivors if a not in silent_at_unmask}
+    survivors, dropped, excluded = server.unmask_request()
+    answers = {a: agents[a].unmask(survivors, dropped, excluded) for a in survivors if a not in silent_at_unmask}
     return server.finish(answers), server
 
 
@@ -59,7 +59,7 @@ def test_agents_that_drop_after_sharing_are_left_out_and_their_masks_removed():
     gone = {"agent-1", "agent-4"}
     total, server = run_round(xs, params(t=3), drop_before_mask=gone, silent_at_unmask={"agent-5"})
     assert np.array_equal(total, ring_sum(v for a, v in xs.items() if a not in gone))
-    assert server.unmask_request() == (["agent-0", "agent-2", "agent-3", "agent-5"], sorted(gone))
+    assert server.unmask_request() == (["agent-0", "agent-2", "agent-3", "agent-5"], sorted(gone), [])
 
 
 def test_below_the_threshold_the_round_fails_and_no_sum_comes_out():
@@ -87,7 +87,7 @@ def test_no_agent_hands_out_both_shares_of_a_peer():
     with pytest.raises(SecAggError, match="both survived and dropped"):
         agents["agent-0"].unmask(ids, ["agent-3"])
     first = agents["agent-1"].unmask(ids, [])
-    assert {a: len(s) for a, (_, s) in first.items()} == {a: 16 for a in ids}
+    assert {a: len(s) for a, (_, s) in first.shares.items()} == {a: 16 for a in ids} and not first.pair_seeds
     # having had every self-seed share, the aggregator now claims agent-3 dropped: refused
     with pytest.raises(SecAggError, match="already answered"):
         agents["agent-1"].unmask(ids[:3], ["agent-3"])
@@ -105,10 +105,10 @@ def test_a_survivors_answer_is_its_self_seed_share_and_a_dropped_agents_its_mask
     agents, server = setup_round(list(xs), params())
     for a in ("agent-0", "agent-1", "agent-2"):
         server.add_masked(a, agents[a].masked_input(xs[a], server.shared))
-    u3, d = server.unmask_request()
+    u3, d, _ = server.unmask_request()
     answers = [agents[a].unmask(u3, d) for a in u3]
-    assert sa._combine(r["agent-0"] for r in answers) == agents["agent-0"]._self_seed
-    assert sa._combine(r["agent-3"] for r in answers) == agents["agent-3"]._mask_seed
+    assert sa._combine(r.shares["agent-0"] for r in answers) == agents["agent-0"]._self_seed
+    assert sa._combine(r.shares["agent-3"] for r in answers) == agents["agent-3"]._mask_seed
 
 
 def test_the_masked_input_looks_uniform_and_carries_nothing_of_the_input():
@@ -143,14 +143,14 @@ def test_a_share_cannot_be_read_or_altered_on_the_way():
     for a, s in agents.items():
         server.add_shares(a, s.share_keys(server.roster))
     to_1 = server.shares_for("agent-1")
-    with pytest.raises(SecAggError, match="does not authenticate"):
-        agents["agent-2"].receive_shares(to_1)  # another agent's
+    assert agents["agent-2"].receive_shares(to_1) == sorted(to_1)  # another agent's: none opens
+    assert agents["agent-2"].unopened == ["agent-0", "agent-1"] and not agents["agent-2"]._held
     bad = dict(server.shares_for("agent-2"))
     blob = bytearray(bad["agent-0"])
     blob[20] ^= 1
     bad["agent-0"] = bytes(blob)
-    with pytest.raises(SecAggError, match="does not authenticate"):
-        agents["agent-2"].receive_shares(bad)
+    assert agents["agent-2"].receive_shares(bad) == ["agent-0"]
+    assert agents["agent-2"].unopened == ["agent-0"]  # the others' opened; the altered one is named
 
 
 def test_a_share_of_one_round_does_not_open_in_another():
@@ -162,8 +162,8 @@ def test_a_share_of_one_round_does_not_open_in_another():
     blobs = {s.id: s.share_keys(server.roster) for s in a.values()}
     replay = AgentSession.__new__(AgentSession)
     replay.__dict__.update(a[1].__dict__, params=p2)
-    with pytest.raises(SecAggError, match="does not authenticate"):
-        replay.receive_shares({"a0": blobs["a0"]["a1"]})
+    replay._held = {}
+    assert replay.receive_shares({"a0": blobs["a0"]["a1"]}) == ["a0"] and not replay._held
 
 
 def test_quantization_meets_its_stated_bound_and_refuses_a_sum_that_could_wrap():
@@ -226,3 +226,107 @@ def test_what_an_agent_hands_out_rebuilds_its_seeds_only_with_t_peers():
             for i, name in ((0, "mask"), (1, "self")):
                 rebuilt = sa._combine((points[g], held[g][i]) for g in group)
                 assert (rebuilt == secret[name]) is ok, (group, name)
+
+
+def hostile_round(xs, p, garbage_to, sender="agent-1", drop_before_mask=(), unopened_lie=None):
+    """One round over ``xs`` in which ``sender`` seals right-length random bytes to the agents
+    ``garbage_to`` instead of its shares (an authenticated ciphertext it cannot fake for others).
+    ``unopened_lie``: what ``sender`` claims it could not open. Returns (agents, server)."""
+    import os
+
+    agents = {a: AgentSession(a, p) for a in xs}
+    server = ServerSession(p)
+    for a, s in agents.items():
+        server.add_keys(a, s.advertise())
+    for a, s in agents.items():
+        sealed = s.share_keys(server.roster)
+        if a == sender:
+            sealed = {b: (os.urandom(len(blob)) if b in garbage_to else blob) for b, blob in sealed.items()}
+        server.add_shares(a, sealed)
+    for a, s in agents.items():
+        s.receive_shares(server.shares_for(a))
+    for a, s in agents.items():
+        if a not in drop_before_mask:
+            y = s.masked_input(xs[a], server.shared)
+            told = unopened_lie if (a == sender and unopened_lie is not None) else s.unopened
+            server.add_masked(a, y, told)
+    return agents, server
+
+
+def answer_all(agents, server, silent=()):
+    u3, d, e = server.unmask_request()
+    return {a: agents[a].unmask(u3, d, e) for a in u3 if a not in silent}
+
+
+@pytest.mark.parametrize("masks", [True, False], ids=["it-masks", "it-drops"])
+def test_a_sender_whose_shares_open_nowhere_is_excluded_and_the_others_sum_is_exact(masks):
+    """agent-1 seals garbage to every peer: nobody holds its seeds. It is excluded whether or not
+    its masked input came, and the survivors' pairwise seeds with it remove its masks from theirs:
+    the sum is the other four's, exactly. Nobody hands out a share of its self seed: its own input
+    stays masked."""
+    xs = vectors(5, seed=11)
+    others = [a for a in xs if a != "agent-1"]
+    agents, server = hostile_round(xs, params(t=3), garbage_to=others,
+                                   drop_before_mask=() if masks else ("agent-1",))
+    assert all(agents[a].unopened == ["agent-1"] for a in others)
+    assert server.unmask_request() == (others, [], ["agent-1"])
+    answers = answer_all(agents, server)
+    assert all("agent-1" not in r.shares and set(r.pair_seeds) == {"agent-1"} for r in answers.values())
+    assert np.array_equal(server.finish(answers), ring_sum(xs[a] for a in others))
+
+
+def test_a_sender_whose_shares_open_at_enough_peers_stays_in_the_sum():
+    """Garbage to one peer of five (t = 3): four still hold agent-1's seeds, so it survives; the
+    peer that could not open them answers without that share. The sum of all five, exactly."""
+    xs = vectors(5, seed=12)
+    agents, server = hostile_round(xs, params(t=3), garbage_to=["agent-3"])
+    assert server.unmask_request() == (sorted(xs), [], [])
+    answers = answer_all(agents, server)
+    assert "agent-1" not in answers["agent-3"].shares
+    assert np.array_equal(server.finish(answers, lambda last: True), ring_sum(xs.values()))
+
+
+def test_a_false_report_of_unopened_shares_excludes_nobody_while_a_survivor_is_spare():
+    """agent-1 claims that no peer's shares opened (a lie the aggregator cannot check): each peer
+    is still held by the other survivors, at least the threshold of them, so nobody is excluded."""
+    xs = vectors(5, seed=13)
+    agents, server = hostile_round(xs, params(t=4), garbage_to=[],
+                                   unopened_lie=[a for a in xs if a != "agent-1"])
+    assert server.unmask_request() == (sorted(xs), [], [])
+    answers = answer_all(agents, server)
+    answers["agent-1"] = sa.Answer({"agent-1": answers["agent-1"].shares["agent-1"]})
+    assert np.array_equal(server.finish(answers), ring_sum(xs.values()))
+
+
+def test_exclusion_needs_every_survivors_pairwise_seeds():
+    xs = vectors(5, seed=14)
+    others = [a for a in xs if a != "agent-1"]
+    agents, server = hostile_round(xs, params(t=3), garbage_to=others)
+    with pytest.raises(SecAggError, match=r"\['agent-4'\] gave no pairwise seeds"):
+        server.finish(answer_all(agents, server, silent={"agent-4"}))
+
+
+def test_below_the_threshold_after_exclusion_the_round_fails():
+    xs = vectors(4, seed=15)
+    agents, server = hostile_round(xs, params(t=4), garbage_to=[a for a in xs if a != "agent-1"])
+    with pytest.raises(SecAggError, match=r"shares of \['agent-1'\] opened for fewer than the threshold 4"):
+        server.unmask_request()
+
+
+def test_the_unmasking_request_and_the_reports_are_checked():
+    xs = vectors(4, seed=16)
+    agents, server = setup_round(list(xs), params())
+    y = agents["agent-0"].masked_input(xs["agent-0"], server.shared)
+    with pytest.raises(SecAggError, match="only other agents that shared"):
+        server.add_masked("agent-0", y, ["agent-0"])
+    with pytest.raises(SecAggError, match="only other agents that shared"):
+        server.add_masked("agent-0", y, ["agent-9"])
+    ids = sorted(xs)
+    with pytest.raises(SecAggError, match="as excluded and also"):
+        agents["agent-0"].unmask(ids, [], ["agent-3"])
+    with pytest.raises(SecAggError, match="not those it masked for"):
+        agents["agent-0"].unmask(ids[:3], [], [])
+    answer = agents["agent-0"].unmask(ids[:3], [], ["agent-3"])  # agent-3 excluded: its pairwise seed
+    assert set(answer.pair_seeds) == {"agent-3"} and set(answer.shares) == set(ids[:3])
+    assert answer.pair_seeds["agent-3"] == sa._pair_seed(agents["agent-3"]._mask_sk, server.roster["agent-0"].mask_key,
+                                                         "agent-3", "agent-0", params())

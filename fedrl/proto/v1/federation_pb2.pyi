@@ -51,7 +51,7 @@ class SecAggShares(_message.Message):
     def __init__(self, sealed: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class SecAggMasked(_message.Message):
-    __slots__ = ("vector", "metrics", "train_seconds")
+    __slots__ = ("vector", "metrics", "train_seconds", "unopened")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,10 +62,12 @@ class SecAggMasked(_message.Message):
     VECTOR_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNOPENED_FIELD_NUMBER: _ClassVar[int]
     vector: bytes
     metrics: _containers.ScalarMap[str, float]
     train_seconds: float
-    def __init__(self, vector: _Optional[bytes] = ..., metrics: _Optional[_Mapping[str, float]] = ..., train_seconds: _Optional[float] = ...) -> None: ...
+    unopened: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, vector: _Optional[bytes] = ..., metrics: _Optional[_Mapping[str, float]] = ..., train_seconds: _Optional[float] = ..., unopened: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SecAggShare(_message.Message):
     __slots__ = ("point", "share")
@@ -76,7 +78,7 @@ class SecAggShare(_message.Message):
     def __init__(self, point: _Optional[int] = ..., share: _Optional[bytes] = ...) -> None: ...
 
 class SecAggAnswer(_message.Message):
-    __slots__ = ("shares",)
+    __slots__ = ("shares", "pair_seeds")
     class SharesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,9 +86,18 @@ class SecAggAnswer(_message.Message):
         key: str
         value: SecAggShare
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SecAggShare, _Mapping]] = ...) -> None: ...
+    class PairSeedsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     SHARES_FIELD_NUMBER: _ClassVar[int]
+    PAIR_SEEDS_FIELD_NUMBER: _ClassVar[int]
     shares: _containers.MessageMap[str, SecAggShare]
-    def __init__(self, shares: _Optional[_Mapping[str, SecAggShare]] = ...) -> None: ...
+    pair_seeds: _containers.ScalarMap[str, bytes]
+    def __init__(self, shares: _Optional[_Mapping[str, SecAggShare]] = ..., pair_seeds: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class SecAggRoster(_message.Message):
     __slots__ = ("keys", "alpha", "threshold")
@@ -128,12 +139,14 @@ class SecAggRelay(_message.Message):
     def __init__(self, sealed: _Optional[_Mapping[str, bytes]] = ..., shared: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SecAggUnmask(_message.Message):
-    __slots__ = ("survivors", "dropped")
+    __slots__ = ("survivors", "dropped", "excluded")
     SURVIVORS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     survivors: _containers.RepeatedScalarFieldContainer[str]
     dropped: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, survivors: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
+    excluded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, survivors: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., excluded: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SecAggReply(_message.Message):
     __slots__ = ("pending", "roster", "relay", "unmask", "done")
