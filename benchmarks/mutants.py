@@ -268,6 +268,9 @@ MUTANTS = (
            SA_TESTS),
     Mutant("secagg-agent-stops-at-unopened", SA, "            except SecAggError:\n                bad.append(sender)\n",
            "            except SecAggError:\n                raise\n", SA_TESTS + PRIVATE_TESTS),
+    Mutant("secagg-unopened-not-reported", "agent_service/secure.py", "        masked.unopened.extend(unopened)\n",
+           "\n", ("tests/service/test_private_rounds.py::"
+                  "test_a_sender_whose_sealed_shares_do_not_open_is_left_out_and_the_sum_is_the_others",)),
     Mutant("store-missing-checksum-accepted", "aggregator_service/store.py", "            if self.format(run_id) >= 2:\n",
            "            if False:\n", ("tests/service/test_faults.py",)),
     Mutant("secure-run-uncapped", "fedrl/federation/runconfig.py",
