@@ -83,3 +83,28 @@ def agent_threads():
     at = AgentThreads()
     yield at
     at.stop()
+
+
+@pytest.fixture(scope="session")
+def step_deadline(stand_dataset, tmp_path_factory) -> float:
+    """A round's deadline for tests whose honest agents must make it on this machine now: 8 times
+    a clean 3-agent secure round (fed-bc, 2 trajectories each) measured here first, at least 4 s,
+    so that however loaded the machine is, no honest agent misses a step; tests that wait for a
+    deadline to pass take this long too."""
+    from fedrl.proto.v1 import control_pb2
+    from tests.service.test_federation import run_config, status, wait_for
+
+    agg, agents = Aggregator(tmp_path_factory.mktemp("measure") / "state"), AgentThreads()
+    try:
+        agents.start(agg.target, str(stand_dataset), 3, 2, seed=7, share_moments=False)
+        wait_for(lambda: len(status(agg)["agents"]) == 3, what="agents to join")
+        agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
+            agents=3, rounds=1, secagg_threshold=2, algo="fed-bc")), timeout=10)
+        done = wait_for(lambda: (s := status(agg))["state"] in ("finished", "failed", "stopped") and s,
+                        what="the measuring run to end")
+        assert done["state"] == "finished", done["message"]
+        seconds = max(e["seconds"] for e in agg.store.read_run(done["run_id"])["events"] if e["kind"] == "ROUND_CLOSED")
+    finally:
+        agents.stop()
+        agg.close()
+    return max(4.0, 8 * seconds)

@@ -402,7 +402,7 @@ def test_one_poisoned_join_cannot_make_the_honest_agents_data_degenerate(aggrega
     assert np.allclose(honest_std / std, 1.0, atol=1e-6)  # and spread
 
 
-def test_an_agent_that_cannot_read_the_runs_config_sits_out_and_says_why(aggregator, agent_threads, stand_dataset,
+def test_an_agent_that_cannot_read_the_runs_config_sits_out_and_says_why(step_deadline, aggregator, agent_threads, stand_dataset,
                                                                          caplog, monkeypatch):
     """A task whose run config holds a setting this agent does not know (an aggregator newer than
     the agent): the agent trains nothing, says why once, stays up, and the round closes with the
@@ -422,8 +422,8 @@ def test_an_agent_that_cannot_read_the_runs_config_sits_out_and_says_why(aggrega
     agent_threads.start(aggregator.target, str(stand_dataset), 3, 2, seed=7)
     wait_for(lambda: len(status(aggregator)["agents"]) == 3)
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
-        agents=3, min_agents=2, rounds=1, round_timeout=4.0, algo="fed-bc", local_steps=5)), timeout=5)
-    assert wait_for(lambda: status(aggregator)["state"] in ("finished", "failed"), timeout=60)
+        agents=3, min_agents=2, rounds=1, round_timeout=step_deadline, algo="fed-bc", local_steps=5)), timeout=5)
+    assert wait_for(lambda: status(aggregator)["state"] in ("finished", "failed"), timeout=60 + 2 * step_deadline)
     st = status(aggregator)
     assert st["state"] == "finished", st["message"]
     run = aggregator.store.read_run(st["run_id"])

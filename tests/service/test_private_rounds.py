@@ -114,25 +114,6 @@ def _tamper(monkeypatch, step: str, change, rounds=(1,)):
     return codes
 
 
-@pytest.fixture(scope="module")
-def step_deadline(stand_dataset, tmp_path_factory) -> float:
-    """A secure step's deadline on this machine now: 8 times a clean 3-agent secure round measured
-    here first (at least 4 s), so that honest agents make every step however loaded it is."""
-    from tests.service.conftest import AgentThreads, Aggregator
-
-    agg, agents = Aggregator(tmp_path_factory.mktemp("measure") / "state"), AgentThreads()
-    try:
-        agents.start(agg.target, str(stand_dataset), 3, 2, seed=7, share_moments=False)
-        wait_for(lambda: len(status(agg)["agents"]) == 3, what="agents to join")
-        start(agg, agents=3, rounds=1, secagg_threshold=2, algo="fed-bc")
-        done = ended(agg)
-        seconds = max(e["seconds"] for e in agg.store.read_run(done["run_id"])["events"] if e["kind"] == "ROUND_CLOSED")
-    finally:
-        agents.stop()
-        agg.close()
-    return max(4.0, 8 * seconds)
-
-
 def _secure_run(aggregator, agent_threads, data, deadline, rounds=1, **cfg):
     agent_threads.start(aggregator.target, str(data), 3, 2, seed=7, share_moments=False)
     wait_for(lambda: len(status(aggregator)["agents"]) == 3, what="agents to join")

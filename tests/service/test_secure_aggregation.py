@@ -113,14 +113,14 @@ def test_a_secure_run_equals_the_simulation_under_the_same_protocol(aggregator, 
     assert abs(corr) < 5 / np.sqrt(len(y)), (corr, len(y))
 
 
-def test_an_agent_that_stops_after_masking_is_recovered(aggregator, agent_threads, stand_dataset, tmp_path,
+def test_an_agent_that_stops_after_masking_is_recovered(step_deadline, aggregator, agent_threads, stand_dataset, tmp_path,
                                                        one_thread):
     """agent-2 sends its masked update and stops before answering: the others' answers (2, the
     threshold) rebuild its self mask, and its update is in the round's average, as in the
     simulation where nobody stops."""
     sim = _sim(tmp_path, stand_dataset, 3, 1, 2)
     agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2,
-                            round_timeout=4.0)
+                            round_timeout=step_deadline)
     _stop_at(agents[2], "answer")
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "finished", done["message"]
@@ -129,9 +129,9 @@ def test_an_agent_that_stops_after_masking_is_recovered(aggregator, agent_thread
         assert torch.equal(stored[k], sim[1][k]), k
 
 
-def test_an_agent_gone_before_masking_is_left_out(aggregator, agent_threads, stand_dataset, one_thread):
+def test_an_agent_gone_before_masking_is_left_out(step_deadline, aggregator, agent_threads, stand_dataset, one_thread):
     agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2,
-                            round_timeout=4.0)
+                            round_timeout=step_deadline)
     _stop_at(agents[2], "masked")
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "finished", done["message"]
@@ -167,7 +167,7 @@ def test_adaptive_clipping_under_the_masks_moves_the_norm_from_the_agents_summed
     assert len(rounds) == 2 * 3 and all(n == 8 * (numel + 2) for _, n in rounds)
 
 
-def test_an_agent_whose_task_gives_no_norm_sits_the_round_out_and_the_others_close_it(aggregator, agent_threads,
+def test_an_agent_whose_task_gives_no_norm_sits_the_round_out_and_the_others_close_it(step_deadline, aggregator, agent_threads,
                                                                                       stand_dataset, one_thread,
                                                                                       caplog, monkeypatch):
     """Adaptive clipping under the masks, one agent's tasks without the round's norm (as from an
@@ -186,12 +186,12 @@ def test_an_agent_whose_task_gives_no_norm_sits_the_round_out_and_the_others_clo
 
     monkeypatch.setattr(Agent, "_train", without_norm)
     agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2,
-                            algo="fed-bc", dp_clip=1e3, dp_clip_quantile=0.5, dp_clip_lr=0.5, round_timeout=4.0)
+                            algo="fed-bc", dp_clip=1e3, dp_clip_quantile=0.5, dp_clip_lr=0.5, round_timeout=step_deadline)
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "finished", done["message"]
     closed = [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED"]
     assert len(closed) == 1 and sorted(closed[0]["agents"]) == ["agent-0", "agent-1"], closed
-    # the aggregator offers it the round's task until the round closes (4 s): one refusal logged,
+    # the aggregator offers it the round's task until the round closes (at its deadline): one refusal logged,
     # and the offers taken no faster than its long poll (1 s here), never a tight loop
     assert set(trained) == {None} and len(trained) <= 8, len(trained)
     assert caplog.text.count("round 1: no part in the secure aggregation: round 1's task gives no clipping "
@@ -199,7 +199,7 @@ def test_an_agent_whose_task_gives_no_norm_sits_the_round_out_and_the_others_clo
     assert agent_threads.threads[2].is_alive()  # it waits for the next task; it did not crash
 
 
-def test_an_agent_that_refuses_a_secure_step_does_not_train_that_round_again(aggregator, agent_threads,
+def test_an_agent_that_refuses_a_secure_step_does_not_train_that_round_again(step_deadline, aggregator, agent_threads,
                                                                               stand_dataset, one_thread, caplog,
                                                                               monkeypatch):
     """An agent whose secure steps end in a refusal (a step of the protocol it must refuse) is
@@ -218,7 +218,7 @@ def test_an_agent_that_refuses_a_secure_step_does_not_train_that_round_again(agg
 
     monkeypatch.setattr(SecureSteps, "update", refusing)
     _, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2, algo="fed-bc",
-                       round_timeout=4.0)
+                       round_timeout=step_deadline)
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "finished", done["message"]
     closed = [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED"]
@@ -227,7 +227,7 @@ def test_an_agent_that_refuses_a_secure_step_does_not_train_that_round_again(agg
     assert caplog.text.count("round 1: no part in the secure aggregation: a refusal of this test's") == 1
 
 
-def test_an_agent_that_refuses_its_moments_step_tries_it_once(aggregator, agent_threads, stand_dataset,
+def test_an_agent_that_refuses_its_moments_step_tries_it_once(step_deadline, aggregator, agent_threads, stand_dataset,
                                                                 one_thread, caplog, monkeypatch):
     """The same in round 0: an agent whose observation moments end in a refusal is offered the
     MOMENTS task again until the step closes, and runs the protocol for them once."""
@@ -244,7 +244,7 @@ def test_an_agent_that_refuses_its_moments_step_tries_it_once(aggregator, agent_
 
     monkeypatch.setattr(SecureSteps, "_steps", refusing)
     _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2, algo="fed-bc",
-           round_timeout=4.0)
+           round_timeout=step_deadline)
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "finished", done["message"]  # the two others' moments, then the round
     assert refused == [0], refused
@@ -272,10 +272,10 @@ def test_round_metrics_an_agent_sends_under_the_masks_are_dropped_unread(aggrega
     assert "agent agent-0 sent its round metrics in the clear under secure aggregation" in caplog.text
 
 
-def test_below_the_threshold_the_run_fails_and_nothing_is_stored(aggregator, agent_threads, stand_dataset,
+def test_below_the_threshold_the_run_fails_and_nothing_is_stored(step_deadline, aggregator, agent_threads, stand_dataset,
                                                                   one_thread):
     agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=3,
-                            round_timeout=4.0)
+                            round_timeout=step_deadline)
     _stop_at(agents[2], "masked")
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "failed"
@@ -283,10 +283,10 @@ def test_below_the_threshold_the_run_fails_and_nothing_is_stored(aggregator, age
     assert aggregator.store.versions(run_id) == [0]
 
 
-def test_below_the_threshold_in_the_moments_round_no_version_is_made(aggregator, agent_threads, stand_dataset,
+def test_below_the_threshold_in_the_moments_round_no_version_is_made(step_deadline, aggregator, agent_threads, stand_dataset,
                                                                       one_thread):
     agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=3,
-                            round_timeout=4.0)
+                            round_timeout=step_deadline)
     _stop_at(agents[2], "masked", round_=0)
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "failed"
@@ -377,13 +377,13 @@ def test_weighting_by_samples_and_round_0_are_right_when_shards_differ_in_size(a
         assert torch.equal(stored[k], states[1][k]), k
 
 
-def test_adaptive_clipping_counts_the_survivors_alone_when_an_agent_drops(aggregator, agent_threads, stand_dataset,
+def test_adaptive_clipping_counts_the_survivors_alone_when_an_agent_drops(step_deadline, aggregator, agent_threads, stand_dataset,
                                                                           one_thread):
     """Every update within the norm (1e3), no noise: the share within it is 1 whoever survives.
     agent-2 leaves before masking: the sum's count and weight are the two survivors', so the
     share is still 1 (not 2/3: the estimate stays unbiased)."""
     agents, run_id = _start(aggregator, agent_threads, stand_dataset, 3, rounds=1, secagg_threshold=2, algo="fed-bc",
-                            dp_clip=1e3, dp_clip_quantile=0.5, dp_clip_lr=0.5, round_timeout=4.0)
+                            dp_clip=1e3, dp_clip_quantile=0.5, dp_clip_lr=0.5, round_timeout=step_deadline)
     _stop_at(agents[2], "masked")
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "finished", done["message"]
