@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if health is not None:
         health.stop(0.5)
     server.stop(1.0)
-    coord.close()
+    coord.close()  # wakes the handlers that wait on it
+    server.drain()  # their last lines ("agent ... left") come before this process's
     log.info("stopped")
     return 0
 

@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if health is not None:
         health.stop(0.5)
     server.stop(1.0)
+    server.drain()
     log.info("stopped")
     return 0
 

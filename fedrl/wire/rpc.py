@@ -61,6 +61,13 @@ class Server:
         self.set_serving(False)
         self.server.stop(grace).wait(grace + 1.0)
 
+    def drain(self, timeout: float = 2.0) -> bool:
+        """After :meth:`stop` (and once whatever its handlers wait on is closed): wait up to
+        ``timeout`` seconds for the streams' handlers to return, so that a process logs its
+        last line after theirs. Whether they all did."""
+        guard = getattr(self, "guard", None)
+        return guard is None or guard.drained(timeout)
+
 
 # Metadata an evaluator's WatchRounds carries: the aggregator then knows an evaluator follows the
 # run (a hint for how long a watch waits for evaluations, not a credential: it grants nothing)

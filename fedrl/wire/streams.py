@@ -128,6 +128,7 @@ class StreamGuard(grpc.ServerInterceptor):
         self.long_polls, self.tokens_checked = long_polls, tokens_checked
         self.watch = _IdleWatch(idle)
         self._lock = threading.Lock()
+        self._none_open = threading.Condition(self._lock)
         self._open = 0
         self._by_identity: dict[str, int] = {}
 
@@ -153,9 +154,17 @@ class StreamGuard(grpc.ServerInterceptor):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {why}; retry later")
         return None  # not reached
 
+    def drained(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every counted call's handler to return (its last
+        log line written); whether they all did."""
+        with self._none_open:
+            return self._none_open.wait_for(lambda: self._open == 0, timeout)
+
     def _leave(self, who: str) -> None:
         with self._lock:
             self._open -= 1
+            if self._open == 0:
+                self._none_open.notify_all()
             n = self._by_identity.get(who, 1) - 1
             if n:
                 self._by_identity[who] = n
