@@ -304,7 +304,7 @@ MUTANTS = (
 def _pytest(tree: Path, tests: tuple[str, ...]) -> tuple[int, str]:
     """Run ``tests`` in ``tree``: (pytest's exit status, the first failure's line or the last line)."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+    p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", *tests],
                        cwd=tree, env=env, capture_output=True, text=True, timeout=900, check=False)
     out = (p.stdout + p.stderr).strip().splitlines()
     return p.returncode, next((ln for ln in out if ln.startswith(("FAILED", "ERROR"))), out[-1] if out else "")[:160]

@@ -12,6 +12,13 @@ from fedrl.data.d4rl import RawDataset, write_d4rl
 from fedrl.data.make import rollout_dataset
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow checks (marked ``slow``) first, in their order: under pytest-xdist the longest
+    start first and the many short ones fill the workers around them, so that no worker is left
+    with a long check at the end while the others idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def float64():
     """torch's default float type float64 for one test (equality checks at float64 rounding)."""
@@ -31,20 +38,44 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("D4RL_DATASET_DIR", str(root / "d4rl"))
 
 
+def once_per_session(tmp_path_factory, name: str, make):
+    """``make(folder)``'s result (a path), made once per test session: under pytest-xdist, by the
+    first worker that asks, the others waiting on a file lock and reading its path. ``folder``
+    is new and empty."""
+    import fcntl
+    import os
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent / "once"  # the session's, shared by its workers
+    root.mkdir(exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        made = root / f"{name}.path"
+        if not made.exists():
+            folder = root / name
+            folder.mkdir()
+            made.write_text(str(make(folder)))
+        return Path(made.read_text())
+
+
 @pytest.fixture(scope="session")
 def _named_once(tmp_path_factory):
     """Named datasets (``hopper-medium-v2``) made by the registry, as a user's first use makes
     them, once per session: making one takes ~25 s, and every test has its own empty cache."""
     from fedrl.data.registry import resolve
 
-    root, made = tmp_path_factory.mktemp("named-once"), {}
+    def make(name: str, root: Path) -> Path:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FEDRL_CACHE_DIR", str(root / "fedrl"))
+            mp.setenv("D4RL_DATASET_DIR", str(root / "d4rl"))
+            return resolve(name, progress=lambda message: None)
+
+    made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in made:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("FEDRL_CACHE_DIR", str(root / "fedrl"))
-                mp.setenv("D4RL_DATASET_DIR", str(root / "d4rl"))
-                made[name] = resolve(name, progress=lambda message: None)
+            made[name] = once_per_session(tmp_path_factory, f"named-{name}", lambda root: make(name, root))
         return made[name]
 
     return get

@@ -84,6 +84,7 @@ def test_the_wheel_holds_every_shipped_behaviour_file_and_the_typed_stubs(instal
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
 
 
+@pytest.mark.slow(reason="builds and installs the wheel into a new virtualenv")
 def test_the_installed_wheel_runs_from_outside_the_source_tree(installed, tmp_path):
     run, site, _ = installed
     where = run(sys.executable, "-c", "import fedrl, aggregator_service, agent_service, evaluator_service as e;"

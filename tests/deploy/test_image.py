@@ -15,6 +15,8 @@ import yaml
 from benchmarks.system import image as img
 from tests.conftest import require_tool
 
+pytestmark = pytest.mark.slow(reason="builds the container image from the Dockerfile (buildah, debootstrap): minutes")
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 USER = "10001:10001"
 

@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 from fedrl.cli.client import ControlClient
 from tests.e2e.test_up import TINY
 
+pytestmark = pytest.mark.slow(reason="real processes killed and restarted mid-run; each waits for rounds to train")
+
 PY = sys.executable
 
 

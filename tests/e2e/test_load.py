@@ -18,6 +18,8 @@ from fedrl.data.make import rollout_dataset
 from tests.conftest import stand_policy
 from tests.service.conftest import AgentThreads
 
+pytestmark = pytest.mark.slow(reason="100 agent processes' worth of joins against a real aggregator")
+
 N = 100
 
 

@@ -13,11 +13,15 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from fedrl.ops.local_prometheus import RULES_FILE, rule_groups
 from tests.conftest import require_tool
 from tests.e2e.lingering import lingering_up, start_lingering_up, stdout_until
 from tests.e2e.test_up import _alive, _children
 from tests.service.test_federation import wait_for
+
+pytestmark = pytest.mark.slow(reason="fedrl up with a real Prometheus server scraping it")
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/components/monitoring/dashboards/fedrl.json"
 PROMQL_WORDS = {"sum", "by", "max", "rate", "increase", "histogram_quantile", "max_over_time", "time", "and",

@@ -19,6 +19,8 @@ from tests.conftest import require_tool
 from tests.e2e.lingering import lingering_up
 from tests.service.test_federation import wait_for
 
+pytestmark = pytest.mark.slow(reason="fedrl up over mutual TLS, every service a real process")
+
 
 def test_up_secure_runs_and_refuses_callers_without_credentials(stand_dataset, tmp_path):
     require_tool("prometheus")

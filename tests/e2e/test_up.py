@@ -15,6 +15,8 @@ from safetensors import safe_open
 
 from tests import source
 
+pytestmark = pytest.mark.slow(reason="fedrl up end to end: every service a real process, rounds trained")
+
 TINY = {"drpo": {"hidden": [32, 32], "batch_size": 16, "cql_n_actions": 2},
         "bc": {"hidden": [32, 32], "batch_size": 16}}
 

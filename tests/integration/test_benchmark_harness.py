@@ -37,6 +37,7 @@ def test_float_rounding_comparison_still_sees_real_differences():
     assert not same_up_to_float_rounding({"algo": "drpo"}, {"algo": "cql"})
 
 
+@pytest.mark.slow(reason="reruns the committed smoke benchmark")
 def test_smoke_rerun_matches_the_committed_results(tmp_path, hopper_medium):
     """Bit-identical on the machine that wrote them; elsewhere equal up to float rounding:
     BLAS and ATen pick kernels by CPU (AVX2, AVX-512), so another x86 machine differs in the

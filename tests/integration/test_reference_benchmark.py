@@ -65,6 +65,7 @@ def test_committed_reference_results_render(tmp_path):
     json.dumps(results)
 
 
+@pytest.mark.slow(reason="reruns a reference benchmark's rows")
 def test_a_run_whose_checkpoint_is_lost_recomputes_its_rows_and_goes_on(tmp_path, monkeypatch, capsys):
     """Rows recorded on another machine, no checkpoint here: the driver retrains them in the same
     chunks, says each matches, and appends only the new rows."""

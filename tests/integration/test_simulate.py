@@ -26,6 +26,7 @@ def tiny(dataset, **kw):
     return SimConfig(**{**base, **kw})
 
 
+@pytest.mark.slow(reason="fedrl simulate as a process, with evaluation episodes")
 def test_cli_writes_a_complete_run_folder(tmp_path, random_dataset):
     out = tmp_path / "run"
     proc = subprocess.run(

@@ -164,6 +164,7 @@ def test_unauthenticated_streams_are_refused_before_they_count(tmp_path, idle):
         agg.close()
 
 
+@pytest.mark.slow(reason="an agent trains past the stream's idle limit")
 def test_a_session_agent_training_past_the_idle_limit_stays_connected_by_its_progress(
         tmp_path, agent_threads, stand_dataset, caplog):
     from .test_federation import run_config, status, wait_for

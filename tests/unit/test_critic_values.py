@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from benchmarks.studies.critic_sink import CYCLE, cycle_q
@@ -38,6 +39,7 @@ def small(**kw) -> DRPOConfig:
     return dataclasses.replace(SMALL, **kw)
 
 
+@pytest.mark.slow(reason="3,000 DRPO steps: the property is where Q settles after three rounds")
 def test_the_gradient_stop_settles_on_the_datas_scale():
     """With the penalty's gradient stopped at the data's returns (named, whichever penalty is the
     default), Q on the data is, by the third round, at or above the data's least return and below
@@ -48,6 +50,7 @@ def test_the_gradient_stop_settles_on_the_datas_scale():
         f"mean Q on the data {r['q_data']:.2f}, the data's least return {r['least_return']:.2f}"
 
 
+@pytest.mark.slow(reason="2,000 DRPO steps: the sink shows after two rounds")
 def test_the_papers_penalty_sinks_here():
     """The symptom, noticed: CQL(H) as written drives Q on the data far below anything the data
     earned (-52 after two rounds when measured, -27 after three), so the cycle tells the two
@@ -56,6 +59,7 @@ def test_the_papers_penalty_sinks_here():
     assert r["q_data"] < r["least_return"], r["q_data"]
 
 
+@pytest.mark.slow(reason="DRPO rounds on the cycle, as the other critic checks")
 def test_calql_floor_keeps_q_on_the_data_above_the_datas_returns():
     """Cal-QL's lifted floor (an option) holds Q on the data above the data's least return from
     the first round."""

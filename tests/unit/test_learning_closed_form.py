@@ -52,6 +52,7 @@ def train(cfg, data: Batch, steps: int, obs_dim: int):
     return ln
 
 
+@pytest.mark.slow(reason="trains a critic to its closed-form values")
 @pytest.mark.parametrize("beta,steps,tol", [(0.0, 1000, 0.05), (10.0, 1500, 0.2)])
 def test_critic_reaches_the_chains_closed_form_q_values(beta, steps, tol):
     k, data = chain()
@@ -64,6 +65,7 @@ def test_critic_reaches_the_chains_closed_form_q_values(beta, steps, tol):
             assert abs(got - CHAIN_Q[s]) < tol, f"beta {beta}: Q(s{s}) = {got:.3f}, closed form {CHAIN_Q[s]:.3f}"
 
 
+@pytest.mark.slow(reason="trains an actor to convergence on a bandit")
 def test_actor_picks_the_bandits_best_action():
     ln = train(dataclasses.replace(FAST, cql_weight=0.0), bandit(), 1500, 2)
     best = float(ln.policy.act(torch.ones(1, 2)))

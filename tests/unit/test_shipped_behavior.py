@@ -12,6 +12,8 @@ from fedrl.data.make import make_dataset
 from fedrl.data.registry import makeable, resolve
 from fedrl.envs import env_info
 
+pytestmark = pytest.mark.slow(reason="makes every shipped quality's dataset by rolling out its behaviour policy")
+
 # episodes per quality: sampling policies that fall now and then (Ant's medium: 1008 +- 440 over
 # 50) put a 5-episode mean's ratio to the expert's outside its band by chance
 EPISODES = 20
