@@ -208,11 +208,12 @@ def measure_suite(loaded_runs: int = 3, burners: int = 2) -> int:
                               check=True).stdout.strip()
         py = _fresh_clone(Path(tmp))
         runs = [_suite_run(py, Path(tmp) / "clone", 0)]
-        for _ in range(loaded_runs):
-            runs.append(_suite_run(py, Path(tmp) / "clone", burners))
-    idle, loaded = runs[0], runs[1:]
-    _write("suite", {"command": f"python -m pytest --deselect {SELF_CHECK}", "commit": head, **idle,
-                     "loaded": [{k: v for k, v in r.items() if k != "slowest"} for r in loaded]})
+        for i in range(loaded_runs + 1):  # written after each run: a stopped measurement keeps its runs
+            if i:
+                runs.append(_suite_run(py, Path(tmp) / "clone", burners))
+            idle, loaded = runs[0], runs[1:]
+            _write("suite", {"command": f"python -m pytest --deselect {SELF_CHECK}", "commit": head, **idle,
+                             "loaded": [{k: v for k, v in r.items() if k != "slowest"} for r in loaded]})
     return 0 if all(r["returncode"] == 0 for r in runs) else 1
 
 

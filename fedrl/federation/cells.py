@@ -205,7 +205,7 @@ def _rounds(states, trainers, groups, cells, work: Path, ck: Path, env, done: in
         t0 = time.perf_counter()
         results: dict[tuple[int, int], Any] = {}
         for g, tr in trainers.items():
-            inputs = [states[ci].agent_states[a] if states[ci].cell.cfg.algo == "cql" else states[ci].global_state
+            inputs = [states[ci].agent_states[a] if states[ci].cell.cfg.own_policies else states[ci].global_state
                       for ci, a in groups[g]]
             for (ci, a), res in zip(groups[g], tr.train_round(inputs, first.local_steps, trace_every=trace_every)):
                 results[(ci, a)] = res
@@ -240,7 +240,7 @@ def _evaluations(states: list[_CellState], env_id: str, episodes: int, seed_of, 
     out in contiguous chunks): each cell's round evaluation, in order."""
     policies, seeds, owner = [], [], []
     for ci, st in enumerate(states):
-        mine = st.agent_states if st.cell.cfg.algo == "cql" else [st.global_state]
+        mine = st.agent_states if st.cell.cfg.own_policies else [st.global_state]
         for s in mine:
             policies.append({k[len(POLICY) + 1:]: v for k, v in s.items() if k.startswith(POLICY + ".")})
             seeds.append(seed_of(st))
@@ -278,7 +278,7 @@ def _checkpoint(path: Path, r: int, cells: Sequence[Cell], states: list[_CellSta
     tensors: dict[str, torch.Tensor] = {}
     for ci, st in enumerate(states):
         tensors |= {f"global/{ci}/{k}": v for k, v in st.global_state.items()}
-        if st.cell.cfg.algo == "cql":
+        if st.cell.cfg.own_policies:
             tensors |= {f"agent_state/{ci}/{i}/{k}": v for i, s in enumerate(st.agent_states) for k, v in s.items()}
     for g, tr in trainers.items():
         tensors |= {f"group/{g}/{k}": v for k, v in tr.checkpoint().items()}
@@ -309,7 +309,7 @@ def _resume(path: Path, cells: Sequence[Cell], states: list[_CellState], trainer
     done = int(meta["round"])
     for ci, st in enumerate(states):
         g = part(f"global/{ci}/")
-        own = [part(f"agent_state/{ci}/{i}/") for i in range(st.agents)] if st.cell.cfg.algo == "cql" else None
+        own = [part(f"agent_state/{ci}/{i}/") for i in range(st.agents)] if st.cell.cfg.own_policies else None
         st.machine = RoundMachine(st.machine.plan, g, done, done, own)
         st.curve = list(meta["curves"][ci])
     for g, tr in trainers.items():

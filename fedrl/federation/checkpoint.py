@@ -48,7 +48,7 @@ def write_checkpoint(out: Path, cfg: SimConfig, r: int, curve: list, global_stat
     """Everything round ``r + 1`` starts from, in one safetensors file written atomically
     (``learners``: prefix -> a learner, each agent's or the whole batch's)."""
     tensors = {f"global/{k}": v for k, v in global_state.items()}
-    if cfg.algo == "cql":
+    if cfg.own_policies:
         tensors |= {f"agent_state/{i}/{k}": v for i, st in enumerate(agent_states) for k, v in st.items()}
     for prefix, learner in learners.items():
         tensors |= {f"{prefix}{k}": v for k, v in learner.checkpoint().items()}
@@ -156,7 +156,7 @@ def resume(out: Path, cfg: SimConfig, learners: dict[str, Any], n_agents: int,
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
     global_state = part("global/")
-    agent_states = ([part(f"agent_state/{i}/") for i in range(n_agents)] if cfg.algo == "cql"
+    agent_states = ([part(f"agent_state/{i}/") for i in range(n_agents)] if cfg.own_policies
                     else [global_state] * n_agents)
     for prefix, learner in learners.items():
         learner.restore(part(prefix))

@@ -70,7 +70,7 @@ class Plan:
     def of(cls, options: Any, agents: Sequence[Hashable], quorum: int = 0) -> Plan:
         """The plan of a run with ``options`` (a :class:`fedrl.federation.options.FederationOptions`)."""
         return cls(options.rounds, tuple(agents), quorum or len(agents), options.aggregation, options.weighting,
-                   options.trim_fraction, options.algo == "cql", bool(options.secagg_threshold), options.dp_clip,
+                   options.trim_fraction, options.own_policies, bool(options.secagg_threshold), options.dp_clip,
                    options.dp_noise, options.dp_delta, options.dp_epsilon_budget, options.dp_clip_quantile,
                    options.dp_clip_lr, count_noise(options))
 

@@ -85,6 +85,12 @@ class FederationOptions:
     algos: ClassVar[tuple[str, ...]] = ALGOS
     """The algorithms this kind of run accepts."""
 
+    @property
+    def own_policies(self) -> bool:
+        """Each agent keeps and is judged by its own policy, and nothing is averaged: the ``cql``
+        baseline (no federation). Every other algorithm has one global policy."""
+        return self.algo == "cql"
+
     @classmethod
     def option_name(cls, name: str) -> str:
         """How errors name field ``name`` (a JSON field here; a command-line flag in simulate)."""

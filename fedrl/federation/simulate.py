@@ -252,7 +252,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 rec["secure_aggregation"] = sa_rec
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
                 rec["eval"] = round_evaluation(cfg.algo, [eval_state(s) for s in agent_states]
-                                               if cfg.algo == "cql" else [eval_state(global_state)])
+                                               if cfg.own_policies else [eval_state(global_state)])
                 curve.append(curve_point(r, rec["eval"]))
             rec["seconds"] = time.perf_counter() - t0
             jl.write(json.dumps(rec) + "\n")
@@ -266,11 +266,11 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     if stopped:
         log(stopped)
 
-    final_states = agent_states if cfg.algo == "cql" else [global_state]
+    final_states = agent_states if cfg.own_policies else [global_state]
     load_prefixed(eval_policy, final_states[0], POLICY)
     save_policy(eval_policy, out / "global_policy.safetensors",
                 {"algo": cfg.algo, "env_id": env.gym_id, "hparams": config_to_dict(hp),
-                 "note": "agent 0's policy (no global policy in 'cql')" if cfg.algo == "cql" else "global"})
+                 "note": "agent 0's policy (no global policy in 'cql')" if cfg.own_policies else "global"})
     summary = {
         "algo": cfg.algo, "env_id": env.gym_id, "agents": n_agents, "rounds": cfg.rounds, "engine": engine,
         "wall_seconds": time.perf_counter() - t_start,

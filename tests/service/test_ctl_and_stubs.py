@@ -16,6 +16,7 @@ from fedrl.cli.client import ControlClient
 from fedrl.federation.runconfig import ConfigError
 from fedrl.proto.generate import stale
 from tests.service.test_federation import join, run_config, wait_for
+from tests.service.test_federation import RPC_BOUND
 
 
 def test_committed_stubs_match_the_protos():
@@ -88,18 +89,18 @@ def test_ctl_command_line(aggregator):
 def test_health_and_reflection(aggregator, caplog):
     h = health_pb2_grpc.HealthStub(aggregator.channel)
     with caplog.at_level("WARNING"):  # List (grpcurl's default) answers, and nothing is logged as an error
-        listed = h.List(health_pb2.HealthListRequest(), timeout=5).statuses
+        listed = h.List(health_pb2.HealthListRequest(), timeout=RPC_BOUND).statuses
     assert {"", "fedrl.v1.Federation", "fedrl.v1.Control"} <= set(listed)
     assert all(s.status == health_pb2.HealthCheckResponse.SERVING for s in listed.values())
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     for svc in ("", "fedrl.v1.Federation", "fedrl.v1.Control"):
-        assert h.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status == \
+        assert h.Check(health_pb2.HealthCheckRequest(service=svc), timeout=RPC_BOUND).status == \
             health_pb2.HealthCheckResponse.SERVING
     with pytest.raises(grpc.RpcError) as ei:
-        h.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+        h.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=RPC_BOUND)
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
     r = reflection_pb2_grpc.ServerReflectionStub(aggregator.channel)
-    resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=RPC_BOUND))
     names = {s.name for s in resp.list_services_response.service}
     assert {"fedrl.v1.Federation", "fedrl.v1.Control", "grpc.health.v1.Health"} <= names
 
@@ -197,9 +198,9 @@ def _finish_one_round_run(aggregator, **cfg):
     from tests.service.test_federation import submit
 
     st = status_from_proto(aggregator.control.StartRun(
-        control_pb2.StartRunRequest(config_json=run_config(rounds=1, **cfg)), timeout=5))
+        control_pb2.StartRunRequest(config_json=run_config(rounds=1, **cfg)), timeout=RPC_BOUND))
     g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND)))
     for aid in ("a0", "a1"):
         submit(aggregator, aid, g, st["run_id"])
     assert wait_for(lambda: aggregator.coord.status()["state"] == "finished")
@@ -310,7 +311,7 @@ def test_without_tokens_only_a_few_watchers_count_as_evaluators(aggregator):
     from fedrl.proto.v1 import control_pb2
     from fedrl.wire.rpc import EVALUATOR_HEADER
 
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
     calls = [aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10,
                                             metadata=((EVALUATOR_HEADER, "1"),)) for _ in range(10)]
     for c in calls:

@@ -46,6 +46,11 @@ def run_config(**kw) -> str:
     return RunConfig(**{**base, **kw}).to_json()
 
 
+# One call's bound, not a deadline the test is about: on a loaded machine a call that does
+# little can still take seconds to be answered.
+RPC_BOUND = 60.0
+
+
 def wait_for(pred, timeout: float = 60.0, what: str = "condition"):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -57,7 +62,7 @@ def wait_for(pred, timeout: float = 60.0, what: str = "condition"):
 
 
 def status(agg) -> dict:
-    return status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5, wait_for_ready=True))
+    return status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND, wait_for_ready=True))
 
 
 @pytest.mark.parametrize("algo,obs_norm,session,weighting", [
@@ -149,7 +154,7 @@ def join(agg, agent_id: str, index: int, obs_dim: int = 11, moments: tuple[float
     return agg.fed.Join(federation_pb2.JoinRequest(
         agent_id=agent_id, agent_index=index, num_samples=100, obs_dim=obs_dim, act_dim=3,
         env_id="Hopper-v5", obs_moments=federation_pb2.ObsMoments(
-            count=100, sum=[moments[0]] * obs_dim, sum_sq=[moments[1]] * obs_dim)), timeout=5)
+            count=100, sum=[moments[0]] * obs_dim, sum_sq=[moments[1]] * obs_dim)), timeout=RPC_BOUND)
 
 
 @pytest.fixture
@@ -157,8 +162,8 @@ def open_round(aggregator):
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
     st = status_from_proto(aggregator.control.StartRun(
-        control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=5))
-    parts = aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)
+        control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=RPC_BOUND))
+    parts = aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND)
     manifest, chunks = read_weight_parts(parts)
     g = assemble(manifest, chunks)
     path = aggregator.store.version_path(st["run_id"], 0)
@@ -365,40 +370,40 @@ def test_bad_configs_and_control_misuse(aggregator):
         (json.dumps({"env": "Pong-v5"}), "env: unknown environment"),
     ]
     for text, msg in bad:
-        assert_refused(lambda: c.StartRun(control_pb2.StartRunRequest(config_json=text), timeout=5),
+        assert_refused(lambda: c.StartRun(control_pb2.StartRunRequest(config_json=text), timeout=RPC_BOUND),
                        grpc.StatusCode.INVALID_ARGUMENT, msg)
     assert status(aggregator)["state"] == "idle"
-    assert_refused(lambda: c.StopRun(control_pb2.StopRunRequest(), timeout=5),
+    assert_refused(lambda: c.StopRun(control_pb2.StopRunRequest(), timeout=RPC_BOUND),
                    grpc.StatusCode.FAILED_PRECONDITION, "no active run")
-    c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
     assert status(aggregator)["state"] == "waiting_for_agents"
-    assert_refused(lambda: c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5),
+    assert_refused(lambda: c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND),
                    grpc.StatusCode.FAILED_PRECONDITION, "stop it first")
-    st = status_from_proto(c.StopRun(control_pb2.StopRunRequest(reason="test"), timeout=5))
+    st = status_from_proto(c.StopRun(control_pb2.StopRunRequest(reason="test"), timeout=RPC_BOUND))
     assert st["state"] == "stopped" and st["message"] == "test"
 
 
 def test_join_and_task_refusals(aggregator):
     f = aggregator.fed
-    assert_refused(lambda: f.NextTask(federation_pb2.TaskRequest(agent_id="nobody", wait_seconds=0), timeout=5),
+    assert_refused(lambda: f.NextTask(federation_pb2.TaskRequest(agent_id="nobody", wait_seconds=0), timeout=RPC_BOUND),
                    grpc.StatusCode.NOT_FOUND, "unknown agent 'nobody'")
-    assert_refused(lambda: f.Join(federation_pb2.JoinRequest(agent_id="", obs_dim=1, act_dim=1, num_samples=1), timeout=5),
+    assert_refused(lambda: f.Join(federation_pb2.JoinRequest(agent_id="", obs_dim=1, act_dim=1, num_samples=1), timeout=RPC_BOUND),
                    grpc.StatusCode.INVALID_ARGUMENT, "agent_id")
     assert_refused(lambda: f.Join(federation_pb2.JoinRequest(
         agent_id="x", obs_dim=3, act_dim=1, num_samples=5,
-        obs_moments=federation_pb2.ObsMoments(count=5, sum=[1.0], sum_sq=[1.0])), timeout=5),
+        obs_moments=federation_pb2.ObsMoments(count=5, sum=[1.0], sum_sq=[1.0])), timeout=RPC_BOUND),
         grpc.StatusCode.INVALID_ARGUMENT, "obs_dim=3")
     join(aggregator, "a0", 0)
     t0 = time.monotonic()
-    task = f.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.3), timeout=5)
+    task = f.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.3), timeout=RPC_BOUND)
     assert task.kind == federation_pb2.Task.WAIT and 0.25 < time.monotonic() - t0 < 3
     # Agents whose data disagree on dimensions: no group of one task is large enough, so the run
     # waits for one (neither decides for the other) and fails at its join timeout, saying why.
     join(aggregator, "a1", 1, obs_dim=17)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(join_timeout=0.5)), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(join_timeout=0.5)), timeout=RPC_BOUND)
     st = wait_for(lambda: (s := status(aggregator))["state"] == "failed" and s, what="the run to fail")
     assert "they hold 2 different tasks" in st["message"] and "Hopper-v5 17/3" in st["message"]
-    assert_refused(lambda: f.FetchGlobal(federation_pb2.FetchRequest(run_id="nope", version=0), timeout=5).next(),
+    assert_refused(lambda: f.FetchGlobal(federation_pb2.FetchRequest(run_id="nope", version=0), timeout=RPC_BOUND).next(),
                    grpc.StatusCode.NOT_FOUND, "unknown run 'nope'")
 
 
@@ -412,7 +417,7 @@ def test_agent_records_are_bounded_and_those_of_agents_gone_are_forgotten(aggreg
     assert sorted(coord.agents) == ["a0", "a1", "a2"]
     # a run may not want more agents than the aggregator keeps
     assert_refused(lambda: aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(agents=4)), timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "--max-agents 3")
+        config_json=run_config(agents=4)), timeout=RPC_BOUND), grpc.StatusCode.INVALID_ARGUMENT, "--max-agents 3")
     # a0 has gone (not connected): its record makes room; a known agent rejoining always may
     coord.agents["a0"].last_seen -= 2 * coord.max_task_wait + 10
     join(aggregator, "a3", 3)
@@ -430,7 +435,7 @@ def test_agents_selected_in_a_running_run_are_never_forgotten(aggregator):
     coord.max_agents = 2
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
     wait_for(lambda: status(aggregator)["state"] == "running", what="the run to start")
     for a in ("a0", "a1"):
         coord.agents[a].last_seen -= coord.agent_ttl + 1
@@ -445,7 +450,7 @@ def test_agents_selected_in_a_running_run_are_never_forgotten(aggregator):
 def test_a_run_whose_env_is_not_the_agents_task_fails_at_its_start(aggregator, env, message):
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(env=env)), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(env=env)), timeout=RPC_BOUND)
     st = status(aggregator)
     assert st["state"] == "failed" and st["message"] == message and st["global_version"] == 0
     assert not list(aggregator.store.root.rglob("v*.safetensors"))  # no version 0 to evaluate
@@ -454,9 +459,9 @@ def test_a_run_whose_env_is_not_the_agents_task_fails_at_its_start(aggregator, e
 def test_a_run_env_of_the_agents_task_but_another_width_fails_at_its_start(aggregator):
     aggregator.fed.Join(federation_pb2.JoinRequest(  # an agent whose data reports no env id
         agent_id="a0", agent_index=0, num_samples=100, obs_dim=11, act_dim=6,
-        obs_moments=federation_pb2.ObsMoments(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)), timeout=5)
+        obs_moments=federation_pb2.ObsMoments(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)), timeout=RPC_BOUND)
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=1, env="Hopper-v5")),
-                                timeout=5)
+                                timeout=RPC_BOUND)
     assert status(aggregator)["message"] == "env Hopper-v5 in the run config has 3 action dims, the agents' data 6"
 
 
@@ -464,9 +469,9 @@ def test_round_closes_at_deadline_with_quorum(aggregator):
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
     st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(min_agents=1, round_timeout=0.5)), timeout=5))
+        config_json=run_config(min_agents=1, round_timeout=0.5)), timeout=RPC_BOUND))
     g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND)))
     scaled = {k: v * 2 if v.is_floating_point() else v for k, v in g.items()}
     submit(aggregator, "a0", scaled, st["run_id"])
     t0 = time.monotonic()
@@ -483,9 +488,9 @@ def test_a_round_short_of_its_quorum_says_so_and_closes_when_it_is_met(aggregato
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
     st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(round_timeout=0.3)), timeout=5))  # quorum: both agents
+        config_json=run_config(round_timeout=0.3)), timeout=RPC_BOUND))  # quorum: both agents
     g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND)))
     submit(aggregator, "a0", g, st["run_id"])
     s = wait_for(lambda: (x := status(aggregator))["message"] and x, timeout=10, what="the stall to be reported")
     assert "round 1 is past its deadline with 1 of the 2 updates it needs" in s["message"]
@@ -500,9 +505,9 @@ def test_one_byzantine_agent_corrupts_fedavg_but_not_robust_aggregation(aggregat
     for i in range(3):
         join(aggregator, f"a{i}", i)
     st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(agents=3, aggregation=aggregation, trim_fraction=0.34)), timeout=5))
+        config_json=run_config(agents=3, aggregation=aggregation, trim_fraction=0.34)), timeout=RPC_BOUND))
     g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND)))
     submit(aggregator, "a0", g, st["run_id"])
     submit(aggregator, "a1", g, st["run_id"])
     submit(aggregator, "a2", {k: v * 1e6 if v.is_floating_point() else v for k, v in g.items()}, st["run_id"])
@@ -527,10 +532,10 @@ def test_averages_are_written_into_the_buffers_of_versions_no_longer_held(aggreg
     join(aggregator, "a1", 1)
     rounds = 8
     st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(rounds=rounds)), timeout=5))
+        config_json=run_config(rounds=rounds)), timeout=RPC_BOUND))
     run_id = st["run_id"]
     g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=run_id, version=0), timeout=5)))
+        federation_pb2.FetchRequest(run_id=run_id, version=0), timeout=RPC_BOUND)))
     held = None  # version 2 as the aggregator holds it, kept here as a late reader would
     for r in range(1, rounds + 1):
         for i, aid in enumerate(("a0", "a1")):
@@ -595,7 +600,7 @@ def test_each_agent_gets_its_own_normaliser_in_every_task(aggregator):
     for i, (a, mu) in enumerate(means.items()):  # std 2 around mean mu
         join(aggregator, a, i, moments=(100 * mu, 100 * (mu * mu + 4)))
     st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(obs_norm="local", rounds=3)), timeout=5))
+        config_json=run_config(obs_norm="local", rounds=3)), timeout=RPC_BOUND))
     run_id = st["run_id"]
 
     def check(task, agent, round):
@@ -603,7 +608,7 @@ def test_each_agent_gets_its_own_normaliser_in_every_task(aggregator):
         np.testing.assert_allclose(task.obs_mean, [means[agent]] * 11)
         np.testing.assert_allclose(task.obs_std, [2.0] * 11, rtol=1e-3)
 
-    tasks = {a: aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id=a, wait_seconds=1), timeout=5)
+    tasks = {a: aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id=a, wait_seconds=1), timeout=RPC_BOUND)
              for a in ("a0", "a1", "a0")}  # a0 again: after a1's task was made
     for a, t in tasks.items():
         check(t, a, 1)
@@ -656,7 +661,7 @@ def test_join_validates_what_an_agent_declares_and_nothing_changes(aggregator, f
     assert "bad" not in aggregator.coord.agents
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
     st = wait_for(lambda: (s := status(aggregator))["state"] == "running" and s, 10, "the run to start")
     v0 = aggregator.store.load_version(st["run_id"], 0)
     assert all(torch.isfinite(t).all() for t in v0.values())
@@ -667,7 +672,7 @@ def test_a_new_run_selects_only_agents_connected_now(aggregator):
     aggregator.coord.agents["gone"].last_seen -= 3600  # joined long ago, never heard of since
     join(aggregator, "a1", 1)
     join(aggregator, "a2", 2)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
     wait_for(lambda: status(aggregator)["state"] == "running", 10, "the run to start")
     assert aggregator.coord.run.selected == ["a1", "a2"]
 
@@ -757,9 +762,9 @@ def test_the_aggregator_clips_an_update_its_agent_did_not(aggregator):
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
     st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(rounds=2, dp_clip=0.5)), timeout=5))
+        config_json=run_config(rounds=2, dp_clip=0.5)), timeout=RPC_BOUND))
     manifest, chunks = read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5))
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND))
     g = assemble(manifest, chunks)
     far = {k: (v + 1.0 if k.startswith("policy.trunk") else v.clone()) for k, v in g.items()}  # norm >> 0.5
     assert update_norm(far, g) > 30

@@ -25,6 +25,7 @@ from fedrl.wire.serde import read_weight_parts, status_from_proto
 
 from .conftest import Aggregator
 from .test_federation import join, run_config
+from tests.service.test_federation import RPC_BOUND
 
 BAD = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 NAMES = st.sampled_from(["a0", "a1", "agent-0", "", "Hopper-v5", "policy.head.weight", "run", "\x00", "é" * 40])
@@ -212,10 +213,10 @@ def running(tmp_path_factory):
     join(agg, "a0", 0)
     join(agg, "a1", 1)
     st_ = status_from_proto(agg.control.StartRun(
-        control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=5))
+        control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=RPC_BOUND))
     run_id = st_["run_id"]
     g = assemble(*read_weight_parts(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=0),
-                                                         timeout=5)))
+                                                         timeout=RPC_BOUND)))
     digest = hashlib.sha256(agg.store.version_path(run_id, 0).read_bytes()).hexdigest()
     yield agg, run_id, g, digest
     agg.close()
@@ -239,7 +240,7 @@ def test_aggregator_rpc_answers_random_requests_specifically_and_keeps_the_model
         assert code not in BAD, (name, code)
 
     each()
-    st_ = status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
+    st_ = status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND))
     assert st_["run_id"] == run_id and st_["global_version"] == 0 and st_["round"] == 1
     assert st_["state"] == "running"
     assert agg.store.versions(run_id) == [0]
@@ -268,7 +269,7 @@ def test_evaluator_rpc_answers_random_requests_specifically(evaluator, name, met
         assert call(evaluator, name, method, reqs) not in BAD
 
     each()
-    assert evaluator_pb2_grpc.EvaluatorStub(evaluator).GetReports(evaluator_pb2.ReportsRequest(), timeout=5) is not None
+    assert evaluator_pb2_grpc.EvaluatorStub(evaluator).GetReports(evaluator_pb2.ReportsRequest(), timeout=RPC_BOUND) is not None
 
 
 def _kinds(m) -> set[str]:
@@ -339,7 +340,7 @@ def test_secure_aggregation_steps_of_the_run_s_own_agents_answer_random_content_
             assert call(agg.channel, name, method, [own(keys, agent)]) not in BAD
         assert agg.coord.run.secure.step == 1
         each()
-        s = status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
+        s = status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND))
         assert s["run_id"] == run_id and s["global_version"] == 0 and agg.coord.run.round == round_
         assert agg.store.versions(run_id) == ([0] if round_ else [])
     finally:

@@ -8,13 +8,14 @@ import pytest
 
 from fedrl.proto.v1 import control_pb2, federation_pb2
 from tests.service.test_federation import assert_refused, join, run_config, status, wait_for
+from tests.service.test_federation import RPC_BOUND
 
 
 def _join_moments(agg, agent_id, total, total_sq, count=100, obs_dim=11):
     return agg.fed.Join(federation_pb2.JoinRequest(
         agent_id=agent_id, agent_index=0, num_samples=100, obs_dim=obs_dim, act_dim=3, env_id="Hopper-v5",
         obs_moments=federation_pb2.ObsMoments(count=count, sum=[total] * obs_dim, sum_sq=[total_sq] * obs_dim)),
-        timeout=5)
+        timeout=RPC_BOUND)
 
 
 @pytest.mark.parametrize("total, total_sq, says", [
@@ -33,14 +34,14 @@ def test_observation_moments_no_observation_can_have_are_refused_at_join(aggrega
 def test_a_join_of_another_task_is_refused_and_the_run_goes_on(aggregator):
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=RPC_BOUND)
     assert wait_for(lambda: status(aggregator)["state"] == "running")
     assert_refused(lambda: join(aggregator, "other", 2, obs_dim=17), grpc.StatusCode.FAILED_PRECONDITION,
                    "another task than run")
     walker = federation_pb2.JoinRequest(agent_id="walker", agent_index=3, num_samples=100, obs_dim=11, act_dim=3,
                                         env_id="Walker2d-v5", obs_moments=federation_pb2.ObsMoments(
                                             count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11))
-    assert_refused(lambda: aggregator.fed.Join(walker, timeout=5), grpc.StatusCode.FAILED_PRECONDITION,
+    assert_refused(lambda: aggregator.fed.Join(walker, timeout=RPC_BOUND), grpc.StatusCode.FAILED_PRECONDITION,
                    "env Walker2d-v5 (the run's: Hopper-v5)")
     st = status(aggregator)
     assert st["state"] == "running" and {a["agent_id"] for a in st["agents"]} == {"a0", "a1"}
@@ -50,7 +51,7 @@ def test_a_join_of_another_task_is_refused_and_the_run_goes_on(aggregator):
 def test_a_join_of_another_task_is_refused_while_the_run_waits_for_agents(aggregator):
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=3)), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=3)), timeout=RPC_BOUND)
     # two agents that agree are the task; one that differs from them is refused
     assert_refused(lambda: join(aggregator, "other", 2, obs_dim=17), grpc.StatusCode.FAILED_PRECONDITION,
                    "obs_dim 17, act_dim 3 (the run's: 11, 3)")
@@ -64,7 +65,7 @@ def test_a_first_join_of_another_task_decides_nothing_for_the_honest_agents(aggr
     honest agents join, the run begins with the largest group that agrees, and the squatter is
     left out (and refused when it joins again)."""
     join(aggregator, "squat", 0, obs_dim=12)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2)), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2)), timeout=RPC_BOUND)
     join(aggregator, "h1", 1)
     join(aggregator, "h2", 2)
     st = wait_for(lambda: (s := status(aggregator))["state"] == "running" and s, what="the run to begin")
@@ -78,7 +79,7 @@ def test_a_run_config_that_names_its_env_is_the_task_whoever_joins_first(aggrega
     """With env in the run config no Join decides: a squatter of another task is refused at once,
     first or not, and the honest agents begin the run."""
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2, env="Hopper-v5")),
-                                timeout=5)
+                                timeout=RPC_BOUND)
     assert_refused(lambda: join(aggregator, "squat", 0, obs_dim=12), grpc.StatusCode.FAILED_PRECONDITION,
                    "cannot evaluate the agents' 12-dim observations")
     join(aggregator, "h1", 1)
@@ -97,11 +98,11 @@ def test_agent_ids_outside_the_documented_character_set_are_refused(aggregator, 
 def test_a_negative_version_other_than_latest_is_refused(aggregator, version):
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
     assert wait_for(lambda: status(aggregator)["state"] == "running")
 
     def fetch():
-        return list(aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(version=version), timeout=5))
+        return list(aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(version=version), timeout=RPC_BOUND))
 
     assert_refused(fetch, grpc.StatusCode.INVALID_ARGUMENT, "expected a version >= 0, or -1 for the latest")
 
@@ -109,7 +110,7 @@ def test_a_negative_version_other_than_latest_is_refused(aggregator, version):
 def test_a_run_short_of_agents_says_how_many_are_connected(aggregator):
     join(aggregator, "a0", 0)
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2, join_timeout=0.3)),
-                                timeout=5)
+                                timeout=RPC_BOUND)
     assert wait_for(lambda: status(aggregator)["state"] == "failed")
     assert status(aggregator)["message"] == "only 1 of the 2 agents the run needs were connected within 0s"
 
@@ -127,7 +128,7 @@ def test_settings_that_cannot_train_are_refused_at_start(aggregator, drpo, says)
     cfg = json.loads(run_config())
     cfg["drpo"] = {**cfg["drpo"], **drpo}
     assert_refused(lambda: aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=json.dumps(cfg)),
-                                                       timeout=5), grpc.StatusCode.INVALID_ARGUMENT, says)
+                                                       timeout=RPC_BOUND), grpc.StatusCode.INVALID_ARGUMENT, says)
     assert status(aggregator)["state"] == "idle"
 
 
@@ -244,9 +245,9 @@ def _nan_round(agg):
 
     join(agg, "a0", 0)
     join(agg, "a1", 1)
-    st = status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5))
+    st = status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND))
     g = assemble(*read_weight_parts(agg.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND)))
     return st["run_id"], g, {k: torch.full_like(v, float("nan")) for k, v in g.items()}
 
 
@@ -286,7 +287,7 @@ def test_non_finite_updates_sent_under_live_agents_ids_do_not_end_the_run(quick_
     until = time.monotonic() + 8  # past the 6 s after which a silent agent counts as gone
     while time.monotonic() < until:  # the real agents, alive, ask for their task
         for a in ("a0", "a1"):
-            agg.fed.NextTask(federation_pb2.TaskRequest(agent_id=a, wait_seconds=0.2), timeout=5)
+            agg.fed.NextTask(federation_pb2.TaskRequest(agent_id=a, wait_seconds=0.2), timeout=RPC_BOUND)
         assert status(agg)["state"] == "running", status(agg)["message"]
     submit(agg, "a0", g, run_id)  # and their real updates are taken
     submit(agg, "a1", g, run_id)
@@ -302,7 +303,7 @@ def test_settings_whose_first_step_cannot_be_allocated_are_refused_at_start(aggr
     cfg = json.loads(run_config())
     cfg["drpo"] = {**cfg["drpo"], "batch_size": 65_536, "cql_n_actions": 1_024, "hidden": [256, 256]}
     assert_refused(lambda: aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=json.dumps(cfg)),
-                                                       timeout=5), grpc.StatusCode.INVALID_ARGUMENT,
+                                                       timeout=RPC_BOUND), grpc.StatusCode.INVALID_ARGUMENT,
                    "one local step would need about")
     assert status(aggregator)["state"] == "idle"
 
@@ -323,7 +324,7 @@ def test_a_step_too_large_for_the_agents_task_fails_the_run_at_once_saying_why(a
     cfg = json.loads(run_config(agents=1))
     cfg["drpo"] = {**cfg["drpo"], "batch_size": big, "cql_n_actions": 64, "hidden": [256, 256]}
     join(aggregator, "a0", 0, obs_dim=5000)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=json.dumps(cfg)), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=json.dumps(cfg)), timeout=RPC_BOUND)
     st = wait_for(lambda: (s := status(aggregator))["state"] == "failed" and s, what="the run to fail")
     assert "one local step would need about" in st["message"] and "obs_dim 5000" in st["message"]
 
@@ -333,14 +334,14 @@ def test_a_probe_told_stop_does_not_use_the_stop_up(aggregator):
     so the agent's next NextTask got WAIT and it never heard the run had ended."""
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
     wait_for(lambda: status(aggregator)["state"] == "running")
-    aggregator.control.StopRun(control_pb2.StopRunRequest(reason="enough"), timeout=5)
-    probe = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", probe=True), timeout=5)
+    aggregator.control.StopRun(control_pb2.StopRunRequest(reason="enough"), timeout=RPC_BOUND)
+    probe = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", probe=True), timeout=RPC_BOUND)
     assert probe.kind == federation_pb2.Task.STOP
-    task = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.2), timeout=5)
+    task = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.2), timeout=RPC_BOUND)
     assert task.kind == federation_pb2.Task.STOP
-    again = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.2), timeout=5)
+    again = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.2), timeout=RPC_BOUND)
     assert again.kind == federation_pb2.Task.WAIT  # told once
 
 
@@ -394,7 +395,7 @@ def test_one_poisoned_join_cannot_make_the_honest_agents_data_degenerate(aggrega
     for i in range(3):
         join(aggregator, f"h{i}", i, moments=(100 * honest_mean, 100 * (honest_std**2 + honest_mean**2)))
     join(aggregator, "poison", 3, moments=(100 * 1e6, 100 * 1e12))  # mean 1e6, std 0
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=4)), timeout=5)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=4)), timeout=RPC_BOUND)
     wait_for(lambda: status(aggregator)["state"] == "running")
     g = aggregator.coord.run.global_state
     mean, std = g["policy.obs_mean"].double().numpy(), g["policy.obs_std"].double().numpy()
@@ -422,7 +423,7 @@ def test_an_agent_that_cannot_read_the_runs_config_sits_out_and_says_why(step_de
     agent_threads.start(aggregator.target, str(stand_dataset), 3, 2, seed=7)
     wait_for(lambda: len(status(aggregator)["agents"]) == 3)
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
-        agents=3, min_agents=2, rounds=1, round_timeout=step_deadline, algo="fed-bc", local_steps=5)), timeout=5)
+        agents=3, min_agents=2, rounds=1, round_timeout=step_deadline, algo="fed-bc", local_steps=5)), timeout=RPC_BOUND)
     assert wait_for(lambda: status(aggregator)["state"] in ("finished", "failed"), timeout=60 + 2 * step_deadline)
     st = status(aggregator)
     assert st["state"] == "finished", st["message"]

@@ -16,6 +16,7 @@ from tests.service.test_federation import (
     submit,
     wait_for,
 )
+from tests.service.test_federation import RPC_BOUND
 
 
 def value(agg, name: str, **labels) -> float:
@@ -33,8 +34,8 @@ CONTROL, FED = "fedrl.v1.Control", "fedrl.v1.Federation"
 
 def test_interceptor_counts_unary_and_streaming_rpcs_with_their_codes(aggregator):
     agg = aggregator
-    agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5)
-    agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5)
+    agg.control.GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND)
+    agg.control.GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND)
     assert value(agg, "grpc_server_started_total", grpc_type="unary", grpc_service=CONTROL,
                  grpc_method="GetStatus") == 2
     assert handled(agg, "GetStatus", "unary", "OK", CONTROL) == 2
@@ -42,26 +43,26 @@ def test_interceptor_counts_unary_and_streaming_rpcs_with_their_codes(aggregator
                  grpc_method="GetStatus") == 2
 
     # unary refused: the code the servicer aborted with
-    assert_refused(lambda: agg.fed.NextTask(federation_pb2.TaskRequest(agent_id="nobody"), timeout=5),
+    assert_refused(lambda: agg.fed.NextTask(federation_pb2.TaskRequest(agent_id="nobody"), timeout=RPC_BOUND),
                    grpc.StatusCode.NOT_FOUND, "unknown agent")
     assert handled(agg, "NextTask", "unary", "NOT_FOUND", FED) == 1
 
     # server stream refused before its first message (no run to watch)
-    assert_refused(lambda: list(agg.control.WatchRounds(control_pb2.WatchRequest(), timeout=5)),
+    assert_refused(lambda: list(agg.control.WatchRounds(control_pb2.WatchRequest(), timeout=RPC_BOUND)),
                    grpc.StatusCode.FAILED_PRECONDITION, "no run")
     assert handled(agg, "WatchRounds", "server_stream", "FAILED_PRECONDITION", CONTROL) == 1
 
     # server stream that completes: messages sent are counted
     join(agg, "a0", 0)
     join(agg, "a1", 1)
-    st = agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=5)
-    parts = list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st.run_id, version=0), timeout=5))
+    st = agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=RPC_BOUND)
+    parts = list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st.run_id, version=0), timeout=RPC_BOUND))
     assert handled(agg, "FetchGlobal", "server_stream", "OK", FED) == 1
     assert value(agg, "grpc_server_msg_sent_total", grpc_type="server_stream", grpc_service=FED,
                  grpc_method="FetchGlobal") == len(parts) >= 2
 
     # client stream refused mid-way; every message it read is counted
-    assert_refused(lambda: agg.fed.SubmitUpdate(iter([federation_pb2.UpdatePart(chunk=b"x")]), timeout=5),
+    assert_refused(lambda: agg.fed.SubmitUpdate(iter([federation_pb2.UpdatePart(chunk=b"x")]), timeout=RPC_BOUND),
                    grpc.StatusCode.INVALID_ARGUMENT, "must start with its header")
     assert handled(agg, "SubmitUpdate", "client_stream", "INVALID_ARGUMENT", FED) == 1
     assert value(agg, "grpc_server_msg_received_total", grpc_type="client_stream", grpc_service=FED,
@@ -87,14 +88,14 @@ def test_aggregator_metrics_follow_rounds_updates_and_refusals(aggregator):
     join(agg, "a0", 0)
     join(agg, "a1", 1)
     assert value(agg, "fedrl_aggregator_agents_connected") == 2
-    st = agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=5)
+    st = agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=RPC_BOUND)
     assert value(agg, "fedrl_aggregator_run_active") == 1
     assert value(agg, "fedrl_aggregator_agents_expected") == 2
     assert value(agg, "fedrl_aggregator_round") == 1
     assert value(agg, "fedrl_aggregator_round_deadline_timestamp_seconds") > 0
     sent0 = value(agg, "fedrl_aggregator_weights_sent_bytes_total")
     manifest, chunks = read_weight_parts(agg.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=st.run_id, version=0), timeout=5))
+        federation_pb2.FetchRequest(run_id=st.run_id, version=0), timeout=RPC_BOUND))
     assert value(agg, "fedrl_aggregator_weights_sent_bytes_total") - sent0 == manifest.total_bytes
     g = assemble(manifest, chunks)
 
@@ -124,7 +125,7 @@ def test_aggregator_metrics_follow_rounds_updates_and_refusals(aggregator):
 def test_agent_metrics_record_local_training(aggregator, agent_threads, stand_dataset):
     agg = aggregator
     agents = agent_threads.start(agg.target, str(stand_dataset), 2, 2, 7)
-    agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2, local_steps=3)), timeout=5)
+    agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2, local_steps=3)), timeout=RPC_BOUND)
     wait_for(lambda: all(a.rounds_done == 2 for a in agents), 120, "two rounds")
     for a in agents:
         reg, aid = a.metrics.registry, a.cfg.agent_id
@@ -381,7 +382,7 @@ def test_a_scrape_without_the_credential_gets_no_priority(tmp_path):
         time.sleep(0.5)  # every slot of the address held
         with pytest.raises(OSError):
             urllib.request.urlopen(urllib.request.Request(
-                f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer " + "x" * 32}), timeout=5).read()
+                f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer " + "x" * 32}), timeout=RPC_BOUND).read()
     finally:
         flood.close()
 

@@ -12,6 +12,7 @@ from fedrl.federation.machine import RoundMachine
 from fedrl.proto.v1 import control_pb2
 from fedrl.wire.serde import status_from_proto
 from tests.service.test_federation import one_thread, run_config, status, wait_for  # noqa: F401
+from tests.service.test_federation import RPC_BOUND
 
 
 def unknown_answers(agg) -> float:
@@ -439,7 +440,7 @@ def test_an_update_that_arrives_after_stop_run_makes_no_version(aggregator, how)
     run_id = start(aggregator, rounds=3, obs_norm="none")["run_id"]
     g = aggregator.coord.run.global_state
     submit(aggregator, "a0", g, run_id, inline=True)
-    aggregator.control.StopRun(control_pb2.StopRunRequest(reason="test"), timeout=5)
+    aggregator.control.StopRun(control_pb2.StopRunRequest(reason="test"), timeout=RPC_BOUND)
     with pytest.raises(grpc.RpcError) as e:
         submit(aggregator, "a1", g, run_id, inline=how == "inline")
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value

@@ -18,6 +18,7 @@ from fedrl.federation.simulate import run as simulate
 from fedrl.proto.v1 import control_pb2
 from fedrl.wire.serde import status_from_proto
 from tests.service.test_federation import SMALL, SMALL_BC, one_thread, run_config, status, wait_for  # noqa: F401
+from tests.service.test_federation import RPC_BOUND
 
 
 def _start(aggregator, agent_threads, data, n, session=True, **cfg):
@@ -314,9 +315,9 @@ def test_an_update_in_the_clear_is_refused_in_a_secure_run(aggregator, stand_dat
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
     st = status_from_proto(aggregator.control.StartRun(
-        control_pb2.StartRunRequest(config_json=run_config(secagg_threshold=2, obs_norm="none")), timeout=5))
+        control_pb2.StartRunRequest(config_json=run_config(secagg_threshold=2, obs_norm="none")), timeout=RPC_BOUND))
     g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=5)))
+        federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND)))
     for inline in (False, True):
         assert_refused(lambda: submit(aggregator, "a0", g, st["run_id"], inline=inline),
                        grpc.StatusCode.FAILED_PRECONDITION, "never in the clear")
@@ -332,8 +333,8 @@ def test_round_0_gathers_the_moments_before_any_version(aggregator):
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
     st = status_from_proto(aggregator.control.StartRun(
-        control_pb2.StartRunRequest(config_json=run_config(secagg_threshold=2)), timeout=5))
-    task = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=1), timeout=5)
+        control_pb2.StartRunRequest(config_json=run_config(secagg_threshold=2)), timeout=RPC_BOUND))
+    task = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=1), timeout=RPC_BOUND)
     assert (task.kind, task.round, task.run_id) == (federation_pb2.Task.MOMENTS, 0, st["run_id"])
     st0 = status(aggregator)
     assert st0["round"] == 0
@@ -341,7 +342,7 @@ def test_round_0_gathers_the_moments_before_any_version(aggregator):
 
     assert "round 0 of 2 (the agents' observation moments, by secure aggregation)" in status_text(st0)
     assert_refused(lambda: list(aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st["run_id"], version=0),
-                                                           timeout=5)),
+                                                           timeout=RPC_BOUND)),
                    grpc.StatusCode.FAILED_PRECONDITION, "has not made its first version")
 
 

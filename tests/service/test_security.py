@@ -26,6 +26,7 @@ from fedrl.wire.security import (
 )
 from tests.service.conftest import Aggregator
 from tests.service.test_federation import assert_refused, run_config, wait_for
+from tests.service.test_federation import RPC_BOUND
 
 TOKENS = {"agent-0": "agent-0-token-0123456789", "agent-1": "agent-1-token-0123456789"}
 ADMIN, EVALUATOR = "admin-token-0123456789abcdef", "evaluator-token-0123456789"
@@ -203,7 +204,7 @@ def test_an_agents_certificate_cannot_pose_as_the_aggregator(ca, stolen):
     try:
         ch, fed, _ = stubs(type("T", (), {"target": target}), ca, "agent-0", TOKENS["agent-0"])
         with pytest.raises(grpc.RpcError) as ei:
-            fed.Join(join_req("agent-0"), timeout=5)
+            fed.Join(join_req("agent-0"), timeout=RPC_BOUND)
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
         assert seen == []  # the token never left the agent
         ch.close()
@@ -219,7 +220,7 @@ def test_the_real_aggregators_certificate_is_taken_at_127_0_0_1(ca):
                                          (ca / "ca.crt").read_bytes())
     try:
         ch, fed, _ = stubs(type("T", (), {"target": target}), ca, "agent-0", TOKENS["agent-0"])
-        assert fed.Join(join_req("agent-0"), timeout=5).agent_id == "fake"
+        assert fed.Join(join_req("agent-0"), timeout=RPC_BOUND).agent_id == "fake"
         assert seen and seen[0]["authorization"] == f"Bearer {TOKENS['agent-0']}"
         ch.close()
     finally:
@@ -233,8 +234,8 @@ def test_the_real_aggregators_certificate_is_taken_at_127_0_0_1(ca):
 ])
 def test_a_certificate_must_agree_with_the_token(secure_aggregator, ca, cert, token, message):
     ch, fed, control = stubs(secure_aggregator, ca, cert, token)
-    call = ((lambda: control.GetStatus(control_pb2.StatusRequest(), timeout=5)) if token == ADMIN
-            else (lambda: fed.Join(join_req("agent-1" if token == TOKENS["agent-1"] else "agent-0"), timeout=5)))
+    call = ((lambda: control.GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND)) if token == ADMIN
+            else (lambda: fed.Join(join_req("agent-1" if token == TOKENS["agent-1"] else "agent-0"), timeout=RPC_BOUND)))
     assert_refused(call, grpc.StatusCode.PERMISSION_DENIED, message)
     assert secure_aggregator.coord.status()["agents"] == []  # nobody joined
     ch.close()
@@ -244,7 +245,7 @@ def test_server_certificates_cannot_call(secure_aggregator, ca):
     """The aggregator's certificate has server usage only: a client presenting it completes no handshake."""
     ch, fed, _ = stubs(secure_aggregator, ca, "aggregator", TOKENS["agent-0"])
     with pytest.raises(grpc.RpcError) as ei:
-        fed.Join(join_req("agent-0"), timeout=5)
+        fed.Join(join_req("agent-0"), timeout=RPC_BOUND)
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     ch.close()
 
@@ -274,7 +275,7 @@ def test_no_other_certificate_passes_for_the_aggregator_even_by_the_dialled_host
     try:
         ch, fed, _ = stubs(type("T", (), {"target": target}), ca, "agent-0", TOKENS["agent-0"])
         with pytest.raises(grpc.RpcError) as ei:
-            fed.Join(join_req("agent-0"), timeout=5)
+            fed.Join(join_req("agent-0"), timeout=RPC_BOUND)
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and seen == []
         ch.close()
     finally:
@@ -284,7 +285,7 @@ def test_no_other_certificate_passes_for_the_aggregator_even_by_the_dialled_host
                                          (ca / "aggregator/tls.key").read_bytes(), (ca / "ca.crt").read_bytes())
     try:
         ch, fed, _ = stubs(type("T", (), {"target": target}), ca, "agent-0", TOKENS["agent-0"])
-        assert fed.Join(join_req("agent-0"), timeout=5).agent_id == "fake"
+        assert fed.Join(join_req("agent-0"), timeout=RPC_BOUND).agent_id == "fake"
         ch.close()
     finally:
         srv.stop(0)
@@ -299,7 +300,7 @@ def test_only_the_evaluators_token_makes_a_following_evaluator(secure_aggregator
 
     agg = secure_aggregator
     ch0, _, admin = stubs(agg, ca, "admin", ADMIN)
-    admin.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=5)  # a run to watch
+    admin.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)  # a run to watch
     ch0.close()
     calls = []
     for client, token in (("admin", ADMIN), ("evaluator", EVALUATOR)):

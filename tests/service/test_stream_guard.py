@@ -18,6 +18,7 @@ from fedrl.wire.streams import RESERVED_WORKERS
 from fedrl.wire.security import Authenticator, TokenClientInterceptor
 
 from .conftest import Aggregator
+from tests.service.test_federation import RPC_BOUND
 
 SUBMIT = "/fedrl.v1.Federation/SubmitUpdate"
 
@@ -113,12 +114,12 @@ def test_a_flood_of_idle_streams_is_refused_and_the_server_keeps_answering(tmp_p
         # while they stay open: health, Control and Join answer within a second each, repeatedly
         hc = health_pb2_grpc.HealthStub(agg.channel)
         for _ in range(5):
-            r = _quick(lambda: hc.Check(health_pb2.HealthCheckRequest(), timeout=5))
+            r = _quick(lambda: hc.Check(health_pb2.HealthCheckRequest(), timeout=RPC_BOUND))
             assert r.status == health_pb2.HealthCheckResponse.SERVING
-            _quick(lambda: agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
+            _quick(lambda: agg.control.GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND))
         reply = _quick(lambda: agg.fed.Join(federation_pb2.JoinRequest(
             agent_id="a0", agent_index=0, num_samples=10, obs_dim=2, act_dim=1, env_id="Hopper-v5",
-            obs_moments=federation_pb2.ObsMoments(count=10, sum=[0, 0], sum_sq=[10, 10])), timeout=5))
+            obs_moments=federation_pb2.ObsMoments(count=10, sum=[0, 0], sum_sq=[10, 10])), timeout=RPC_BOUND))
         assert reply.agent_id == "a0"
     finally:
         idle.close()
@@ -204,7 +205,7 @@ def test_a_flood_of_long_polls_is_capped_and_health_status_and_join_still_answer
     agg = Aggregator(tmp_path / "s", task_wait=20.0, max_workers=workers, streams_per_identity=per_caller)
     agg.fed.Join(federation_pb2.JoinRequest(
         agent_id="a0", agent_index=0, num_samples=100, obs_dim=11, act_dim=3, env_id="Hopper-v5",
-        obs_moments=federation_pb2.ObsMoments(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)), timeout=5)
+        obs_moments=federation_pb2.ObsMoments(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)), timeout=RPC_BOUND)
     chans = [own_connection(agg.target) for _ in range(20)]
     futs = []
     try:
@@ -219,12 +220,12 @@ def test_a_flood_of_long_polls_is_capped_and_health_status_and_join_still_answer
         assert {_code(f)[0] for f in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert len(futs) - len(refused) <= workers - RESERVED_WORKERS
         h = health_pb2_grpc.HealthStub(agg.channel)
-        assert _quick(lambda: h.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == \
+        assert _quick(lambda: h.Check(health_pb2.HealthCheckRequest(), timeout=RPC_BOUND)).status == \
             health_pb2.HealthCheckResponse.SERVING
-        _quick(lambda: agg.control.GetStatus(control_pb2.StatusRequest(), timeout=5))
+        _quick(lambda: agg.control.GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND))
         _quick(lambda: agg.fed.Join(federation_pb2.JoinRequest(
             agent_id="a1", agent_index=1, num_samples=100, obs_dim=11, act_dim=3, env_id="Hopper-v5",
-            obs_moments=federation_pb2.ObsMoments(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)), timeout=5))
+            obs_moments=federation_pb2.ObsMoments(count=100, sum=[1.0] * 11, sum_sq=[2.0] * 11)), timeout=RPC_BOUND))
     finally:
         for f in futs:
             f.cancel()
