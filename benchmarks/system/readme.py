@@ -239,7 +239,8 @@ def blocks(results: Path = RESULTS) -> dict[str, str]:
     suite = json.loads((results / "suite.json").read_text())
     loaded = suite.get("loaded", [])
     beside = "" if not loaded else (
-        f" Beside {loaded[0]['burners']} CPU burners (a busy loop per core), {len(loaded)} more runs: "
+        f" Beside {loaded[0]['burners']} CPU burners (a busy loop per core), {len(loaded)} more "
+        f"{'run' if len(loaded) == 1 else 'runs'}: "
         + ", ".join(f"{_mmss(r['wall_seconds'])} ({'green' if r['returncode'] == 0 else 'failed'}, load "
                     f"{r['machine_after']['loadavg_1min']:.1f} after)" for r in loaded) + ".")
     out["readme-suite"] = (f"Measured from a fresh clone: {_mmss(suite['wall_seconds'])}, `{suite['summary']}` (the "
