@@ -370,10 +370,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure")
     m.add_argument("what", choices=("up", "by-hand", "suite"))
+    m.add_argument("--loaded-runs", type=int, default=3, help="suite: runs beside the burners after the idle one")
+    m.add_argument("--burners", type=int, default=2, help="suite: CPU burners (busy loops) beside those runs")
     sub.add_parser("render")
     a = ap.parse_args(argv)
     if a.cmd == "measure":
-        return {"up": measure_up, "by-hand": measure_by_hand, "suite": measure_suite}[a.what]()
+        if a.what == "suite":
+            return measure_suite(a.loaded_runs, a.burners)
+        return {"up": measure_up, "by-hand": measure_by_hand}[a.what]()
     README.write_text(replace_blocks(README.read_text(), blocks()))
     PERFORMANCE.write_text(replace_blocks(PERFORMANCE.read_text(), performance_blocks()))
     BENCHMARKS.write_text(replace_blocks(BENCHMARKS.read_text(), benchmarks_blocks()))
