@@ -474,9 +474,9 @@ def test_round_closes_at_deadline_with_quorum(aggregator):
         federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND)))
     scaled = {k: v * 2 if v.is_floating_point() else v for k, v in g.items()}
     submit(aggregator, "a0", scaled, st["run_id"])
-    t0 = time.monotonic()
-    s = wait_for(lambda: (x := status(aggregator))["global_version"] == 1 and x, timeout=10, what="deadline close")
-    assert time.monotonic() - t0 < 5 and s["round"] == 2
+    # a1 never sends: only the deadline can close the round (however late a loaded clock fires it)
+    s = wait_for(lambda: (x := status(aggregator))["global_version"] == 1 and x, what="deadline close")
+    assert s["round"] == 2
     v1 = aggregator.store.load_version(st["run_id"], 1)
     assert torch.equal(v1["policy.head.weight"], scaled["policy.head.weight"])  # only a0's update
     ev = [e for e in aggregator.coord.run.events if e["kind"] == "ROUND_CLOSED"]
@@ -492,11 +492,12 @@ def test_a_round_short_of_its_quorum_says_so_and_closes_when_it_is_met(aggregato
     g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
         federation_pb2.FetchRequest(run_id=st["run_id"], version=0), timeout=RPC_BOUND)))
     submit(aggregator, "a0", g, st["run_id"])
-    s = wait_for(lambda: (x := status(aggregator))["message"] and x, timeout=10, what="the stall to be reported")
+    # the deadline may pass before a0's update lands ("0 of the 2"): the report follows the updates taken
+    s = wait_for(lambda: "with 1 of" in (x := status(aggregator))["message"] and x, what="the stall to be reported")
     assert "round 1 is past its deadline with 1 of the 2 updates it needs" in s["message"]
     assert s["global_version"] == 0 and s["round"] == 1
     submit(aggregator, "a1", g, st["run_id"])
-    s = wait_for(lambda: (x := status(aggregator))["global_version"] == 1 and x, timeout=10, what="round 1 to close")
+    s = wait_for(lambda: (x := status(aggregator))["global_version"] == 1 and x, what="round 1 to close")
     assert s["message"] == ""
 
 
