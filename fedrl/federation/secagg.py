@@ -350,7 +350,12 @@ class Answer:
 def pairwise_mask(private, peer_public: bytes, me: str, peer: str, params: SecAggParams, size: int) -> np.ndarray:
     """The mask ``me`` adds for ``peer``: +PRG(s) when ``me`` sorts first, -PRG(s) otherwise, where
     s is their X25519 agreement run through HKDF with both ids: the two masks cancel in a sum."""
-    m = prg(_pair_seed(private, peer_public, me, peer, params), size)
+    return _signed(prg(_pair_seed(private, peer_public, me, peer, params), size), me, peer)
+
+
+def _signed(m, me: str, peer: str):
+    """The pairwise mask ``m`` (a vector or one value) as ``me`` adds it for ``peer``: + when
+    ``me`` sorts first, - otherwise, so that the two agents' masks cancel in a sum."""
     return m if me < peer else (np.uint64(0) - m)
 
 
@@ -516,8 +521,7 @@ class ServerSession:
                 # u added pairwise_mask(u, v); the same mask, computed from v's side, is its negative
                 total += pairwise_mask(sk, self.roster[u].mask_key, v, u, self.params, size)
         for (u, v), seed in pairs.items():  # each survivor's pairwise mask with an excluded agent
-            m = prg(seed, size)
-            total += (np.uint64(0) - m) if u < v else m
+            total -= _signed(prg(seed, size), u, v)
         return total
 
     def _unmasked_at(self, seeds, pairs: Mapping[tuple[str, str], bytes], u3: list[str], index: int) -> np.uint64:
@@ -529,11 +533,9 @@ class ServerSession:
                 x += self.masked[a][index] - prg_at(self_seeds[a], index)
             for v, sk in keys.items():
                 for u in u3:
-                    m = prg_at(_pair_seed(sk, self.roster[u].mask_key, v, u, self.params), index)
-                    x += m if v < u else np.uint64(0) - m
+                    x += _signed(prg_at(_pair_seed(sk, self.roster[u].mask_key, v, u, self.params), index), v, u)
             for (u, v), seed in pairs.items():
-                m = prg_at(seed, index)
-                x += (np.uint64(0) - m) if u < v else m
+                x -= _signed(prg_at(seed, index), u, v)
         return x
 
 
