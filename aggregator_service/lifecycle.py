@@ -268,7 +268,12 @@ class RunLifecycle:
         # adaptive clipping continues from the norm version v's round moved it to
         clip = next((e["metrics"]["dp_clip_next"] for e in reversed(run.events) if e["kind"] == "ROUND_CLOSED"
                      and e["version"] == v and "dp_clip_next" in e.get("metrics", {})), None)
-        run.machine = RoundMachine(Plan.of(cfg, run.selected, cfg.quorum), state, version=v, rounds_done=v, clip=clip)
+        # the public sample counts the run was started with (a state directory of an earlier version
+        # kept none: the agents' own, as they joined again, or 1)
+        samples = part.get("samples") or [getattr(self.registry.agents.get(a), "num_samples", 1) for a in run.selected]
+        run.dims = (len(run.norms[run.selected[0]][0]), 0) if run.selected else (0, 0)
+        run.machine = RoundMachine(Plan.of(cfg, run.selected, cfg.quorum, samples, run_id), state, version=v,
+                                   rounds_done=v, clip=clip)
         run.encoded = {v: encode_version(run, v, state)}
         for e in run.events:
             if e["kind"] == "EVALUATED":
@@ -282,7 +287,7 @@ class RunLifecycle:
                     run.accepted_before[a] = (n + 1, e["round"])
         run.state = "running"
         self.journal.event(run, "RUN_RESUMED", message=f"restarted; resuming from stored version {v}")
-        self.rounds.follow(run, run.machine.begin())
+        self.rounds.follow(run, run.machine.begin(time.time()))
         log.info("resumed run %s at version %d (%s)", run_id, v, run.state)
 
     def _watch_over(self, run: Run) -> bool:

@@ -64,12 +64,11 @@ class Run:
     state: str = "waiting_for_agents"
     message: str = ""
     selected: list[str] = field(default_factory=list)
-    # The rounds (fedrl.federation.machine): made with version 0, so None before it (while the run
-    # waits for agents, and in a secure run's round 0, which sums the observation moments).
+    # The rounds (fedrl.federation.machine), secure aggregation and round 0 included: made once
+    # the run's agents are chosen, so None while the run waits for agents.
     machine: RoundMachine | None = None
     encoded: dict[int, Encoded] = field(default_factory=dict)
     round_opened: float = 0.0
-    deadline: float = 0.0
     norms: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
     env_id: str = ""
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -85,17 +84,18 @@ class Run:
     # every selected agent's is, and each agent has since gone silent (an agent whose update is
     # refused so gives up), the run cannot train and fails instead of waiting for ever.
     non_finite: dict[str, tuple[str, float]] = field(default_factory=dict)
-    # The round's secure aggregation (aggregator_service.secure_round.SecureRound), when the run
-    # config sets secagg_threshold; in round 0, the observation moments'.
-    secure: Any = None
     dims: tuple[int, int] = (0, 0)  # (obs_dim, act_dim) of the selected agents, from round 0 on
-    # digests of every masked vector the run's secure rounds took: one sent again is refused
-    masked_seen: set[bytes] = field(default_factory=set)
 
     @property
     def round(self) -> int:
         """The open round (or the last one, once the run is over); 0 before round 1."""
         return self.machine.round if self.machine is not None else 0
+
+    @property
+    def deadline(self) -> float:
+        """The open round's deadline (unix time; 0 while none is open)."""
+        m = self.machine
+        return m.deadline if m is not None and m.phase in ("open", "gather") else 0.0
 
     @property
     def version(self) -> int:

@@ -29,14 +29,12 @@ from aggregator_service.records import (
     encode_version,
     task_of,
 )
-from aggregator_service.secure_round import SecureRound
 from aggregator_service.start import RunStart
 from aggregator_service.store import Store
-from fedrl.federation.aggregate import AggregationError, agent_weights
-from fedrl.federation.machine import Closed, Finished, Open, Refused, Stopped, Update
-from fedrl.federation.privacy import PRIVACY_EPSILON, fraction_from_shares, noise_generator, warm_epsilon
-from fedrl.federation.secagg import SecAggError, SecAggParams, dequantize
-from fedrl.federation.secagg_sums import average_from_sum, extras_from_sum, moments_from_sum
+from fedrl.federation.aggregate import AggregationError
+from fedrl.federation.machine import Closed, Failed, Finished, Gather, Gathered, Open, Refused, Stopped, Update
+from fedrl.federation.privacy import PRIVACY_EPSILON, noise_generator, warm_epsilon
+from fedrl.federation.secure_steps import Message, SecureSteps
 from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.codec import (
     INLINE_MAX_BYTES,
@@ -50,7 +48,8 @@ from fedrl.wire.rpc import ServiceError
 log = logging.getLogger("fedrl.aggregator")
 
 # The status of an update the round does not take, by the machine's reason (others: FAILED_PRECONDITION)
-REFUSED_STATUS = {"not_selected": grpc.StatusCode.PERMISSION_DENIED, "duplicate": grpc.StatusCode.ALREADY_EXISTS}
+REFUSED_STATUS = {"not_selected": grpc.StatusCode.PERMISSION_DENIED, "duplicate": grpc.StatusCode.ALREADY_EXISTS,
+                  "secagg_bad": grpc.StatusCode.INVALID_ARGUMENT}
 
 class Rounds:
     def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, start: RunStart, store: Store,
@@ -79,12 +78,13 @@ class Rounds:
                 a = self.registry.agent(agent_id)
                 run = self.s.run
                 if run is not None and agent_id in run.selected:
-                    if run.state == "running" and run.round == 0:  # the moments' secure aggregation
-                        if not run.secure.took_part(agent_id):
-                            return {"kind": "MOMENTS", "run_id": run.run_id, "round": 0,
-                                    "run_config_json": run.config_json, "deadline_unix": run.deadline}
-                    elif (run.state == "running" and agent_id not in run.submissions
-                            and not (run.secure is not None and run.secure.took_part(agent_id))):
+                    m = run.machine
+                    if run.state != "running" or m is None or m.took_part(agent_id):
+                        pass
+                    elif m.phase == "gather":  # round 0: the moments' secure aggregation
+                        return {"kind": "MOMENTS", "run_id": run.run_id, "round": 0,
+                                "run_config_json": run.config_json, "deadline_unix": run.deadline}
+                    elif m.phase == "open":
                         mean, std = run.norms[agent_id]
                         task = {"kind": "TRAIN", "run_id": run.run_id, "round": run.round,
                                 "base_version": run.version, "local_steps": run.cfg.local_steps,
@@ -131,10 +131,6 @@ class Rounds:
         if run.state != "running":
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"run {run.run_id} is {run.state}; no round is open", "closed_round")
-        if run.machine is None:  # round 0 of a secure run: its moments
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"run {run.run_id} is summing its agents' "
-                               "observation moments by secure aggregation (round 0); no round takes updates yet",
-                               "closed_round")
         try:
             run.machine.check(agent_id, m.round, m.base_version)
         except Refused as e:
@@ -201,7 +197,7 @@ class Rounds:
             return
         with self._failing(run, "the run's start"):
             if self.start.maybe_begin() and run.state == "running":
-                self.follow(run, run.machine.begin())
+                self.follow(run, run.machine.begin(time.time()))
 
     @contextmanager
     def _failing(self, run: Run, what: str) -> Iterator[None]:
@@ -226,9 +222,11 @@ class Rounds:
             return torch.empty(numel, dtype=dtype)
         return torch.frombuffer(self.averages.take(nbytes), dtype=dtype)
 
-    def follow(self, run: Run, action: Open | Finished | Stopped) -> None:
-        """Do what the rounds say comes next: open a round, or end the run."""
-        if isinstance(action, Finished):
+    def follow(self, run: Run, action: Open | Gather | Finished | Stopped) -> None:
+        """Do what the rounds say comes next: open a round (or round 0), or end the run."""
+        if isinstance(action, Gather):
+            run.round_opened = time.time()
+        elif isinstance(action, Finished):
             run.state, run.ended = "finished", time.time()
             self.journal.event(run, "RUN_FINISHED")
         elif isinstance(action, Stopped):
@@ -238,20 +236,9 @@ class Rounds:
             self._opened(run)
 
     def _opened(self, run: Run) -> None:
-        """The round the machine opened: its deadline, its secure aggregation, its event."""
-        r = run.round
+        """The round the machine opened: its event."""
         run.non_finite = {}
         run.round_opened = time.time()
-        run.deadline = run.round_opened + run.cfg.round_timeout
-        run.secure = None
-        if run.cfg.secagg_threshold:
-            weights = agent_weights(run.cfg.weighting, [self.registry.agents[a].num_samples if a in self.registry.agents else 1
-                                                        for a in run.selected])
-            run.secure = SecureRound(
-                SecAggParams(threshold=run.cfg.secagg_threshold, context=f"{run.run_id}/{r}".encode()),
-                list(run.selected), dict(zip(run.selected, weights)),
-                sum(t.numel() for t in run.global_state.values()) + (1 if run.cfg.dp_clip_quantile else 0),
-                run.cfg.round_timeout, run.deadline, run.masked_seen)
         self.journal.event(run, "ROUND_OPENED", agents=list(run.selected))
 
     def _close_round(self, run: Run) -> None:
@@ -263,31 +250,23 @@ class Rounds:
                 return
             self._commit_round(run, closed)
 
-    def _close_secure(self, run: Run) -> None:
-        """The round's version from its secure aggregation's sum (every step closed)."""
-        with self._failing(run, f"{self._secure_name(run)}'s close"):
-            self._close_secure_sum(run)
-
-    def _close_secure_sum(self, run: Run) -> None:
-        sec = run.secure
-        try:
-            if run.round == 0:  # the observation moments: version 0 is made from their sum
-                mean, std = moments_from_sum(dequantize(sec.total(), sec.params), run.dims[0])
-                log.info("run %s: observation moments of %d agents pooled by secure aggregation", run.run_id,
-                         len(sec.survivors))
-                if self.start.version_zero(run, mean, std, *run.dims, {}):
-                    self.follow(run, run.machine.begin())
-                return
-            total = dequantize(sec.total(), sec.params)
-            new = average_from_sum(total, run.global_state)
-            order = [a for a in run.selected if a in sec.survivors]
-            # adaptive clipping: the agents' noisy centred bits, summed with their models
-            share = fraction_from_shares(float(extras_from_sum(total, 1)[0])) if run.cfg.dp_clip_quantile else None
-            closed = run.machine.close_sum(new, order, [sec.metrics[a][0] for a in order], share)
-        except (SecAggError, ValueError) as e:
-            self.journal.fail(run, f"{self._secure_name(run)}: secure aggregation failed: {e}")
-            return
-        self._commit_round(run, closed)
+    def _secure_moved(self, run: Run, sec: SecureSteps, action: Closed | Gathered | Failed | None) -> None:
+        """What the machine's secure aggregation gave (``sec``'s notes logged): a failed run, version
+        0 from round 0's moments, or the round's new version. Under the lock."""
+        for note in sec.notes:
+            log.warning("run %s: %s", run.run_id, note)
+        sec.notes.clear()
+        if isinstance(action, Failed):
+            self.journal.fail(run, action.message)
+        elif isinstance(action, Gathered):
+            log.info("run %s: observation moments of %d agents pooled by secure aggregation", run.run_id,
+                     len(action.agents))
+            state = self.start.version_zero(run, action.mean, action.std, {})
+            if state is not None:
+                self.follow(run, run.machine.found(state, time.time()))
+        elif isinstance(action, Closed):
+            self._commit_round(run, action)
+        self.s.cond.notify_all()
 
     def _commit_round(self, run: Run, closed: Closed) -> None:
         """Write the round's new version, journal it and announce it, then follow the rounds on;
@@ -313,7 +292,7 @@ class Rounds:
             run.message = msg
             return
         run.message = ""
-        then = run.machine.commit(closed)
+        then = run.machine.commit(closed, time.time())
         run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
         run.encoded[v] = enc
         self.metrics.round_closed(seconds)
@@ -324,7 +303,7 @@ class Rounds:
             self.metrics.privacy_spent(closed.metrics[PRIVACY_EPSILON], run.machine.clip)
         self.follow(run, then)
 
-    def secure_step(self, agent_id: str, run_id: str, round_: int, step: str, msg: Any,
+    def secure_step(self, agent_id: str, run_id: str, round_: int, step: str, msg: Message,
                     wait: float) -> dict[str, Any] | None:
         """One secure aggregation step of ``agent_id`` (``msg``: its message for ``step``): what
         the step gives it once closed, or None (pending) after at most ``wait`` seconds."""
@@ -336,21 +315,21 @@ class Rounds:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"secure aggregation for run {run_id!r}, but the active run is "
                                    f"{run.run_id if run else 'none'!r}", "wrong_run")
-            if agent_id not in run.selected:
-                raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
-                                   f"agent {agent_id!r} is not a participant of run {run.run_id}", "not_selected")
-            if run.state != "running" or run.secure is None:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"run {run.run_id} is {run.state} and "
-                                   f"{'takes no secure aggregation' if run.state == 'running' else 'has no open round'}",
-                                   "closed_round")
-            if round_ != run.round:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"secure aggregation for round {round_}, but round {run.round} is open", "stale_round")
-            sec = run.secure
-            sec.offer(agent_id, step, msg)
-            self._advance_secure(run, time.time())
+            if run.machine is None or run.state != "running":
+                reason = "not_selected" if agent_id not in run.selected else "closed_round"
+                raise ServiceError(REFUSED_STATUS.get(reason, grpc.StatusCode.FAILED_PRECONDITION),
+                                   f"run {run.run_id} is {run.state}; no round is open" if reason == "closed_round"
+                                   else f"agent {agent_id!r} is not a participant of run {run.run_id}", reason)
+            sec = run.machine.secure
+            try:
+                run.machine.take_step(agent_id, round_, step, msg)
+            except Refused as e:
+                raise ServiceError(REFUSED_STATUS.get(e.reason, grpc.StatusCode.FAILED_PRECONDITION),
+                                   f"run {run.run_id}: {e}", e.reason) from None
+            with self._failing(run, f"round {run.round}'s secure aggregation"):
+                self._secure_moved(run, sec, run.machine.advance(time.time()))
             while True:
-                if run.secure is not sec:  # the round closed: every step of it has
+                if run.machine.secure is not sec:  # the round closed: every step of it has
                     return {"done": True} if step == "answer" else None
                 out = sec.reply(agent_id, step)
                 if out is not None:
@@ -359,30 +338,6 @@ class Rounds:
                 if left <= 0 or self.s.closed or run.state != "running":
                     return None
                 self.s.cond.wait(left)
-
-    def _advance_secure(self, run: Run, now: float) -> None:
-        """Close the secure aggregation's open steps that can close; its last closes the round.
-        Below its threshold the run fails, and nothing is stored. Under the lock."""
-        sec = run.secure
-        moved = False
-        with self._failing(run, f"{self._secure_name(run)}'s secure aggregation"):
-            try:
-                while sec.advance(now):
-                    moved = True
-            except SecAggError as e:
-                self.journal.fail(run, f"{self._secure_name(run)}: {e}")
-                self.s.cond.notify_all()
-        if run.state != "running":  # a step failed the run
-            return
-        if sec.done:
-            self._close_secure(run)
-            moved = True
-        if moved:
-            self.s.cond.notify_all()
-
-    @staticmethod
-    def _secure_name(run: Run) -> str:
-        return "the observation moments (round 0)" if run.round == 0 else f"round {run.round}"
 
     def _dp_noise(self):
         """The generator of differential privacy's noise, from the OS's secure source, made once."""
@@ -430,16 +385,18 @@ class Rounds:
             self.s.cond.notify_all()
         elif run.state == "running" and run.non_finite:
             self._check_non_finite(run, now)
-        if run.state == "running" and run.secure is not None:
-            self._advance_secure(run, now)  # its steps have their own deadlines
-        elif run.state == "running" and now >= run.deadline and len(run.submissions) < run.cfg.quorum:
-            msg = (f"round {run.round} is past its deadline with {len(run.submissions)} of the "
-                   f"{run.cfg.quorum} updates it needs; waiting for agents")
+        m = run.machine
+        if run.state != "running" or m is None:
+            return
+        if m.secure is not None:  # its steps have their own deadlines
+            sec = m.secure
+            with self._failing(run, f"round {run.round}'s secure aggregation"):
+                self._secure_moved(run, sec, m.advance(now))
+        elif msg := m.overdue(now):
             if run.message != msg:
                 log.warning(msg)
                 run.message = msg
-        elif run.state == "running" and run.machine is not None and run.machine.closable(
-                now >= run.deadline or bool(run.message)):
+        elif m.closable(now):
             self._close_round(run)
             self.s.cond.notify_all()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import grpc
 import numpy as np
@@ -12,6 +13,7 @@ from google.protobuf.message import DecodeError
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.records import AgentRecord
 from fedrl.data.normalize import ObsStats
+from fedrl.federation.secure_steps import Answer, Keys, Masked, Message, Shares
 from fedrl.proto.v1 import (
     control_pb2,
     control_pb2_grpc,
@@ -183,7 +185,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                           "(keys, shares, masked or answer)")
         try:
             out = self.coord.secure_step(request.agent_id, request.run_id, int(request.round), step,
-                                         getattr(request, step), request.wait_seconds)
+                                         secagg_value(step, getattr(request, step)), request.wait_seconds)
         except ServiceError as e:
             _abort(context, e)
         reply = federation_pb2.SecAggReply()
@@ -384,3 +386,16 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         except ServiceError as e:
             _abort(context, e)
         return control_pb2.ReportAck()
+
+
+def secagg_value(step: str, msg: Any) -> Message:
+    """A SecureAggregation step's protobuf message as the round machine's value
+    (:mod:`fedrl.federation.secure_steps`); every check of it is the machine's."""
+    if step == "keys":
+        return Keys(bytes(msg.share_key), bytes(msg.mask_key))
+    if step == "shares":
+        return Shares({a: bytes(b) for a, b in msg.sealed.items()})
+    if step == "masked":
+        return Masked(bytes(msg.vector), tuple(msg.unopened), float(msg.train_seconds), bool(msg.metrics))
+    return Answer({a: (int(s.point), bytes(s.share)) for a, s in msg.shares.items()},
+                  {a: bytes(v) for a, v in msg.pair_seeds.items()})

@@ -1,7 +1,8 @@
 """A run's start: choosing its agents among those connected (one task, the configured env), the
-checks that must hold before anything is built, the global observation normaliser, and version 0
-written with the participants; in a secure run with pooled normalisation, round 0 opened instead,
-whose sum of the agents' moments makes version 0.
+checks that must hold before anything is built, the global observation normaliser, version 0
+written with the participants, and the run's round machine; in a secure run with pooled
+normalisation, the machine gathers the agents' moments first (round 0), and version 0 is made
+from their sum.
 
 A part of :class:`aggregator_service.coordinator.Coordinator`: it uses the agent registry and
 the journal (given at construction) and the shared state; the rounds use it. Under the lock."""
@@ -17,13 +18,11 @@ import numpy as np
 from aggregator_service.agents import AgentRegistry
 from aggregator_service.journal import Journal
 from aggregator_service.records import Run, Shared, encode_version, env_mismatch, task_of
-from aggregator_service.secure_round import SecureRound
 from aggregator_service.store import Store
 from fedrl.data.normalize import ObsStats, global_normalizer
-from fedrl.federation.machine import Plan, RoundMachine
+from fedrl.federation.machine import Plan, RoundMachine, State
 from fedrl.federation.round import algo_config, initial_global_state
 from fedrl.federation.runconfig import MAX_MODEL_BYTES, check_step_bytes, model_bytes
-from fedrl.federation.secagg_sums import moments_params
 from fedrl.wire.manifest import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("fedrl.aggregator")
@@ -34,8 +33,9 @@ class RunStart:
         self.s, self.registry, self.journal, self.store = shared, registry, journal, store
 
     def maybe_begin(self) -> bool:
-        """Begin the waiting run if enough agents of one task are connected: version 0 made
-        (True), or round 0's moments opened; False while it waits or when it failed."""
+        """Make the waiting run's rounds if enough agents of one task are connected, with version
+        0 (or, in a secure run with pooled normalisation, to gather the moments it is made from
+        first): True once they are ready to begin; False while it waits or when it failed."""
         run = self.s.run
         if run is None or run.state != "waiting_for_agents" or len(self.registry.agents) < run.cfg.agents:
             return False
@@ -83,9 +83,15 @@ class RunStart:
             self.journal.fail(run, f"{problem} (obs_dim {obs_dim}, act_dim {act_dim})")
             return False
         run.env_id = cfg.env or (envs.pop() if envs else "")
-        if cfg.secagg_threshold and cfg.obs_norm == "pooled":  # the moments too go masked: round 0
-            self._open_moments(run, chosen, obs_dim)
-            return False  # version 0 comes from the moments' sum (Rounds._close_secure)
+        run.selected = [a.agent_id for a in chosen]
+        run.dims = (obs_dim, act_dim)
+        plan = Plan.of(cfg, run.selected, cfg.quorum, [a.num_samples for a in chosen], run.run_id, obs_dim)
+        if plan.gather:  # the moments too go masked: round 0, whose sum makes version 0
+            run.machine = RoundMachine(plan, None)
+            run.state = "running"
+            log.info("run %s: gathering the observation moments of %d agents by secure aggregation", run.run_id,
+                     len(chosen))
+            return True
         if cfg.obs_norm != "none" and any(a.stats is None for a in chosen):
             private = [a.agent_id for a in chosen if a.stats is None]
             self.journal.fail(run, f"obs_norm={cfg.obs_norm} needs every agent's observation moments, and "
@@ -95,54 +101,41 @@ class RunStart:
         stats = [a.stats for a in chosen] if cfg.obs_norm != "none" else [ObsStats(1, np.zeros(obs_dim), np.zeros(obs_dim))]
         with np.errstate(all="ignore"):
             g_mean, g_std = global_normalizer(cfg.obs_norm, stats)
-        run.selected = [a.agent_id for a in chosen]
         own = {a.agent_id: a.stats.mean_std() for a in chosen} if cfg.obs_norm == "local" else {}
-        return self.version_zero(run, g_mean, g_std, obs_dim, act_dim, own)
-
-    def _open_moments(self, run: Run, chosen: list, obs_dim: int) -> None:
-        """Round 0 of a secure run with pooled normalisation: the chosen agents' observation
-        moments summed by secure aggregation (MOMENTS tasks); version 0 is made from the sum."""
-        run.selected = [a.agent_id for a in chosen]
+        state = self.version_zero(run, g_mean, g_std, own)
+        if state is None:
+            return False
+        run.machine = RoundMachine(plan, state)
         run.state = "running"
-        run.round_opened = time.time()
-        run.deadline = run.round_opened + run.cfg.round_timeout
-        run.dims = (obs_dim, chosen[0].act_dim)
-        run.secure = SecureRound(moments_params(run.cfg.secagg_threshold, f"{run.run_id}/0".encode()),
-                                 list(run.selected), {a.agent_id: a.num_samples for a in chosen}, 2 * obs_dim,
-                                 run.cfg.round_timeout, run.deadline, run.masked_seen)
-        log.info("run %s: gathering the observation moments of %d agents by secure aggregation", run.run_id,
-                 len(chosen))
+        return True
 
-    def version_zero(self, run: Run, g_mean: np.ndarray, g_std: np.ndarray, obs_dim: int, act_dim: int,
-                     own: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> bool:
-        """Version 0 from the global normaliser, the participants (``run.selected``) written with
-        their normalisers (their ``own`` under obs_norm=local, else the global). False when the
-        run failed instead, saying why; the rounds open round 1 after True."""
+    def version_zero(self, run: Run, g_mean: np.ndarray, g_std: np.ndarray,
+                     own: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> State | None:
+        """Version 0 from the global normaliser, written with the participants (``run.selected``)
+        and their normalisers (their ``own`` under obs_norm=local, else the global): its state, or
+        None when the run failed instead, saying why."""
         cfg = run.cfg
         if not (np.isfinite(g_mean).all() and np.isfinite(g_std).all()):  # each agent's were finite; their pool overflowed
             self.journal.fail(run, "the agents' pooled observation moments are not finite")
-            return False
+            return None
         hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
-        state = initial_global_state(hp, obs_dim, act_dim, cfg.seed, g_mean, g_std,
-                                     cfg.federate == "policy+critic")
+        state = initial_global_state(hp, *run.dims, cfg.seed, g_mean, g_std, cfg.federate == "policy+critic")
         enc = encode_version(run, 0, state)
         try:
             self.store.save_version(run.run_id, 0, enc.pieces(), enc.manifest.checksum)
         except OSError as e:
             self.journal.fail(run, f"cannot write version 0 to the state directory: {e}")
-            return False
-        run.secure = None
+            return None
         for a in run.selected:
             m, sd = own.get(a, (g_mean, g_std))
             run.norms[a] = (m.tolist(), sd.tolist())
+        samples = list(run.machine.plan.samples) if run.machine is not None else [
+            self.registry.agents[a].num_samples for a in run.selected]
         try:
             self.store.save_participants(run.run_id, {"selected": run.selected, "norms": run.norms,
-                                                      "env_id": run.env_id})
+                                                      "env_id": run.env_id, "samples": samples})
         except OSError as e:
             self.journal.fail(run, f"cannot write the participants to the state directory: {e}")
-            return False
-        run.machine = RoundMachine(Plan.of(cfg, run.selected, cfg.quorum), state)
+            return None
         run.encoded = {0: enc}
-        run.state = "running"
-        return True
-
+        return state

@@ -59,7 +59,8 @@ SERVICE_TESTS = ("tests/service/test_federation.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
 SA_SUMS, SA_SIM_TESTS = "fedrl/federation/secagg_sums.py", ("tests/integration/test_secure_simulate.py",)
 # the services' halves of secure aggregation and DP, and the hardening of private rounds (issue 84)
-SR, PRIVATE_TESTS = "aggregator_service/secure_round.py", ("tests/service/test_private_rounds.py",)
+SR, PRIVATE_TESTS = "fedrl/federation/secure_steps.py", ("tests/service/test_private_rounds.py",)
+SECURE_MACHINE_TESTS = ("tests/unit/test_machine_secure.py",)
 OPTIONS = "fedrl/federation/options.py"
 MUTANTS = (
     # DRPO / CQL update (drpo.py)
@@ -248,8 +249,25 @@ MUTANTS = (
            "if keys.share_key == keys.mask_key or {keys.share_key, keys.mask_key} & taken:", "if False:", PRIVATE_TESTS),
     Mutant("secagg-sealed-length-unchecked", SR, "if any(len(b) != SEALED_BYTES for b in msg.sealed.values()):",
            "if False:", PRIVATE_TESTS),
-    Mutant("secagg-answer-point-unchecked", SR, "if any(s.point != point for s in msg.shares.values()):", "if False:",
+    Mutant("secagg-answer-point-unchecked", SR, "if any(p != point for p, _ in msg.shares.values()):", "if False:",
            PRIVATE_TESTS),
+    Mutant("secure-step-never-closes-at-its-deadline", SR, "if have != self.expected and now < self.deadline:",
+           "if have != self.expected:", SECURE_MACHINE_TESTS),
+    Mutant("secure-step-takes-a-late-agent", SR, "if k < self.step or agent not in self.expected:", "if k < self.step:",
+           SECURE_MACHINE_TESTS),
+    Mutant("secure-step-below-threshold-closes", SR, "        if len(have) < t:\n", "        if False:\n",
+           SECURE_MACHINE_TESTS),
+    Mutant("round-zero-weighted-uniformly", MACHINE,
+           "return dict(zip(self.agents, map(float, self.samples or [1] * len(self.agents))))",
+           "return dict.fromkeys(self.agents, 1.0)", SECURE_MACHINE_TESTS),
+    Mutant("secure-round-weights-ignore-samples", MACHINE,
+           "counts = list(self.samples) if self.samples else [1] * len(self.agents)",
+           "counts = [1] * len(self.agents)", SECURE_MACHINE_TESTS),
+    Mutant("secure-round-context-not-the-round", MACHINE, 'context=f"{p.context}/{r}".encode()',
+           'context=f"{p.context}".encode()', SECURE_MACHINE_TESTS),
+    Mutant("round-deadline-not-from-its-opening", MACHINE,
+           'return now + self.plan.round_timeout if self.plan.round_timeout else float("inf")',
+           'return self.plan.round_timeout if self.plan.round_timeout else float("inf")', MACHINE_TESTS),
     Mutant("secagg-weight-unchecked", SR,
            "return abs(float(dequantize(np.array([last]), self.params)[0]) - want) <= bound", "return True",
            PRIVATE_TESTS),

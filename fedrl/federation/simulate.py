@@ -25,7 +25,6 @@ from fedrl.common.device import derive_seed, resolve_device, seed_everything
 from fedrl.common.progress import Progress
 from fedrl.data.normalize import ObsStats, agent_normalizer, global_normalizer
 from fedrl.envs.evaluation import evaluate
-from fedrl.federation.aggregate import agent_weights
 from fedrl.federation.checkpoint import (
     CHECKPOINT,
     clear_agent_checkpoints,
@@ -45,8 +44,8 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
-from fedrl.federation.machine import Open, Plan, RoundMachine, Stopped, Update, mean_metrics
-from fedrl.federation.privacy import ADAPTIVE_RECORD, agent_clip, fraction_from_shares, task_clip
+from fedrl.federation.machine import Closed, Failed, Gathered, Open, Plan, RoundMachine, Stopped, Update, mean_metrics
+from fedrl.federation.privacy import ADAPTIVE_RECORD, agent_clip, task_clip
 from fedrl.federation.shards import load_shards, parse_source  # noqa: F401 - re-exported for the simulator's users
 from fedrl.federation.simconfig import ENGINES, SimConfig  # noqa: F401 - ENGINES re-exported
 
@@ -117,10 +116,16 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 
     shards, env = load_shards(cfg.datasets, cfg.agents, cfg.trajectories, cfg.seed, cfg.env, log, cfg.transitions)
     stats = [ObsStats.of(s.transitions.obs) for s in shards]
-    g_norm, moments_rec = secure_normalizer(cfg, stats) if cfg.secagg_threshold and cfg.obs_norm == "pooled" \
-        else (global_normalizer(cfg.obs_norm, stats), None)
-    norms = [agent_normalizer(cfg.obs_norm, st, g_norm) for st in stats]
     obs_dim, act_dim = shards[0].transitions.obs.shape[1], shards[0].transitions.actions.shape[1]
+    plan = Plan.of(cfg, [s.agent for s in shards], samples=[len(s.transitions) for s in shards],
+                   context=f"simulate/{cfg.seed}", obs_dim=obs_dim)
+    machine: RoundMachine | None = None
+    if plan.gather:  # round 0: the moments summed by the protocol, as the services gather them
+        machine = RoundMachine(plan, None)
+        g_norm, moments_rec = gather_moments(machine, stats)
+    else:
+        g_norm, moments_rec = global_normalizer(cfg.obs_norm, stats), None
+    norms = [agent_normalizer(cfg.obs_norm, st, g_norm) for st in stats]
     hp = algo_config(cfg.algo, cfg.drpo, cfg.bc)
     federate_critic = cfg.federate == "policy+critic"
     batched: BatchedTrainer | None = None
@@ -188,9 +193,12 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         from fedrl.federation.privacy import noise_generator
 
         noise_gen = noise_generator()
-    machine = RoundMachine(Plan.of(cfg, [s.agent for s in shards]), global_state, done_rounds, done_rounds,
-                           agent_states, resumed_clip(cfg, lines))
-    action, rounds_run = machine.begin(), done_rounds
+    if machine is not None and not done_rounds:  # version 0 from round 0's moments
+        action = machine.found(global_state)
+    else:
+        machine = RoundMachine(plan, global_state, done_rounds, done_rounds, agent_states, resumed_clip(cfg, lines))
+        action = machine.begin()
+    rounds_run = done_rounds
     with bar, open(out / "rounds.jsonl", "w") as jl:
         jl.writelines(x + "\n" for x in lines)  # a round after the checkpoint's is done again
         while isinstance(action, Open):
@@ -222,12 +230,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             else:
                 results = [train(i) for i in range(n_agents)]
             if cfg.secagg_threshold:
-                w = agent_weights(cfg.weighting, [res.num_samples for res in results])
-                average, sa_rec = secure_average(cfg, r, [res.state for res in results], w, noise_gen, machine.clip,
-                                                 [res.metrics for res in results])
-                share = sa_rec.pop("extras", None)
-                closed = machine.close_sum(average, [res.agent for res in results],
-                                           unclipped_fraction=fraction_from_shares(share[0]) if share else None)
+                closed, sa_rec = secure_round(machine, cfg, results, noise_gen)
             else:
                 for res in results:
                     machine.take(res.agent, r, action.version, Update(res.state, res.num_samples))
@@ -310,30 +313,61 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     return summary
 
 
-def secure_average(cfg: SimConfig, r: int, states: list, weights: list[float], noise_gen, clip: float = 0.0,
-                   metrics: list[dict[str, float]] | None = None) -> tuple[dict, dict]:
-    """Round ``r``'s FedAvg under secure aggregation (fedrl.federation.secagg), and its record.
-    With DP noise, each agent adds its share: std sigma * C / sqrt(t) (``clip``: the round's
-    norm C), so that any t or more survivors' sum carries at least the central mechanism's
-    N(0, (sigma * C)^2). Under adaptive clipping each agent also adds its noisy share of the
-    count (from its ``metrics``' ``clipped``); the record's ``extras`` is their average."""
+def secure_round(machine: RoundMachine, cfg: SimConfig, results: list[LocalResult], noise_gen) -> tuple[Closed, dict]:
+    """The open round's version by the machine's secure aggregation, every agent's side run here
+    (``secagg_sums.agents_here``), and its record. With DP noise, each agent adds its share: std
+    sigma * C / sqrt(t) (C: the round's norm), so that any t or more survivors' sum carries at
+    least the central mechanism's N(0, (sigma * C)^2). Under adaptive clipping each agent also
+    sums its noisy share of the count (from its metrics' ``clipped``) with its model."""
     from fedrl.federation.privacy import count_extra, noise_share_std
-    from fedrl.federation.secagg import SecAggParams
-    from fedrl.federation.secagg_sums import secure_fedavg
+    from fedrl.federation.secagg_sums import agent_vector, agents_here
 
-    params = SecAggParams(threshold=cfg.secagg_threshold, context=f"simulate/{cfg.seed}/{r}".encode())
-    std = noise_share_std(cfg, clip) if noise_gen is not None else 0.0
-    extras = [count_extra(cfg, m, noise_gen) for m in metrics] if cfg.dp_clip_quantile else None
-    return secure_fedavg(states, weights, params, std, noise_gen, extras=extras)
+    t0 = time.perf_counter()
+    sec = machine.secure
+    std = noise_share_std(cfg, machine.clip) if noise_gen is not None else 0.0
+    vectors = {res.agent: (lambda alpha, res=res: agent_vector(res.state, alpha, sec.params, std, noise_gen,
+                                                               count_extra(cfg, res.metrics, noise_gen)))
+               for res in results}
+    closed = agents_here(machine, vectors)
+    if not isinstance(closed, Closed):
+        raise RuntimeError(closed.message if isinstance(closed, Failed) else f"round {machine.round}: {closed}")
+    return closed, secure_record(sec, time.perf_counter() - t0)
+
+
+def secure_record(sec, seconds: float) -> dict[str, Any]:
+    """What a secure aggregation's record says: its threshold, who took part, survived and
+    dropped, how far its average can be from the exact one, and its time."""
+    from fedrl.federation.secagg_sums import average_bound
+
+    return {"threshold": sec.params.threshold, "agents": len(sec.weights), "survivors": len(sec.survivors),
+            "dropped": len(sec.dropped), "bound": average_bound(sec.sum, len(sec.survivors), sec.params),
+            "seconds": seconds}
+
+
+def gather_moments(machine: RoundMachine, stats: list[ObsStats]) -> tuple[tuple[np.ndarray, np.ndarray], dict]:
+    """Round 0 of ``machine`` (a plan that gathers): pooled normalisation of ``stats`` (one per
+    agent, in the plan's order) by the protocol, every agent's side here, as the services gather
+    them (MOMENTS tasks): ((mean, std), its record)."""
+    from fedrl.federation.secagg_sums import agents_here, moments_vector
+
+    t0 = time.perf_counter()
+    machine.begin()
+    sec = machine.secure
+    vectors = {a: (lambda alpha, st=st: moments_vector(st.count, st.total, st.total_sq, alpha, sec.params))
+               for a, st in zip(machine.plan.agents, stats)}
+    got = agents_here(machine, vectors)
+    if not isinstance(got, Gathered):
+        raise RuntimeError(got.message if isinstance(got, Failed) else f"round 0: {got}")
+    return (got.mean, got.std), secure_record(sec, time.perf_counter() - t0)
 
 
 def secure_normalizer(cfg: SimConfig, stats: list[ObsStats]) -> tuple[tuple[np.ndarray, np.ndarray], dict]:
-    """Pooled normalisation under secure aggregation (round 0 of a secure run): the agents'
-    moments summed by the protocol, as the services gather them (MOMENTS tasks)."""
-    from fedrl.federation.secagg_sums import moments_params, secure_moments
-
-    params = moments_params(cfg.secagg_threshold, f"simulate/{cfg.seed}/0".encode())
-    return secure_moments(stats, [s.count for s in stats], params)
+    """Pooled normalisation under secure aggregation as ``fedrl simulate`` makes it (round 0 of
+    a machine for ``cfg``'s agents, each of ``stats``' count of samples)."""
+    agents = [f"agent-{i}" for i in range(len(stats))]
+    plan = Plan.of(cfg, agents, samples=[st.count for st in stats], context=f"simulate/{cfg.seed}",
+                   obs_dim=len(stats[0].total))
+    return gather_moments(RoundMachine(plan, None), stats)
 
 
 # adaptive clipping's round metrics (the machine's) -> their names in a round's privacy record

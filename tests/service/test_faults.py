@@ -588,7 +588,7 @@ def test_restart_while_the_moments_are_summed_gathers_them_again(tmp_path):
     run_id = first.start_run(run_config(secagg_threshold=2))["run_id"]
     first.join(_agent("a0", 0))
     first.join(_agent("a1", 1))
-    assert (first.run.state, first.run.round) == ("running", 0) and first.run.secure is not None
+    assert (first.run.state, first.run.round) == ("running", 0) and first.run.machine.secure is not None
     assert first.next_task("a0", 0.0)["kind"] == "MOMENTS"
     first.close()  # "killed" before any agent's keys came
     second = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)

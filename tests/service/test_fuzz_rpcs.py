@@ -338,7 +338,7 @@ def test_secure_aggregation_steps_of_the_run_s_own_agents_answer_random_content_
             keys = federation_pb2.SecAggMessage(keys=federation_pb2.SecAggKeys(
                 share_key=bytes([i + 1]) * 32, mask_key=bytes([i + 3]) * 32))
             assert call(agg.channel, name, method, [own(keys, agent)]) not in BAD
-        assert agg.coord.run.secure.step == 1
+        assert agg.coord.run.machine.secure.step == 1
         each()
         s = status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND))
         assert s["run_id"] == run_id and s["global_version"] == 0 and agg.coord.run.round == round_
@@ -381,7 +381,7 @@ def test_secure_aggregation_played_as_real_agents_answers_random_content_at_ever
         roster = {a: PublicKeys(bytes(k.share_key), bytes(k.mask_key)) for a, k in replies["a0"].roster.keys.items()}
         sealed = {a: me[a].share_keys(roster) for a in me}
         both(lambda a: {"shares": federation_pb2.SecAggShares(sealed=sealed[a])})
-        assert agg.coord.run.secure.step == 2
+        assert agg.coord.run.machine.secure.step == 2
 
         def own(m, agent):
             m.agent_id, m.run_id, m.round = agent, run_id, round_
@@ -393,10 +393,10 @@ def test_secure_aggregation_played_as_real_agents_answers_random_content_at_ever
             assert call(agg.channel, name, method, [own(m, agent)]) not in BAD
 
         each()  # the masked step meets random content
-        size = agg.coord.run.secure.size + 1
+        size = agg.coord.run.machine.secure.size + 1
         for a in ("a0", "a1"):  # a masked vector of the right size: random, as a hostile agent's own input may be
             step(a, masked=federation_pb2.SecAggMasked(vector=os.urandom(8 * size)))
-        assert agg.coord.run.secure.step == 3
+        assert agg.coord.run.machine.secure.step == 3
         each()  # the answer step meets random content
         for a in ("a0", "a1"):  # well-formed answers at each agent's own point, with random shares
             point = sorted(roster).index(a) + 1

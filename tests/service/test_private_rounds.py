@@ -179,22 +179,21 @@ def test_a_sender_whose_sealed_shares_do_not_open_is_left_out_and_the_sum_is_the
 
     import numpy as np
 
-    from aggregator_service.secure_round import SecureRound
-    from fedrl.federation.secagg import AgentSession
+    from fedrl.federation.secagg import AgentSession, ServerSession
 
     plain, totals = {}, {}
-    masked_input, total = AgentSession.masked_input, SecureRound.total
+    masked_input, finish = AgentSession.masked_input, ServerSession.finish
 
     def recording(self, x, shared):
         plain[(self.id, self.params.context)] = np.array(x, dtype=np.uint64)
         return masked_input(self, x, shared)
 
-    def summed(self):
-        totals[self.params.context] = out = total(self)
+    def summed(self, answers, check=None):
+        totals[self.params.context] = out = finish(self, answers, check)
         return out
 
     monkeypatch.setattr(AgentSession, "masked_input", recording)
-    monkeypatch.setattr(SecureRound, "total", summed)
+    monkeypatch.setattr(ServerSession, "finish", summed)
     codes = _tamper(monkeypatch, "shares", _sealed(lambda b: os.urandom(len(b))))
     done = _secure_run(aggregator, agent_threads, stand_dataset, step_deadline)
     assert not codes  # nothing the aggregator could refuse

@@ -77,7 +77,7 @@ def test_stale_and_duplicate_updates_are_refused():
 
 
 def test_a_secure_run_takes_no_update_in_the_clear_only_a_sum():
-    m = machine(secure=True)
+    m = machine(secagg_threshold=2)
     m.begin()
     with pytest.raises(Refused) as e:
         m.take("a", 1, 0, Update(state(1.0), 1))
@@ -94,14 +94,15 @@ def test_a_secure_run_takes_no_update_in_the_clear_only_a_sum():
 
 
 def test_a_round_closes_early_only_past_its_deadline_with_its_quorum():
-    m = machine(agents=("a", "b", "c"), quorum=2)
-    m.begin()
-    assert not m.closable(past_deadline=True)  # nothing taken
+    m = machine(agents=("a", "b", "c"), quorum=2, round_timeout=10.0)
+    assert m.begin(now=100.0) == Open(1, 0, 110.0)
+    assert not m.closable(now=110.0)  # nothing taken
     m.take("a", 1, 0, Update(state(1.0), 1))
-    assert not m.closable(past_deadline=True)  # below the quorum
+    assert not m.closable(now=110.0)  # below the quorum
+    assert m.overdue(now=110.0) == "round 1 is past its deadline with 1 of the 2 updates it needs; waiting for agents"
     m.take("c", 1, 0, Update(state(3.0), 1))
-    assert not m.closable(past_deadline=False)
-    assert m.closable(past_deadline=True)
+    assert not m.closable(now=109.9) and not m.overdue(now=110.0)
+    assert m.closable(now=110.0)
     closed = m.close()
     assert closed.agents == ("a", "c") and torch.equal(closed.state["w"], torch.tensor([2.0, 0.0]))
 
@@ -190,7 +191,7 @@ def test_an_average_that_is_not_finite_makes_no_version(secure, monkeypatch):
     the updates themselves are checked before): nothing is pending, the round stays open."""
     import fedrl.federation.machine as mod
 
-    m = machine(secure=secure)
+    m = machine(secagg_threshold=2 * secure)
     m.begin()
     bad = state(float("inf"))
     monkeypatch.setattr(mod, "aggregate", lambda *a, **k: bad)
