@@ -62,6 +62,9 @@ def test_a_dropout_waits_for_the_masked_steps_deadline_and_not_before():
     with pytest.raises(Refused) as e:
         m.offer("c", 1, "keys", Keys(b"\x09" * 32, b"\x0a" * 32), now=10.5)
     assert e.value.reason == "secagg_late"
+    with pytest.raises(Refused) as e:  # nor any later step of this round
+        m.offer("c", 1, "shares", Shares({"a": b"\x00" * 60, "b": b"\x00" * 60}), now=10.5)
+    assert e.value.reason == "secagg_late"
     assert sec.reply("a", "keys")["alpha"] == {"a": 1 / 3, "b": 2 / 3}  # the weights of those whose keys came
 
 
