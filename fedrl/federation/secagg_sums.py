@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -193,52 +193,47 @@ def secure_moments(stats, counts, params: SecAggParams, drop: Iterable[int] = ()
 # ---------------------------------------------------------------------------------------------
 # every agent's side of a round machine's secure aggregation, here (fedrl simulate, the cells)
 # ---------------------------------------------------------------------------------------------
-def agents_here(machine, vectors: Mapping[Hashable, Callable[[float], np.ndarray]], drop: Iterable[Hashable] = (),
+def agents_here(machine, vectors: Mapping[str, Callable[[float], np.ndarray]], drop: Iterable[str] = (),
                 now: float = 0.0):
     """The four steps of the open round's secure aggregation in ``machine`` (a
     :class:`fedrl.federation.machine.RoundMachine`), every agent's side run here as the services'
     agents run it over gRPC (``agent_service.secure``): ``vectors[a](alpha)`` is agent a's
     quantized vector for its weight alpha. Agents in ``drop`` leave after sharing their keys; the
     masked step then closes at its deadline, as the aggregator's clock closes it. Returns the
-    machine's action (its ``Closed`` version, ``Gathered`` moments, or ``Failed``). An agent's
-    name in the protocol is ``str`` of the machine's."""
+    machine's action (its ``Closed`` version, ``Gathered`` moments, or ``Failed``). The machine's
+    agents are named by str, as the protocol names them."""
     from fedrl.federation.secagg import AgentSession
     from fedrl.federation.secure_steps import Answer, Keys, Masked, Shares
 
     sec, r = machine.secure, machine.round
-    back = {str(a): a for a in vectors}
-    me = {a: AgentSession(str(a), sec.params) for a in vectors}
-
-    def named(d: Mapping) -> dict:
-        return {str(k): v for k, v in d.items()}
-
-    def ours(d: Mapping) -> dict:
-        return {back[k]: v for k, v in d.items()}
-
+    if not all(isinstance(a, str) for a in vectors):
+        raise TypeError(f"secure aggregation names its agents by str, not {sorted(map(repr, vectors))}")
+    me = {a: AgentSession(a, sec.params) for a in vectors}
     for a, s in me.items():
         pk = s.advertise()
         machine.offer(a, r, "keys", Keys(pk.share_key, pk.mask_key), now)
     for a, s in me.items():
         keys = sec.reply(a, "keys")
-        machine.offer(a, r, "shares", Shares(ours(s.share_keys(named(keys["roster"])))), now)
+        machine.offer(a, r, "shares", Shares(s.share_keys(keys["roster"])), now)
     gone = set(drop)
     act = None
     for a, s in me.items():
         relay = sec.reply(a, "shares")
-        s.receive_shares(named(relay["sealed"]))
+        s.receive_shares(relay["sealed"])
         if a in gone:
             continue
-        shared = [str(u) for u in relay["shared"]]
-        y = s.masked_input(vectors[a](sec.reply(a, "keys")["alpha"][a]), shared)
+        y = s.masked_input(vectors[a](sec.reply(a, "keys")["alpha"][a]), relay["shared"])
         act = machine.offer(a, r, "masked", Masked(y.astype("<u8").tobytes(),
-                                                   [back[u] for u in s.unopened if u in shared]), now)
+                                                   [u for u in s.unopened if u in relay["shared"]]), now)
     if sec.step == 2:  # someone dropped: the masked step closes at its deadline
+        if not np.isfinite(sec.deadline):
+            raise ValueError("a dropout needs a deadline: this plan has no round_timeout")
         now = sec.deadline
         act = machine.advance(now)
     if sec.step < 3:  # it failed
         return act
     ask = sec.reply(next(a for a in me if a not in gone), "masked")
     for a in ask["survivors"]:
-        ans = me[a].unmask(*([str(u) for u in ask[k]] for k in ("survivors", "dropped", "excluded")))
-        act = machine.offer(a, r, "answer", Answer(ours(ans.shares), ours(ans.pair_seeds)), now)
+        ans = me[a].unmask(ask["survivors"], ask["dropped"], ask["excluded"])
+        act = machine.offer(a, r, "answer", Answer(ans.shares, ans.pair_seeds), now)
     return act

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,8 @@ def refuse_a_used_folder(out: str | Path, markers: tuple[str, ...]) -> None:
 def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = None,
         on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
         checkpoint: bool = False, parallel_agents: int = 1, progress: bool = False,
-        engine: str = "auto", draws: str = "batch") -> dict[str, Any]:
+        engine: str = "auto", draws: str = "batch", secure_drops: Mapping[int, Collection] | None = None
+        ) -> dict[str, Any]:
     """Run the federation; write ``config.json``, ``rounds.jsonl``, ``summary.json``,
     ``learning_curve.png`` and the final ``global_policy.safetensors`` under ``out``.
     ``on_round(r, global_state)`` sees every new global model (the equivalence tests use it).
@@ -91,7 +93,11 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     same losses, each agent's own data and hyperparameters, its draws from the batch's generator);
     ``auto`` picks :func:`resolve_engine`'s. ``draws`` (batched engine): ``per-agent`` draws each
     agent's minibatches and noise as the per-agent engine does (:class:`BatchedTrainer`), so the
-    two engines compute the same run up to float rounding."""
+    two engines compute the same run up to float rounding.
+
+    ``secure_drops`` (secure aggregation; the tests' dropouts): by round, the agents that leave
+    after sharing their keys, so that its masked step closes at its deadline, as the services'
+    clock closes it for an agent that stopped."""
     if parallel_agents < 1:
         raise ValueError(f"parallel agents must be >= 1, got {parallel_agents}")
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -117,8 +123,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     shards, env = load_shards(cfg.datasets, cfg.agents, cfg.trajectories, cfg.seed, cfg.env, log, cfg.transitions)
     stats = [ObsStats.of(s.transitions.obs) for s in shards]
     obs_dim, act_dim = shards[0].transitions.obs.shape[1], shards[0].transitions.actions.shape[1]
-    plan = Plan.of(cfg, [s.agent for s in shards], samples=[len(s.transitions) for s in shards],
-                   context=f"simulate/{cfg.seed}", obs_dim=obs_dim)
+    # the clock is notional: every round opens at 0 and a deadline (1) passes only for a dropout
+    plan = replace(Plan.of(cfg, [agent_name(s.agent) for s in shards], samples=[len(s.transitions) for s in shards],
+                           context=f"simulate/{cfg.seed}", obs_dim=obs_dim), round_timeout=1.0)
     machine: RoundMachine | None = None
     if plan.gather:  # round 0: the moments summed by the protocol, as the services gather them
         machine = RoundMachine(plan, None)
@@ -230,10 +237,11 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             else:
                 results = [train(i) for i in range(n_agents)]
             if cfg.secagg_threshold:
-                closed, sa_rec = secure_round(machine, cfg, results, noise_gen)
+                drops = [agent_name(i) for i in (secure_drops or {}).get(r, ())]
+                closed, sa_rec = secure_round(machine, cfg, results, noise_gen, drops)
             else:
                 for res in results:
-                    machine.take(res.agent, r, action.version, Update(res.state, res.num_samples))
+                    machine.take(agent_name(res.agent), r, action.version, Update(res.state, res.num_samples))
                 closed = machine.close(noise_gen)
             action = machine.commit(closed)
             global_state, agent_states = machine.global_state, list(machine.agent_states)
@@ -313,7 +321,14 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     return summary
 
 
-def secure_round(machine: RoundMachine, cfg: SimConfig, results: list[LocalResult], noise_gen) -> tuple[Closed, dict]:
+def agent_name(i: int) -> str:
+    """Agent ``i``'s name in the round machine (and in secure aggregation's protocol), as the
+    services name theirs."""
+    return f"agent-{i}"
+
+
+def secure_round(machine: RoundMachine, cfg: SimConfig, results: list[LocalResult], noise_gen,
+                 drop: Collection = ()) -> tuple[Closed, dict]:
     """The open round's version by the machine's secure aggregation, every agent's side run here
     (``secagg_sums.agents_here``), and its record. With DP noise, each agent adds its share: std
     sigma * C / sqrt(t) (C: the round's norm), so that any t or more survivors' sum carries at
@@ -325,10 +340,10 @@ def secure_round(machine: RoundMachine, cfg: SimConfig, results: list[LocalResul
     t0 = time.perf_counter()
     sec = machine.secure
     std = noise_share_std(cfg, machine.clip) if noise_gen is not None else 0.0
-    vectors = {res.agent: (lambda alpha, res=res: agent_vector(res.state, alpha, sec.params, std, noise_gen,
+    vectors = {agent_name(res.agent): (lambda alpha, res=res: agent_vector(res.state, alpha, sec.params, std, noise_gen,
                                                                count_extra(cfg, res.metrics, noise_gen)))
                for res in results}
-    closed = agents_here(machine, vectors)
+    closed = agents_here(machine, vectors, drop)
     if not isinstance(closed, Closed):
         raise RuntimeError(closed.message if isinstance(closed, Failed) else f"round {machine.round}: {closed}")
     return closed, secure_record(sec, time.perf_counter() - t0)
@@ -364,7 +379,7 @@ def gather_moments(machine: RoundMachine, stats: list[ObsStats]) -> tuple[tuple[
 def secure_normalizer(cfg: SimConfig, stats: list[ObsStats]) -> tuple[tuple[np.ndarray, np.ndarray], dict]:
     """Pooled normalisation under secure aggregation as ``fedrl simulate`` makes it (round 0 of
     a machine for ``cfg``'s agents, each of ``stats``' count of samples)."""
-    agents = [f"agent-{i}" for i in range(len(stats))]
+    agents = [agent_name(i) for i in range(len(stats))]
     plan = Plan.of(cfg, agents, samples=[st.count for st in stats], context=f"simulate/{cfg.seed}",
                    obs_dim=len(stats[0].total))
     return gather_moments(RoundMachine(plan, None), stats)
