@@ -177,8 +177,9 @@ def _fresh_clone(where: Path) -> Path:
     return py
 
 
-def _suite_run(py: Path, clone: Path, burners: int) -> dict[str, Any]:
-    """The README's test command once in ``clone`` beside ``burners`` busy loops."""
+def _suite_run(py: Path, clone: Path, burners: int, beside: str = "") -> dict[str, Any]:
+    """The README's test command once in ``clone`` beside ``burners`` busy loops (and ``beside``:
+    what else loads the machine, in words)."""
     procs = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(burners)]
     try:
         before = machine()
@@ -195,22 +196,31 @@ def _suite_run(py: Path, clone: Path, burners: int) -> dict[str, Any]:
     failed = [x.split(" ", 1)[1].split(" - ")[0] for x in lines if x.startswith(("FAILED ", "ERROR "))]
     if p.returncode:  # which tests, and why: the run's own report, not only its count
         print(p.stdout[-20000:] + p.stderr[-4000:], file=sys.stderr)
-    return {"burners": burners, "wall_seconds": round(wall, 1), "summary": lines[-1] if lines else "",
+    return {"burners": burners, **({"beside": beside} if beside else {}), "commit": _head(),
+            "wall_seconds": round(wall, 1), "summary": lines[-1] if lines else "",
             **({"failed": failed} if failed else {}), "returncode": p.returncode, "slowest": slowest_tests(lines),
             "machine_before": before, "machine_after": after}
 
 
-def measure_suite(loaded_runs: int = 3, burners: int = 2) -> int:
+def _head() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def measure_suite(loaded_runs: int = 3, burners: int = 2, beside: str = "", after_idle: str = "") -> int:
     """The README's test command from a fresh clone: once on the machine as it is (run this on an
-    idle machine), then ``loaded_runs`` times beside ``burners`` CPU burners (a busy loop each)."""
+    idle machine), then ``loaded_runs`` times beside ``burners`` CPU burners (a busy loop each),
+    or beside other work (``beside`` says what, in words; ``after_idle``: a shell command run
+    between the idle run and the loaded ones, e.g. to resume that work)."""
     with tempfile.TemporaryDirectory(prefix="fedrl-suite-") as tmp:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        head = _head()
         py = _fresh_clone(Path(tmp))
         runs = [_suite_run(py, Path(tmp) / "clone", 0)]
+        if after_idle:
+            subprocess.run(after_idle, shell=True, check=False)
         for i in range(loaded_runs + 1):  # written after each run: a stopped measurement keeps its runs
             if i:
-                runs.append(_suite_run(py, Path(tmp) / "clone", burners))
+                runs.append(_suite_run(py, Path(tmp) / "clone", burners, beside))
             idle, loaded = runs[0], runs[1:]
             _write("suite", {"command": f"python -m pytest --deselect {SELF_CHECK}", "commit": head, **idle,
                              "loaded": [{k: v for k, v in r.items() if k != "slowest"} for r in loaded]})
@@ -238,11 +248,14 @@ def blocks(results: Path = RESULTS) -> dict[str, str]:
                         f"once the data exists; evaluated return by round: {rets}.")
     suite = json.loads((results / "suite.json").read_text())
     loaded = suite.get("loaded", [])
-    beside = "" if not loaded else (
-        f" Beside {loaded[0]['burners']} CPU burners (a busy loop per core), {len(loaded)} more "
-        f"{'run' if len(loaded) == 1 else 'runs'}: "
+    groups: dict[str, list[dict]] = {}
+    for r in loaded:
+        groups.setdefault(r.get("beside") or f"{r['burners']} CPU burners (a busy loop per core)", []).append(r)
+    beside = "".join(
+        f" Beside {what}, {len(rs)} more {'run' if len(rs) == 1 else 'runs'}: "
         + ", ".join(f"{_mmss(r['wall_seconds'])} ({'green' if r['returncode'] == 0 else 'failed'}, load "
-                    f"{r['machine_after']['loadavg_1min']:.1f} after)" for r in loaded) + ".")
+                    f"{r['machine_after']['loadavg_1min']:.1f} after)" for r in rs) + "."
+        for what, rs in groups.items())
     out["readme-suite"] = (f"Measured from a fresh clone: {_mmss(suite['wall_seconds'])}, `{suite['summary']}` (the "
                            f"deselected one is the test of these measured lines; {_load(suite)}).{beside} "
                            "`python -m benchmarks.system.readme measure suite`.")
@@ -372,11 +385,15 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("what", choices=("up", "by-hand", "suite"))
     m.add_argument("--loaded-runs", type=int, default=3, help="suite: runs beside the burners after the idle one")
     m.add_argument("--burners", type=int, default=2, help="suite: CPU burners (busy loops) beside those runs")
+    m.add_argument("--beside", default="", help="suite: what else loads the machine in the loaded runs, in words "
+                                                "(e.g. other jobs at the tests' priority, with --burners 0)")
+    m.add_argument("--after-idle", default="", help="suite: a shell command run after the idle run (e.g. resuming "
+                                                    "those jobs)")
     sub.add_parser("render")
     a = ap.parse_args(argv)
     if a.cmd == "measure":
         if a.what == "suite":
-            return measure_suite(a.loaded_runs, a.burners)
+            return measure_suite(a.loaded_runs, a.burners, a.beside, a.after_idle)
         return {"up": measure_up, "by-hand": measure_by_hand}[a.what]()
     README.write_text(replace_blocks(README.read_text(), blocks()))
     PERFORMANCE.write_text(replace_blocks(PERFORMANCE.read_text(), performance_blocks()))
