@@ -39,7 +39,7 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
-from fedrl.federation.machine import Plan, RoundMachine, Update
+from fedrl.federation.machine import Open, Plan, RoundMachine, Update
 from fedrl.federation.checkpoint import atomic_save, recorded_settings, same_data, settings
 from fedrl.federation.simconfig import SimConfig
 from fedrl.federation.shards import load_shards
@@ -196,9 +196,11 @@ def _rounds(states, trainers, groups, cells, work: Path, ck: Path, env, done: in
             pool, log, trace_every: int = 0) -> int:
     """The rounds after ``done``, until the last or the deadline; the last round finished."""
     first = cells[0].cfg
-    for st in states:
-        st.machine.begin()
-    for r in range(done + 1, first.rounds + 1):
+    actions = [st.machine.begin() for st in states]
+    while all(isinstance(a, Open) for a in actions):  # the cells' machines open their rounds together
+        r = actions[0].round
+        if any(a.round != r for a in actions):
+            raise RuntimeError(f"the cells' machines opened rounds {[a.round for a in actions]}: one batch trains one round")
         if deadline is not None and last_round_s is not None and time.time() + last_round_s > deadline:
             log(f"stopping before round {r}: the deadline leaves less than a round ({last_round_s:.0f}s)")
             break
@@ -210,12 +212,12 @@ def _rounds(states, trainers, groups, cells, work: Path, ck: Path, env, done: in
             for (ci, a), res in zip(groups[g], tr.train_round(inputs, first.local_steps, trace_every=trace_every)):
                 results[(ci, a)] = res
         train_s = time.perf_counter() - t0
-        recs = []
+        recs, actions = [], []
         for ci, st in enumerate(states):
             mine = [results[(ci, a)] for a in range(st.agents)]
             for res in mine:
                 st.machine.take(res.agent, r, st.machine.version, Update(res.state, res.num_samples))
-            st.machine.commit(st.machine.close())
+            actions.append(st.machine.commit(st.machine.close()))
             recs.append({"round": r, "train_seconds": train_s,
                          "agents": [{"agent": res.agent, "num_samples": res.num_samples, "seconds": res.seconds,
                                      **res.metrics} for res in mine]})
@@ -252,7 +254,7 @@ def _evaluations(states: list[_CellState], env_id: str, episodes: int, seed_of, 
         futures = [pool.submit(evaluate_many, policies[i:i + k], env_id, episodes, seeds[i:i + k])
                    for i in range(0, len(policies), k)]
         results = [x for f in futures for x in f.result()]
-    return [round_evaluation(st.cell.cfg.algo, [res.as_dict() for res, o in zip(results, owner) if o == ci])
+    return [round_evaluation(st.cell.cfg.own_policies, [res.as_dict() for res, o in zip(results, owner) if o == ci])
             for ci, st in enumerate(states)]
 
 

@@ -245,7 +245,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                 closed = machine.close(noise_gen)
             action = machine.commit(closed)
             global_state, agent_states = machine.global_state, list(machine.agent_states)
-            if on_round is not None and cfg.algo != "cql":
+            if on_round is not None and not cfg.own_policies:
                 on_round(r, global_state)
             train_s = time.perf_counter() - t0
             # a secure run records what its aggregator would learn: no agent's metrics (statistics of
@@ -262,7 +262,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             if cfg.secagg_threshold:
                 rec["secure_aggregation"] = sa_rec
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
-                rec["eval"] = round_evaluation(cfg.algo, [eval_state(s) for s in agent_states]
+                rec["eval"] = round_evaluation(cfg.own_policies, [eval_state(s) for s in agent_states]
                                                if cfg.own_policies else [eval_state(global_state)])
                 curve.append(curve_point(r, rec["eval"]))
             rec["seconds"] = time.perf_counter() - t0
@@ -300,7 +300,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             load_prefixed(eval_policy, state, POLICY)
             return evaluate(eval_policy, env.gym_id, cfg.final_eval_episodes, long_seed).as_dict()
 
-        long = round_evaluation(cfg.algo, [long_eval(s) for s in final_states])
+        long = round_evaluation(cfg.own_policies, [long_eval(s) for s in final_states])
         summary["final_long"] = {"episodes": cfg.final_eval_episodes, **curve_point(rounds_run, long)}
         log(f"final policy over {cfg.final_eval_episodes} episodes: return {long['return_mean']:.1f} "
             f"± {long['return_std']:.1f}, score {long['score_mean']:.1f}")
@@ -407,10 +407,10 @@ def privacy_record(cfg: SimConfig, rounds: int, metrics: list[dict[str, float]])
     return rec
 
 
-def round_evaluation(algo: str, evaluations: list[dict[str, Any]]) -> dict[str, Any]:
+def round_evaluation(own_policies: bool, evaluations: list[dict[str, Any]]) -> dict[str, Any]:
     """A round's evaluation record: the global policy's (spread over its episodes), or for the
     ``cql`` baseline the mean and spread over its agents' own policies."""
-    if algo != "cql":
+    if not own_policies:
         return {**evaluations[0], "spread_over": "episodes"}
     means = np.array([e["return_mean"] for e in evaluations])
     scores = np.array([e["score_mean"] for e in evaluations])
