@@ -15,7 +15,9 @@ from fedrl.data.make import rollout_dataset
 def pytest_collection_modifyitems(config, items):
     """The slow checks (marked ``slow``) first, in their order: under pytest-xdist the longest
     start first and the many short ones fill the workers around them, so that no worker is left
-    with a long check at the end while the others idle."""
+    with a long check at the end while the others idle (``--no-loadscope-reorder`` keeps this
+    order: by default xdist sends the modules with the most tests first, which left the image's
+    five at the end, alone on one worker for five minutes)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

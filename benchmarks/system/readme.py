@@ -196,26 +196,30 @@ def _suite_run(py: Path, clone: Path, burners: int, beside: str = "") -> dict[st
     failed = [x.split(" ", 1)[1].split(" - ")[0] for x in lines if x.startswith(("FAILED ", "ERROR "))]
     if p.returncode:  # which tests, and why: the run's own report, not only its count
         print(p.stdout[-20000:] + p.stderr[-4000:], file=sys.stderr)
-    return {"burners": burners, **({"beside": beside} if beside else {}), "commit": _head(),
+    return {"burners": burners, **({"beside": beside} if beside else {}), "commit": _head(clone),
             "wall_seconds": round(wall, 1), "summary": lines[-1] if lines else "",
             **({"failed": failed} if failed else {}), "returncode": p.returncode, "slowest": slowest_tests(lines),
             "machine_before": before, "machine_after": after}
 
 
-def _head() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+def _head(where: Path = ROOT) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
                           check=True).stdout.strip()
 
 
 def measure_suite(loaded_runs: int = 3, burners: int = 2, beside: str = "", after_idle: str = "") -> int:
     """The README's test command from a fresh clone: once on the machine as it is (run this on an
-    idle machine), then ``loaded_runs`` times beside ``burners`` CPU burners (a busy loop each),
+    idle machine; with ``loaded_runs`` 0 the file keeps the loaded runs it had, each with its
+    commit), then ``loaded_runs`` times beside ``burners`` CPU burners (a busy loop each),
     or beside other work (``beside`` says what, in words; ``after_idle``: a shell command run
     between the idle run and the loaded ones, e.g. to resume that work)."""
     with tempfile.TemporaryDirectory(prefix="fedrl-suite-") as tmp:
         head = _head()
         py = _fresh_clone(Path(tmp))
         runs = [_suite_run(py, Path(tmp) / "clone", 0)]
+        kept = []
+        if not loaded_runs and (RESULTS / "suite.json").exists():  # an idle run alone keeps the loaded ones
+            kept = json.loads((RESULTS / "suite.json").read_text()).get("loaded", [])
         if after_idle:
             subprocess.run(after_idle, shell=True, check=False)
         for i in range(loaded_runs + 1):  # written after each run: a stopped measurement keeps its runs
@@ -223,7 +227,7 @@ def measure_suite(loaded_runs: int = 3, burners: int = 2, beside: str = "", afte
                 runs.append(_suite_run(py, Path(tmp) / "clone", burners, beside))
             idle, loaded = runs[0], runs[1:]
             _write("suite", {"command": f"python -m pytest --deselect {SELF_CHECK}", "commit": head, **idle,
-                             "loaded": [{k: v for k, v in r.items() if k != "slowest"} for r in loaded]})
+                             "loaded": kept + [{k: v for k, v in r.items() if k != "slowest"} for r in loaded]})
     return 0 if all(r["returncode"] == 0 for r in runs) else 1
 
 
@@ -254,7 +258,9 @@ def blocks(results: Path = RESULTS) -> dict[str, str]:
     beside = "".join(
         f" Beside {what}, {len(rs)} more {'run' if len(rs) == 1 else 'runs'}: "
         + ", ".join(f"{_mmss(r['wall_seconds'])} ({'green' if r['returncode'] == 0 else 'failed'}, load "
-                    f"{r['machine_after']['loadavg_1min']:.1f} after)" for r in rs) + "."
+                    f"{r['machine_after']['loadavg_1min']:.1f} after"
+                    + (f", commit {r['commit']}" if r.get("commit", suite["commit"]) != suite["commit"] else "") + ")"
+                    for r in rs) + "."
         for what, rs in groups.items())
     out["readme-suite"] = (f"Measured from a fresh clone: {_mmss(suite['wall_seconds'])}, `{suite['summary']}` (the "
                            f"deselected one is the test of these measured lines; {_load(suite)}).{beside} "
