@@ -272,7 +272,7 @@ class RunLifecycle:
         # kept none: the agents' own, as they joined again, or 1)
         samples = part.get("samples") or [getattr(self.registry.agents.get(a), "num_samples", 1) for a in run.selected]
         run.dims = (len(run.norms[run.selected[0]][0]), 0) if run.selected else (0, 0)
-        run.machine = RoundMachine(Plan.of(cfg, run.selected, cfg.quorum, samples, run_id), state, version=v,
+        run.machine = RoundMachine(Plan.of(cfg, run.selected, samples, run_id), state, version=v,
                                    rounds_done=v, clip=clip)
         run.encoded = {v: encode_version(run, v, state)}
         for e in run.events:

@@ -85,7 +85,7 @@ class RunStart:
         run.env_id = cfg.env or (envs.pop() if envs else "")
         run.selected = [a.agent_id for a in chosen]
         run.dims = (obs_dim, act_dim)
-        plan = Plan.of(cfg, run.selected, cfg.quorum, [a.num_samples for a in chosen], run.run_id, obs_dim)
+        plan = Plan.of(cfg, run.selected, [a.num_samples for a in chosen], run.run_id, obs_dim)
         if plan.gather:  # the moments too go masked: round 0, whose sum makes version 0
             run.machine = RoundMachine(plan, None)
             run.state = "running"

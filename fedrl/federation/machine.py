@@ -86,13 +86,15 @@ class Plan:
     gather: int = 0  # > 0: round 0 sums the agents' observation moments (this many dimensions) securely
 
     @classmethod
-    def of(cls, options: Any, agents: Sequence[Hashable], quorum: int = 0, samples: Sequence[int] = (),
-           context: str = "", obs_dim: int = 0) -> Plan:
+    def of(cls, options: Any, agents: Sequence[Hashable], samples: Sequence[int] = (), context: str = "",
+           obs_dim: int = 0) -> Plan:
         """The plan of a run with ``options`` (a :class:`fedrl.federation.options.FederationOptions`,
-        or a run config, whose ``round_timeout`` it takes); ``obs_dim``: the agents' (a secure run
-        with pooled normalisation gathers their moments in round 0)."""
+        or a run config, whose ``round_timeout`` and ``min_agents`` it takes: 0, or none, is every
+        agent); ``obs_dim``: the agents' (a secure run with pooled normalisation gathers their
+        moments in round 0)."""
         gather = obs_dim if options.secagg_threshold and options.obs_norm == "pooled" else 0
-        return cls(options.rounds, tuple(agents), quorum or len(agents), options.aggregation, options.weighting,
+        quorum = getattr(options, "min_agents", 0) or len(agents)
+        return cls(options.rounds, tuple(agents), quorum, options.aggregation, options.weighting,
                    options.trim_fraction, options.own_policies, options.secagg_threshold, options.dp_clip,
                    options.dp_noise, options.dp_delta, options.dp_epsilon_budget, options.dp_clip_quantile,
                    options.dp_clip_lr, count_noise(options), float(getattr(options, "round_timeout", 0.0)),

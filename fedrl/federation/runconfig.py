@@ -57,10 +57,6 @@ class RunConfig(FederationOptions):
         if problem := check_step_bytes(hp, 1, 1):  # on the smallest task there is: one observation, one action
             raise ValueError(f"{'drpo' if hasattr(hp, 'cql_n_actions') else 'bc'}: {problem}")
 
-    @property
-    def quorum(self) -> int:
-        return self.min_agents or self.agents
-
     def to_json(self) -> str:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["drpo"], d["bc"] = config_to_dict(self.drpo), config_to_dict(self.bc)
