@@ -1,7 +1,8 @@
-"""The aggregator, free of gRPC message types: a coordinator that owns the lock and holds four
+"""The aggregator, free of gRPC message types: a coordinator that owns the lock and holds its
 parts, each with one job and each given what it uses, so that every dependency is one way:
 
-    records (Run, AgentRecord, Shared) <- journal <- agents <- start <- rounds <- lifecycle <- coordinator
+    records (Run, AgentRecord, Shared) <- journal <- agents <- start <- rounds <- submissions <- ticker
+                                                             tasks <- agents;  lifecycle <- rounds
 
 States of a run: ``waiting_for_agents`` -> ``running`` -> ``finished`` (or ``stopped`` /
 ``failed``). A round opens with the current global version; every selected agent fetches it,
@@ -25,6 +26,9 @@ from aggregator_service.records import AGENT_TTL, MAX_AGENTS, AgentRecord, Run, 
 from aggregator_service.rounds import Rounds
 from aggregator_service.start import RunStart
 from aggregator_service.store import Store
+from aggregator_service.submissions import Submissions
+from aggregator_service.tasks import Tasks
+from aggregator_service.ticker import Ticker
 from aggregator_service.versions import Versions
 from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.codec import Encoded, Flat, Manifest
@@ -44,14 +48,18 @@ class Coordinator:
         self.registry = AgentRegistry(self.shared, max_agents, agent_ttl, max_task_wait)
         self.start = RunStart(self.shared, self.registry, self.journal, store)
         self.versions = Versions(self.shared, store)
-        self.rounds = Rounds(self.shared, self.registry, self.journal, self.start, store, self.metrics, max_task_wait)
+        self.rounds = Rounds(self.shared, self.registry, self.journal, self.start, store, self.metrics)
+        self.tasks = Tasks(self.shared, self.registry, max_task_wait)
+        self.submissions = Submissions(self.shared, self.registry, self.journal, self.rounds, self.metrics,
+                                       max_task_wait)
+        self.ticker = Ticker(self.shared, self.registry, self.journal, self.rounds, self.submissions)
         self.lifecycle = RunLifecycle(self.shared, self.registry, self.journal, self.rounds, store, eval_grace)
         self.registry.on_join = self.rounds.maybe_begin
         self.metrics.bind(self.lifecycle.gauges)
         if resume:
             with self.shared.cond:
                 self.lifecycle.resume()
-        self._ticker = threading.Thread(target=self.rounds.tick_loop, args=(tick,), daemon=True,
+        self._ticker = threading.Thread(target=self.ticker.tick_loop, args=(tick,), daemon=True,
                                         name="aggregator-ticker")
         self._ticker.start()
 
@@ -124,23 +132,23 @@ class Coordinator:
 
     # -- rounds ---------------------------------------------------------------------------------
     def next_task(self, agent_id: str, wait: float, probe: bool = False) -> dict[str, Any]:
-        return self.rounds.next_task(agent_id, wait, probe)
+        return self.tasks.next_task(agent_id, wait, probe)
 
     def global_weights(self, run_id: str, version: int) -> Encoded:
         return self.versions.global_weights(run_id, version)
 
     def check_header(self, agent_id: str, m: Manifest) -> None:
-        self.rounds.check_header(agent_id, m)
+        self.submissions.check_header(agent_id, m)
 
     def update_refused(self, agent_id: str, reason: str, detail: str) -> None:
-        self.rounds.update_refused(agent_id, reason, detail)
+        self.submissions.update_refused(agent_id, reason, detail)
 
     def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor], metrics: Mapping[str, float],
                seconds: float, flat: Flat | None = None) -> int:
-        return self.rounds.submit(agent_id, m, state, metrics, seconds, flat)
+        return self.submissions.submit(agent_id, m, state, metrics, seconds, flat)
 
     def secure_step(self, agent_id: str, run_id: str, round_: int, step: str, msg: Any, wait: float):
-        return self.rounds.secure_step(agent_id, run_id, round_, step, msg, wait)
+        return self.submissions.secure_step(agent_id, run_id, round_, step, msg, wait)
 
     # -- the run's lifecycle --------------------------------------------------------------------
     def start_run(self, config_json: str) -> dict[str, Any]:

@@ -48,6 +48,7 @@ BATCHED_TESTS = ("tests/unit/test_batched.py",)
 ENGINE_TESTS = ("tests/unit/test_batched.py", "tests/integration/test_engines_agree.py", "tests/integration/test_cells.py")
 RND, CELLS = "fedrl/federation/round.py", "fedrl/federation/cells.py"
 SIM, COORD = "fedrl/federation/simulate.py", "aggregator_service/rounds.py"
+SUBS, TICK = "aggregator_service/submissions.py", "aggregator_service/ticker.py"
 CKPT = "fedrl/federation/checkpoint.py"
 MACHINE, MACHINE_TESTS = "fedrl/federation/machine.py", ("tests/unit/test_machine.py",)
 PRIV, PRIV_TESTS = "fedrl/federation/privacy.py", ("tests/unit/test_privacy.py",)
@@ -215,7 +216,7 @@ MUTANTS = (
     Mutant("round-duplicate-taken", MACHINE, "        if agent in self.taken:\n", "        if False:\n", MACHINE_TESTS),
     Mutant("round-close-draws-noise-again", MACHINE, "        if self._pending is not None:\n",
            "        if False:\n", MACHINE_TESTS),
-    Mutant("service-skips-the-rounds-check", COORD, "            run.machine.check(agent_id, m.round, m.base_version)\n",
+    Mutant("service-skips-the-rounds-check", SUBS, "            run.machine.check(agent_id, m.round, m.base_version)\n",
            "            pass\n", SERVICE_TESTS),
     # secure aggregation (secagg.py): the masks that must cancel, the shares handed out
     Mutant("secagg-pairwise-signs-agree", SA, "return m if me < peer else (np.uint64(0) - m)", "return m",
@@ -235,8 +236,8 @@ MUTANTS = (
            "return ObsStats(1, s[:obs_dim] / weight, s[obs_dim:2 * obs_dim] / weight).mean_std()",
            "return ObsStats(1, s[:obs_dim], s[obs_dim:2 * obs_dim]).mean_std()", SA_SIM_TESTS),
     # private rounds under a hostile agent or operator: each protection of issue 84 removed
-    Mutant("clock-unsupervised", COORD, 'with self._failing(run, "the aggregator\'s clock"):', "if True:", PRIVATE_TESTS),
-    Mutant("close-unsupervised", COORD, "with self._failing(run, f\"round {run.round}'s close\"):", "if True:",
+    Mutant("clock-unsupervised", TICK, 'with self.rounds.failing(run, "the aggregator\'s clock"):', "if True:", PRIVATE_TESTS),
+    Mutant("close-unsupervised", COORD, "with self.failing(run, f\"round {run.round}'s close\"):", "if True:",
            PRIVATE_TESTS),
     Mutant("average-not-checked-finite", MACHINE, "if v.is_floating_point() and not bool(torch.isfinite(v).all()):",
            "if False:", MACHINE_TESTS),
@@ -301,7 +302,7 @@ MUTANTS = (
     Mutant("pool-mean-unclipped", "fedrl/data/normalize.py",
            "m = np.clip(means, med_mean - MEAN_CLIP * med_std, med_mean + MEAN_CLIP * med_std)", "m = means",
            ("tests/unit/test_data.py",)),
-    Mutant("epsilon-not-warmed", COORD, "                warm_epsilon(run.cfg, max(run.round, 1))\n",
+    Mutant("epsilon-not-warmed", TICK, "                warm_epsilon(run.cfg, max(run.round, 1))\n",
            "                pass\n", PRIVATE_TESTS),
     # a run resumed on data other than it started on (a dataset remade on another machine)
     Mutant("resume-ignores-the-contents", CKPT,

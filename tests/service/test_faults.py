@@ -326,7 +326,7 @@ def test_a_runs_memory_is_kept_for_its_rounds_and_handed_back_when_it_ends(tmp_p
     back each round, both were touched afresh the next: page faults that were a quarter of its
     CPU in 30 MB rounds). Once the run ends, the ticker (not a thread holding the coordinator's
     lock) unmaps the buffers and asks the C library to release free pages, once."""
-    from aggregator_service import rounds as coordinator_mod
+    from aggregator_service import ticker as ticker_mod
     from aggregator_service.coordinator import Coordinator
     from aggregator_service.store import Store
     from tests.service.test_federation import run_config
@@ -347,7 +347,7 @@ def test_a_runs_memory_is_kept_for_its_rounds_and_handed_back_when_it_ends(tmp_p
         trims.append((threading.current_thread().name, bool(free)))
         return True
 
-    monkeypatch.setattr(coordinator_mod, "release_free_memory", trim)
+    monkeypatch.setattr(ticker_mod, "release_free_memory", trim)
     coord = Coordinator(Store(tmp_path / "state"), tick=0.02)
     try:
         run_id = coord.start_run(run_config(rounds=2))["run_id"]

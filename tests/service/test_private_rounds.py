@@ -464,10 +464,10 @@ def test_no_accountant_call_runs_under_the_coordinators_lock(aggregator, monkeyp
         return real(self, *a, **k)
 
     monkeypatch.setattr(rdp.RdpAccountant, "get_epsilon", recording)
-    import aggregator_service.rounds as rounds_mod
+    import aggregator_service.ticker as ticker_mod
 
-    warmed, warm = set(), rounds_mod.warm_epsilon
-    monkeypatch.setattr(rounds_mod, "warm_epsilon", lambda cfg, r: (warm(cfg, r), warmed.add(r)))
+    warmed, warm = set(), ticker_mod.warm_epsilon
+    monkeypatch.setattr(ticker_mod, "warm_epsilon", lambda cfg, r: (warm(cfg, r), warmed.add(r)))
     for i in range(2):
         join(aggregator, f"a{i}", i)
     run_id = start(aggregator, rounds=6, dp_clip=1.0, dp_noise=1.1, dp_epsilon_budget=100.0, obs_norm="none")["run_id"]

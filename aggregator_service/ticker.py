@@ -1,0 +1,83 @@
+"""The aggregator's clock: a thread that, every tick, does what time does to the active run
+(a join timeout, a round's deadline with its quorum, secure aggregation's step deadlines, a run
+whose every agent sent NaN and left) and keeps or frees the run's memory. Nothing it runs can end
+it: an exception fails that run, and the clock goes on for the next.
+
+A part of :class:`aggregator_service.coordinator.Coordinator`: it uses the agent registry, the
+journal, the rounds and the submissions (given at construction) and the shared state."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aggregator_service.agents import AgentRegistry
+from aggregator_service.journal import Journal
+from aggregator_service.records import ACTIVE, AVERAGES_KEPT, Run, Shared, task_of
+from aggregator_service.rounds import Rounds
+from aggregator_service.submissions import Submissions
+from fedrl.federation.privacy import warm_epsilon
+from fedrl.wire.memory import release_free_memory
+
+log = logging.getLogger("fedrl.aggregator")
+
+
+class Ticker:
+    def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, rounds: Rounds,
+                 submissions: Submissions) -> None:
+        self.s, self.registry, self.journal, self.rounds, self.submissions = shared, registry, journal, rounds, submissions
+
+    def tick_loop(self, tick: float) -> None:
+        was_active = False
+        while True:
+            run = self.s.run
+            active = run is not None and run.state in ACTIVE
+            # Outside the lock, as either can take tens of ms after 30 MB rounds. While a run is
+            # active its memory is kept for its next rounds: a buffer per agent, and the heap
+            # (malloc arenas are few, see aggregator_service.__main__, so it does not climb).
+            # Once it ends, both go back to the OS.
+            self.rounds.buffers.keep = run.cfg.agents if active else 0
+            self.rounds.averages.keep = AVERAGES_KEPT if active else 0
+            if active and run.cfg.dp_clip:  # the accountant's values the open round's close will ask for
+                warm_epsilon(run.cfg, max(run.round, 1))
+            if was_active and not active:
+                release_free_memory()
+            was_active = active
+            with self.s.cond:
+                if self.s.closed:
+                    return
+                self.s.cond.wait(tick)
+                run = self.s.run
+                if run is None:
+                    continue
+                with self.rounds.failing(run, "the aggregator's clock"):  # the clock goes on for the next run
+                    self._tick(run, time.time())
+
+    def _tick(self, run: Run, now: float) -> None:
+        """What the clock does for ``run`` at ``now``: deadlines of joins, rounds and secure steps.
+        Under the lock."""
+        if run.state == "waiting_for_agents" and now - run.created > run.cfg.join_timeout:
+            live = [a for a in self.registry.agents.values() if self.registry.connected(a, now)]
+            tasks = {task_of(a) for a in live}
+            split = (f" (they hold {len(tasks)} different tasks: "
+                     + "; ".join(f"{e or 'no env'} {o}/{d}" for e, o, d in sorted(tasks)) + ")"
+                     if len(tasks) > 1 else "")
+            self.journal.fail(run, f"only {len(live)} of the {run.cfg.agents} agents the run needs were connected "
+                            f"within {run.cfg.join_timeout:.0f}s{split}")
+            self.s.cond.notify_all()
+        elif run.state == "running" and run.non_finite:
+            self.submissions.check_non_finite(run, now)
+        m = run.machine
+        if run.state != "running" or m is None:
+            return
+        if m.secure is not None:  # its steps have their own deadlines
+            sec = m.secure
+            with self.rounds.failing(run, f"round {run.round}'s secure aggregation"):
+                self.rounds.secure_moved(run, sec, m.advance(now))
+        elif msg := m.overdue(now):
+            if run.message != msg:
+                log.warning(msg)
+                run.message = msg
+        elif m.closable(now):
+            self.rounds.close_round(run)
+            self.s.cond.notify_all()
