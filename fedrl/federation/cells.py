@@ -43,7 +43,7 @@ from fedrl.federation.machine import Open, Plan, RoundMachine, Update
 from fedrl.federation.checkpoint import atomic_save, recorded_settings, same_data, settings
 from fedrl.federation.simconfig import SimConfig
 from fedrl.federation.shards import load_shards
-from fedrl.federation.simulate import curve_point, round_evaluation
+from fedrl.federation.simulate import curve_point, round_evaluation, round_record
 
 CHECKPOINT = "cells-checkpoint.safetensors"
 SHARED = ("rounds", "local_steps", "eval_every", "eval_episodes", "federate", "obs_norm", "device", "grad_norms_every")
@@ -217,10 +217,9 @@ def _rounds(states, trainers, groups, cells, work: Path, ck: Path, env, done: in
             mine = [results[(ci, a)] for a in range(st.agents)]
             for res in mine:
                 st.machine.take(res.agent, r, st.machine.version, Update(res.state, res.num_samples))
-            actions.append(st.machine.commit(st.machine.close()))
-            recs.append({"round": r, "train_seconds": train_s,
-                         "agents": [{"agent": res.agent, "num_samples": res.num_samples, "seconds": res.seconds,
-                                     **res.metrics} for res in mine]})
+            closed = st.machine.close()
+            actions.append(st.machine.commit(closed))
+            recs.append(round_record(st.cell.cfg, closed, mine, train_s))
         if first.eval_episodes and (r % first.eval_every == 0 or r == first.rounds):
             _evaluate(states, recs, env.gym_id, first.eval_episodes, pool)
         for st, rec in zip(states, recs):

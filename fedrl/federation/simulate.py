@@ -247,20 +247,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
             global_state, agent_states = machine.global_state, list(machine.agent_states)
             if on_round is not None and not cfg.own_policies:
                 on_round(r, global_state)
-            train_s = time.perf_counter() - t0
-            # a secure run records what its aggregator would learn: no agent's metrics (statistics of
-            # its data), only its sample count and training time
-            shown = [{} if cfg.secagg_threshold else res.metrics for res in results]
-            rec: dict[str, Any] = {"round": r, "version": machine.version, "train_seconds": train_s,
-                                   "agents": [{"agent": res.agent, "num_samples": res.num_samples,
-                                               "seconds": res.seconds, **m} for res, m in zip(results, shown)],
-                                   "metrics": mean_metrics([m for m in shown if m])}
+            rec = round_record(cfg, closed, results, time.perf_counter() - t0,
+                               sa_rec if cfg.secagg_threshold else None)
             rounds_run = r
-            if cfg.dp_clip:
-                rec["privacy"] = privacy_record(cfg, r, [m for m in shown if m])
-                rec["privacy"] |= {ADAPTIVE_RECORD[k]: v for k, v in closed.metrics.items() if k in ADAPTIVE_RECORD}
-            if cfg.secagg_threshold:
-                rec["secure_aggregation"] = sa_rec
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
                 rec["eval"] = round_evaluation(cfg.own_policies, [eval_state(s) for s in agent_states]
                                                if cfg.own_policies else [eval_state(global_state)])
@@ -319,6 +308,25 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
               if curve else "")
     log(f"done in {summary['wall_seconds']:.1f}s{scores}; results in {out}")
     return summary
+
+
+def round_record(cfg: SimConfig, closed: Closed, results: list[LocalResult], train_seconds: float,
+                 secure: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Round ``closed.round``'s record in rounds.jsonl (``fedrl simulate``'s and the cells'): its
+    version, training time, each agent's sample count, time and metrics, their means, what
+    differential privacy has spent, and ``secure``, the secure aggregation's record. A secure run
+    records what its aggregator would learn: no agent's metrics (statistics of its data)."""
+    shown = [{} if secure is not None else res.metrics for res in results]
+    rec: dict[str, Any] = {"round": closed.round, "version": closed.version, "train_seconds": train_seconds,
+                           "agents": [{"agent": res.agent, "num_samples": res.num_samples, "seconds": res.seconds,
+                                       **m} for res, m in zip(results, shown)],
+                           "metrics": mean_metrics([m for m in shown if m])}
+    if cfg.dp_clip:
+        rec["privacy"] = privacy_record(cfg, closed.round, [m for m in shown if m])
+        rec["privacy"] |= {ADAPTIVE_RECORD[k]: v for k, v in closed.metrics.items() if k in ADAPTIVE_RECORD}
+    if secure is not None:
+        rec["secure_aggregation"] = secure
+    return rec
 
 
 def agent_name(i: int) -> str:
