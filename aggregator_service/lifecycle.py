@@ -30,7 +30,7 @@ from aggregator_service.records import (
 )
 from aggregator_service.rounds import Rounds
 from aggregator_service.store import Store
-from fedrl.federation.machine import Plan, RoundMachine
+from fedrl.federation.machine import Plan, RoundMachine, resumed_clip
 from fedrl.federation.privacy import privacy_spent, warm_epsilon
 from fedrl.federation.runconfig import (
     ConfigError,
@@ -265,15 +265,14 @@ class RunLifecycle:
         run.selected, run.env_id = list(part["selected"]), part["env_id"]
         run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
         run.events = replay_journal(saved["events"], v)
-        # adaptive clipping continues from the norm version v's round moved it to
-        clip = next((e["metrics"]["dp_clip_next"] for e in reversed(run.events) if e["kind"] == "ROUND_CLOSED"
-                     and e["version"] == v and "dp_clip_next" in e.get("metrics", {})), None)
+        last = next((e.get("metrics") for e in reversed(run.events) if e["kind"] == "ROUND_CLOSED"
+                     and e["version"] == v), None)
         # the public sample counts the run was started with (a state directory of an earlier version
         # kept none: the agents' own, as they joined again, or 1)
         samples = part.get("samples") or [getattr(self.registry.agents.get(a), "num_samples", 1) for a in run.selected]
         run.dims = (len(run.norms[run.selected[0]][0]), 0) if run.selected else (0, 0)
-        run.machine = RoundMachine(Plan.of(cfg, run.selected, samples, run_id), state, version=v,
-                                   rounds_done=v, clip=clip)
+        plan = Plan.of(cfg, run.selected, samples, run_id)
+        run.machine = RoundMachine(plan, state, version=v, rounds_done=v, clip=resumed_clip(plan, last))
         run.encoded = {v: encode_version(run, v, state)}
         for e in run.events:
             if e["kind"] == "EVALUATED":

@@ -462,6 +462,15 @@ class RoundMachine:
         return Open(r, self.version, self.deadline)
 
 
+def resumed_clip(plan: Plan, last: Mapping[str, float] | None) -> float | None:
+    """The clipping norm a resumed run goes on with: under adaptive clipping, the one its last
+    closed round moved it to (``last``: that round's metrics, as :class:`Closed` gave them);
+    otherwise, or before any round closed, None (the plan's first)."""
+    if not plan.dp_clip_quantile or not last or "dp_clip_next" not in last:
+        return None
+    return float(last["dp_clip_next"])
+
+
 def _finite(state: State, round_: int) -> State:
     """``state``, refused (ValueError) where a floating tensor holds NaN or Inf: no version is made
     of it (an average of finite updates can still overflow, and noise can be past float32)."""

@@ -45,7 +45,18 @@ from fedrl.federation.round import (
     algo_config,
     initial_global_state,
 )
-from fedrl.federation.machine import Closed, Failed, Gathered, Open, Plan, RoundMachine, Stopped, Update, mean_metrics
+from fedrl.federation.machine import (
+    Closed,
+    Failed,
+    Gathered,
+    Open,
+    Plan,
+    RoundMachine,
+    Stopped,
+    Update,
+    mean_metrics,
+    resumed_clip,
+)
 from fedrl.federation.privacy import ADAPTIVE_RECORD, agent_clip, task_clip
 from fedrl.federation.shards import load_shards, parse_source  # noqa: F401 - re-exported for the simulator's users
 from fedrl.federation.simconfig import ENGINES, SimConfig  # noqa: F401 - ENGINES re-exported
@@ -203,7 +214,8 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     if machine is not None and not done_rounds:  # version 0 from round 0's moments
         action = machine.found(global_state)
     else:
-        machine = RoundMachine(plan, global_state, done_rounds, done_rounds, agent_states, resumed_clip(cfg, lines))
+        machine = RoundMachine(plan, global_state, done_rounds, done_rounds, agent_states,
+                               resumed_clip(plan, last_metrics(lines)))
         action = machine.begin()
     rounds_run = done_rounds
     with bar, open(out / "rounds.jsonl", "w") as jl:
@@ -396,12 +408,13 @@ def secure_normalizer(cfg: SimConfig, stats: list[ObsStats]) -> tuple[tuple[np.n
 # adaptive clipping's round metrics (the machine's) -> their names in a round's privacy record
 
 
-def resumed_clip(cfg: SimConfig, lines: list[str]) -> float | None:
-    """Where adaptive clipping had moved the norm by the last round of ``lines`` (the rounds.jsonl
-    records a resume keeps), or None (the run's first norm)."""
-    if not (cfg.dp_clip_quantile and lines):
+def last_metrics(lines: list[str]) -> dict[str, float] | None:
+    """The machine's metrics of the last round of ``lines`` (the rounds.jsonl records a resume
+    keeps) that a resume reads: adaptive clipping's, from the round's privacy record."""
+    if not lines:
         return None
-    return float(json.loads(lines[-1])["privacy"]["clip_next"])
+    privacy = json.loads(lines[-1]).get("privacy") or {}
+    return {k: float(privacy[v]) for k, v in ADAPTIVE_RECORD.items() if v in privacy}
 
 
 def privacy_record(cfg: SimConfig, rounds: int, metrics: list[dict[str, float]]) -> dict[str, Any]:

@@ -218,3 +218,12 @@ def test_adaptive_clipping_keeps_its_norm_in_range_whatever_the_count_says(fract
     for nan in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="not a finite number"):
             next_clip(1.0, nan, 0.5, 0.2)
+
+
+def test_a_resumed_run_clips_at_the_norm_its_last_round_moved_it_to():
+    from fedrl.federation.machine import resumed_clip
+
+    adaptive = Plan(3, ("a",), dp_clip=1.0, dp_clip_quantile=0.5)
+    assert resumed_clip(adaptive, {"dp_clip": 1.0, "dp_clip_next": 0.7}) == 0.7
+    assert resumed_clip(adaptive, None) is None and resumed_clip(adaptive, {}) is None  # no round closed yet
+    assert resumed_clip(Plan(3, ("a",), dp_clip=1.0), {"dp_clip_next": 0.7}) is None  # a fixed norm stays
