@@ -262,7 +262,7 @@ def blocks(results: Path = RESULTS) -> dict[str, str]:
                     + (f", commit {r['commit']}" if r.get("commit", suite["commit"]) != suite["commit"] else "") + ")"
                     for r in rs) + "."
         for what, rs in groups.items())
-    out["readme-suite"] = (f"Measured from a fresh clone: {_mmss(suite['wall_seconds'])}, `{suite['summary']}` (the "
+    out["readme-suite"] = (f"Measured from a fresh clone (commit {suite['commit']}): {_mmss(suite['wall_seconds'])}, `{suite['summary']}` (the "
                            f"deselected one is the test of these measured lines; {_load(suite)}).{beside} "
                            "`python -m benchmarks.system.readme measure suite`.")
     bh = json.loads((results / "by-hand.json").read_text())
