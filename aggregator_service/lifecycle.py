@@ -270,7 +270,6 @@ class RunLifecycle:
         # the public sample counts the run was started with (a state directory of an earlier version
         # kept none: the agents' own, as they joined again, or 1)
         samples = part.get("samples") or [getattr(self.registry.agents.get(a), "num_samples", 1) for a in run.selected]
-        run.dims = (len(run.norms[run.selected[0]][0]), 0) if run.selected else (0, 0)
         plan = Plan.of(cfg, run.selected, samples, run_id)
         run.machine = RoundMachine(plan, state, version=v, rounds_done=v, clip=resumed_clip(plan, last))
         run.encoded = {v: encode_version(run, v, state)}

@@ -396,6 +396,6 @@ def secagg_value(step: str, msg: Any) -> Message:
     if step == "shares":
         return Shares({a: bytes(b) for a, b in msg.sealed.items()})
     if step == "masked":
-        return Masked(bytes(msg.vector), tuple(msg.unopened), float(msg.train_seconds), bool(msg.metrics))
+        return Masked(bytes(msg.vector), tuple(msg.unopened), bool(msg.metrics))
     return Answer({a: (int(s.point), bytes(s.share)) for a, s in msg.shares.items()},
                   {a: bytes(v) for a, v in msg.pair_seeds.items()})

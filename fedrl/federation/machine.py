@@ -288,7 +288,7 @@ class RoundMachine:
 
     def took_part(self, agent: Hashable) -> bool:
         """Whether ``agent`` has sent the open round's update, or its secure aggregation's keys."""
-        return agent in self.taken or (self.secure is not None and self.secure.took_part(agent))
+        return agent in self.taken or (self.secure is not None and self.secure.has(agent, "keys"))
 
     def take_step(self, agent: Hashable, round_: int, step: str, msg: Message) -> None:
         """Take ``agent``'s message for ``step`` of the open round's secure aggregation (a repeat

@@ -203,15 +203,14 @@ def agents_here(machine, vectors: Mapping[str, Callable[[float], np.ndarray]], d
     machine's action (its ``Closed`` version, ``Gathered`` moments, or ``Failed``). The machine's
     agents are named by str, as the protocol names them."""
     from fedrl.federation.secagg import AgentSession
-    from fedrl.federation.secure_steps import Answer, Keys, Masked, Shares
+    from fedrl.federation.secure_steps import Masked, Shares
 
     sec, r = machine.secure, machine.round
     if not all(isinstance(a, str) for a in vectors):
         raise TypeError(f"secure aggregation names its agents by str, not {sorted(map(repr, vectors))}")
     me = {a: AgentSession(a, sec.params) for a in vectors}
     for a, s in me.items():
-        pk = s.advertise()
-        machine.offer(a, r, "keys", Keys(pk.share_key, pk.mask_key), now)
+        machine.offer(a, r, "keys", s.advertise(), now)
     for a, s in me.items():
         keys = sec.reply(a, "keys")
         machine.offer(a, r, "shares", Shares(s.share_keys(keys["roster"])), now)
@@ -234,6 +233,5 @@ def agents_here(machine, vectors: Mapping[str, Callable[[float], np.ndarray]], d
         return act
     ask = sec.reply(next(a for a in me if a not in gone), "masked")
     for a in ask["survivors"]:
-        ans = me[a].unmask(ask["survivors"], ask["dropped"], ask["excluded"])
-        act = machine.offer(a, r, "answer", Answer(ans.shares, ans.pair_seeds), now)
+        act = machine.offer(a, r, "answer", me[a].unmask(ask["survivors"], ask["dropped"], ask["excluded"]), now)
     return act

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,14 +44,6 @@ class Refused(Exception):
 
 
 @dataclass(frozen=True)
-class Keys:
-    """Step 1: an agent's two X25519 public keys."""
-
-    share_key: bytes
-    mask_key: bytes
-
-
-@dataclass(frozen=True)
 class Shares:
     """Step 2: an agent's sealed shares, by receiver."""
 
@@ -60,25 +52,18 @@ class Shares:
 
 @dataclass(frozen=True)
 class Masked:
-    """Step 3: an agent's masked vector (little-endian uint64s), the senders whose shares it could
-    not open, and its training time; ``sent_metrics``: it also sent round metrics in the clear
-    (they are dropped, unread)."""
+    """Step 3: an agent's masked vector (little-endian uint64s) and the senders whose shares it
+    could not open; ``sent_metrics``: it also sent round metrics in the clear (they are dropped,
+    unread)."""
 
     vector: bytes
     unopened: Sequence[str] = ()
-    train_seconds: float = 0.0
     sent_metrics: bool = False
 
 
-@dataclass(frozen=True)
-class Answer:
-    """Step 4: an agent's shares for the survivors and the dropped (by agent: (point, share)), and
-    its pairwise seeds with the excluded."""
-
-    shares: Mapping[str, tuple[int, bytes]]
-    pair_seeds: Mapping[str, bytes] = field(default_factory=dict)
-
-
+# Step 1 is an agent's two public keys, step 4 its answer to the unmasking, as the protocol's
+# own agent side makes them
+Keys, Answer = PublicKeys, secagg.Answer
 Message = Keys | Shares | Masked | Answer
 _KIND = dict(zip(STEPS, (Keys, Shares, Masked, Answer)))
 
@@ -101,8 +86,7 @@ class SecureSteps:
         self.expected: set[Hashable] = set(agents)  # who the open step waits for
         self.deadline = first_deadline
         self.alpha: dict[Hashable, float] = {}
-        self.train_seconds: dict[Hashable, float] = {}
-        self.answers: dict[Hashable, secagg.Answer] = {}
+        self.answers: dict[Hashable, Answer] = {}
         self.survivors: list[Hashable] = []
         self.dropped: list[Hashable] = []
         self.excluded: list[Hashable] = []  # senders whose shares too few survivors could open
@@ -110,9 +94,6 @@ class SecureSteps:
         self.sum: np.ndarray | None = None  # the survivors' dequantized sum, once made
 
     # -- what agents send -------------------------------------------------------------------
-    def took_part(self, agent: Hashable) -> bool:
-        return agent in self.server.roster
-
     def has(self, agent: Hashable, step: str) -> bool:
         """Whether ``step`` has taken ``agent``'s message."""
         return agent in (self.server.roster, self.server.sealed, self.server.masked, self.answers)[STEPS.index(step)]
@@ -168,7 +149,6 @@ class SecureSteps:
         if msg.sent_metrics:  # an agent that still sends them: they are statistics of its data
             self.notes.append(f"agent {agent} sent its round metrics in the clear under secure aggregation; "
                               "they are dropped, unread (an agent of this version sends none)")
-        self.train_seconds[agent] = float(msg.train_seconds)
 
     def _take_answer(self, agent: Hashable, msg: Answer) -> None:
         names = (set(self.survivors) | set(self.dropped)) - self.server.unopened[agent]
@@ -184,8 +164,8 @@ class SecureSteps:
             raise SecAggError("an answer must hold one pairwise seed for each excluded agent, and only those")
         if any(len(v) != PAIR_SEED_BYTES for v in msg.pair_seeds.values()):
             raise SecAggError(f"a pairwise seed is {PAIR_SEED_BYTES} bytes")
-        self.answers[agent] = secagg.Answer({a: (int(p), bytes(s)) for a, (p, s) in msg.shares.items()},
-                                            {a: bytes(v) for a, v in msg.pair_seeds.items()})
+        self.answers[agent] = Answer({a: (int(p), bytes(s)) for a, (p, s) in msg.shares.items()},
+                                     {a: bytes(v) for a, v in msg.pair_seeds.items()})
 
     # -- steps closing ----------------------------------------------------------------------
     def advance(self, now: float) -> bool:

@@ -20,6 +20,8 @@ def state(x: float, y: float = 0.0) -> dict[str, torch.Tensor]:
     return {"w": torch.tensor([x, y], dtype=torch.float64)}
 
 
+# The machine has no clock: every time below (round_timeout, now) is a value the test passes, so no
+# machine's speed can change an outcome.
 def secure(samples=(1, 2, 3), weighting="samples", **kw) -> RoundMachine:
     plan = Plan(3, AGENTS, secagg_threshold=2, samples=samples, weighting=weighting, round_timeout=10.0,
                 context="test", **kw)
