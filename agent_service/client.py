@@ -19,7 +19,7 @@ from fedrl.data.normalize import ObsStats
 from fedrl.data.partition import Shard
 from fedrl.federation.privacy import agent_clip, task_clip
 from fedrl.federation.round import LocalTrainer, RoundInterrupted, algo_config
-from fedrl.federation.runconfig import parse_run_config
+from fedrl.federation.runconfig import RunConfig, parse_run_config
 from fedrl.federation.secagg import SecAggError
 from fedrl.ops.metrics import AgentMetrics
 from fedrl.proto.v1 import federation_pb2, federation_pb2_grpc
@@ -57,6 +57,19 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+# Learners an agent keeps, one per run it takes part in (a run's STOP drops its own)
+MAX_RUN_LEARNERS = 16
+
+
+@dataclass
+class RunLearner:
+    """What an agent keeps for one run between its rounds."""
+    trainer: LocalTrainer
+    config: RunConfig
+    base_reference: dict[str, torch.Tensor]  # the tensors a base version must match (views of the live ones)
+    base_specs: tuple  # what a base version's manifest lists
+
+
 @dataclass
 class AgentConfig:
     target: str
@@ -92,11 +105,11 @@ class Agent:
         self.secure = SecureSteps(cfg.agent_id, cfg.task_wait, cfg.rpc_timeout, self._stop)
         self._channel: grpc.Channel | None = None  # the one in use (closed by stop)
         self._session_call = None  # the Session stream in use, and since when it has been awaited
-        self._progress_to = None  # (answers queue, round, last sent) while a Session's TRAIN task trains
+        self._progress_to = None  # (answers queue, run, round, last sent) while a Session's TRAIN task trains
         self._awaited_since: float | None = None
-        self.trainer: LocalTrainer | None = None
-        self.trainer_run = ""
-        self.run_config = None  # the run config of trainer_run
+        # A learner per run this agent takes part in (it takes their tasks in turn): each keeps its
+        # own model, optimisers and random streams from round to round, whatever the others do.
+        self.learners: dict[str, RunLearner] = {}
         self.rounds_done = 0
         # The task whose update was sent and not yet confirmed (by the next task on the Session
         # stream, or a submit call's reply). If the connection breaks first, the next Join's
@@ -204,7 +217,10 @@ class Agent:
         log.info("joined as %s (run %s)", self.cfg.agent_id, reply.run_id or "none yet")
         sent, self._unacked = self._unacked, None
         if sent is not None:
-            if sent.run_id == reply.run_id and reply.last_accepted_round >= sent.round:
+            last = dict(reply.last_accepted)  # of every run it takes part in (an aggregator before v1.4: one)
+            if reply.run_id and reply.run_id not in last:
+                last[reply.run_id] = reply.last_accepted_round
+            if last.get(sent.run_id, 0) >= sent.round:
                 log.info("round %d: the update sent before the connection broke was taken", sent.round)
                 self._submitted(sent)
             else:
@@ -279,7 +295,7 @@ class Agent:
                     self._submitted(sent)
                     sent = None
                 if task.kind == federation_pb2.Task.TRAIN:
-                    self._progress_to = (answers, task.round, time.monotonic())
+                    self._progress_to = (answers, task.run_id, task.round, time.monotonic())
                     try:
                         update = self._train(stub, task, weights)
                     finally:
@@ -308,17 +324,17 @@ class Agent:
         to = self._progress_to
         if to is None:
             return
-        answers, round_, last = to
+        answers, run_id, round_, last = to
         now = time.monotonic()
         if now - last >= self.cfg.progress_seconds:
             answers.put(federation_pb2.SessionMessage(progress=federation_pb2.TaskProgress(
-                round=round_, steps_done=done, steps_total=total)).SerializeToString())
-            self._progress_to = (answers, round_, now)
+                round=round_, steps_done=done, steps_total=total, run_id=run_id)).SerializeToString())
+            self._progress_to = (answers, run_id, round_, now)
 
     def _other(self, task) -> None:
         if task.kind == federation_pb2.Task.STOP:
             log.info("run %s is over", task.run_id)
-            self.trainer, self.trainer_run = None, ""
+            self.learners.pop(task.run_id, None)
 
     def _submitted(self, task) -> None:
         self._unacked = None
@@ -327,24 +343,28 @@ class Agent:
         self.metrics.rounds.inc()
         log.info("round %d: submitted after %d steps in %.1fs", task.round, task.local_steps, self._train_seconds)
 
-    def _trainer_for(self, task) -> LocalTrainer:
-        if self.trainer is None or self.trainer_run != task.run_id:
+    def _learner_for(self, task) -> RunLearner:
+        """The learner of ``task``'s run, made at its first task (the oldest one goes past
+        MAX_RUN_LEARNERS: a run whose STOP never came)."""
+        lr = self.learners.get(task.run_id)
+        if lr is None:
             rc = parse_run_config(task.run_config_json)
             hp = algo_config(rc.algo, rc.drpo, rc.bc)
-            self.trainer = LocalTrainer(
+            trainer = LocalTrainer(
                 self.cfg.index, hp, self.shard.transitions, np.asarray(task.obs_mean, np.float32),
                 np.asarray(task.obs_std, np.float32), rc.seed, self.cfg.device,
                 federate_critic=rc.federate == "policy+critic", local_normalizer=rc.obs_norm == "local",
                 update_clip=agent_clip(rc))
-            self.trainer_run = task.run_id
-            self.run_config = rc
             # names, dtypes and shapes a base version must have (views of the live tensors)
-            self.base_reference = self.trainer.learner.shared_state(self.trainer.federate_critic)
-            self._base_specs = specs_of(self.base_reference)  # what a base version's manifest lists
-        return self.trainer
+            reference = trainer.learner.shared_state(trainer.federate_critic)
+            lr = RunLearner(trainer, rc, reference, specs_of(reference))
+            while len(self.learners) >= MAX_RUN_LEARNERS:
+                self.learners.pop(next(iter(self.learners)))
+            self.learners[task.run_id] = lr
+        return lr
 
-    def _secure_aggregation(self, stub, task, res) -> None:
-        self.secure.update(stub, task, self.run_config, res)
+    def _secure_aggregation(self, stub, task, rc, res) -> None:
+        self.secure.update(stub, task, rc, res)
         self._submitted(task)
 
     def _sit_out(self, task, why: str) -> None:
@@ -373,13 +393,14 @@ class Agent:
         if self._sitting_out(task):
             return None
         try:
-            trainer = self._trainer_for(task)  # sets self.run_config: the task's run's
+            lr = self._learner_for(task)
         except ValueError as e:  # a run config this agent cannot read: a newer aggregator's settings
             self._sit_out(task, f"run {task.run_id}: its config cannot be used here: {e} (an agent older than "
                                 "the aggregator?)")
             return None
+        trainer, rc = lr.trainer, lr.config
         try:  # adaptive clipping under the masks: this agent clips its update itself, to the round's norm
-            clip = task_clip(self.run_config, task.dp_clip, task.round)
+            clip = task_clip(rc, task.dp_clip, task.round)
         except ValueError as e:  # trains nothing and takes no part; the round goes on without it
             self._sit_out(task, f"the secure aggregation: {e}")
             return None
@@ -397,8 +418,8 @@ class Agent:
         try:
             if stream is not None:  # its chunks are assembled (copied, hashed) as they arrive
                 manifest, chunks = read_weight_stream(stream)
-            if manifest.tensors != self._base_specs:  # else the same list (the usual case: one comparison)
-                check_manifest_matches(manifest, self.base_reference)  # before a buffer is sized from it
+            if manifest.tensors != lr.base_specs:  # else the same list (the usual case: one comparison)
+                check_manifest_matches(manifest, lr.base_reference)  # before a buffer is sized from it
             state = assemble(manifest, chunks, self._buffers)
         except CodecError:
             if stream is not None:
@@ -415,15 +436,15 @@ class Agent:
             if self._stop.is_set() or probe.reason is None:
                 raise
             log.info("round %d abandoned (%s): %s", task.round, probe.reason, e)
-            self.trainer, self.trainer_run = None, ""
+            self.learners.pop(task.run_id, None)
             return None
         finally:
             probe.close()
         self.metrics.trained(task.local_steps, res.seconds, res.metrics)
         self._train_seconds = res.seconds
-        if self.run_config.secagg_threshold:  # the update goes masked, never in the clear
+        if rc.secagg_threshold:  # the update goes masked, never in the clear
             try:
-                self._secure_aggregation(stub, task, res)
+                self._secure_aggregation(stub, task, rc, res)
             except SecAggError as e:  # this agent's own check, or a step it must refuse
                 self._sit_out(task, f"the secure aggregation: {e}")
             return None

@@ -37,7 +37,8 @@ class TaskProbe:
     def _poll(self) -> None:
         while not self._done.is_set() and not self._stopped.is_set():
             try:
-                t = self._stub.NextTask(federation_pb2.TaskRequest(agent_id=self._agent_id, probe=True),
+                t = self._stub.NextTask(federation_pb2.TaskRequest(agent_id=self._agent_id, probe=True,
+                                                                   run_id=self._task.run_id),
                                         timeout=max(self._every, 5.0))
             except grpc.RpcError:  # the stream's own errors decide about the connection
                 if self._done.wait(self._every):

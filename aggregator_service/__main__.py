@@ -25,14 +25,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--state-dir", required=True, help="where every global version is kept")
     p.add_argument("--no-resume", dest="resume", action="store_false",
-                   help="do not pick up an unfinished run from --state-dir (default: resume it from its "
+                   help="do not pick up unfinished runs from --state-dir (default: resume each from its "
                         "newest stored global version, as after a crash or a pod restart)")
+    p.add_argument("--max-runs", type=argtypes.at_least(1), default=8,
+                   help="runs active at once (waiting for agents or running); a StartRun past it is refused "
+                        "with RESOURCE_EXHAUSTED. Each keeps two global versions in memory, and an agent in "
+                        "several runs trains their rounds in turn (default %(default)s)")
     p.add_argument("--max-workers", type=argtypes.at_least(1), default=1024,
                    help="RPC threads, made as needed: each connected agent's Session stream holds one, as "
                         "do watchers and long polls (a warning is logged when agents come near it)")
     p.add_argument("--max-agents", type=argtypes.at_least(1), default=1024,
                    help="agent records kept; a Join past it first forgets agents gone (not connected, not in "
-                        "the run), else is refused with RESOURCE_EXHAUSTED; records unseen for an hour "
+                        "an active run), else is refused with RESOURCE_EXHAUSTED; records unseen for an hour "
                         "are forgotten (default %(default)s)")
     p.add_argument("--task-wait", type=argtypes.positive_seconds, default=30.0, help="longest NextTask long poll, seconds")
     p.add_argument("--threads", type=argtypes.at_least(1), default=1,
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("tokens without TLS travel in clear text; use --tls-dir outside a trusted network")
     stop = StopSignals()  # before any port is bound: a stop right after the announcement is a clean one
     metrics = AggregatorMetrics()
-    coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics, resume=a.resume, max_agents=a.max_agents)
+    coord = Coordinator(store, max_task_wait=a.task_wait, metrics=metrics, resume=a.resume, max_agents=a.max_agents,
+                        max_runs=a.max_runs)
     server = create_server([
         (federation_pb2_grpc.add_FederationServicer_to_server, FederationServicer(coord, auth, a.max_workers),
          "fedrl.v1.Federation"),

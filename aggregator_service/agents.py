@@ -15,7 +15,6 @@ import grpc
 import numpy as np
 
 from aggregator_service.records import (
-    ACTIVE,
     AGENT_ID,
     EVALUATOR_SEEN_SECONDS,
     AgentRecord,
@@ -41,9 +40,22 @@ class AgentRegistry:
         # whether a waiting run can begin (the registry knows nothing of rounds).
         self.on_join: Callable[[], None] = lambda: None
 
-    def _check_task(self, rec: AgentRecord, run) -> None:
-        """While a run is active, an agent of another task is refused at Join, naming the
-        difference; no single agent decides the task for the others:
+    def _check_task(self, rec: AgentRecord) -> None:
+        """While runs are active, an agent that none of them can take is refused at Join, naming
+        the first one's difference (see :meth:`_check_task_of`); one that any of them can take
+        joins."""
+        refusals = []
+        for run in self.s.active():
+            try:
+                self._check_task_of(rec, run)
+                return
+            except ServiceError as e:
+                refusals.append(e)
+        if refusals:
+            raise refusals[0]
+
+    def _check_task_of(self, rec: AgentRecord, run) -> None:
+        """Whether ``run`` could take the agent; no single agent decides the task for the others:
 
         - a run config that names ``env`` is the task: a Join that cannot be evaluated there is
           refused, whoever came first;
@@ -51,8 +63,6 @@ class AgentRegistry:
         - while a run without ``env`` waits, a Join is refused only when it differs from peers
           that agree among themselves (two or more): a lone first Join fixes nothing, and the run
           begins with the largest group that agrees (:meth:`_maybe_begin`)."""
-        if run is None or run.state not in ACTIVE:
-            return
         now = time.time()
         if run.cfg.env is not None:
             problem = env_mismatch(run.cfg.env, {rec.env_id} if rec.env_id else set(), rec.obs_dim, rec.act_dim)
@@ -112,17 +122,17 @@ class AgentRegistry:
                                    "and std they give) must be finite")
         with self.s.cond:
             old = self.agents.get(rec.agent_id)
-            run = self.s.run
-            self._check_task(rec, run)
-            if old is not None and run is not None and run.state == "running" and rec.agent_id in run.selected:
+            self._check_task(rec)
+            mine = self.s.of_agent(rec.agent_id)
+            if old is not None and any(r.state == "running" for r in mine):
                 if (old.obs_dim, old.act_dim) != (rec.obs_dim, rec.act_dim):
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"agent {rec.agent_id} rejoined with different dimensions")
-            if old is not None:  # its count is of the run its last accepted update belongs to
-                rec.last_accepted, rec.rounds_submitted = old.last_accepted, old.rounds_submitted
-            elif run is not None and rec.agent_id in run.accepted_before:  # first join since a restart
-                n, last = run.accepted_before[rec.agent_id]
-                rec.rounds_submitted, rec.last_accepted = n, (run.run_id, last)
+            if old is not None:  # its counts and the STOPs it was given go on
+                rec.accepted, rec.stops_sent = old.accepted, old.stops_sent
+            else:  # first join since a restart: what the runs' stored closes say it gave
+                rec.accepted = {r.run_id: r.accepted_before[rec.agent_id] for r in mine
+                                if rec.agent_id in r.accepted_before}
             rec.last_seen = now = time.time()
             self._expire(now)
             if old is None and len(self.agents) >= self.max_agents:
@@ -138,15 +148,15 @@ class AgentRegistry:
                                       "num_samples": rec.num_samples}})
             self.on_join()
             self.s.cond.notify_all()
-            return run.run_id if run else ""
+            mine = self.s.of_agent(rec.agent_id) or self.s.active()
+            return mine[-1].run_id if mine else ""
 
     def _in_run(self, agent_id: str) -> bool:
-        run = self.s.run
-        return run is not None and run.state in ACTIVE and agent_id in run.selected
+        return bool(self.s.of_agent(agent_id))
 
     def _expire(self, now: float, make_room: bool = False) -> None:
         """Drop the records of agents gone: not seen for ``agent_ttl`` (or, with ``make_room``,
-        not connected now), and not selected in the active run. Under the lock."""
+        not connected now), and not selected in an active run. Under the lock."""
         gone = [a for a in self.agents.values() if not self._in_run(a.agent_id)
                 and (now - a.last_seen > self.agent_ttl or (make_room and not self.connected(a, now)))]
         for a in sorted(gone, key=lambda a: a.last_seen):
@@ -159,7 +169,15 @@ class AgentRegistry:
         A restarted aggregator knows those of the rounds whose close it stored (events)."""
         with self.s.cond:
             a = self.agents.get(agent_id)
-            return a.last_accepted[1] if a is not None and run_id and a.last_accepted[0] == run_id else 0
+            return a.accepted.get(run_id, (0, 0))[1] if a is not None else 0
+
+    def accepted_rounds(self, agent_id: str) -> dict[str, int]:
+        """Of every active run ``agent_id`` takes part in, the last round whose update from it
+        was accepted (0: none)."""
+        with self.s.cond:
+            a = self.agents.get(agent_id)
+            return {r.run_id: a.accepted.get(r.run_id, (0, 0))[1] if a is not None else 0
+                    for r in self.s.of_agent(agent_id)}
 
     def agent(self, agent_id: str) -> AgentRecord:
         a = self.agents.get(agent_id)
@@ -169,23 +187,27 @@ class AgentRegistry:
         a.last_seen = time.time()
         return a
 
-    def progress(self, agent_id: str, round_: int, done: int, total: int) -> None:
-        """An agent's local steps on a round it trains (a Session's progress message): keeps it
-        connected while it trains, and shows in the status."""
+    def progress(self, agent_id: str, round_: int, done: int, total: int, run_id: str = "") -> None:
+        """An agent's local steps on a round of ``run_id`` it trains (a Session's progress
+        message; no run: the newest it takes part in): keeps it connected while it trains, and
+        shows in the status."""
         if not (0 <= done <= total <= 10**12):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"progress {done}/{total}: expected 0 <= steps_done <= steps_total", "bad_progress")
         with self.s.cond:
             a = self.agent(agent_id)
-            a.progress = (self.s.run.run_id if self.s.run else "", round_, done, total)
+            if not run_id:
+                mine = self.s.of_agent(agent_id)
+                run_id = mine[-1].run_id if mine else ""
+            a.progress = (run_id, round_, done, total)
 
     def connected(self, a: AgentRecord, now: float) -> bool:
         return now - a.last_seen < 2 * self.max_task_wait + 5
 
     @staticmethod
     def rounds_in(a: AgentRecord, run) -> int:
-        """Rounds of ``run`` (the current one) whose update from ``a`` was taken."""
-        return a.rounds_submitted if run is not None and a.last_accepted and a.last_accepted[0] == run.run_id else 0
+        """Rounds of ``run`` whose update from ``a`` was taken."""
+        return a.accepted.get(run.run_id, (0, 0))[0] if run is not None else 0
 
     @staticmethod
     def progress_of(a: AgentRecord, run) -> dict[str, int]:

@@ -4,6 +4,8 @@ parts, each with one job and each given what it uses, so that every dependency i
     records (Run, AgentRecord, Shared) <- journal <- agents <- start <- rounds <- submissions <- ticker
                                                              tasks <- agents;  lifecycle <- rounds
 
+It holds several runs at once (at most ``max_runs`` active), each with its own round machine,
+config, versions and deadlines; an agent may take part in several, and takes their tasks in turn.
 States of a run: ``waiting_for_agents`` -> ``running`` -> ``finished`` (or ``stopped`` /
 ``failed``). A round opens with the current global version; every selected agent fetches it,
 trains and submits; the round closes when all selected agents have submitted, or at its
@@ -22,7 +24,7 @@ import torch
 from aggregator_service.agents import AgentRegistry
 from aggregator_service.journal import Journal
 from aggregator_service.lifecycle import RunLifecycle
-from aggregator_service.records import AGENT_TTL, MAX_AGENTS, AgentRecord, Run, Shared
+from aggregator_service.records import AGENT_TTL, MAX_AGENTS, MAX_RUNS, AgentRecord, Run, Shared
 from aggregator_service.rounds import Rounds
 from aggregator_service.start import RunStart
 from aggregator_service.store import Store
@@ -40,10 +42,12 @@ class Coordinator:
 
     def __init__(self, store: Store, max_task_wait: float = 30.0, tick: float = 0.1,
                  eval_grace: float = 120.0, metrics: AggregatorMetrics | None = None,
-                 resume: bool = False, max_agents: int = MAX_AGENTS, agent_ttl: float = AGENT_TTL) -> None:
+                 resume: bool = False, max_agents: int = MAX_AGENTS, agent_ttl: float = AGENT_TTL,
+                 max_runs: int = MAX_RUNS) -> None:
         self.store, self.max_task_wait = store, max_task_wait
         self.metrics = metrics or AggregatorMetrics()
         self.shared = Shared()
+        self.shared.on_forget = self.metrics.forget_run
         self.journal = Journal(store)
         self.registry = AgentRegistry(self.shared, max_agents, agent_ttl, max_task_wait)
         self.start = RunStart(self.shared, self.registry, self.journal, store)
@@ -53,7 +57,8 @@ class Coordinator:
         self.submissions = Submissions(self.shared, self.registry, self.journal, self.rounds, self.metrics,
                                        max_task_wait)
         self.ticker = Ticker(self.shared, self.registry, self.journal, self.rounds, self.submissions)
-        self.lifecycle = RunLifecycle(self.shared, self.registry, self.journal, self.rounds, store, eval_grace)
+        self.lifecycle = RunLifecycle(self.shared, self.registry, self.journal, self.rounds, store, eval_grace,
+                                      max_runs)
         self.registry.on_join = self.rounds.maybe_begin
         self.metrics.bind(self.lifecycle.gauges)
         if resume:
@@ -70,7 +75,13 @@ class Coordinator:
 
     @property
     def run(self) -> Run | None:
+        """The newest run held."""
         return self.shared.run
+
+    @property
+    def runs(self) -> dict[str, Run]:
+        """Every run held, by id, oldest first."""
+        return self.shared.runs
 
     @property
     def agents(self) -> dict[str, AgentRecord]:
@@ -121,8 +132,11 @@ class Coordinator:
     def last_accepted_round(self, agent_id: str, run_id: str) -> int:
         return self.registry.last_accepted_round(agent_id, run_id)
 
-    def progress(self, agent_id: str, round_: int, done: int, total: int) -> None:
-        self.registry.progress(agent_id, round_, done, total)
+    def accepted_rounds(self, agent_id: str) -> dict[str, int]:
+        return self.registry.accepted_rounds(agent_id)
+
+    def progress(self, agent_id: str, round_: int, done: int, total: int, run_id: str = "") -> None:
+        self.registry.progress(agent_id, round_, done, total, run_id)
 
     def evaluator_attached(self, delta: int) -> None:
         self.registry.evaluator_attached(delta)
@@ -131,8 +145,9 @@ class Coordinator:
         return self.registry.evaluators_following()
 
     # -- rounds ---------------------------------------------------------------------------------
-    def next_task(self, agent_id: str, wait: float, probe: bool = False) -> dict[str, Any]:
-        return self.tasks.next_task(agent_id, wait, probe)
+    def next_task(self, agent_id: str, wait: float, probe: bool = False, run_id: str = "",
+                  busy: frozenset[str] = frozenset()) -> dict[str, Any]:
+        return self.tasks.next_task(agent_id, wait, probe, run_id, busy)
 
     def global_weights(self, run_id: str, version: int) -> Encoded:
         return self.versions.global_weights(run_id, version)
@@ -140,8 +155,8 @@ class Coordinator:
     def check_header(self, agent_id: str, m: Manifest) -> None:
         self.submissions.check_header(agent_id, m)
 
-    def update_refused(self, agent_id: str, reason: str, detail: str) -> None:
-        self.submissions.update_refused(agent_id, reason, detail)
+    def update_refused(self, agent_id: str, run_id: str, reason: str, detail: str) -> None:
+        self.submissions.update_refused(agent_id, run_id, reason, detail)
 
     def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor], metrics: Mapping[str, float],
                seconds: float, flat: Flat | None = None) -> int:
@@ -154,14 +169,14 @@ class Coordinator:
     def start_run(self, config_json: str) -> dict[str, Any]:
         return self.lifecycle.start_run(config_json)
 
-    def stop_run(self, reason: str) -> dict[str, Any]:
-        return self.lifecycle.stop_run(reason)
+    def stop_run(self, reason: str, run_id: str = "") -> dict[str, Any]:
+        return self.lifecycle.stop_run(reason, run_id)
 
     def report_evaluation(self, report: dict[str, Any]) -> None:
         self.lifecycle.report_evaluation(report)
 
-    def status(self) -> dict[str, Any]:
-        return self.lifecycle.status()
+    def status(self, run_id: str = "") -> dict[str, Any]:
+        return self.lifecycle.status(run_id)
 
     def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
         return self.lifecycle.list_runs(limit)
@@ -169,8 +184,9 @@ class Coordinator:
     def list_versions(self, run_id: str = "") -> tuple[str, list[dict[str, Any]]]:
         return self.lifecycle.list_versions(run_id)
 
-    def gauges(self) -> dict[str, float]:
+    def gauges(self) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         return self.lifecycle.gauges()
 
-    def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5) -> Iterator[dict[str, Any]]:
-        return self.lifecycle.watch(after_version, is_active, poll)
+    def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5,
+              run_id: str = "") -> Iterator[dict[str, Any]]:
+        return self.lifecycle.watch(after_version, is_active, poll, run_id)

@@ -22,10 +22,12 @@ from aggregator_service.agents import AgentRegistry
 from aggregator_service.journal import Journal
 from aggregator_service.records import (
     ACTIVE,
+    MAX_RUNS,
     RUN_ID,
     Run,
     Shared,
     encode_version,
+    env_mismatch,
     replay_journal,
 )
 from aggregator_service.rounds import Rounds
@@ -42,9 +44,9 @@ log = logging.getLogger("fedrl.aggregator")
 
 class RunLifecycle:
     def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, rounds: Rounds, store: Store,
-                 eval_grace: float) -> None:
+                 eval_grace: float, max_runs: int = MAX_RUNS) -> None:
         self.s, self.registry, self.journal, self.rounds, self.store = shared, registry, journal, rounds, store
-        self.eval_grace = eval_grace
+        self.eval_grace, self.max_runs = eval_grace, max_runs
         self._digests: dict[tuple[str, int, int], str] = {}  # stored versions' sha256, by file state
 
     def start_run(self, config_json: str) -> dict[str, Any]:
@@ -65,10 +67,16 @@ class RunLifecycle:
                                    f"invalid run config: the privacy accountant cannot take these settings: {e}",
                                    "bad_config") from None
         with self.s.cond:
-            if self.s.run is not None and self.s.run.state in ACTIVE:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"run {self.s.run.run_id} is {self.s.run.state}; stop it first", "run_active")
-            run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+            active = self.s.active()
+            if len(active) >= self.max_runs:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"this aggregator runs {len(active)} runs at once (--max-runs {self.max_runs}): "
+                                   f"{', '.join(r.run_id for r in active)}; stop one or wait for one to end",
+                                   "too_many_runs")
+            if problem := self._unservable(cfg):
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"the fleet cannot serve this run: {problem}",
+                                   "unservable")
+            run_id = self._new_run_id()
             run = Run(run_id, cfg, cfg.to_json(), time.time())
             try:
                 self.store.create_run(run_id, run.config_json)
@@ -77,27 +85,71 @@ class RunLifecycle:
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.FAILED_PRECONDITION,
                                    f"cannot store the run in the state directory "
                                    f"({'full' if full else 'not writable'}: {e.strerror or e})", "state_dir") from None
-            self.s.run = run
+            self.s.add(run)
             self.journal.event(run, "RUN_STARTED", message=f"waiting for {cfg.agents} agents")
             self.rounds.maybe_begin()
             self.s.cond.notify_all()
-            return self._status()
+            return self._status(run)
 
-    def stop_run(self, reason: str) -> dict[str, Any]:
+    def _new_run_id(self) -> str:
+        """A new run's id: its start time and 6 random hex digits, after every id stored or held
+        (ids sort in the order runs started, and a restart resumes them in that order). Under the lock."""
+        prefix = time.strftime("%Y%m%d-%H%M%S-")
+        newest = max([*self.s.runs, self.store.latest_run() or ""])
+        if not newest.startswith(prefix):
+            return prefix + secrets.token_hex(3)
+        low = int(newest[-6:], 16) + 1  # a run started this second already: a larger suffix
+        if low > 0xFFFFFF:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many runs started this second; try again",
+                               "too_many_runs")
+        return prefix + f"{low + secrets.randbelow((0x1000000 - low + 1) // 2):06x}"
+
+    def _unservable(self, cfg) -> str:
+        """Why the agents this aggregator holds can never serve a run of ``cfg`` ("" when they
+        may): it names a task that every agent connected now, of a full registry, is not of (no
+        agent of its task could join). Under the lock."""
+        now = time.time()
+        live = [a for a in self.registry.agents.values() if self.registry.connected(a, now)]
+        if cfg.env is None or len(live) < self.registry.max_agents:
+            return ""
+        if all(env_mismatch(cfg.env, {a.env_id} if a.env_id else set(), a.obs_dim, a.act_dim) for a in live):
+            return (f"env {cfg.env}, but all {len(live)} agents this aggregator holds (--max-agents "
+                    f"{self.registry.max_agents}) are connected, and none has data of it")
+        return ""
+
+    def held(self, run_id: str) -> Run:
+        """The run ``run_id`` names (empty: the newest), among those held; NOT_FOUND otherwise."""
+        run = self.s.runs.get(run_id) if run_id else self.s.run
+        if run is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND if run_id else grpc.StatusCode.FAILED_PRECONDITION,
+                               f"unknown run {run_id[:80]!r} (runs held: {', '.join(self.s.runs) or 'none'})"
+                               if run_id else "no run yet", "unknown_run" if run_id else "no_run")
+        return run
+
+    def stop_run(self, reason: str, run_id: str = "") -> dict[str, Any]:
+        """Stop ``run_id`` (empty: the only active run; refused while several are)."""
         with self.s.cond:
-            run = self.s.run
+            active = self.s.active()
+            if not run_id and len(active) > 1:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"{len(active)} runs are active ({', '.join(r.run_id for r in active)}): "
+                                   "name the one to stop", "which_run")
+            run = self.held(run_id) if run_id else (active[0] if active else None)
             if run is None or run.state not in ACTIVE:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no active run to stop", "no_run")
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"run {run.run_id} is {run.state}: nothing to stop" if run else "no active run to stop",
+                                   "no_run")
             run.state, run.message, run.ended = "stopped", reason or "stopped by operator", time.time()
             self.journal.event(run, "RUN_STOPPED", message=run.message)
             self.s.cond.notify_all()
-            return self._status()
+            return self._status(run)
 
     def report_evaluation(self, report: dict[str, Any]) -> None:
         with self.s.cond:
-            run = self.s.run
-            if run is None or report.get("run_id") != run.run_id:
-                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {report.get('run_id')!r}", "unknown_run")
+            run = self.s.runs.get(str(report.get("run_id")))
+            if run is None:
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {str(report.get('run_id'))[:80]!r}",
+                                   "unknown_run")
             v = int(report["version"])
             if not 0 <= v <= run.version:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -106,14 +158,20 @@ class RunLifecycle:
             self.journal.event(run, "EVALUATED", version=v, round=v, evaluation=dict(report))
             self.s.cond.notify_all()
 
-    def status(self) -> dict[str, Any]:
+    def status(self, run_id: str = "") -> dict[str, Any]:
+        """``run_id``'s status; without it, the newest run's, with every run held in ``runs``."""
         with self.s.cond:
-            return self._status()
+            if run_id:
+                return self._status(self.held(run_id))
+            out = self._status(self.s.run)
+            if self.s.runs:
+                out["runs"] = [self._status(r, agents=False) for r in self.s.runs.values()]
+            return out
 
     def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
         limit = 100 if limit <= 0 else min(limit, 1000)
         with self.s.cond:
-            active = {self.s.run.run_id: (self.s.run.state, self.s.run.message)} if self.s.run is not None else {}
+            active = {r.run_id: (r.state, r.message) for r in self.s.runs.values()}
         out = []
         for run_id in reversed(self.store.run_ids()[-limit:]):
             try:
@@ -177,47 +235,54 @@ class RunLifecycle:
                 self._digests.clear()
         return d
 
-    def gauges(self) -> dict[str, float]:
-        """The numbers the aggregator's state gauges show (read at scrape time)."""
+    def gauges(self) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+        """The numbers the aggregator's state gauges show (read at scrape time): the aggregator's,
+        and each run's held, by run."""
         with self.s.cond:
-            run, now = self.s.run, time.time()
-            active = run is not None and run.state in ACTIVE
-            return {"agents_connected": sum(self.registry.connected(a, now) for a in self.registry.agents.values()),
-                    "agents_expected": run.cfg.agents if active else 0,
-                    "global_version": run.version if run else 0, "round": run.round if run else 0,
-                    "run_active": 1.0 if active else 0.0,
-                    "round_deadline": run.deadline if run is not None and run.state == "running" else 0.0}
+            now = time.time()
+            runs = {r.run_id: {"agents_expected": r.cfg.agents if r.state in ACTIVE else 0,
+                               "global_version": r.version, "round": r.round,
+                               "run_active": 1.0 if r.state in ACTIVE else 0.0,
+                               "round_deadline": r.deadline if r.state == "running" else 0.0}
+                    for r in self.s.runs.values()}
+            return ({"agents_connected": sum(self.registry.connected(a, now) for a in self.registry.agents.values()),
+                     "runs_active": float(len(self.s.active()))}, runs)
 
-    def _status(self) -> dict[str, Any]:
-        run = self.s.run
+    def _status(self, run: Run | None, agents: bool = True) -> dict[str, Any]:
         now = time.time()
-        agents = [{"agent_id": a.agent_id, "agent_index": a.index, "num_samples": a.num_samples,
+        listed = [{"agent_id": a.agent_id, "agent_index": a.index, "num_samples": a.num_samples,
                    "connected": self.registry.connected(a, now),
                    "last_seen_unix": a.last_seen, "rounds_submitted": self.registry.rounds_in(a, run),
                    **self.registry.progress_of(a, run)}
-                  for a in sorted(self.registry.agents.values(), key=lambda a: (a.index, a.agent_id))]
+                  for a in sorted(self.registry.agents.values(), key=lambda a: (a.index, a.agent_id))] if agents else []
         if run is None:
-            return {"state": "idle", "agents": agents, "evaluators_following": self.registry.evaluators_following()}
+            return {"state": "idle", "agents": listed, "evaluators_following": self.registry.evaluators_following()}
         last = run.evaluations[max(run.evaluations)] if run.evaluations else None
         return {"run_id": run.run_id, "state": run.state, "round": run.round, "rounds": run.cfg.rounds,
-                "global_version": run.version, "agents": agents, "message": run.message,
+                "global_version": run.version, "agents": listed, "message": run.message,
                 "last_evaluation": last, "config_json": run.config_json, "env_id": run.env_id,
                 "evaluated_versions": sorted(run.evaluations), "evaluators_following": self.registry.evaluators_following(),
                 **({"privacy": privacy_spent(run.cfg, run.version, run.machine.clip if run.machine else None)}
                    if run.cfg.dp_clip else {})}
 
-    def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5) -> Iterator[dict[str, Any]]:
-        """Events of the current run with version > ``after_version``, then live ones, until it ends."""
-        sent = 0
+    def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5,
+              run_id: str = "") -> Iterator[dict[str, Any]]:
+        """Events of ``run_id`` (empty: of every run held, and of those started while the stream
+        is open) with version > ``after_version``, then live ones, until each is over."""
         with self.s.cond:
-            run = self.s.run
-        if run is None:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no run to watch", "no_run")
+            if run_id:
+                only = [self.held(run_id)]
+            elif not self.s.runs:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "no run to watch", "no_run")
+        sent: dict[str, int] = {}
         while is_active():
             with self.s.cond:
-                new = run.events[sent:]
-                sent = len(run.events)
-                ended = self._watch_over(run)
+                followed = only if run_id else list(self.s.runs.values())
+                new = []
+                for run in followed:
+                    new += run.events[sent.get(run.run_id, 0):]
+                    sent[run.run_id] = len(run.events)
+                ended = all(self._watch_over(run) for run in followed)
                 if not new and not ended:
                     self.s.cond.wait(poll)
                     continue
@@ -229,21 +294,22 @@ class RunLifecycle:
                 return
 
     def resume(self) -> None:
-        """Pick up the state directory's latest run if it never ended (the aggregator was killed).
+        """Pick up every run of the state directory that never ended (the aggregator was killed),
+        of its newest ``max_runs``, oldest first.
 
-        Its newest stored global version becomes the current one, bit for bit; the next round
-        opens from it. Agents and evaluators reconnect by themselves; the selected agents are
+        Each run's newest stored global version becomes its current one, bit for bit; its next
+        round opens from it. Agents and evaluators reconnect by themselves; the selected agents are
         recognised when they rejoin. A run that was still waiting for agents waits again.
         """
-        run_id = self.store.latest_run()
-        if run_id is None:
-            return
-        saved = self.store.read_run(run_id)
-        if any(e["kind"] in ("RUN_FINISHED", "RUN_FAILED", "RUN_STOPPED") for e in saved["events"]):
-            return
+        for run_id in self.store.run_ids()[-self.max_runs:]:
+            saved = self.store.read_run(run_id)
+            if not any(e["kind"] in ("RUN_FINISHED", "RUN_FAILED", "RUN_STOPPED") for e in saved["events"]):
+                self._resume(run_id, saved)
+
+    def _resume(self, run_id: str, saved: dict[str, Any]) -> None:
         cfg = parse_run_config(saved["config_json"])
         run = Run(run_id, cfg, saved["config_json"], time.time(), events=saved["events"])
-        self.s.run = run
+        self.s.add(run)
         part = saved["participants"]
         if part is None:
             self.journal.event(run, "RUN_RESUMED", message=f"restarted; waiting for {cfg.agents} agents again")

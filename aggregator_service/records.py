@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +50,9 @@ class AgentRecord:
     stats: ObsStats | None
     device: str = ""
     last_seen: float = 0.0
-    rounds_submitted: int = 0
-    stop_sent_for: str = ""
-    last_accepted: tuple[str, int] = ("", 0)  # (run, round) of the agent's last accepted update
+    # per run this agent took part in, of those the aggregator holds: (updates taken, last round taken)
+    accepted: dict[str, tuple[int, int]] = field(default_factory=dict)
+    stops_sent: set[str] = field(default_factory=set)  # runs whose STOP this agent was given
     progress: tuple[str, int, int, int] = ("", 0, 0, 0)  # (run, round, steps done, steps total) reported
 
 
@@ -219,12 +220,44 @@ def encode_version(run: Run, version: int, state: dict[str, torch.Tensor]) -> En
 
 
 
+# Runs an aggregator holds at once unless told otherwise (--max-runs): each keeps its current and
+# previous versions in memory, and its agents train their rounds in turn.
+MAX_RUNS = 8
+
+
+# Runs that ended kept in memory besides the active ones (the newest): their status, their watchers'
+# last events and their evaluations. Older ones are read from the state directory.
+ENDED_KEPT = 4
+
+
 class Shared:
     """What every part of the aggregator reads and none owns alone: the one lock (re-entrant) and
-    its condition, the current run, and whether the aggregator is closing. The coordinator makes
-    it and hands it to each part."""
+    its condition, the runs held (by id, in the order they started), and whether the aggregator is
+    closing. The coordinator makes it and hands it to each part."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.run: Run | None = None
+        self.runs: dict[str, Run] = {}
         self.closed = False
+        self.on_forget: Callable[[str], None] = lambda run_id: None  # a run no longer held (its metrics go)
+
+    @property
+    def run(self) -> Run | None:
+        """The newest run held (None before the first)."""
+        return next(reversed(self.runs.values()), None)
+
+    def active(self) -> list[Run]:
+        """The runs waiting for agents or running, oldest first."""
+        return [r for r in self.runs.values() if r.state in ACTIVE]
+
+    def add(self, run: Run) -> None:
+        """Hold ``run`` as the newest, forgetting the oldest ended runs past ``ENDED_KEPT``."""
+        self.runs[run.run_id] = run
+        ended = [r for r in self.runs.values() if r.state not in ACTIVE]
+        for r in ended[: max(0, len(ended) - ENDED_KEPT)]:
+            del self.runs[r.run_id]
+            self.on_forget(r.run_id)
+
+    def of_agent(self, agent_id: str) -> list[Run]:
+        """The active runs ``agent_id`` takes part in, oldest first."""
+        return [r for r in self.runs.values() if r.state in ACTIVE and agent_id in r.selected]

@@ -49,14 +49,14 @@ class Rounds:
         self._noise = None  # differential privacy's generator, made on first use
 
     def maybe_begin(self) -> None:
-        """A waiting run begins once enough agents of one task are connected (the start's job);
-        its round 1 opens here once version 0 is made."""
-        run = self.s.run
-        if run is None:
-            return
-        with self.failing(run, "the run's start"):
-            if self.start.maybe_begin() and run.state == "running":
-                self.follow(run, run.machine.begin(time.time()))
+        """Each waiting run begins once enough agents of one task are connected (the start's
+        job), oldest first; its round 1 opens here once version 0 is made."""
+        for run in self.s.active():
+            if run.state != "waiting_for_agents":
+                continue
+            with self.failing(run, "the run's start"):
+                if self.start.maybe_begin(run) and run.state == "running":
+                    self.follow(run, run.machine.begin(time.time()))
 
     @contextmanager
     def failing(self, run: Run, what: str) -> Iterator[None]:
@@ -151,15 +151,20 @@ class Rounds:
             run.message = msg
             return
         run.message = ""
+        if run.machine.plan.secure:  # no update came in the clear: the agents' rounds count once summed
+            for a in order:
+                rec = self.registry.agents.get(a)
+                if rec is not None:
+                    rec.accepted[run.run_id] = (rec.accepted.get(run.run_id, (0, 0))[0] + 1, closed.round)
         then = run.machine.commit(closed, time.time())
         run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
         run.encoded[v] = enc
-        self.metrics.round_closed(seconds)
+        self.metrics.round_closed(run.run_id, seconds)
         self.journal.log_event(run, run.closing)
         run.events.append(run.closing)  # announced only now that the version is on disk
         run.closing = None
         if run.cfg.dp_clip:
-            self.metrics.privacy_spent(closed.metrics[PRIVACY_EPSILON], run.machine.clip)
+            self.metrics.privacy_spent(run.run_id, closed.metrics[PRIVACY_EPSILON], run.machine.clip)
         self.follow(run, then)
 
     def _dp_noise(self):

@@ -44,6 +44,7 @@ SESSION = "/fedrl.v1.Federation/Session"
 # one or two evaluators.
 MAX_UNVERIFIED_FOLLOWERS = 4
 RESERVED_THREADS = 16  # RPC threads left for control calls, watchers and evaluators beside the agents' streams
+MAX_BUSY_RUNS = 64  # runs a TaskRequest may name as busy (more than any aggregator holds at once)
 
 
 def _abort(context: grpc.ServicerContext, e: Exception) -> None:
@@ -139,20 +140,24 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                         "(%d kept for control calls and watchers): raise --max-workers", n, self.max_workers,
                         RESERVED_THREADS)
         return federation_pb2.JoinReply(agent_id=request.agent_id, run_id=run_id,
-                                        last_accepted_round=self.coord.last_accepted_round(request.agent_id, run_id))
+                                        last_accepted_round=self.coord.last_accepted_round(request.agent_id, run_id),
+                                        last_accepted=self.coord.accepted_rounds(request.agent_id))
 
     def NextTask(self, request, context):
         self.auth.check_agent(context, request.agent_id)
+        busy = frozenset(request.busy_runs[:MAX_BUSY_RUNS])
         if request.probe:  # a training agent asking whether its task still stands: at once, no weights
-            return self._task(context, request.agent_id, 0.0, probe=True)[1]
-        return self._task(context, request.agent_id, request.wait_seconds)[1]
+            return self._task(context, request.agent_id, 0.0, probe=True, run_id=request.run_id)[1]
+        return self._task(context, request.agent_id, request.wait_seconds, busy=busy)[1]
 
-    def _task(self, context, agent_id: str, wait: float, probe: bool = False) -> tuple[str, bytes]:
+    def _task(self, context, agent_id: str, wait: float, probe: bool = False, run_id: str = "",
+              busy: frozenset[str] = frozenset()) -> tuple[str, bytes]:
         """The agent's next task: its kind and the Task serialised. A round's TRAIN tasks differ
         between agents only in their normalisers (none with pooled statistics): each distinct
-        one is serialised once. A ``probe`` gets no base weights."""
+        one is serialised once. A ``probe`` (of ``run_id``'s task) gets no base weights; no task
+        of the ``busy`` runs is given."""
         try:
-            t = self.coord.next_task(agent_id, wait, probe=probe)
+            t = self.coord.next_task(agent_id, wait, probe=probe, run_id=run_id, busy=busy)
         except ServiceError as e:
             _abort(context, e)
         base = t.pop("base", None)
@@ -275,7 +280,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                     break
                 progress = header  # (for a progress message, the message itself)
                 try:
-                    self.coord.progress(agent_id, progress.round, progress.steps_done, progress.steps_total)
+                    self.coord.progress(agent_id, progress.round, progress.steps_done, progress.steps_total,
+                                        progress.run_id)
                 except ServiceError as e:
                     _abort(context, e)
             if kind == "MOMENTS" and which != "done":
@@ -319,7 +325,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             log.warning("update refused: %s", e)
             metrics.reject(e.reason)
             if isinstance(e, CodecError) and h is not None:
-                self.coord.update_refused(h.agent_id, e.reason, str(e))
+                self.coord.update_refused(h.agent_id, h.weights.run_id, e.reason, str(e))
             _abort(context, e)
         return federation_pb2.SubmitReply(accepted=True, round=r, received_bytes=manifest.total_bytes)
 
@@ -338,11 +344,14 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             _abort(context, e)
 
     def GetStatus(self, request, context):
-        return status_to_proto(self.coord.status())
+        try:
+            return status_to_proto(self.coord.status(request.run_id))
+        except ServiceError as e:
+            _abort(context, e)
 
     def StopRun(self, request, context):
         try:
-            return status_to_proto(self.coord.stop_run(request.reason))
+            return status_to_proto(self.coord.stop_run(request.reason, request.run_id))
         except ServiceError as e:
             _abort(context, e)
 
@@ -357,7 +366,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if follower:  # counted while its stream is open (and seen, even when there is no run yet)
             self.coord.evaluator_attached(+1)
         try:
-            for e in self.coord.watch(request.after_version, context.is_active):
+            for e in self.coord.watch(request.after_version, context.is_active, run_id=request.run_id):
                 yield event_to_proto(e)
         except ServiceError as e:
             _abort(context, e)

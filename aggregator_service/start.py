@@ -32,12 +32,12 @@ class RunStart:
     def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, store: Store) -> None:
         self.s, self.registry, self.journal, self.store = shared, registry, journal, store
 
-    def maybe_begin(self) -> bool:
-        """Make the waiting run's rounds if enough agents of one task are connected, with version
-        0 (or, in a secure run with pooled normalisation, to gather the moments it is made from
-        first): True once they are ready to begin; False while it waits or when it failed."""
-        run = self.s.run
-        if run is None or run.state != "waiting_for_agents" or len(self.registry.agents) < run.cfg.agents:
+    def maybe_begin(self, run: Run) -> bool:
+        """Make the waiting ``run``'s rounds if enough agents of one task are connected, with
+        version 0 (or, in a secure run with pooled normalisation, to gather the moments it is made
+        from first): True once they are ready to begin; False while it waits or when it failed.
+        An agent may be chosen by several runs: it takes their tasks in turn."""
+        if run.state != "waiting_for_agents" or len(self.registry.agents) < run.cfg.agents:
             return False
         now = time.time()  # a run takes agents that are connected now, never records of agents gone
         present = [a for a in self.registry.agents.values() if self.registry.connected(a, now)]

@@ -56,11 +56,7 @@ class Submissions:
 
     def _check_submission(self, agent_id: str, m: Manifest) -> Run:
         self.registry.agent(agent_id)
-        run = self.s.run
-        if run is None or run.run_id != m.run_id:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"update for run {m.run_id!r}, but the active run is "
-                               f"{run.run_id if run else 'none'!r}", "wrong_run")
+        run = self._run(m.run_id, "update")
         if agent_id not in run.selected:
             raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
                                f"agent {agent_id!r} is not a participant of run {run.run_id}", "not_selected")
@@ -74,14 +70,25 @@ class Submissions:
                                f"run {run.run_id}: {e}", e.reason) from None
         return run
 
-    def update_refused(self, agent_id: str, reason: str, detail: str) -> None:
-        """An update of ``agent_id`` was refused (``reason``: the codec's). Non-finite values from
-        every selected agent in one round mean the settings cannot train: the run fails, saying so,
-        instead of waiting for agents that give up on it (see :meth:`_check_non_finite`)."""
+    def _run(self, run_id: str, what: str) -> Run:
+        """The run ``run_id`` names, among those held; refused (``wrong_run``) when there is none."""
+        run = self.s.runs.get(run_id)
+        if run is None:
+            active = [r.run_id for r in self.s.active()]
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"{what} for run {run_id[:80]!r}, but the active runs are "
+                               f"{', '.join(active) if active else 'none'}", "wrong_run")
+        return run
+
+    def update_refused(self, agent_id: str, run_id: str, reason: str, detail: str) -> None:
+        """An update of ``agent_id`` for ``run_id`` was refused (``reason``: the codec's). Non-finite
+        values from every selected agent in one round mean the settings cannot train: the run
+        fails, saying so, instead of waiting for agents that give up on it (see
+        :meth:`check_non_finite`)."""
         if reason != "non_finite":
             return
         with self.s.cond:
-            run = self.s.run
+            run = self.s.runs.get(run_id)
             if run is None or run.state != "running" or agent_id not in run.selected:
                 return
             run.non_finite[agent_id] = (detail, time.time())
@@ -115,9 +122,9 @@ class Submissions:
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
             run.machine.take(agent_id, m.round, m.base_version, Update(state, m.num_samples, clean, seconds, flat))
             rec = self.registry.agents[agent_id]
-            same_run = rec.last_accepted is not None and rec.last_accepted[0] == run.run_id
-            rec.rounds_submitted = (rec.rounds_submitted if same_run else 0) + 1  # counted per run
-            rec.last_accepted = (run.run_id, run.round)
+            n, _ = rec.accepted.get(run.run_id, (0, 0))
+            rec.accepted = {r: x for r, x in rec.accepted.items() if r in self.s.runs}  # of the runs held
+            rec.accepted[run.run_id] = (n + 1, run.round)
             self.metrics.accepted.inc()
             r = run.round
             if run.machine.complete:
@@ -132,11 +139,7 @@ class Submissions:
         end = time.monotonic() + max(0.0, min(wait, self.max_task_wait))
         with self.s.cond:
             self.registry.agent(agent_id)
-            run = self.s.run
-            if run is None or run.run_id != run_id:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"secure aggregation for run {run_id!r}, but the active run is "
-                                   f"{run.run_id if run else 'none'!r}", "wrong_run")
+            run = self._run(run_id, "secure aggregation")
             if run.machine is None or run.state != "running":
                 reason = "not_selected" if agent_id not in run.selected else "closed_round"
                 raise ServiceError(REFUSED_STATUS.get(reason, grpc.StatusCode.FAILED_PRECONDITION),

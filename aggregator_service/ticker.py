@@ -1,7 +1,7 @@
-"""The aggregator's clock: a thread that, every tick, does what time does to the active run
+"""The aggregator's clock: a thread that, every tick, does what time does to each active run
 (a join timeout, a round's deadline with its quorum, secure aggregation's step deadlines, a run
-whose every agent sent NaN and left) and keeps or frees the run's memory. Nothing it runs can end
-it: an exception fails that run, and the clock goes on for the next.
+whose every agent sent NaN and left) and keeps or frees the runs' memory. Nothing it runs can end
+it: an exception fails that run, and the clock goes on for the others.
 
 A part of :class:`aggregator_service.coordinator.Coordinator`: it uses the agent registry, the
 journal, the rounds and the submissions (given at construction) and the shared state."""
@@ -30,28 +30,31 @@ class Ticker:
     def tick_loop(self, tick: float) -> None:
         was_active = False
         while True:
-            run = self.s.run
-            active = run is not None and run.state in ACTIVE
-            # Outside the lock, as either can take tens of ms after 30 MB rounds. While a run is
-            # active its memory is kept for its next rounds: a buffer per agent, and the heap
-            # (malloc arenas are few, see aggregator_service.__main__, so it does not climb).
-            # Once it ends, both go back to the OS.
-            self.rounds.buffers.keep = run.cfg.agents if active else 0
-            self.rounds.averages.keep = AVERAGES_KEPT if active else 0
-            if active and run.cfg.dp_clip:  # the accountant's values the open round's close will ask for
-                warm_epsilon(run.cfg, max(run.round, 1))
+            with self.s.cond:
+                active = self.s.active()
+            # Outside the lock, as either can take tens of ms after 30 MB rounds. While runs are
+            # active their memory is kept for their next rounds: a buffer per agent of each, and
+            # the heap (malloc arenas are few, see aggregator_service.__main__, so it does not
+            # climb). Once none is, both go back to the OS.
+            self.rounds.buffers.keep = sum(r.cfg.agents for r in active)
+            self.rounds.averages.keep = AVERAGES_KEPT * len(active)
+            for run in active:
+                if run.cfg.dp_clip:  # the accountant's values the open round's close will ask for
+                    warm_epsilon(run.cfg, max(run.round, 1))
             if was_active and not active:
                 release_free_memory()
-            was_active = active
+            was_active = bool(active)
             with self.s.cond:
                 if self.s.closed:
                     return
                 self.s.cond.wait(tick)
-                run = self.s.run
-                if run is None:
-                    continue
-                with self.rounds.failing(run, "the aggregator's clock"):  # the clock goes on for the next run
-                    self._tick(run, time.time())
+                now = time.time()
+                for run in self.s.runs.values():
+                    if run.state not in ACTIVE and run.encoded:  # an ended run's versions are served from the store
+                        run.encoded = {}
+                for run in self.s.active():
+                    with self.rounds.failing(run, "the aggregator's clock"):  # the clock goes on for the others
+                        self._tick(run, now)
 
     def _tick(self, run: Run, now: float) -> None:
         """What the clock does for ``run`` at ``now``: deadlines of joins, rounds and secure steps.

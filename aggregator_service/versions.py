@@ -1,4 +1,4 @@
-"""The global versions the aggregator serves (FetchGlobal): the current run's, held encoded in
+"""The global versions the aggregator serves (FetchGlobal): the runs' it holds, encoded in
 memory, or an earlier run's from the state directory, sent as stored once their checksum holds.
 
 A part of :class:`aggregator_service.coordinator.Coordinator`, given the shared state and the
@@ -23,14 +23,14 @@ class Versions:
         self.s, self.store = shared, store
 
     def global_weights(self, run_id: str, version: int) -> Encoded:
-        """A global version: of the current run (``run_id`` empty or its id), or a stored version
-        of an earlier run of the state directory; ``version`` -1 is the latest."""
+        """A global version: of a run held (``run_id`` empty: the newest), or a stored version of
+        an earlier run of the state directory; ``version`` -1 is the latest."""
         if version < -1:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"version {version}: expected a version >= 0, or -1 for the latest", "bad_version")
         with self.s.cond:
-            run = self.s.run
-            current = run is not None and (not run_id or run_id == run.run_id)
+            run = self.s.runs.get(run_id) if run_id else self.s.run
+            current = run is not None
             if current:
                 if run.state == "waiting_for_agents" or (run.state == "running" and not run.encoded):
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the run has not made its first "

@@ -1,4 +1,5 @@
-"""Follow the aggregator: evaluate every new global version, report it back, catch up after restarts."""
+"""Follow the aggregator: evaluate every new global version of every run it holds, report it
+back, catch up after restarts."""
 
 from __future__ import annotations
 
@@ -121,9 +122,14 @@ class Follower:
             stream.cancel()
 
     def _evaluate(self, control, fetch, run_id: str, version: int) -> None:
-        status = control.GetStatus(control_pb2.StatusRequest(), timeout=30)
+        try:
+            status = control.GetStatus(control_pb2.StatusRequest(run_id=run_id), timeout=30)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return  # the run is no longer held
+            raise
         if status.run_id != run_id or version in status.evaluated_versions:
-            return  # another (or an earlier) evaluator did it, or the run is gone
+            return  # another (or an earlier) evaluator did it (an aggregator before v1.4: another run)
         cfg = parse_run_config(status.config_json)
         if cfg.eval_episodes == 0:
             return

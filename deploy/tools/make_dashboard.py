@@ -11,6 +11,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "components" / "monitoring" / "dashboards" / "fedrl.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
+RUN = '{run=~"$run"}'  # the runs the dashboard's run selector picks
 
 
 def panel(pid: int, title: str, targets: list[tuple[str, str]], x: int, y: int, w: int = 12, h: int = 8,
@@ -26,29 +27,35 @@ def panel(pid: int, title: str, targets: list[tuple[str, str]], x: int, y: int, 
 
 
 def dashboard() -> dict:
-    # the evaluator's gauges are NaN before its first evaluation: "> -Inf" drops them (no data, not NaN)
+    # every run's series carry a `run` label: the run selector ($run, all by default) filters them
     panels = [
-        panel(1, "Global version", [("max(fedrl_aggregator_global_version)", "version")], 0, 0, 4, 4, "stat"),
-        panel(2, "Rounds completed", [("sum(fedrl_aggregator_rounds_completed_total)", "rounds")], 4, 0, 4, 4, "stat"),
+        panel(1, "Global version", [(f"max by (run) (fedrl_aggregator_global_version{RUN})", "{{run}}")],
+              0, 0, 4, 4, "stat"),
+        panel(2, "Rounds completed", [(f"sum(fedrl_aggregator_rounds_completed_total{RUN})", "rounds")],
+              4, 0, 4, 4, "stat"),
         panel(3, "Agents connected / expected",
               [("sum(fedrl_aggregator_agents_connected)", "connected"),
-               ("sum(fedrl_aggregator_agents_expected)", "expected")], 8, 0, 8, 4, "stat"),
-        panel(4, "Latest normalised score", [("max(fedrl_evaluator_normalized_score > -Inf)", "score")], 16, 0, 8, 4, "stat"),
+               (f"sum(fedrl_aggregator_agents_expected{RUN})", "expected")], 8, 0, 8, 4, "stat",
+              description="Agents heard from, and the agents the selected active runs ask for (an agent "
+                          "in several runs counts once for each)."),
+        panel(4, "Latest normalised score", [(f"max by (run) (fedrl_evaluator_normalized_score{RUN})", "{{run}}")],
+              16, 0, 8, 4, "stat"),
         panel(5, "Evaluation score per global version",
-              [("max(fedrl_evaluator_normalized_score > -Inf)", "normalised score"),
-               ("max(fedrl_evaluator_evaluated_version > -Inf)", "version evaluated")], 0, 4, 12, 8,
-              description="D4RL-normalised score (0 random, 100 expert) of each global version as the "
-                          "evaluator finishes it; the second series is the version it belongs to."),
+              [(f"max by (run) (fedrl_evaluator_normalized_score{RUN})", "{{run}} score"),
+               (f"max by (run) (fedrl_evaluator_evaluated_version{RUN})", "{{run}} version evaluated")], 0, 4, 12, 8,
+              description="D4RL-normalised score (0 random, 100 expert) of each run's global versions as the "
+                          "evaluator finishes them; the second series is the version each belongs to."),
         panel(6, "Evaluation return",
-              [("max(fedrl_evaluator_return > -Inf)", "mean return"),
-               ("max(fedrl_evaluator_return_std > -Inf)", "std over episodes")], 12, 4, 12, 8),
+              [(f"max by (run) (fedrl_evaluator_return{RUN})", "{{run}} mean return"),
+               (f"max by (run) (fedrl_evaluator_return_std{RUN})", "{{run}} std over episodes")], 12, 4, 12, 8),
         panel(7, "Round duration",
               [("histogram_quantile(0.5, sum by (le) (rate(fedrl_aggregator_round_duration_seconds_bucket[$__rate_interval])))", "p50"),
                ("rate(fedrl_aggregator_round_duration_seconds_sum[$__rate_interval]) / "
                 "rate(fedrl_aggregator_round_duration_seconds_count[$__rate_interval])", "mean")],
               0, 12, 12, 8, unit="s"),
         panel(8, "Agents connected", [("sum(fedrl_aggregator_agents_connected)", "connected"),
-                                      ("sum(fedrl_aggregator_agents_expected)", "expected")], 12, 12, 12, 8),
+                                      (f"sum(fedrl_aggregator_agents_expected{RUN})", "expected"),
+                                      ("sum(fedrl_aggregator_runs_active)", "runs active")], 12, 12, 12, 8),
         panel(9, "Update rejections by reason",
               [("sum by (reason) (increase(fedrl_aggregator_updates_rejected_total[$__rate_interval])) > 0", "{{reason}}"),
                ("sum(increase(fedrl_aggregator_updates_accepted_total[$__rate_interval]))", "accepted")],
@@ -83,17 +90,22 @@ def dashboard() -> dict:
               [('rate(process_cpu_seconds_total{job=~".*fedrl.*"}[$__rate_interval])', "{{job}} {{instance}}")],
               0, 60, 12, 8, unit="percentunit", description="CPU seconds per second (1 = one core busy)."),
         panel(21, "Differential privacy",
-              [("max(fedrl_aggregator_privacy_epsilon)", "epsilon spent"),
-               ("max(fedrl_aggregator_privacy_clip_norm)", "clipping norm")], 12, 60, 12, 8,
-              description="Epsilon the run has spent (at its dp_delta; 0 without dp_clip) and the norm its "
-                          "next round clips each update to (adaptive clipping moves it)."),
+              [(f"max by (run) (fedrl_aggregator_privacy_epsilon{RUN})", "{{run}} epsilon spent"),
+               (f"max by (run) (fedrl_aggregator_privacy_clip_norm{RUN})", "{{run}} clipping norm")], 12, 60, 12, 8,
+              description="Epsilon each run with dp_clip has spent (at its dp_delta) and the norm its next "
+                          "round clips each update to (adaptive clipping moves it)."),
     ]
     return {
         "uid": "fedrl-federation", "title": "fedrl: federated DRPO", "tags": ["fedrl"],
         "schemaVersion": 39, "version": 1, "editable": True, "refresh": "10s",
         "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                 "label": "Data source", "current": {}}]},
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source", "current": {}},
+            {"name": "run", "type": "query", "label": "Run", "datasource": DS, "refresh": 2, "sort": 2,
+             "query": {"query": "label_values(fedrl_aggregator_run_active, run)", "refId": "runs"},
+             "definition": "label_values(fedrl_aggregator_run_active, run)", "multi": True, "includeAll": True,
+             "allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]}},
+        ]},
         "annotations": {"list": []}, "panels": panels,
     }
 

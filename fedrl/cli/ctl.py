@@ -65,22 +65,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a field, e.g. --set rounds=10 --set drpo.lambda1=0.2 --set 'drpo={\"lambda1\": 0.2}'")
     st.add_argument("--if-idle", action="store_true",
-                    help="succeed without starting anything when a run is already active (idempotent jobs)")
-    csub.add_parser("status", help="the run's state, round, agents and last evaluation")
-    w = csub.add_parser("watch", help="print round events until the run ends, one line each")
+                    help="succeed without starting anything when a run is already active (idempotent jobs); "
+                         "without it, the run starts beside the active ones (up to the aggregator's --max-runs)")
+    s = csub.add_parser("status", help="a run's state, round, agents and last evaluation (without --run: every "
+                                       "run the aggregator holds, and the newest one's details)")
+    s.add_argument("--run", default="", help="run id (default: all)")
+    w = csub.add_parser("watch", help="print round events until the run ends (without --run: of every run "
+                                      "the aggregator holds, until all have ended), one line each")
     w.add_argument("--after-version", type=argtypes.integer, default=-1, help="skip events up to this version (default: all)")
+    w.add_argument("--run", default="", help="run id (default: all)")
     r = csub.add_parser("runs", help="the runs in the aggregator's state directory, newest first")
     r.add_argument("--limit", type=argtypes.integer, default=20, help="at most this many (default %(default)s)")
     v = csub.add_parser("versions", help="a run's stored versions: round, time, size, checksum, evaluated score")
     v.add_argument("--run", default="", help="run id (default: the newest run)")
     f = csub.add_parser("fetch", help="save a global version as a policy file (for fedrl evaluate)")
-    f.add_argument("--run", default="", help="run id (see `fedrl ctl runs`; default: the current run)")
+    f.add_argument("--run", default="", help="run id (see `fedrl ctl runs`; default: the newest run)")
     f.add_argument("--version", type=argtypes.at_least(-1), default=-1, help="-1: the run's latest")
     f.add_argument("--out", required=True, help="the .safetensors file to write (an existing file is kept "
                                                 "unless --force)")
     f.add_argument("--force", action="store_true", help="write over an existing --out file")
-    sp = csub.add_parser("stop", help="stop the active run")
+    sp = csub.add_parser("stop", help="stop a run")
     sp.add_argument("--reason", default="stopped by operator", help="recorded with the run (default: %(default)s)")
+    sp.add_argument("--run", default="", help="run id (default: the only active run; required while several are)")
     for each in csub.choices.values():  # before or after the command: `ctl --target H status`, `ctl status --target H`
         _connection_args(each, argparse.SUPPRESS)
     p.set_defaults(func=_cmd_ctl)
@@ -126,14 +132,14 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
                 st = c.start(data)
                 print(dumps(st) if a.json else show.started(st, data))
             elif a.ctl_cmd == "status":
-                st = c.status()
+                st = c.status(a.run)
                 print(dumps(st) if a.json else show.status(st))
             elif a.ctl_cmd == "watch":
                 if a.json:
-                    for e in c.watch(a.after_version):
+                    for e in c.watch(a.after_version, run_id=a.run):
                         print(json.dumps(e), flush=True)
                 else:
-                    show.follow(c, a.after_version)
+                    show.follow(c, a.after_version, run_id=a.run)
             elif a.ctl_cmd == "runs":
                 rs = c.runs(a.limit)
                 print(dumps(rs) if a.json else show.runs(rs))
@@ -141,7 +147,7 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
                 vs = c.versions(a.run)
                 print(dumps(vs) if a.json else show.versions(vs))
             elif a.ctl_cmd == "stop":
-                st = c.stop(a.reason)
+                st = c.stop(a.reason, a.run)
                 print(dumps(st) if a.json else show.status(st))
             elif a.ctl_cmd == "fetch":
                 if Path(a.out).exists() and not a.force:

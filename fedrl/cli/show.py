@@ -85,6 +85,14 @@ def status(st: dict[str, Any]) -> str:
                             "rounds of this run" if st.get("run_id") else "rounds", "local steps"], rows))
     else:
         lines.append("no agents joined")
+    held = st.get("runs", [])
+    if len(held) > 1:
+        rows = [[r["run_id"], r["state"], f"{r.get('round', 0)}/{r.get('rounds', 0)}", r.get("global_version", 0),
+                 f"{r['last_evaluation'].get('score_mean', 0):.1f} (v{r['last_evaluation'].get('version', '?')})"
+                 if r.get("last_evaluation") else "-", r.get("message", "")] for r in held]
+        lines.append("")
+        lines.append(f"{plural(len(held), 'run')} held (`--run RUN` for one; the details above are the newest's):")
+        lines.append(table(["run", "state", "round", "version", "last score", "message"], rows))
     return "\n".join(lines)
 
 
@@ -141,9 +149,10 @@ def progress_line(st: dict[str, Any]) -> str | None:
         ", ".join(parts)
 
 
-def follow(client, after_version: int = -1, every: float = 10.0, out=None) -> None:
-    """``ctl watch`` for people: each round event as one line, and between them, every ``every``
-    seconds, the agents' local steps in the round in progress (when they changed)."""
+def follow(client, after_version: int = -1, every: float = 10.0, out=None, run_id: str = "") -> None:
+    """``ctl watch`` for people: each round event of ``run_id`` (empty: of every run) as one line,
+    and between them, every ``every`` seconds, the agents' local steps in the round in progress
+    (when they changed)."""
     import queue
     import sys
     import threading
@@ -153,7 +162,7 @@ def follow(client, after_version: int = -1, every: float = 10.0, out=None) -> No
 
     def pump() -> None:
         try:
-            for e in client.watch(after_version):
+            for e in client.watch(after_version, run_id=run_id):
                 events.put(e)
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
             events.put(e)
@@ -166,7 +175,7 @@ def follow(client, after_version: int = -1, every: float = 10.0, out=None) -> No
             e = events.get(timeout=every)
         except queue.Empty:
             try:
-                line = progress_line(client.status())
+                line = progress_line(client.status(run_id))
             except Exception:  # noqa: BLE001 - a missed progress line; the stream decides
                 line = None
             if line is not None and line.split("  ", 1)[1] != last:

@@ -8,7 +8,8 @@ Names follow the conventions stock dashboards expect: the gRPC ones are those of
 go-grpc-prometheus (``grpc_server_started_total``, ``grpc_server_handled_total{grpc_code}``,
 ``grpc_server_handling_seconds``, ``grpc_server_msg_{received,sent}_total``, lower-case
 ``grpc_type``); the project's own all start with ``fedrl_<service>_``. Every label is bounded:
-method names, status codes, refusal reasons, loss terms and agent ids (one per data holder).
+method names, status codes, refusal reasons, loss terms, agent ids (one per data holder) and
+run ids (the runs an aggregator holds: its active ones and the last few that ended).
 """
 
 from __future__ import annotations
@@ -162,6 +163,38 @@ def _service_registry(registry: CollectorRegistry | None) -> CollectorRegistry:
     return r
 
 
+# Each run's state gauges: (name, help), a series per run held, labelled ``run``.
+RUN_GAUGES = (
+    ("agents_expected", "Agents the run asks for (0 once it is over)."),
+    ("global_version", "The run's latest global version."),
+    ("round", "The run's round open now (or last opened)."),
+    ("run_active", "1 while the run waits for agents or runs rounds."),
+    ("round_deadline", "Unix time at which the run's open round may close with a quorum (0: none open)."),
+)
+
+
+class _RunGauges:
+    """The runs' state gauges, read at scrape time: a series per run the aggregator holds, so a
+    run no longer held leaves no stale series behind."""
+
+    def __init__(self, prefix: str, runs: Callable[[], Mapping[str, Mapping[str, float]]]) -> None:
+        self.prefix, self.runs = prefix, runs
+
+    def describe(self):
+        return []  # collected at scrape time only (a registry asks describe() at registration)
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        runs = self.runs()
+        for key, text in RUN_GAUGES:
+            name = f"{self.prefix}_{key}" + ("_timestamp_seconds" if key == "round_deadline" else "")
+            g = GaugeMetricFamily(name, text, labels=["run"])
+            for run_id, values in runs.items():
+                g.add_metric([run_id], float(values.get(key, 0.0)))
+            yield g
+
+
 class AggregatorMetrics:
     """The aggregator's rounds, agents, updates and bytes (``fedrl_aggregator_*``)."""
 
@@ -170,7 +203,7 @@ class AggregatorMetrics:
         p = f"{PREFIX}_aggregator"
         self.grpc = GrpcServerMetrics(r)
         self.rounds_completed = Counter(f"{p}_rounds_completed_total", "Rounds closed with a new global "
-                                        "version written to the state directory.", registry=r)
+                                        "version written to the state directory, by run.", ["run"], registry=r)
         self.round_duration = Histogram(f"{p}_round_duration_seconds", "Wall time from a round's opening "
                                         "to its close.", buckets=ROUND_BUCKETS, registry=r)
         self.accepted = Counter(f"{p}_updates_accepted_total", "Agent updates verified and taken into "
@@ -185,39 +218,42 @@ class AggregatorMetrics:
                                   "and evaluators.", registry=r)
         self.agents_connected = Gauge(f"{p}_agents_connected", "Agents heard from within the liveness "
                                       "window.", registry=r)
-        self.agents_expected = Gauge(f"{p}_agents_expected", "Agents the active run asks for "
-                                     "(0 without an active run).", registry=r)
-        self.global_version = Gauge(f"{p}_global_version", "Latest global version of the current run.",
-                                    registry=r)
-        self.round = Gauge(f"{p}_round", "The round open now (or last opened).", registry=r)
-        self.run_active = Gauge(f"{p}_run_active", "1 while a run waits for agents or runs rounds.",
-                                registry=r)
-        self.round_deadline = Gauge(f"{p}_round_deadline_timestamp_seconds", "Unix time at which the open "
-                                    "round may close with a quorum.", registry=r)
+        self.runs_active = Gauge(f"{p}_runs_active", "Runs waiting for agents or running rounds now.", registry=r)
         self.last_round_closed = Gauge(f"{p}_last_round_closed_timestamp_seconds", "Unix time the last "
-                                       "round closed.", registry=r)
-        self.privacy_epsilon = Gauge(f"{p}_privacy_epsilon", "Differential privacy spent by the current run "
-                                     "so far: epsilon at the run's dp_delta (0 without dp_clip; +Inf with "
-                                     "clipping and no noise).", registry=r)
-        self.privacy_clip = Gauge(f"{p}_privacy_clip_norm", "The norm the current run's next round clips each "
-                                  "update to (dp_clip; adaptive clipping moves it; 0 without dp_clip).", registry=r)
+                                       "round of any run closed.", registry=r)
+        self.privacy_epsilon = Gauge(f"{p}_privacy_epsilon", "Differential privacy spent by the run so far: "
+                                     "epsilon at the run's dp_delta (+Inf with clipping and no noise); only "
+                                     "runs with dp_clip.", ["run"], registry=r)
+        self.privacy_clip = Gauge(f"{p}_privacy_clip_norm", "The norm the run's next round clips each update "
+                                  "to (dp_clip; adaptive clipping moves it); only runs with dp_clip.", ["run"],
+                                  registry=r)
+        self._runs: Callable[[], Mapping[str, Mapping[str, float]]] = dict
+        r.register(_RunGauges(p, lambda: self._runs()))
 
-    def bind(self, snapshot: Callable[[], Mapping[str, float]]) -> None:
-        """Read the gauges that describe state from ``snapshot()`` at scrape time."""
-        for key, gauge in (("agents_connected", self.agents_connected), ("agents_expected", self.agents_expected),
-                           ("global_version", self.global_version), ("round", self.round),
-                           ("run_active", self.run_active), ("round_deadline", self.round_deadline)):
-            gauge.set_function(lambda key=key: float(snapshot().get(key, 0.0)))
+    def bind(self, snapshot: Callable[[], tuple[Mapping[str, float], Mapping[str, Mapping[str, float]]]]) -> None:
+        """Read the gauges that describe state from ``snapshot()`` at scrape time: the
+        aggregator's, and each run's (a series per run held, labelled ``run``)."""
+        for key, gauge in (("agents_connected", self.agents_connected), ("runs_active", self.runs_active)):
+            gauge.set_function(lambda key=key: float(snapshot()[0].get(key, 0.0)))
+        self._runs = lambda: snapshot()[1]
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason if reason in REJECT_REASONS else "other").inc()
 
-    def privacy_spent(self, epsilon: float, clip: float) -> None:
-        self.privacy_epsilon.set(epsilon)
-        self.privacy_clip.set(clip)
+    def privacy_spent(self, run_id: str, epsilon: float, clip: float) -> None:
+        self.privacy_epsilon.labels(run_id).set(epsilon)
+        self.privacy_clip.labels(run_id).set(clip)
 
-    def round_closed(self, seconds: float) -> None:
-        self.rounds_completed.inc()
+    def forget_run(self, run_id: str) -> None:
+        """Drop a run's labelled series (it is no longer held)."""
+        for g in (self.privacy_epsilon, self.privacy_clip, self.rounds_completed):
+            try:
+                g.remove(run_id)
+            except KeyError:
+                pass
+
+    def round_closed(self, run_id: str, seconds: float) -> None:
+        self.rounds_completed.labels(run_id).inc()
         self.round_duration.observe(seconds)
         self.last_round_closed.set(time.time())
 
@@ -255,6 +291,9 @@ class AgentMetrics:
                 self.loss.labels(self.agent_id, term).set(metrics[key])
 
 
+EVALUATED_RUNS_KEPT = 16  # runs whose latest evaluation the evaluator's gauges keep
+
+
 class EvaluatorMetrics:
     """Rollouts of global versions (``fedrl_evaluator_*``)."""
 
@@ -262,12 +301,17 @@ class EvaluatorMetrics:
         r = self.registry = _service_registry(registry)
         p = f"{PREFIX}_evaluator"
         self.grpc = GrpcServerMetrics(r)
-        self.ret = Gauge(f"{p}_return", "Mean raw return of the latest evaluated global version.", registry=r)
-        self.ret_std = Gauge(f"{p}_return_std", "Standard deviation of that return over episodes.", registry=r)
-        self.score = Gauge(f"{p}_normalized_score", "D4RL-normalised score of the latest evaluated global "
-                           "version (0 random, 100 expert).", registry=r)
-        self.version = Gauge(f"{p}_evaluated_version", "Global version the return and score belong to.",
+        # a series per run (label ``run``), from the run's first evaluation on: none before, not a 0
+        # that reads as a real return of 0; the runs evaluated last are kept (EVALUATED_RUNS_KEPT)
+        self.ret = Gauge(f"{p}_return", "Mean raw return of the run's latest evaluated global version.", ["run"],
+                         registry=r)
+        self.ret_std = Gauge(f"{p}_return_std", "Standard deviation of that return over episodes.", ["run"],
                              registry=r)
+        self.score = Gauge(f"{p}_normalized_score", "D4RL-normalised score of the run's latest evaluated global "
+                           "version (0 random, 100 expert).", ["run"], registry=r)
+        self.version = Gauge(f"{p}_evaluated_version", "Global version the return and score belong to.", ["run"],
+                             registry=r)
+        self._runs: list[str] = []
         self.episodes = Counter(f"{p}_episodes_total", "Evaluation episodes completed.", registry=r)
         self.env_steps = Counter(f"{p}_env_steps_total", "Environment steps of evaluation rollouts.", registry=r)
         self.steps_per_second = Gauge(f"{p}_rollout_steps_per_second", "Environment steps per second of "
@@ -278,8 +322,6 @@ class EvaluatorMetrics:
             self.evaluations.labels(origin)
         self.failures = Counter(f"{p}_evaluation_failures_total", "Global versions that could not be "
                                 "evaluated (bad model or config).", registry=r)
-        for g in (self.ret, self.ret_std, self.score, self.version):  # not a real 0 before the first evaluation
-            g.set(float("nan"))
 
     def rollout(self, origin: str, episodes: int, env_steps: int, seconds: float) -> None:
         self.evaluations.labels(origin).inc()
@@ -289,7 +331,14 @@ class EvaluatorMetrics:
             self.steps_per_second.set(env_steps / seconds)
 
     def latest(self, report: Mapping[str, float]) -> None:
-        self.ret.set(report["return_mean"])
-        self.ret_std.set(report["return_std"])
-        self.score.set(report["score_mean"])
-        self.version.set(report["version"])
+        run = str(report["run_id"])
+        if run not in self._runs:
+            self._runs.append(run)
+            for gone in self._runs[:-EVALUATED_RUNS_KEPT]:
+                for g in (self.ret, self.ret_std, self.score, self.version):
+                    g.remove(gone)
+            self._runs = self._runs[-EVALUATED_RUNS_KEPT:]
+        self.ret.labels(run).set(report["return_mean"])
+        self.ret_std.labels(run).set(report["return_std"])
+        self.score.labels(run).set(report["score_mean"])
+        self.version.labels(run).set(report["version"])

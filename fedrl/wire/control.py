@@ -49,11 +49,14 @@ class ControlCalls:
         return status_from_proto(self.control.StartRun(control_pb2.StartRunRequest(config_json=config_json),
                                                        timeout=self.timeout))
 
-    def status(self) -> dict[str, Any]:
-        return status_from_proto(self.control.GetStatus(control_pb2.StatusRequest(), timeout=self.timeout))
+    def status(self, run_id: str = "") -> dict[str, Any]:
+        """``run_id``'s status; without it the newest run's, with every run held in ``runs``."""
+        return status_from_proto(self.control.GetStatus(control_pb2.StatusRequest(run_id=run_id),
+                                                        timeout=self.timeout))
 
-    def stop(self, reason: str = "") -> dict[str, Any]:
-        return status_from_proto(self.control.StopRun(control_pb2.StopRunRequest(reason=reason),
+    def stop(self, reason: str = "", run_id: str = "") -> dict[str, Any]:
+        """Stop ``run_id`` (empty: the only active run)."""
+        return status_from_proto(self.control.StopRun(control_pb2.StopRunRequest(reason=reason, run_id=run_id),
                                                       timeout=self.timeout))
 
     def runs(self, limit: int = 100) -> list[dict[str, Any]]:
@@ -73,9 +76,11 @@ class ControlCalls:
              "score_mean": v.score_mean if v.evaluated else None, "return_mean": v.return_mean if v.evaluated else None,
              "episodes": v.episodes} for v in reply.versions]}
 
-    def watch(self, after_version: int = -1, timeout: float | None = None) -> Iterator[dict[str, Any]]:
-        """Round events (dicts) of the current run until it ends."""
-        for e in self.control.WatchRounds(control_pb2.WatchRequest(after_version=after_version), timeout=timeout):
+    def watch(self, after_version: int = -1, timeout: float | None = None,
+              run_id: str = "") -> Iterator[dict[str, Any]]:
+        """Round events (dicts) of ``run_id`` until it ends (empty: of every run held, until all have)."""
+        for e in self.control.WatchRounds(control_pb2.WatchRequest(after_version=after_version, run_id=run_id),
+                                          timeout=timeout):
             yield event_from_proto(e)
 
     def fetch_version(self, run_id: str = "", version: int = -1) -> tuple[dict[str, torch.Tensor], dict[str, str], int, str]:

@@ -316,6 +316,7 @@ def status_to_proto(s: dict) -> control_pb2.RunStatus:
         msg.last_evaluation.CopyFrom(ev)
     if s.get("privacy"):
         msg.privacy.CopyFrom(control_pb2.PrivacySpent(**s["privacy"]))
+    msg.runs.extend(status_to_proto(r) for r in s.get("runs", []))
     return msg
 
 
@@ -347,6 +348,8 @@ def status_from_proto(p: control_pb2.RunStatus) -> dict:
         if q.clip_quantile:
             d["privacy"] |= {"clip_quantile": q.clip_quantile, "count_noise": q.count_noise,
                              "update_noise_multiplier": q.update_noise_multiplier}
+    if p.runs:
+        d["runs"] = [status_from_proto(r) for r in p.runs]
     return d
 
 

@@ -194,7 +194,9 @@ def test_committed_dashboard_is_what_its_generator_writes():
 def test_dashboard_is_well_formed_for_grafana():
     board = json.loads((DEPLOY / "components/monitoring/dashboards/fedrl.json").read_text())
     assert board["uid"] and board["title"] and board["schemaVersion"] >= 30
-    assert [v["name"] for v in board["templating"]["list"]] == ["datasource"]
+    assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "run"]
+    run = board["templating"]["list"][1]  # the run selector: every run's series by default
+    assert run["query"]["query"] == "label_values(fedrl_aggregator_run_active, run)" and run["includeAll"]
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for p in board["panels"]:

@@ -19,13 +19,13 @@ from fedrl.wire.rpc import create_channel, create_server
 
 class Aggregator:
     def __init__(self, state_dir, task_wait: float = 2.0, port: int = 0, tls=None, auth=None,
-                 servicer=FederationServicer, **server_kw) -> None:
+                 servicer=FederationServicer, resume: bool = False, **server_kw) -> None:
         from fedrl.wire.security import Authenticator, AuthInterceptor
 
         auth = auth or Authenticator()
         self.store = Store(state_dir)
         self.metrics = AggregatorMetrics()
-        self.coord = Coordinator(self.store, max_task_wait=task_wait, tick=0.02, metrics=self.metrics)
+        self.coord = Coordinator(self.store, max_task_wait=task_wait, tick=0.02, metrics=self.metrics, resume=resume)
         self.server = create_server([
             (federation_pb2_grpc.add_FederationServicer_to_server, servicer(self.coord, auth),
              "fedrl.v1.Federation"),

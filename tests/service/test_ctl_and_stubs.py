@@ -61,23 +61,35 @@ def test_ctl_command_line(aggregator):
     assert st["state"] == "waiting_for_agents"
     cfg = json.loads(st["config_json"])  # ctl start's documented defaults, --set on top
     assert (cfg["agents"], cfg["rounds"], cfg["local_steps"], cfg["eval_episodes"]) == (3, 10, 1000, 10)
-    p = ctl("start", "--set", "agents=3")
-    assert p.returncode == 1 and "FAILED_PRECONDITION" in p.stderr
-    p = ctl("status")
+    p = ctl("--json", "start", "--set", "agents=3", "--set", "rounds=2")  # a second run, beside the first
+    assert p.returncode == 0, p.stderr
+    second = json.loads(p.stdout)["run_id"]
+    p = ctl("status", "--run", st["run_id"])
     assert f"run {st['run_id']}: waiting_for_agents, round 0 of 10" in p.stdout, p.stdout
     assert "drpo, 3 agents x 1000 local steps" in p.stdout and "{" not in p.stdout
-    p = ctl("--json", "stop", "--reason", "from the test")
+    p = ctl("status")  # every run held, the newest's details first
+    assert p.stdout.startswith(f"run {second}: waiting_for_agents, round 0 of 2") and "2 runs held" in p.stdout
+    assert st["run_id"] in p.stdout
+    p = ctl("stop")
+    assert p.returncode == 1 and "2 runs are active" in p.stderr and "name the one to stop" in p.stderr
+    p = ctl("--json", "stop", "--run", second)
+    assert p.returncode == 0 and json.loads(p.stdout)["run_id"] == second
+    p = ctl("--json", "stop", "--reason", "from the test")  # the only active run now
     assert p.returncode == 0 and json.loads(p.stdout)["message"] == "from the test"
-    p = ctl("--json", "watch")
+    assert json.loads(p.stdout)["run_id"] == st["run_id"]
+    p = ctl("--json", "watch", "--run", st["run_id"])
     assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["kind"] == "RUN_STOPPED"
-    p = ctl("watch")  # one readable line per event
+    p = ctl("watch", "--run", st["run_id"])  # one readable line per event
     lines = p.stdout.splitlines()
     assert p.returncode == 0 and "run started" in lines[0] and lines[-1].endswith("run stopped: from the test")
+    p = ctl("watch")  # every run's, until all have ended
+    assert p.returncode == 0 and [ln.split()[1] for ln in p.stdout.splitlines() if "run stopped" in ln] == [
+        st["run_id"], second]
     p = ctl("runs")
     assert p.returncode == 0 and st["run_id"] in p.stdout and "stopped" in p.stdout and "from the test" in p.stdout
     p = ctl("--json", "versions")
     vs = json.loads(p.stdout)
-    assert p.returncode == 0 and vs["run_id"] == st["run_id"] and vs["versions"] == []  # never began
+    assert p.returncode == 0 and vs["run_id"] == second and vs["versions"] == []  # the newest; never began
     p = ctl("versions", "--run", "../../etc")
     assert p.returncode == 1 and "NOT_FOUND" in p.stderr
     p = _ctl("127.0.0.1:1", "status")  # nothing listens: said at once

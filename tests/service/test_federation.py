@@ -375,12 +375,27 @@ def test_bad_configs_and_control_misuse(aggregator):
     assert status(aggregator)["state"] == "idle"
     assert_refused(lambda: c.StopRun(control_pb2.StopRunRequest(), timeout=RPC_BOUND),
                    grpc.StatusCode.FAILED_PRECONDITION, "no active run")
-    c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
+    first = c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND).run_id
     assert status(aggregator)["state"] == "waiting_for_agents"
+    # a second run beside it, up to --max-runs; a stop must then name its run
+    aggregator.coord.lifecycle.max_runs = 2
+    second = c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND).run_id
+    assert second != first and [r["run_id"] for r in status(aggregator)["runs"]] == [first, second]
     assert_refused(lambda: c.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND),
-                   grpc.StatusCode.FAILED_PRECONDITION, "stop it first")
+                   grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-runs 2")
+    assert_refused(lambda: c.StopRun(control_pb2.StopRunRequest(reason="test"), timeout=RPC_BOUND),
+                   grpc.StatusCode.FAILED_PRECONDITION, "name the one to stop")
+    assert_refused(lambda: c.StopRun(control_pb2.StopRunRequest(run_id="20990101-000000-abcdef"), timeout=RPC_BOUND),
+                   grpc.StatusCode.NOT_FOUND, "unknown run")
+    assert_refused(lambda: c.GetStatus(control_pb2.StatusRequest(run_id="nope"), timeout=RPC_BOUND),
+                   grpc.StatusCode.NOT_FOUND, "unknown run 'nope'")
+    st = status_from_proto(c.StopRun(control_pb2.StopRunRequest(reason="test", run_id=first), timeout=RPC_BOUND))
+    assert st["run_id"] == first and st["state"] == "stopped" and st["message"] == "test"
+    assert_refused(lambda: c.StopRun(control_pb2.StopRunRequest(run_id=first), timeout=RPC_BOUND),
+                   grpc.StatusCode.FAILED_PRECONDITION, "is stopped: nothing to stop")
     st = status_from_proto(c.StopRun(control_pb2.StopRunRequest(reason="test"), timeout=RPC_BOUND))
-    assert st["state"] == "stopped" and st["message"] == "test"
+    assert st["run_id"] == second and st["state"] == "stopped"
+    assert status_from_proto(c.GetStatus(control_pb2.StatusRequest(run_id=first), timeout=RPC_BOUND))["state"] == "stopped"
 
 
 def test_join_and_task_refusals(aggregator):
@@ -722,7 +737,7 @@ def test_differential_privacy_spends_its_budget_and_says_so(aggregator, agent_th
     closed = [e for e in events if e.kind == control_pb2.RoundEvent.ROUND_CLOSED]
     assert [round(e.metrics["privacy_epsilon"], 6) for e in closed] == \
         [round(epsilon(1.0, r, 1e-5), 6) for r in (1, 2)]
-    assert aggregator.coord.metrics.privacy_epsilon._value.get() == pytest.approx(epsilon(1.0, 2, 1e-5))
+    assert aggregator.coord.metrics.privacy_epsilon.labels(st["run_id"])._value.get() == pytest.approx(epsilon(1.0, 2, 1e-5))
 
 
 def test_adaptive_clipping_moves_the_norm_round_by_round_and_status_says_so(aggregator, agent_threads,
@@ -752,7 +767,7 @@ def test_adaptive_clipping_moves_the_norm_round_by_round_and_status_says_so(aggr
     assert st["privacy"]["clip"] == pytest.approx(closed[-1]["dp_clip_next"])
     assert st["privacy"]["epsilon"] == pytest.approx(epsilon(1.0, 3, 1e-5), rel=1e-6)
     assert "adaptive towards the 0.5 quantile of the update norms; count noise 1" in show.status(st)
-    assert aggregator.coord.metrics.privacy_clip._value.get() == pytest.approx(closed[-1]["dp_clip_next"])
+    assert aggregator.coord.metrics.privacy_clip.labels(aggregator.coord.run.run_id)._value.get() == pytest.approx(closed[-1]["dp_clip_next"])
 
 
 def test_the_aggregator_clips_an_update_its_agent_did_not(aggregator):

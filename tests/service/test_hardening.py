@@ -412,14 +412,14 @@ def test_an_agent_that_cannot_read_the_runs_config_sits_out_and_says_why(step_de
 
     from agent_service.client import Agent
 
-    trainer_for = Agent._trainer_for
+    learner_for = Agent._learner_for
 
     def newer(self, task):
         if self.cfg.agent_id == "agent-2":
             task.run_config_json = json.dumps({**json.loads(task.run_config_json), "a_future_setting": 1})
-        return trainer_for(self, task)
+        return learner_for(self, task)
 
-    monkeypatch.setattr(Agent, "_trainer_for", newer)
+    monkeypatch.setattr(Agent, "_learner_for", newer)
     agent_threads.start(aggregator.target, str(stand_dataset), 3, 2, seed=7)
     wait_for(lambda: len(status(aggregator)["agents"]) == 3)
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(

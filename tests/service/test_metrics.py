@@ -83,16 +83,18 @@ def test_aggregator_metrics_follow_rounds_updates_and_refusals(aggregator):
     from fedrl.wire.serde import read_weight_parts
 
     agg = aggregator
-    assert value(agg, "fedrl_aggregator_run_active") == 0
+    assert value(agg, "fedrl_aggregator_runs_active") == 0
     assert value(agg, "fedrl_aggregator_updates_rejected_total", reason="non_finite") == 0  # pre-made
     join(agg, "a0", 0)
     join(agg, "a1", 1)
     assert value(agg, "fedrl_aggregator_agents_connected") == 2
     st = agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=RPC_BOUND)
-    assert value(agg, "fedrl_aggregator_run_active") == 1
-    assert value(agg, "fedrl_aggregator_agents_expected") == 2
-    assert value(agg, "fedrl_aggregator_round") == 1
-    assert value(agg, "fedrl_aggregator_round_deadline_timestamp_seconds") > 0
+    run = {"run": st.run_id}  # each run's state, a series per run held
+    assert value(agg, "fedrl_aggregator_runs_active") == 1
+    assert value(agg, "fedrl_aggregator_run_active", **run) == 1
+    assert value(agg, "fedrl_aggregator_agents_expected", **run) == 2
+    assert value(agg, "fedrl_aggregator_round", **run) == 1
+    assert value(agg, "fedrl_aggregator_round_deadline_timestamp_seconds", **run) > 0
     sent0 = value(agg, "fedrl_aggregator_weights_sent_bytes_total")
     manifest, chunks = read_weight_parts(agg.fed.FetchGlobal(
         federation_pb2.FetchRequest(run_id=st.run_id, version=0), timeout=RPC_BOUND))
@@ -111,10 +113,11 @@ def test_aggregator_metrics_follow_rounds_updates_and_refusals(aggregator):
         submit(agg, "a0", g, st.run_id, round=r, base=r - 1)
         submit(agg, "a1", g, st.run_id, round=r, base=r - 1)
     assert value(agg, "fedrl_aggregator_updates_accepted_total") == 4
-    assert value(agg, "fedrl_aggregator_rounds_completed_total") == 2
+    assert value(agg, "fedrl_aggregator_rounds_completed_total", **run) == 2
     assert value(agg, "fedrl_aggregator_round_duration_seconds_count") == 2
-    assert value(agg, "fedrl_aggregator_global_version") == 2
-    assert value(agg, "fedrl_aggregator_run_active") == 0
+    assert value(agg, "fedrl_aggregator_global_version", **run) == 2
+    assert value(agg, "fedrl_aggregator_run_active", **run) == 0
+    assert value(agg, "fedrl_aggregator_runs_active") == 0
     assert value(agg, "fedrl_aggregator_last_round_closed_timestamp_seconds") > 0
     assert value(agg, "fedrl_aggregator_weights_received_bytes_total") >= 4 * manifest.total_bytes
     assert_refused(lambda: submit(agg, "a0", g, st.run_id, round=2, base=1), grpc.StatusCode.FAILED_PRECONDITION,
@@ -388,22 +391,27 @@ def test_a_scrape_without_the_credential_gets_no_priority(tmp_path):
 
 
 def test_the_evaluator_exports_no_return_before_its_first_evaluation():
-    """Before any evaluation its return, score and version are NaN, not a 0 that reads as a real
-    return of 0; the dashboard's panels drop NaN (``> -Inf``) and show no data."""
-    import math
-
-    from fedrl.ops.metrics import EvaluatorMetrics
+    """Before a run's first evaluation its return, score and version have no series, not a 0
+    that reads as a real return of 0; each run evaluated has its own (label ``run``), and the
+    oldest go past EVALUATED_RUNS_KEPT."""
+    from fedrl.ops.metrics import EVALUATED_RUNS_KEPT, EvaluatorMetrics
 
     m = EvaluatorMetrics()
     names = ("fedrl_evaluator_return", "fedrl_evaluator_return_std", "fedrl_evaluator_normalized_score",
              "fedrl_evaluator_evaluated_version")
-    assert all(math.isnan(m.registry.get_sample_value(n)) for n in names)
-    m.latest({"return_mean": 0.0, "return_std": 0.0, "score_mean": -1.0, "version": 1})
-    assert [m.registry.get_sample_value(n) for n in names] == [0.0, 0.0, -1.0, 1.0]
+    assert all(m.registry.get_sample_value(n, {"run": "r0"}) is None for n in names)
+    m.latest({"run_id": "r0", "return_mean": 0.0, "return_std": 0.0, "score_mean": -1.0, "version": 1})
+    m.latest({"run_id": "r1", "return_mean": 5.0, "return_std": 1.0, "score_mean": 3.0, "version": 2})
+    assert [m.registry.get_sample_value(n, {"run": "r0"}) for n in names] == [0.0, 0.0, -1.0, 1.0]
+    assert [m.registry.get_sample_value(n, {"run": "r1"}) for n in names] == [5.0, 1.0, 3.0, 2.0]
+    for i in range(2, EVALUATED_RUNS_KEPT + 1):
+        m.latest({"run_id": f"r{i}", "return_mean": 0.0, "return_std": 0.0, "score_mean": 0.0, "version": 1})
+    assert m.registry.get_sample_value(names[0], {"run": "r0"}) is None
+    assert m.registry.get_sample_value(names[0], {"run": "r1"}) == 5.0
     import json
     from pathlib import Path
 
     board = (Path(__file__).resolve().parents[2] / "deploy/components/monitoring/dashboards/fedrl.json").read_text()
     exprs = [t["expr"] for p in json.loads(board)["panels"] for t in p.get("targets", [])]
-    shown = [e for e in exprs if any(f"({n} " in e or f"({n})" in e for n in names)]
-    assert len(shown) == 5 and all(e.endswith(" > -Inf)") for e in shown), shown
+    shown = [e for e in exprs if any(n in e for n in names)]
+    assert len(shown) == 5 and all('{run=~"$run"}' in e for e in shown), shown  # the run selector picks them

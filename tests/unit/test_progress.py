@@ -56,13 +56,13 @@ def test_ctl_watch_shows_local_steps_between_events():
     release = threading.Event()
 
     class Client:
-        def watch(self, after):
+        def watch(self, after, run_id=""):
             yield {"kind": "RUN_STARTED", "run_id": "r1", "round": 0, "version": 0, "time_unix": 0}
             release.wait(5)
             yield {"kind": "RUN_STOPPED", "run_id": "r1", "round": 1, "version": 0, "time_unix": 0,
                    "message": "done"}
 
-        def status(self):
+        def status(self, run_id=""):
             release.set()
             return {"state": "running", "run_id": "r1", "round": 1,
                     "agents": [{"agent_id": "a0", "steps_done": 640, "steps_total": 1000},

@@ -87,14 +87,18 @@ class StartRunRequest(_message.Message):
     def __init__(self, config_json: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StopRunRequest(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "run_id")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, reason: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
     __slots__ = ("agent_id", "agent_index", "num_samples", "connected", "last_seen_unix", "rounds_submitted", "steps_done", "steps_total")
@@ -117,7 +121,7 @@ class AgentInfo(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., agent_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., connected: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., rounds_submitted: _Optional[int] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "round", "rounds", "global_version", "agents", "message", "last_evaluation", "config_json", "env_id", "evaluated_versions", "evaluators_following", "privacy")
+    __slots__ = ("run_id", "state", "round", "rounds", "global_version", "agents", "message", "last_evaluation", "config_json", "env_id", "evaluated_versions", "evaluators_following", "privacy", "runs")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +135,7 @@ class RunStatus(_message.Message):
     EVALUATED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     EVALUATORS_FOLLOWING_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: str
     round: int
@@ -144,7 +149,8 @@ class RunStatus(_message.Message):
     evaluated_versions: _containers.RepeatedScalarFieldContainer[int]
     evaluators_following: int
     privacy: PrivacySpent
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., global_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., message: _Optional[str] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., config_json: _Optional[str] = ..., env_id: _Optional[str] = ..., evaluated_versions: _Optional[_Iterable[int]] = ..., evaluators_following: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySpent, _Mapping]] = ...) -> None: ...
+    runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., global_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., message: _Optional[str] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., config_json: _Optional[str] = ..., env_id: _Optional[str] = ..., evaluated_versions: _Optional[_Iterable[int]] = ..., evaluators_following: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySpent, _Mapping]] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
 
 class PrivacySpent(_message.Message):
     __slots__ = ("epsilon", "delta", "rounds", "noise_multiplier", "clip", "epsilon_budget", "clip_quantile", "count_noise", "update_noise_multiplier")
@@ -169,10 +175,12 @@ class PrivacySpent(_message.Message):
     def __init__(self, epsilon: _Optional[float] = ..., delta: _Optional[float] = ..., rounds: _Optional[int] = ..., noise_multiplier: _Optional[float] = ..., clip: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., clip_quantile: _Optional[float] = ..., count_noise: _Optional[float] = ..., update_noise_multiplier: _Optional[float] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("after_version",)
+    __slots__ = ("after_version", "run_id")
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     after_version: int
-    def __init__(self, after_version: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, after_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class RoundEvent(_message.Message):
     __slots__ = ("kind", "run_id", "round", "version", "agents", "metrics", "seconds", "evaluation", "message", "time_unix")

@@ -82,13 +82,15 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One run's status (`run_id`), or, without it, every run the aggregator holds (`runs`).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchRounds(self, request, context):
-        """Every round event of the run from `after_version` on, then live ones until the run ends.
+        """Every round event of the run (`run_id`; empty: of every run the aggregator holds, and of those
+        started while the stream is open) from `after_version` on, then live ones until they end.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

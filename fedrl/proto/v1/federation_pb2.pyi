@@ -175,14 +175,16 @@ class SessionMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[TaskRequest, _Mapping]] = ..., update: _Optional[_Union[InlineUpdate, _Mapping]] = ..., done: _Optional[_Union[TaskDone, _Mapping]] = ..., progress: _Optional[_Union[TaskProgress, _Mapping]] = ...) -> None: ...
 
 class TaskProgress(_message.Message):
-    __slots__ = ("round", "steps_done", "steps_total")
+    __slots__ = ("round", "steps_done", "steps_total", "run_id")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     round: int
     steps_done: int
     steps_total: int
-    def __init__(self, round: _Optional[int] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, round: _Optional[int] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class TaskDone(_message.Message):
     __slots__ = ("round",)
@@ -221,24 +223,37 @@ class JoinRequest(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., agent_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., obs_dim: _Optional[int] = ..., act_dim: _Optional[int] = ..., env_id: _Optional[str] = ..., obs_moments: _Optional[_Union[ObsMoments, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("agent_id", "run_id", "last_accepted_round")
+    __slots__ = ("agent_id", "run_id", "last_accepted_round", "last_accepted")
+    class LastAcceptedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ACCEPTED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     run_id: str
     last_accepted_round: int
-    def __init__(self, agent_id: _Optional[str] = ..., run_id: _Optional[str] = ..., last_accepted_round: _Optional[int] = ...) -> None: ...
+    last_accepted: _containers.ScalarMap[str, int]
+    def __init__(self, agent_id: _Optional[str] = ..., run_id: _Optional[str] = ..., last_accepted_round: _Optional[int] = ..., last_accepted: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
-    __slots__ = ("agent_id", "wait_seconds", "probe")
+    __slots__ = ("agent_id", "wait_seconds", "probe", "run_id", "busy_runs")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    BUSY_RUNS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     wait_seconds: float
     probe: bool
-    def __init__(self, agent_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., probe: _Optional[bool] = ...) -> None: ...
+    run_id: str
+    busy_runs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., probe: _Optional[bool] = ..., run_id: _Optional[str] = ..., busy_runs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("kind", "run_id", "round", "base_version", "local_steps", "run_config_json", "obs_mean", "obs_std", "deadline_unix", "base_manifest", "base_payload", "dp_clip")

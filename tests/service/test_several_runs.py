@@ -1,0 +1,144 @@
+"""One federation, several runs at once: each run's versions are those it makes alone, its
+agents take the runs' tasks in turn, and a restarted aggregator resumes every run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedrl.federation.simulate import SimConfig
+from fedrl.federation.simulate import run as simulate
+from fedrl.proto.v1 import control_pb2
+from fedrl.wire.serde import status_from_proto
+from tests.service.conftest import Aggregator
+from tests.service.test_federation import SMALL, SMALL_BC, one_thread, run_config, status, wait_for  # noqa: F401
+
+# Two runs as different as one fleet allows: a clear DRPO run, and a secure Fed-BC one whose
+# round 0 gathers the moments masked, each with its own rounds and local steps (the seed also
+# splits the simulator's data: the agents' shards are those of seed 7).
+RUNS = (dict(algo="drpo", rounds=3, local_steps=3, seed=7),
+        dict(algo="fed-bc", rounds=2, local_steps=5, seed=7, secagg_threshold=2))
+
+
+def alone(data: str, tmp_path, algo: str, rounds: int, local_steps: int, seed: int,
+          secagg_threshold: int = 0) -> dict[int, dict[str, torch.Tensor]]:
+    """The global model after each round of the run alone (the simulator: the same versions
+    as a service run, tests/service/test_federation.py shows it)."""
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    simulate(SimConfig(algo=algo, datasets=(data,), agents=2, trajectories=2, rounds=rounds,
+                       local_steps=local_steps, eval_episodes=0, seed=seed, device="cpu",
+                       secagg_threshold=secagg_threshold, drpo=SMALL, bc=SMALL_BC),
+             tmp_path / f"sim-{algo}", log=lambda m: None, on_round=lambda r, s: states.__setitem__(r, s))
+    return states
+
+
+def ended(agg) -> dict | bool:
+    """The status once every run held has ended (False before)."""
+    s = status(agg)
+    return all(r["state"] not in ("running", "waiting_for_agents") for r in s["runs"]) and s
+
+
+def test_two_runs_together_make_the_versions_each_makes_alone(aggregator, agent_threads, stand_dataset, tmp_path,
+                                                               one_thread):
+    expected = [alone(str(stand_dataset), tmp_path, **r) for r in RUNS]
+    agents = agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+    ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(**r)), timeout=10))["run_id"] for r in RUNS]
+    done = wait_for(lambda: ended(aggregator), what="both runs to end")
+    assert [r["state"] for r in done["runs"]] == ["finished", "finished"], [r["message"] for r in done["runs"]]
+    for run_id, r, states in zip(ids, RUNS, expected):
+        for v in range(1, r["rounds"] + 1):
+            stored = aggregator.store.load_version(run_id, v)
+            assert stored.keys() == states[v].keys()
+            assert all(torch.equal(stored[k], states[v][k]) for k in stored), f"run {r['algo']}: version {v} differs"
+    # each agent took part in both, and counted its rounds per run; each learner went with its run's STOP
+    for run_id, r in zip(ids, RUNS):
+        st = status_from_proto(aggregator.control.GetStatus(control_pb2.StatusRequest(run_id=run_id), timeout=10))
+        assert [a["rounds_submitted"] for a in st["agents"]] == [r["rounds"]] * 2
+    wait_for(lambda: all(not a.learners for a in agents), what="the agents to drop both runs' learners")
+    # the rounds interleaved: the second run's first round closed before the first run ended
+    events = {i: aggregator.store.read_run(i)["events"] for i in ids}
+    first_close = min(e["time_unix"] for e in events[ids[1]] if e["kind"] == "ROUND_CLOSED")
+    assert first_close < max(e["time_unix"] for e in events[ids[0]] if e["kind"] == "ROUND_CLOSED")
+
+
+def test_a_restarted_aggregator_resumes_every_run(tmp_path, agent_threads, stand_dataset, one_thread):
+    """The aggregator goes down with two runs mid-way; the one started on its state directory
+    picks both up from their stored versions, the agents come back, and both finish."""
+    agg = Aggregator(tmp_path / "state")
+    port = int(agg.target.rsplit(":", 1)[1])
+    agent_threads.start(agg.target, str(stand_dataset), 2, 2, seed=7)
+    wait_for(lambda: len(status(agg)["agents"]) == 2, what="agents to join")
+    cfgs = [dict(algo="drpo", rounds=4, local_steps=40, seed=7), dict(algo="fed-bc", rounds=4, local_steps=40, seed=8)]
+    ids = [status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(**c)),
+                                                  timeout=10))["run_id"] for c in cfgs]
+    wait_for(lambda: all(r["global_version"] >= 1 for r in status(agg)["runs"]), what="a version of each run")
+    agg.close()  # down mid-way: neither run ended
+    kept = {i: {v: agg.store.load_version(i, v) for v in agg.store.versions(i)} for i in ids}
+    assert all(len(k) < 5 for k in kept.values())
+
+    again = Aggregator(tmp_path / "state", port=port, resume=True)
+    try:
+        st = status(again)
+        assert [r["run_id"] for r in st["runs"]] == ids and all(r["state"] == "running" for r in st["runs"])
+        done = wait_for(lambda: ended(again), timeout=300, what="both runs to finish after the restart")
+        assert [r["state"] for r in done["runs"]] == ["finished"] * 2, [r["message"] for r in done["runs"]]
+        for i in ids:
+            events = again.store.read_run(i)["events"]
+            assert [e["kind"] for e in events].count("RUN_RESUMED") == 1
+            assert [e["version"] for e in events if e["kind"] == "ROUND_CLOSED"] == [1, 2, 3, 4]
+            for v, state in kept[i].items():  # what was stored before stays, bit for bit
+                assert all(torch.equal(state[k], again.store.load_version(i, v)[k]) for k in state)
+    finally:
+        again.close()
+
+
+def test_an_agent_in_busy_runs_gets_another_runs_task(aggregator, stand_dataset):
+    """``busy_runs`` (an agent training several runs at once): a call is given no task of a run
+    its other threads train; with every run of it busy, it waits."""
+    from tests.service.test_federation import join
+
+    join(aggregator, "a0", 0)
+    ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(agents=1, rounds=1, seed=s)), timeout=10))["run_id"] for s in (1, 2)]
+    from fedrl.proto.v1 import federation_pb2
+
+    def task(*busy):
+        return aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0,
+                                                                  busy_runs=list(busy)), timeout=10)
+    assert task().run_id == ids[0]  # in turn: the round that opened first
+    assert task(ids[0]).run_id == ids[1]
+    assert task(*ids).kind == federation_pb2.Task.WAIT
+    probe = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", probe=True, run_id=ids[1]), timeout=10)
+    assert (probe.kind, probe.run_id) == (federation_pb2.Task.TRAIN, ids[1])
+    # a stopped run's STOP names it, and comes before the other run's task
+    aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=ids[1]), timeout=10)
+    t = task()
+    assert (t.kind, t.run_id) == (federation_pb2.Task.STOP, ids[1])
+    assert task().run_id == ids[0]
+
+
+@pytest.mark.parametrize("field", ["run_active", "global_version"])
+def test_each_run_has_its_own_metric_series(aggregator, field):
+    """Each run held is a series labelled ``run``; a run no longer held leaves none behind."""
+    ids = []
+    aggregator.coord.lifecycle.max_runs = 2
+    for s in (1, 2):
+        ids.append(status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+            config_json=run_config(seed=s)), timeout=10))["run_id"])
+    reg = aggregator.metrics.registry
+    name = f"fedrl_aggregator_{field}"
+    assert {i: reg.get_sample_value(name, {"run": i}) for i in ids} == {i: 1.0 if field == "run_active" else 0.0
+                                                                        for i in ids}
+    aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=ids[0]), timeout=10)
+    assert reg.get_sample_value("fedrl_aggregator_run_active", {"run": ids[0]}) == 0.0
+    assert reg.get_sample_value("fedrl_aggregator_runs_active") == 1.0
+    for s in range(3, 9):  # past the ended runs kept: the oldest is forgotten, its series too
+        i = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+            config_json=run_config(seed=s)), timeout=10))["run_id"]
+        aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=i), timeout=10)
+    assert reg.get_sample_value(name, {"run": ids[0]}) is None
+    assert json.loads(json.dumps(status(aggregator)["runs"]))[0]["run_id"] != ids[0]
