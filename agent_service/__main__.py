@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-seconds", type=argtypes.positive_seconds, default=10.0,
                    help="on a Session, report local-step progress while training at most this far apart "
                         "(keeps the stream inside the aggregator's --stream-idle-seconds)")
+    p.add_argument("--runs-at-once", type=argtypes.at_least(1), default=1,
+                   help="an agent in several runs takes their tasks in turn (1, the default); N trains up to N "
+                        "runs' rounds at once, each with its own learner, thread and channel (N times the memory "
+                        "and cores of one)")
     p.add_argument("--private-moments", action="store_true",
                    help="send no observation moments at Join: a run with secagg_threshold sums them under "
                         "secure aggregation (round 0); a plain run with obs_norm=pooled fails, saying so")
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     agent = Agent(AgentConfig(a.aggregator, agent_id, index, env.gym_id, device, tls=tls, token=token,
                               session=a.transport == "session", progress_seconds=a.progress_seconds,
-                              share_moments=not a.private_moments),
+                              share_moments=not a.private_moments, runs_at_once=a.runs_at_once),
                   shard, metrics)
     def on_signal(signum, _frame) -> None:
         # a handler must not take locks the interrupted code may hold (logging's): the agent logs

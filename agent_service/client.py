@@ -92,16 +92,44 @@ class AgentConfig:
     # send the shard's observation moments at Join (pooled normalisation); False keeps them: a
     # secure run then sums them under secure aggregation (a MOMENTS task), a plain one fails saying so
     share_moments: bool = True
+    # runs trained at once: 1 takes the tasks of the runs this agent is in one after another (in
+    # turn); N > 1 trains up to N runs' rounds at once, each in its own lane (a thread, a channel)
+    runs_at_once: int = 1
+
+
+# While another lane trains, a lane asks for a task this often at least (its request names the
+# runs the others train, which change when one finishes)
+LANE_POLL_SECONDS = 1.0
+
+
+class Lanes:
+    """An agent's lanes when it trains several runs at once (``runs_at_once`` > 1): one learner per
+    run, shared, and the run each lane trains now. Lanes ask for a task one at a time, each naming
+    the runs the others train (``busy_runs``), so two lanes never train one run."""
+
+    def __init__(self) -> None:
+        self.learners: dict[str, RunLearner] = {}
+        self.asking = threading.Lock()
+        self.busy: dict[int, str] = {}
+        self.peak = 0  # the most runs trained at once so far
+
+    def others(self, lane: int) -> list[str]:
+        return [r for k, r in list(self.busy.items()) if k != lane]
 
 
 class Agent:
     """Runs until :meth:`stop`; survives aggregator restarts by rejoining with backoff."""
 
-    def __init__(self, cfg: AgentConfig, shard: Shard, metrics: AgentMetrics | None = None) -> None:
+    def __init__(self, cfg: AgentConfig, shard: Shard, metrics: AgentMetrics | None = None,
+                 lanes: Lanes | None = None, lane: int = 0, stop: StopFlag | None = None) -> None:
+        """``lanes``, ``lane``, ``stop``: another lane's (see :class:`Lanes`); an agent with
+        ``runs_at_once`` > 1 makes its other lanes itself, when it runs."""
         self.cfg, self.shard = cfg, shard
         self.metrics = metrics or AgentMetrics(cfg.agent_id, str(cfg.device))
         self.stats = ObsStats.of(shard.transitions.obs)
-        self._stop = StopFlag()  # stop() may be called from a signal handler
+        self._stop = stop or StopFlag()  # stop() may be called from a signal handler
+        self.lanes = lanes if lanes is not None else Lanes() if cfg.runs_at_once > 1 else None
+        self.lane = lane
         self.secure = SecureSteps(cfg.agent_id, cfg.task_wait, cfg.rpc_timeout, self._stop)
         self._channel: grpc.Channel | None = None  # the one in use (closed by stop)
         self._session_call = None  # the Session stream in use, and since when it has been awaited
@@ -109,14 +137,15 @@ class Agent:
         self._awaited_since: float | None = None
         # A learner per run this agent takes part in (it takes their tasks in turn): each keeps its
         # own model, optimisers and random streams from round to round, whatever the others do.
-        self.learners: dict[str, RunLearner] = {}
+        self.learners: dict[str, RunLearner] = self.lanes.learners if self.lanes is not None else {}
         self.rounds_done = 0
         # The task whose update was sent and not yet confirmed (by the next task on the Session
         # stream, or a submit call's reply). If the connection breaks first, the next Join's
         # reply says whether the aggregator took it.
         self._unacked = None
         self._bad_streak = 0  # global models refused in a row
-        self.use_session = cfg.session  # turned off when the aggregator has no Session stream
+        # turned off when the aggregator has no Session stream; lanes ask with calls, naming the busy runs
+        self.use_session = cfg.session and self.lanes is None
         self._train_seconds = 0.0  # of the last local round
         self._sat_out: tuple[str, int] | None = None  # the (run, round) whose task this agent refused
         # The buffer a fetched global is assembled in, written again each round (a fresh one is
@@ -130,8 +159,23 @@ class Agent:
         self._stop.set()
 
     def run(self) -> None:
-        """Until :meth:`stop`: join, then wait, fetch, train and submit; rejoin after failures."""
+        """Until :meth:`stop`: join, then wait, fetch, train and submit; rejoin after failures.
+        With ``runs_at_once`` > 1, the other lanes run beside it, and stop with it."""
         threading.Thread(target=self._watch, name="agent-watch", daemon=True).start()
+        siblings = []
+        if self.lanes is not None and self.lane == 0:
+            for i in range(1, self.cfg.runs_at_once):
+                sib = Agent(self.cfg, self.shard, self.metrics, self.lanes, i, self._stop)
+                siblings.append(threading.Thread(target=sib.run, name=f"agent-lane-{i}", daemon=True))
+                siblings[-1].start()
+        try:
+            self._run()
+        finally:
+            self._stop.set()  # a lane that gives up ends the others
+            for t in siblings:
+                t.join(timeout=self.cfg.rpc_timeout)
+
+    def _run(self) -> None:
         delay = self.cfg.backoff_initial
         while not self._stop.is_set():
             channel = self._channel = create_channel(self.cfg.target, self.cfg.tls, self.cfg.token)
@@ -249,26 +293,47 @@ class Agent:
     def _calls(self, stub) -> None:
         """Tasks from NextTask (or an inline update's reply), one call per task."""
         task = None  # the next task, when the last submission's reply brought it
+        # a lane's submission brings no task: its next request names the runs the other lanes train
+        next_wait = 0.0 if self.lanes is not None else self.cfg.task_wait
         while not self._stop.is_set():
             if task is None:
-                task = stub.NextTask(federation_pb2.TaskRequest(agent_id=self.cfg.agent_id,
-                                                                wait_seconds=self.cfg.task_wait),
-                                     timeout=self.cfg.task_wait + 30)
+                task = self._next_task(stub)
             current, task = task, None
-            if current.kind == federation_pb2.Task.MOMENTS:
-                self._moments(stub, current)
-            elif current.kind == federation_pb2.Task.TRAIN:
-                update = self._train(stub, current)
-                if update is not None:
-                    self._unacked = current
-                    reply = stub.SubmitUpdateInline(
-                        federation_pb2.InlineUpdate(header=update[0], payload=update[1].payload,
-                                                    next_task_wait_seconds=self.cfg.task_wait),
-                        timeout=self.cfg.rpc_timeout + self.cfg.task_wait)
-                    self._submitted(current)
-                    task = reply.next_task if reply.HasField("next_task") else None  # one call a round
-            else:
-                self._other(current)
+            try:
+                if current.kind == federation_pb2.Task.MOMENTS:
+                    self._moments(stub, current)
+                elif current.kind == federation_pb2.Task.TRAIN:
+                    update = self._train(stub, current)
+                    if update is not None:
+                        self._unacked = current
+                        reply = stub.SubmitUpdateInline(
+                            federation_pb2.InlineUpdate(header=update[0], payload=update[1].payload,
+                                                        next_task_wait_seconds=next_wait),
+                            timeout=self.cfg.rpc_timeout + self.cfg.task_wait)
+                        self._submitted(current)
+                        task = reply.next_task if reply.HasField("next_task") else None  # one call a round
+                else:
+                    self._other(current)
+            finally:
+                if self.lanes is not None:
+                    self.lanes.busy.pop(self.lane, None)
+
+    def _next_task(self, stub):
+        """A NextTask call's task. A lane asks while no other lane does, naming the runs the
+        others train, and holds the run of a TRAIN or MOMENTS task it gets until it is done."""
+        req = federation_pb2.TaskRequest(agent_id=self.cfg.agent_id, wait_seconds=self.cfg.task_wait)
+        if self.lanes is None:
+            return stub.NextTask(req, timeout=self.cfg.task_wait + 30)
+        with self.lanes.asking:
+            busy = self.lanes.others(self.lane)
+            req.busy_runs.extend(busy)
+            if busy:  # the busy runs change when a lane finishes: ask again soon
+                req.wait_seconds = min(self.cfg.task_wait, LANE_POLL_SECONDS)
+            t = stub.NextTask(req, timeout=self.cfg.task_wait + 30)
+            if t.kind in (federation_pb2.Task.TRAIN, federation_pb2.Task.MOMENTS):
+                self.lanes.busy[self.lane] = t.run_id
+                self.lanes.peak = max(self.lanes.peak, len(self.lanes.busy))
+            return t
 
     def _session_stream(self, channel: grpc.Channel, stub) -> None:
         """Tasks and updates on one Session stream until it ends; an update is taken when the

@@ -57,6 +57,7 @@ SIM_TESTS = ("tests/integration/test_simulate.py",)
 GRAD_TESTS = tuple(f"tests/integration/test_engines_agree.py::test_the_batched_engine_runs_the_per_agent_federation[{c}]"
                    for c in ("drpo-gradient-norms", "fed-cql-gradient-norms"))
 SERVICE_TESTS = ("tests/service/test_federation.py",)
+SEVERAL_RUNS_TESTS = ("tests/service/test_several_runs.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
 SA_SUMS, SA_SIM_TESTS = "fedrl/federation/secagg_sums.py", ("tests/integration/test_secure_simulate.py",)
 # the services' halves of secure aggregation and DP, and the hardening of private rounds (issue 84)
@@ -317,6 +318,32 @@ MUTANTS = (
     Mutant("batched-gradient-norms-over-every-step", "fedrl/federation/round.py",
            "(v.double() / n).cpu().tolist() for k, (v, n) in of.items()",
            "(v.double() / steps).cpu().tolist() for k, (v, n) in of.items()", GRAD_TESTS),
+    # several runs on one federation: each run's own tasks, learners, updates, stops and resume
+    Mutant("tasks-ignore-busy-runs", "aggregator_service/tasks.py", "and r.run_id not in busy\n", "\n",
+           SEVERAL_RUNS_TESTS),
+    Mutant("tasks-newest-round-first", "aggregator_service/tasks.py",
+           "run = min(waiting, key=lambda r: r.round_opened)", "run = max(waiting, key=lambda r: r.round_opened)",
+           SEVERAL_RUNS_TESTS),
+    Mutant("stop-given-at-every-call", "aggregator_service/tasks.py",
+           "                    a.stops_sent = {r for r in a.stops_sent if r in self.s.runs} | {run.run_id}\n",
+           "                    pass\n", SEVERAL_RUNS_TESTS),
+    Mutant("agent-one-learner-for-every-run", "agent_service/client.py", "lr = self.learners.get(task.run_id)",
+           "lr = next(iter(self.learners.values()), None)", SEVERAL_RUNS_TESTS),
+    Mutant("lanes-name-no-busy-run", "agent_service/client.py", "req.busy_runs.extend(busy)", "busy = []",
+           SEVERAL_RUNS_TESTS),
+    Mutant("update-taken-by-the-newest-run", SUBS, "run = self.s.runs.get(run_id)\n        if run is None:\n",
+           "run = self.s.run\n        if run is None:\n", SEVERAL_RUNS_TESTS),
+    Mutant("resume-only-the-newest-run", "aggregator_service/lifecycle.py",
+           "for run_id in self.store.run_ids()[-self.max_runs:]:", "for run_id in self.store.run_ids()[-1:]:",
+           SEVERAL_RUNS_TESTS),
+    Mutant("run-cap-not-enforced", "aggregator_service/lifecycle.py", "if len(active) >= self.max_runs:",
+           "if False:", SERVICE_TESTS),
+    Mutant("stop-without-a-run-takes-the-first", "aggregator_service/lifecycle.py",
+           "if not run_id and len(active) > 1:", "if False:", SERVICE_TESTS),
+    Mutant("secure-rounds-not-counted", COORD, "(rec.accepted.get(run.run_id, (0, 0))[0] + 1, closed.round)",
+           "(rec.accepted.get(run.run_id, (0, 0))[0], closed.round)", SEVERAL_RUNS_TESTS),
+    Mutant("full-fleet-takes-any-env", "aggregator_service/lifecycle.py",
+           "if cfg.env is None or len(live) < self.registry.max_agents:", "if True:", SEVERAL_RUNS_TESTS),
 )
 
 

@@ -119,7 +119,9 @@ def _cmd_ctl(a: argparse.Namespace) -> int:
         with ControlClient(a.target, connect_timeout=a.connect_timeout or CTL_CONNECT_TIMEOUT, tls=tls,
                            token=os.environ.get("FEDRL_ADMIN_TOKEN") or None) as c:
             current = c.status() if a.ctl_cmd == "start" else None
-            if current is not None and a.if_idle and current["state"] in ("waiting_for_agents", "running"):
+            busy = current is not None and any(r["state"] in ("waiting_for_agents", "running")
+                                               for r in current.get("runs") or [current])
+            if busy and a.if_idle:
                 print(dumps(current) if a.json else f"a run is already active\n{show.status(current)}")
             elif a.ctl_cmd == "start":
                 if not a.config and "agents" not in data:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 import torch
 
@@ -40,10 +41,13 @@ def ended(agg) -> dict | bool:
     return all(r["state"] not in ("running", "waiting_for_agents") for r in s["runs"]) and s
 
 
+@pytest.mark.parametrize("runs_at_once", [1, 2])
 def test_two_runs_together_make_the_versions_each_makes_alone(aggregator, agent_threads, stand_dataset, tmp_path,
-                                                               one_thread):
+                                                               one_thread, runs_at_once):
+    """In turn (each agent trains one run's round after the other's) or at once (a lane each),
+    every version of each run is the one it makes alone, bit for bit."""
     expected = [alone(str(stand_dataset), tmp_path, **r) for r in RUNS]
-    agents = agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7)
+    agents = agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7, runs_at_once=runs_at_once)
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
     ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
         config_json=run_config(**r)), timeout=10))["run_id"] for r in RUNS]
@@ -59,6 +63,8 @@ def test_two_runs_together_make_the_versions_each_makes_alone(aggregator, agent_
         st = status_from_proto(aggregator.control.GetStatus(control_pb2.StatusRequest(run_id=run_id), timeout=10))
         assert [a["rounds_submitted"] for a in st["agents"]] == [r["rounds"]] * 2
     wait_for(lambda: all(not a.learners for a in agents), what="the agents to drop both runs' learners")
+    if runs_at_once > 1:  # each agent trained both runs at once at some point
+        assert [a.lanes.peak for a in agents] == [2, 2]
     # the rounds interleaved: the second run's first round closed before the first run ended
     events = {i: aggregator.store.read_run(i)["events"] for i in ids}
     first_close = min(e["time_unix"] for e in events[ids[1]] if e["kind"] == "ROUND_CLOSED")
@@ -142,3 +148,27 @@ def test_each_run_has_its_own_metric_series(aggregator, field):
         aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=i), timeout=10)
     assert reg.get_sample_value(name, {"run": ids[0]}) is None
     assert json.loads(json.dumps(status(aggregator)["runs"]))[0]["run_id"] != ids[0]
+
+
+def test_a_run_the_fleet_cannot_serve_is_refused_with_the_reason(aggregator):
+    """Every agent the aggregator can hold is connected, and none has data of the run's env: no
+    agent of it could ever join, so StartRun says so instead of a run that waits to time out.
+    A run of the agents' own task starts beside another one."""
+    from tests.service.test_federation import assert_refused, join
+
+    aggregator.coord.max_agents = 2
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    walker = run_config(env="Walker2d-v5")
+    assert_refused(lambda: aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=walker), timeout=10),
+                   grpc.StatusCode.FAILED_PRECONDITION, "the fleet cannot serve this run: env Walker2d-v5, but all 2 "
+                   "agents this aggregator holds (--max-agents 2) are connected, and none has data of it")
+    assert status(aggregator)["state"] == "idle"  # nothing was started
+    for seed in (1, 2):
+        st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+            config_json=run_config(env="Hopper-v5", seed=seed, rounds=1)), timeout=10))
+        assert st["state"] == "running", st["message"]
+    aggregator.coord.max_agents = 3  # room for another agent: the run is taken (and, as every agent connected
+    st = status_from_proto(aggregator.control.StartRun(  # is of another task, fails at its start, saying so)
+        control_pb2.StartRunRequest(config_json=walker), timeout=10))
+    assert st["run_id"] and st["message"] == "env Walker2d-v5 in the run config, but the agents' data is for Hopper-v5"
