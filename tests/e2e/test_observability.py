@@ -41,7 +41,10 @@ def queried_metrics() -> set[str]:
 
 
 def scrape_names(text: str) -> set[str]:
-    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    """Every metric a scrape exports: its samples' names, and the names its TYPE lines declare (a
+    labelled metric whose series have not come yet, e.g. a run's privacy spent, is one too)."""
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    return names | {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
 
 
 def get(url: str) -> str:

@@ -51,8 +51,8 @@ def test_up_secure_runs_and_refuses_callers_without_credentials(stand_dataset, t
         with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
             urllib.request.urlopen(targets["aggregator"], context=ctx, timeout=5).read()
         ctx.load_cert_chain(str(out / "tls" / "admin" / "tls.crt"), str(out / "tls" / "admin" / "tls.key"))
-        assert "fedrl_aggregator_rounds_completed_total 2.0" in \
-            urllib.request.urlopen(targets["aggregator"], context=ctx, timeout=5).read().decode()
+        assert re.search(r'^fedrl_aggregator_rounds_completed_total\{run="[^"]+"\} 2\.0$', urllib.request.urlopen(
+            targets["aggregator"], context=ctx, timeout=5).read().decode(), re.M)
         prom = re.search(r"prometheus on (http://127\.0\.0\.1:\d+)", printed).group(1)
 
         def scraped():
