@@ -148,6 +148,7 @@ class Agent:
         self.use_session = cfg.session and self.lanes is None
         self._train_seconds = 0.0  # of the last local round
         self._sat_out: tuple[str, int] | None = None  # the (run, round) whose task this agent refused
+        self._skip_run = ""  # with a call per task: the run the next call names busy (its round sat out)
         # The buffer a fetched global is assembled in, written again each round (a fresh one is
         # zero-filled first). Reused only once the trainer no longer reads the last one.
         self._buffers = BufferPool(keep=1)
@@ -322,10 +323,12 @@ class Agent:
         """A NextTask call's task. A lane asks while no other lane does, naming the runs the
         others train, and holds the run of a TRAIN or MOMENTS task it gets until it is done."""
         req = federation_pb2.TaskRequest(agent_id=self.cfg.agent_id, wait_seconds=self.cfg.task_wait)
+        skip, self._skip_run = self._skip_run, ""
         if self.lanes is None:
+            req.busy_runs.extend([skip] if skip else [])
             return stub.NextTask(req, timeout=self.cfg.task_wait + 30)
         with self.lanes.asking:
-            busy = self.lanes.others(self.lane)
+            busy = self.lanes.others(self.lane) + ([skip] if skip else [])
             req.busy_runs.extend(busy)
             if busy:  # the busy runs change when a lane finishes: ask again soon
                 req.wait_seconds = min(self.cfg.task_wait, LANE_POLL_SECONDS)
@@ -439,12 +442,18 @@ class Agent:
         self._sat_out = (task.run_id, task.round)
 
     def _sitting_out(self, task) -> bool:
-        """Whether ``task`` is of a round this agent refused. The aggregator offers it again until
-        the round closes: it is taken no faster than a long poll, and never trained or run again
-        (a refused secure step cannot be taken again)."""
+        """Whether ``task`` is of a round this agent refused; it is never trained or run again (a
+        refused secure step cannot be taken again). On a Session the agent answers it with done,
+        and the aggregator offers it no more. With a call per task, the next call names its run
+        busy (the other runs' tasks come meanwhile), and the call after asks for it again until
+        the round closes. From an aggregator that offers it again at once it is taken no faster
+        than a long poll."""
         if self._sat_out != (task.run_id, task.round):
             return False
-        self._stop.wait(self.cfg.task_wait)
+        if self.use_session:
+            self._stop.wait(self.cfg.task_wait)
+        else:
+            self._skip_run = task.run_id
         return True
 
     def _moments(self, stub, task) -> None:

@@ -149,6 +149,9 @@ class Coordinator:
                   busy: frozenset[str] = frozenset()) -> dict[str, Any]:
         return self.tasks.next_task(agent_id, wait, probe, run_id, busy)
 
+    def declined(self, agent_id: str, run_id: str, round_: int) -> None:
+        self.tasks.declined(agent_id, run_id, round_)
+
     def global_weights(self, run_id: str, version: int) -> Encoded:
         return self.versions.global_weights(run_id, version)
 

@@ -53,6 +53,7 @@ class AgentRecord:
     # per run this agent took part in, of those the aggregator holds: (updates taken, last round taken)
     accepted: dict[str, tuple[int, int]] = field(default_factory=dict)
     stops_sent: set[str] = field(default_factory=set)  # runs whose STOP this agent was given
+    declined: set[tuple[str, int]] = field(default_factory=set)  # (run, round) it answered without taking part
     progress: tuple[str, int, int, int] = ("", 0, 0, 0)  # (run, round, steps done, steps total) reported
 
 

@@ -151,8 +151,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         return self._task(context, request.agent_id, request.wait_seconds, busy=busy)[1]
 
     def _task(self, context, agent_id: str, wait: float, probe: bool = False, run_id: str = "",
-              busy: frozenset[str] = frozenset()) -> tuple[str, bytes]:
-        """The agent's next task: its kind and the Task serialised. A round's TRAIN tasks differ
+              busy: frozenset[str] = frozenset()) -> tuple[str, bytes, str]:
+        """The agent's next task: its kind, the Task serialised, and its run. A round's TRAIN tasks differ
         between agents only in their normalisers (none with pooled statistics): each distinct
         one is serialised once. A ``probe`` (of ``run_id``'s task) gets no base weights; no task
         of the ``busy`` runs is given."""
@@ -178,7 +178,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                 self._task_cache = cached
         if base is not None:
             self.coord.metrics.bytes_sent.inc(base.manifest.total_bytes)
-        return kind, cached[1]
+        return kind, cached[1], t.get("run_id", "")
 
     def SecureAggregation(self, request, context):
         """One step of a round's secure aggregation (fedrl/federation/secagg.py): the step's
@@ -267,7 +267,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
 
     def _session(self, request_iterator, context, agent_id: str, wait: float):
         while context.is_active() and not self.coord.closed:
-            kind, task = self._task(context, agent_id, wait)
+            kind, task, run_id = self._task(context, agent_id, wait)
             yield task
             if kind not in ("TRAIN", "MOMENTS"):
                 continue
@@ -292,6 +292,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the session of agent {agent_id!r} "
                                   f"carried an update of agent {header.agent_id!r}")
                 self._submit_inline(context, header, payload)
+            elif which == "done" and kind == "TRAIN":  # without its update here: streamed, or sat out
+                self.coord.declined(agent_id, run_id, header.round)
             elif which != "done":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"a session answers a TRAIN task with its update or done, not {which or 'nothing'}")

@@ -40,6 +40,18 @@ class Tasks:
                     return {"kind": "WAIT"}
                 self.s.cond.wait(left)
 
+    def declined(self, agent_id: str, run_id: str, round_: int) -> None:
+        """``agent_id`` answered its task of ``run_id``'s round ``round_`` without taking part
+        (a Session's done: it sits the round out): the round is not offered to it again, and the
+        other runs' tasks come meanwhile."""
+        with self.s.cond:
+            a, run = self.registry.agents.get(agent_id), self.s.runs.get(run_id)
+            if a is None or run is None or run.machine is None or run.round != round_ or run.machine.took_part(agent_id):
+                return
+            a.declined = {(r, k) for r, k in a.declined if r in self.s.runs and self.s.runs[r].round == k}
+            a.declined.add((run_id, round_))
+            self.s.cond.notify_all()
+
     def _task(self, a: AgentRecord, probe: bool, run_id: str, busy: frozenset[str]) -> dict[str, Any] | None:
         """The agent's task now, or None (it waits). Under the lock."""
         runs = [r for r in self.s.runs.values() if a.agent_id in r.selected and r.run_id not in busy
@@ -50,7 +62,8 @@ class Tasks:
                     a.stops_sent = {r for r in a.stops_sent if r in self.s.runs} | {run.run_id}
                 return {"kind": "STOP", "run_id": run.run_id}
         waiting = [r for r in runs if r.state == "running" and r.machine is not None
-                   and r.machine.phase in ("gather", "open") and not r.machine.took_part(a.agent_id)]
+                   and r.machine.phase in ("gather", "open") and not r.machine.took_part(a.agent_id)
+                   and (r.run_id, r.round) not in a.declined]
         if not waiting:
             return None
         run = min(waiting, key=lambda r: r.round_opened)

@@ -342,6 +342,11 @@ MUTANTS = (
            "if not run_id and len(active) > 1:", "if False:", SERVICE_TESTS),
     Mutant("secure-rounds-not-counted", COORD, "(rec.accepted.get(run.run_id, (0, 0))[0] + 1, closed.round)",
            "(rec.accepted.get(run.run_id, (0, 0))[0], closed.round)", SEVERAL_RUNS_TESTS),
+    Mutant("a-sat-out-round-offered-again", "aggregator_service/tasks.py",
+           "                   and (r.run_id, r.round) not in a.declined]", "                   ]", SEVERAL_RUNS_TESTS),
+    Mutant("a-sat-out-round-asked-for-again", "agent_service/client.py",
+           "            self._skip_run = task.run_id\n", "            self._stop.wait(self.cfg.task_wait)\n",
+           SEVERAL_RUNS_TESTS),
     Mutant("full-fleet-takes-any-env", "aggregator_service/lifecycle.py",
            "if cfg.env is None or len(live) < self.registry.max_agents:", "if True:", SEVERAL_RUNS_TESTS),
 )

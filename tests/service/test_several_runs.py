@@ -172,3 +172,34 @@ def test_a_run_the_fleet_cannot_serve_is_refused_with_the_reason(aggregator):
     st = status_from_proto(aggregator.control.StartRun(  # is of another task, fails at its start, saying so)
         control_pb2.StartRunRequest(config_json=walker), timeout=10))
     assert st["run_id"] and st["message"] == "env Walker2d-v5 in the run config, but the agents' data is for Hopper-v5"
+
+
+@pytest.mark.parametrize("session", [True, False])
+def test_a_round_an_agent_sits_out_does_not_hold_up_its_other_runs(aggregator, agent_threads, stand_dataset,
+                                                                   monkeypatch, session):
+    """agent-1 cannot read the first run's config (a setting newer than it), so it sits that run's
+    round out. The round stays open for its deadline, but the agent is not offered it again and
+    again: the second run's rounds, which it can train, go on and finish meanwhile."""
+    from agent_service.client import Agent
+
+    learner_for = Agent._learner_for
+
+    def newer(self, task):
+        if self.cfg.agent_id == "agent-1" and json.loads(task.run_config_json)["seed"] == 1:
+            task.run_config_json = json.dumps({**json.loads(task.run_config_json), "a_future_setting": 1})
+        return learner_for(self, task)
+
+    monkeypatch.setattr(Agent, "_learner_for", newer)
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7, session=session)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+    held = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
+        seed=1, rounds=1, min_agents=1, round_timeout=3600.0, algo="fed-bc")), timeout=10))["run_id"]
+    other = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
+        seed=2, rounds=3, algo="fed-bc")), timeout=10))["run_id"]
+    st = lambda run_id: status_from_proto(aggregator.control.GetStatus(  # noqa: E731
+        control_pb2.StatusRequest(run_id=run_id), timeout=10))
+    wait_for(lambda: st(other)["state"] == "finished", what="the other run to finish beside the held round")
+    first = st(held)
+    assert (first["state"], first["round"]) == ("running", 1)  # still waiting for agent-1, until its deadline
+    assert [a["rounds_submitted"] for a in first["agents"]] == [1, 0]
+    aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=held), timeout=10)
