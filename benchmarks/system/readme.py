@@ -374,7 +374,23 @@ def benchmarks_blocks(results: Path = RESULTS) -> dict[str, str]:
 
     return {"system": system_md(results.parent),
             "batched-throughput": batched_md(results.parent / "throughput-batched-cpu.json"),
-            "peers": peers_md(json.loads((results.parent / "peers.json").read_text()))}
+            "peers": peers_md(json.loads((results.parent / "peers.json").read_text())),
+            "several-runs": several_runs_md(results.parent / "several-runs.json")}
+
+
+def several_runs_md(path: Path) -> str:
+    """The several-runs measurement (``benchmarks.system.several_runs``): runs together beside the
+    same runs one after another, on one fleet, in one invocation."""
+    if not path.exists():
+        return "Not measured yet: `python -m benchmarks.system.several_runs`."
+    t = json.loads(path.read_text())
+    return (f"{t['runs']} runs of {t['rounds']} rounds x {t['local_steps']} local steps (DRPO, Hopper data), "
+            f"{t['agents']} agent processes, {t['cpus']} CPUs, agents taking "
+            + ("the runs' tasks in turn" if t["runs_at_once"] == 1 else f"up to {t['runs_at_once']} runs at once")
+            + f", {t['date']} (`{path.relative_to(ROOT)}`):\n\n"
+            "| the runs | wall time, first start to last finish |\n| --- | --- |\n"
+            f"| one after another | {t['one_after_another_seconds']:.1f} s |\n"
+            f"| together on one federation | {t['together_seconds']:.1f} s ({t['speedup']:.2f}x faster) |")
 
 
 def replace_blocks(text: str, blocks_: dict[str, str]) -> str:
