@@ -4,8 +4,8 @@
 
 Each commit (AFTER: the working tree's HEAD by default) is checked out in a temporary worktree,
 and ``python -m benchmarks.system.services federation`` (one aggregator and 10 agent processes,
-the Hopper policy, zero local steps) runs there, the two alternating ``--repeats`` times so that
-the machine's load falls on both alike. Writes benchmarks/results/ab-rounds.json unless ``--out``.
+the Hopper policy, zero local steps) runs there, the two alternating ``--repeats`` times (ABBA: each
+goes first as often) so that the machine's load falls on both alike. Writes benchmarks/results/ab-rounds.json unless ``--out``.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["git", "worktree", "add", "--detach", str(trees[side]), commit], cwd=ROOT,
                            capture_output=True, check=True)
         try:
-            for _ in range(a.repeats):
-                for side in ("before", "after"):
+            for k in range(a.repeats):
+                for side in ("before", "after") if k % 2 == 0 else ("after", "before"):  # ABBA: no side always second
                     out = subprocess.run([sys.executable, "-m", "benchmarks.system.services", "federation",
                                           "--rounds", str(a.rounds)], cwd=trees[side], capture_output=True,
                                          text=True, check=True).stdout

@@ -68,7 +68,7 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
         def one_round() -> None:
             for a in members:
                 t0 = time.process_time()
-                _, task = svc._task(ctx, a.cfg.agent_id, 1.0)
+                _, task, _ = svc._task(ctx, a.cfg.agent_id, 1.0)
                 t1 = time.process_time()
                 up = session_update(*a._train(None, *read_task(task)))
                 t2 = time.process_time()
@@ -90,7 +90,7 @@ def bench_inprocess(agents: int, rounds: int, repeats: int = 5) -> dict:
                            split["agents"] / block * 1e3))
         best = min(blocks)
         a = members[0]
-        _, task_bytes = svc._task(ctx, a.cfg.agent_id, 1.0)
+        _, task_bytes, _ = svc._task(ctx, a.cfg.agent_id, 1.0)
         task = read_task(task_bytes)
         train_us = min(timeit.repeat(lambda: a._train(None, *task), number=200, repeat=3)) / 200 * 1e6
         closed = coord.status()["global_version"]

@@ -203,3 +203,29 @@ def test_a_round_an_agent_sits_out_does_not_hold_up_its_other_runs(aggregator, a
     assert (first["state"], first["round"]) == ("running", 1)  # still waiting for agent-1, until its deadline
     assert [a["rounds_submitted"] for a in first["agents"]] == [1, 0]
     aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=held), timeout=10)
+
+
+def test_the_evaluator_follows_every_run(aggregator, agent_threads, stand_dataset):
+    """One evaluator, two runs: each run's every version is evaluated and reported to its run,
+    and the evaluator's gauges hold each run's latest score under its own label."""
+    import threading
+
+    from evaluator_service.follower import Follower
+
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
+    f = Follower(aggregator.target, seed=0, num_envs=1)
+    t = threading.Thread(target=f.run, daemon=True)
+    t.start()
+    try:
+        ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
+            seed=7, rounds=r, eval_episodes=1, algo="fed-bc")), timeout=10))["run_id"] for r in (2, 3)]
+        wait_for(lambda: len(f.reports) == 5, timeout=120, what="five evaluations")
+        assert sorted(f.reports) == sorted([(ids[0], 1), (ids[0], 2), (ids[1], 1), (ids[1], 2), (ids[1], 3)])
+        for run_id, last in zip(ids, (2, 3)):
+            st = status_from_proto(aggregator.control.GetStatus(control_pb2.StatusRequest(run_id=run_id), timeout=10))
+            assert st["evaluated_versions"] == list(range(1, last + 1)) and st["last_evaluation"]["run_id"] == run_id
+            assert f.metrics.registry.get_sample_value("fedrl_evaluator_evaluated_version", {"run": run_id}) == last
+    finally:
+        f.stop()
+        t.join(10)
