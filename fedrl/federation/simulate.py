@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -108,7 +108,11 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
 
     ``secure_drops`` (secure aggregation; the tests' dropouts): by round, the agents that leave
     after sharing their keys, so that its masked step closes at its deadline, as the services'
-    clock closes it for an agent that stopped."""
+    clock closes it for an agent that stopped.
+
+    Three parts: :func:`_set_up` (the agents' data and learners, the round machine's plan, where
+    a checkpoint resumes), :func:`_rounds` (the machine's rounds, each written as
+    :func:`round_record`'s row), :func:`_finish` (the final policy, its long evaluation, the summary)."""
     if parallel_agents < 1:
         raise ValueError(f"parallel agents must be >= 1, got {parallel_agents}")
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -130,7 +134,48 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                          "(pass --engine per-agent)")
     seed_everything(cfg.seed)
     t_start = time.perf_counter()
+    fed = _set_up(cfg, out, log, checkpoint, engine, draws, device)
+    rounds_run, stopped = _rounds(fed, cfg, out, log, on_round, checkpoint, parallel_agents, progress, secure_drops)
+    return _finish(fed, cfg, out, log, rounds_run, stopped, t_start)
 
+
+@dataclass
+class _Federation:
+    """What a simulated run sets up once, and what its rounds carry on: the agents' data and
+    learners, the round machine (made in :func:`_rounds`, or in :func:`_set_up` for round 0), the
+    global state and the curve, from a checkpoint's round on."""
+
+    shards: list
+    env: Any
+    hp: Any
+    engine: str
+    plan: Plan
+    machine: RoundMachine | None
+    trainers: list[LocalTrainer]
+    batched: BatchedTrainer | None
+    learners: dict[str, Any]
+    global_state: dict[str, torch.Tensor]
+    agent_states: list[dict[str, torch.Tensor]]
+    curve: list[dict[str, Any]]
+    done_rounds: int
+    in_round: dict[int, LocalResult]  # agents of round done_rounds + 1 already trained
+    lines: list[str]  # rounds.jsonl's rows of the rounds done
+    eval_policy: TanhGaussianPolicy
+    eval_seed: int
+
+    @property
+    def n_agents(self) -> int:
+        return len(self.shards)
+
+    def evaluate(self, state: dict[str, torch.Tensor], episodes: int, seed: int) -> dict[str, Any]:
+        load_prefixed(self.eval_policy, state, POLICY)
+        return evaluate(self.eval_policy, self.env.gym_id, episodes, seed).as_dict()
+
+
+def _set_up(cfg: SimConfig, out: Path, log: Callable[[str], None], checkpoint: bool, engine: str, draws: str,
+            device: torch.device) -> _Federation:
+    """The agents' shards and learners, the round machine's plan (round 0's gathered moments in a
+    secure pooled run), version 0 or a checkpoint's state, and ``config.json``."""
     shards, env = load_shards(cfg.datasets, cfg.agents, cfg.trajectories, cfg.seed, cfg.env, log, cfg.transitions)
     stats = [ObsStats.of(s.transitions.obs) for s in shards]
     obs_dim, act_dim = shards[0].transitions.obs.shape[1], shards[0].transitions.actions.shape[1]
@@ -166,7 +211,7 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     agent_states = [global_state] * n_agents  # the independent 'cql' baseline's own policies
     curve: list[dict[str, Any]] = []
     done_rounds = 0
-    in_round: dict[int, LocalResult] = {}  # agents of round done_rounds + 1 already trained
+    in_round: dict[int, LocalResult] = {}
     records = [s.record() for s in shards]  # each shard's digest, once
     if checkpoint and has_checkpoint(out):
         if (out / "summary.json").exists():
@@ -191,17 +236,23 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         f"{f' (at least {cfg.transitions} transitions each)' if cfg.transitions else ''} "
         f"({sum(len(s.transitions) for s in shards)} transitions) on {env.gym_id}, "
         f"{cfg.rounds} rounds x {cfg.local_steps} local steps, device {device}, {engine} engine")
-
-    eval_policy = TanhGaussianPolicy(obs_dim, act_dim, hp.hidden, hp.log_std_min, hp.log_std_max)
-    eval_seed = derive_seed(cfg.seed, SEED_EVAL) % 2**31
-
-    def eval_state(state: dict[str, torch.Tensor]) -> dict[str, Any]:
-        load_prefixed(eval_policy, state, POLICY)
-        return evaluate(eval_policy, env.gym_id, cfg.eval_episodes, eval_seed).as_dict()
-
     lines = (out / "rounds.jsonl").read_text().splitlines()[:done_rounds] if done_rounds else []
+    return _Federation(shards, env, hp, engine, plan, machine, trainers, batched, learners, global_state, agent_states,
+                       curve, done_rounds, in_round, lines,
+                       TanhGaussianPolicy(obs_dim, act_dim, hp.hidden, hp.log_std_min, hp.log_std_max),
+                       derive_seed(cfg.seed, SEED_EVAL) % 2**31)
+
+
+def _rounds(fed: _Federation, cfg: SimConfig, out: Path, log: Callable[[str], None],
+            on_round: Callable[[int, dict[str, torch.Tensor]], None] | None, checkpoint: bool, parallel_agents: int,
+            progress: bool, secure_drops: Mapping[int, Collection] | None) -> tuple[int, str]:
+    """The machine's rounds from ``fed``'s on, each trained, closed, committed, evaluated when due,
+    written as a row of ``rounds.jsonl`` (and a checkpoint): the last round run, and why the run
+    stopped early ("" when it did not)."""
+    n_agents, trainers, in_round = fed.n_agents, fed.trainers, fed.in_round
     per_round = n_agents * cfg.local_steps
-    bar = Progress(cfg.rounds * per_round, f"{cfg.algo}", "steps", initial=done_rounds * per_round, enabled=progress)
+    bar = Progress(cfg.rounds * per_round, f"{cfg.algo}", "steps", initial=fed.done_rounds * per_round,
+                   enabled=progress)
 
     def step_done(_i: int, _n: int) -> None:
         bar.update(1)
@@ -211,15 +262,16 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         from fedrl.federation.privacy import noise_generator
 
         noise_gen = noise_generator()
-    if machine is not None and not done_rounds:  # version 0 from round 0's moments
-        action = machine.found(global_state)
+    machine = fed.machine
+    if machine is not None and not fed.done_rounds:  # version 0 from round 0's moments
+        action = machine.found(fed.global_state)
     else:
-        machine = RoundMachine(plan, global_state, done_rounds, done_rounds, agent_states,
-                               resumed_clip(plan, last_metrics(lines)))
+        machine = fed.machine = RoundMachine(fed.plan, fed.global_state, fed.done_rounds, fed.done_rounds,
+                                             fed.agent_states, resumed_clip(fed.plan, last_metrics(fed.lines)))
         action = machine.begin()
-    rounds_run = done_rounds
+    rounds_run = fed.done_rounds
     with bar, open(out / "rounds.jsonl", "w") as jl:
-        jl.writelines(x + "\n" for x in lines)  # a round after the checkpoint's is done again
+        jl.writelines(x + "\n" for x in fed.lines)  # a round after the checkpoint's is done again
         while isinstance(action, Open):
             r = action.round
             t0 = time.perf_counter()
@@ -240,9 +292,9 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                     log(f"  round {r}: agent {i + 1}/{len(trainers)} done in {res.seconds:.1f}s")
                 return res
 
-            if batched is not None:
-                results = batched.train_round(list(machine.agent_states), cfg.local_steps,
-                                              progress=(lambda _i, _n: bar.update(n_agents)) if progress else None)
+            if fed.batched is not None:
+                results = fed.batched.train_round(list(machine.agent_states), cfg.local_steps,
+                                                  progress=(lambda _i, _n: bar.update(n_agents)) if progress else None)
             elif parallel_agents > 1:
                 with ThreadPoolExecutor(parallel_agents, thread_name_prefix="agent") as pool:
                     results = list(pool.map(train, range(n_agents)))
@@ -256,35 +308,42 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
                     machine.take(agent_name(res.agent), r, action.version, Update(res.state, res.num_samples))
                 closed = machine.close(noise_gen)
             action = machine.commit(closed)
-            global_state, agent_states = machine.global_state, list(machine.agent_states)
+            fed.global_state, fed.agent_states = machine.global_state, list(machine.agent_states)
             if on_round is not None and not cfg.own_policies:
-                on_round(r, global_state)
+                on_round(r, fed.global_state)
             rec = round_record(cfg, closed, results, time.perf_counter() - t0,
                                sa_rec if cfg.secagg_threshold else None)
             rounds_run = r
             if cfg.eval_episodes and (r % cfg.eval_every == 0 or r == cfg.rounds):
-                rec["eval"] = round_evaluation(cfg.own_policies, [eval_state(s) for s in agent_states]
-                                               if cfg.own_policies else [eval_state(global_state)])
-                curve.append(curve_point(r, rec["eval"]))
+                states = fed.agent_states if cfg.own_policies else [fed.global_state]
+                rec["eval"] = round_evaluation(cfg.own_policies, [fed.evaluate(st, cfg.eval_episodes, fed.eval_seed)
+                                                                  for st in states])
+                fed.curve.append(curve_point(r, rec["eval"]))
             rec["seconds"] = time.perf_counter() - t0
             jl.write(json.dumps(rec) + "\n")
             jl.flush()
             if checkpoint:
-                write_checkpoint(out, cfg, r, curve, global_state, agent_states, learners, engine)
+                write_checkpoint(out, cfg, r, fed.curve, fed.global_state, fed.agent_states, fed.learners, fed.engine)
                 clear_agent_checkpoints(out)  # round r is in the checkpoint: its agents' files are spent
             log(_round_line(r, cfg.rounds, rec))
-            bar.note(f"round {r}/{cfg.rounds}" + (f", score {curve[-1]['score_mean']:.1f}" if curve else ""))
+            bar.note(f"round {r}/{cfg.rounds}" + (f", score {fed.curve[-1]['score_mean']:.1f}" if fed.curve else ""))
     stopped = action.message if isinstance(action, Stopped) else ""
     if stopped:
         log(stopped)
+    return rounds_run, stopped
 
-    final_states = agent_states if cfg.own_policies else [global_state]
-    load_prefixed(eval_policy, final_states[0], POLICY)
-    save_policy(eval_policy, out / "global_policy.safetensors",
+
+def _finish(fed: _Federation, cfg: SimConfig, out: Path, log: Callable[[str], None], rounds_run: int, stopped: str,
+            t_start: float) -> dict[str, Any]:
+    """The final policy saved, its long evaluation, ``summary.json`` and the learning curve."""
+    curve, env, hp = fed.curve, fed.env, fed.hp
+    final_states = fed.agent_states if cfg.own_policies else [fed.global_state]
+    load_prefixed(fed.eval_policy, final_states[0], POLICY)
+    save_policy(fed.eval_policy, out / "global_policy.safetensors",
                 {"algo": cfg.algo, "env_id": env.gym_id, "hparams": config_to_dict(hp),
                  "note": "agent 0's policy (no global policy in 'cql')" if cfg.own_policies else "global"})
     summary = {
-        "algo": cfg.algo, "env_id": env.gym_id, "agents": n_agents, "rounds": cfg.rounds, "engine": engine,
+        "algo": cfg.algo, "env_id": env.gym_id, "agents": fed.n_agents, "rounds": cfg.rounds, "engine": fed.engine,
         "wall_seconds": time.perf_counter() - t_start,
         "final": curve[-1] if curve else None,
         "best": max(curve, key=lambda c: c["return_mean"]) if curve else None,
@@ -296,12 +355,8 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
         summary["privacy"] = privacy_record(cfg, rounds_run, [])
     if cfg.final_eval_episodes:
         long_seed = derive_seed(cfg.seed, SEED_EVAL, 1) % 2**31  # episodes of their own, not the rounds'
-
-        def long_eval(state: dict[str, torch.Tensor]) -> dict[str, Any]:
-            load_prefixed(eval_policy, state, POLICY)
-            return evaluate(eval_policy, env.gym_id, cfg.final_eval_episodes, long_seed).as_dict()
-
-        long = round_evaluation(cfg.own_policies, [long_eval(s) for s in final_states])
+        long = round_evaluation(cfg.own_policies, [fed.evaluate(st, cfg.final_eval_episodes, long_seed)
+                                                   for st in final_states])
         summary["final_long"] = {"episodes": cfg.final_eval_episodes, **curve_point(rounds_run, long)}
         log(f"final policy over {cfg.final_eval_episodes} episodes: return {long['return_mean']:.1f} "
             f"± {long['return_std']:.1f}, score {long['score_mean']:.1f}")
@@ -311,10 +366,11 @@ def run(cfg: SimConfig, out: str | Path, log: Callable[[str], None] | None = Non
     if curve:
         from fedrl.ops.plotting import episode_return_mean, learning_curve
 
-        data_return = float(np.mean([episode_return_mean(s.transitions.rewards, s.transitions.episode) for s in shards]))
+        data_return = float(np.mean([episode_return_mean(s.transitions.rewards, s.transitions.episode)
+                                     for s in fed.shards]))
         learning_curve(curve, out / "learning_curve.png",
-                       f"{cfg.algo} on {', '.join(Path(parse_source(d, cfg.agents)[0]).name for d in cfg.datasets)}: {n_agents} agents x "
-                       f"{cfg.local_steps} local steps", env.key, data_return)
+                       f"{cfg.algo} on {', '.join(Path(parse_source(d, cfg.agents)[0]).name for d in cfg.datasets)}: "
+                       f"{fed.n_agents} agents x {cfg.local_steps} local steps", env.key, data_return)
     best, final = summary["best"], summary["final"]
     scores = (f"; best score {best['score_mean']:.1f} (round {best['round']}), final {final['score_mean']:.1f}"
               if curve else "")
