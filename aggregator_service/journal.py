@@ -59,6 +59,6 @@ class Journal:
             log.error("cannot append event to the store: %s", err)
 
     def fail(self, run: Run, message: str) -> None:
-        run.state, run.message, run.ended = "failed", message, time.time()
+        run.end("failed", message)
         self.event(run, "RUN_FAILED", message=message)
 

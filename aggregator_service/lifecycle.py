@@ -95,7 +95,11 @@ class RunLifecycle:
         """A new run's id: its start time and 6 random hex digits, after every id stored or held
         (ids sort in the order runs started, and a restart resumes them in that order). Under the lock."""
         prefix = time.strftime("%Y%m%d-%H%M%S-")
-        newest = max([*self.s.runs, self.store.latest_run() or ""])
+        try:
+            stored = self.store.run_ids()[-1:]
+        except OSError:  # an unreadable state directory: creating the run says so, with its status
+            stored = []
+        newest = max([*self.s.runs, *stored, ""])
         if not newest.startswith(prefix):
             return prefix + secrets.token_hex(3)
         low = int(newest[-6:], 16) + 1  # a run started this second already: a larger suffix
@@ -139,7 +143,7 @@ class RunLifecycle:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"run {run.run_id} is {run.state}: nothing to stop" if run else "no active run to stop",
                                    "no_run")
-            run.state, run.message, run.ended = "stopped", reason or "stopped by operator", time.time()
+            run.end("stopped", reason or "stopped by operator")
             self.journal.event(run, "RUN_STOPPED", message=run.message)
             self.s.cond.notify_all()
             return self._status(run)
@@ -337,7 +341,6 @@ class RunLifecycle:
         # kept none: the agents' own, as they joined again, or 1)
         samples = part.get("samples") or [getattr(self.registry.agents.get(a), "num_samples", 1) for a in run.selected]
         plan = Plan.of(cfg, run.selected, samples, run_id)
-        run.machine = RoundMachine(plan, state, version=v, rounds_done=v, clip=resumed_clip(plan, last))
         run.encoded = {v: encode_version(run, v, state)}
         for e in run.events:
             if e["kind"] == "EVALUATED":
@@ -349,7 +352,7 @@ class RunLifecycle:
                 for a in e.get("agents", []):
                     n, _ = run.accepted_before.get(a, (0, 0))
                     run.accepted_before[a] = (n + 1, e["round"])
-        run.state = "running"
+        run.begin(RoundMachine(plan, state, version=v, rounds_done=v, clip=resumed_clip(plan, last)))
         self.journal.event(run, "RUN_RESUMED", message=f"restarted; resuming from stored version {v}")
         self.rounds.follow(run, run.machine.begin(time.time()))
         log.info("resumed run %s at version %d (%s)", run_id, v, run.state)

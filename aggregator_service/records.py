@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,25 @@ class Run:
     # refused so gives up), the run cannot train and fails instead of waiting for ever.
     non_finite: dict[str, tuple[str, float]] = field(default_factory=dict)
     dims: tuple[int, int] = (0, 0)  # (obs_dim, act_dim) of the selected agents, from round 0 on
+
+    # The run's own transitions: the parts call these rather than writing its state themselves.
+    def begin(self, machine: RoundMachine) -> None:
+        """Its agents are chosen (``selected``, ``env_id``, ``dims``): its rounds run on ``machine``."""
+        self.machine, self.state = machine, "running"
+
+    def end(self, state: str, message: str = "") -> None:
+        """Over: ``finished``, ``stopped`` or ``failed``, saying why."""
+        self.state, self.message, self.ended = state, message, time.time()
+
+    def opened(self) -> None:
+        """A round (or round 0) opened now: the last round's refusals are forgotten."""
+        self.non_finite, self.round_opened = {}, time.time()
+
+    def written(self, version: int, enc: Encoded) -> None:
+        """``version`` is on disk as ``enc``: it is served, with the one before it (late agents)."""
+        self.encoded = {k: e for k, e in self.encoded.items() if k >= version - 1}
+        self.encoded[version] = enc
+        self.message, self.closing = "", None
 
     @property
     def round(self) -> int:

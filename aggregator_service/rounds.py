@@ -84,20 +84,19 @@ class Rounds:
     def follow(self, run: Run, action: Open | Gather | Finished | Stopped) -> None:
         """Do what the rounds say comes next: open a round (or round 0), or end the run."""
         if isinstance(action, Gather):
-            run.round_opened = time.time()
+            run.opened()
         elif isinstance(action, Finished):
-            run.state, run.ended = "finished", time.time()
+            run.end("finished")
             self.journal.event(run, "RUN_FINISHED")
         elif isinstance(action, Stopped):
-            run.state, run.ended, run.message = "stopped", time.time(), action.message
+            run.end("stopped", action.message)
             self.journal.event(run, "RUN_STOPPED", message=run.message)
         else:
             self._opened(run)
 
     def _opened(self, run: Run) -> None:
         """The round the machine opened: its event."""
-        run.non_finite = {}
-        run.round_opened = time.time()
+        run.opened()
         self.journal.event(run, "ROUND_OPENED", agents=list(run.selected))
 
     def close_round(self, run: Run) -> None:
@@ -150,19 +149,17 @@ class Rounds:
                 log.error(msg)
             run.message = msg
             return
-        run.message = ""
         if run.machine.plan.secure:  # no update came in the clear: the agents' rounds count once summed
             for a in order:
                 rec = self.registry.agents.get(a)
                 if rec is not None:
                     rec.accepted[run.run_id] = (rec.accepted.get(run.run_id, (0, 0))[0] + 1, closed.round)
         then = run.machine.commit(closed, time.time())
-        run.encoded = {k: e for k, e in run.encoded.items() if k >= v - 1}
-        run.encoded[v] = enc
+        closing = run.closing
+        run.written(v, enc)
         self.metrics.round_closed(run.run_id, seconds)
-        self.journal.log_event(run, run.closing)
-        run.events.append(run.closing)  # announced only now that the version is on disk
-        run.closing = None
+        self.journal.log_event(run, closing)
+        run.events.append(closing)  # announced only now that the version is on disk
         if run.cfg.dp_clip:
             self.metrics.privacy_spent(run.run_id, closed.metrics[PRIVACY_EPSILON], run.machine.clip)
         self.follow(run, then)

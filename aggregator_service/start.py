@@ -87,8 +87,7 @@ class RunStart:
         run.dims = (obs_dim, act_dim)
         plan = Plan.of(cfg, run.selected, [a.num_samples for a in chosen], run.run_id, obs_dim)
         if plan.gather:  # the moments too go masked: round 0, whose sum makes version 0
-            run.machine = RoundMachine(plan, None)
-            run.state = "running"
+            run.begin(RoundMachine(plan, None))
             log.info("run %s: gathering the observation moments of %d agents by secure aggregation", run.run_id,
                      len(chosen))
             return True
@@ -105,8 +104,7 @@ class RunStart:
         state = self.version_zero(run, g_mean, g_std, own)
         if state is None:
             return False
-        run.machine = RoundMachine(plan, state)
-        run.state = "running"
+        run.begin(RoundMachine(plan, state))
         return True
 
     def version_zero(self, run: Run, g_mean: np.ndarray, g_std: np.ndarray,
