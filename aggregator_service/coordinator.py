@@ -16,7 +16,7 @@ deadline if at least ``min_agents`` have. The new global version is written to t
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,12 +33,15 @@ from aggregator_service.tasks import Tasks
 from aggregator_service.ticker import Ticker
 from aggregator_service.versions import Versions
 from fedrl.ops.metrics import AggregatorMetrics
-from fedrl.wire.codec import Encoded, Flat, Manifest
+from fedrl.wire.codec import Flat, Manifest
 from fedrl.wire.memory import BufferPool
 
 
 class Coordinator:
-    """Thread-safe: every public method takes the one lock; waiters use its condition."""
+    """Makes the parts and wires them; the servicers call the parts themselves (``registry``,
+    ``tasks``, ``submissions``, ``versions``, ``lifecycle``). Its own few methods are the in-process
+    calls scripts and tests use. Thread-safe: every public method takes the one lock; waiters use
+    its condition."""
 
     def __init__(self, store: Store, max_task_wait: float = 30.0, tick: float = 0.1,
                  eval_grace: float = 120.0, metrics: AggregatorMetrics | None = None,
@@ -125,50 +128,14 @@ class Coordinator:
             self.shared.cond.notify_all()
         self._ticker.join(timeout=2)
 
-    # -- agents ---------------------------------------------------------------------------------
+    # -- the in-process calls (scripts, tests) ---------------------------------------------------
     def join(self, rec: AgentRecord) -> str:
         return self.registry.join(rec)
-
-    def last_accepted_round(self, agent_id: str, run_id: str) -> int:
-        return self.registry.last_accepted_round(agent_id, run_id)
-
-    def accepted_rounds(self, agent_id: str) -> dict[str, int]:
-        return self.registry.accepted_rounds(agent_id)
-
-    def progress(self, agent_id: str, round_: int, done: int, total: int, run_id: str = "") -> None:
-        self.registry.progress(agent_id, round_, done, total, run_id)
-
-    def evaluator_attached(self, delta: int) -> None:
-        self.registry.evaluator_attached(delta)
-
-    def evaluators_following(self) -> int:
-        return self.registry.evaluators_following()
-
-    # -- rounds ---------------------------------------------------------------------------------
-    def next_task(self, agent_id: str, wait: float, probe: bool = False, run_id: str = "",
-                  busy: frozenset[str] = frozenset()) -> dict[str, Any]:
-        return self.tasks.next_task(agent_id, wait, probe, run_id, busy)
-
-    def declined(self, agent_id: str, run_id: str, round_: int) -> None:
-        self.tasks.declined(agent_id, run_id, round_)
-
-    def global_weights(self, run_id: str, version: int) -> Encoded:
-        return self.versions.global_weights(run_id, version)
-
-    def check_header(self, agent_id: str, m: Manifest) -> None:
-        self.submissions.check_header(agent_id, m)
-
-    def update_refused(self, agent_id: str, run_id: str, reason: str, detail: str) -> None:
-        self.submissions.update_refused(agent_id, run_id, reason, detail)
 
     def submit(self, agent_id: str, m: Manifest, state: dict[str, torch.Tensor], metrics: Mapping[str, float],
                seconds: float, flat: Flat | None = None) -> int:
         return self.submissions.submit(agent_id, m, state, metrics, seconds, flat)
 
-    def secure_step(self, agent_id: str, run_id: str, round_: int, step: str, msg: Any, wait: float):
-        return self.submissions.secure_step(agent_id, run_id, round_, step, msg, wait)
-
-    # -- the run's lifecycle --------------------------------------------------------------------
     def start_run(self, config_json: str) -> dict[str, Any]:
         return self.lifecycle.start_run(config_json)
 
@@ -180,16 +147,3 @@ class Coordinator:
 
     def status(self, run_id: str = "") -> dict[str, Any]:
         return self.lifecycle.status(run_id)
-
-    def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
-        return self.lifecycle.list_runs(limit)
-
-    def list_versions(self, run_id: str = "") -> tuple[str, list[dict[str, Any]]]:
-        return self.lifecycle.list_versions(run_id)
-
-    def gauges(self) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-        return self.lifecycle.gauges()
-
-    def watch(self, after_version: int, is_active=lambda: True, poll: float = 0.5,
-              run_id: str = "") -> Iterator[dict[str, Any]]:
-        return self.lifecycle.watch(after_version, is_active, poll, run_id)

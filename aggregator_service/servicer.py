@@ -140,8 +140,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                         "(%d kept for control calls and watchers): raise --max-workers", n, self.max_workers,
                         RESERVED_THREADS)
         return federation_pb2.JoinReply(agent_id=request.agent_id, run_id=run_id,
-                                        last_accepted_round=self.coord.last_accepted_round(request.agent_id, run_id),
-                                        last_accepted=self.coord.accepted_rounds(request.agent_id))
+                                        last_accepted_round=self.coord.registry.last_accepted_round(request.agent_id, run_id),
+                                        last_accepted=self.coord.registry.accepted_rounds(request.agent_id))
 
     def NextTask(self, request, context):
         self.auth.check_agent(context, request.agent_id)
@@ -157,7 +157,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         one is serialised once. A ``probe`` (of ``run_id``'s task) gets no base weights; no task
         of the ``busy`` runs is given."""
         try:
-            t = self.coord.next_task(agent_id, wait, probe=probe, run_id=run_id, busy=busy)
+            t = self.coord.tasks.next_task(agent_id, wait, probe=probe, run_id=run_id, busy=busy)
         except ServiceError as e:
             _abort(context, e)
         base = t.pop("base", None)
@@ -189,7 +189,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a SecureAggregation message names one step "
                           "(keys, shares, masked or answer)")
         try:
-            out = self.coord.secure_step(request.agent_id, request.run_id, int(request.round), step,
+            out = self.coord.submissions.secure_step(request.agent_id, request.run_id, int(request.round), step,
                                          secagg_value(step, getattr(request, step)), request.wait_seconds)
         except ServiceError as e:
             _abort(context, e)
@@ -214,7 +214,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
 
     def FetchGlobal(self, request, context):
         try:
-            enc = self.coord.global_weights(request.run_id, request.version)
+            enc = self.coord.versions.global_weights(request.run_id, request.version)
         except ServiceError as e:
             _abort(context, e)
         parts = self._serialised_parts(enc)
@@ -280,7 +280,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                     break
                 progress = header  # (for a progress message, the message itself)
                 try:
-                    self.coord.progress(agent_id, progress.round, progress.steps_done, progress.steps_total,
+                    self.coord.registry.progress(agent_id, progress.round, progress.steps_done, progress.steps_total,
                                         progress.run_id)
                 except ServiceError as e:
                     _abort(context, e)
@@ -293,7 +293,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                                   f"carried an update of agent {header.agent_id!r}")
                 self._submit_inline(context, header, payload)
             elif which == "done" and kind == "TRAIN":  # without its update here: streamed, or sat out
-                self.coord.declined(agent_id, run_id, header.round)
+                self.coord.tasks.declined(agent_id, run_id, header.round)
             elif which != "done":
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"a session answers a TRAIN task with its update or done, not {which or 'nothing'}")
@@ -316,7 +316,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             h, chunks = parts()
             self.auth.check_agent(context, h.agent_id)
             manifest = manifest_from_proto(h.weights)
-            self.coord.check_header(h.agent_id, manifest)
+            self.coord.submissions.check_header(h.agent_id, manifest)
             asm = Assembler(manifest, self.coord.buffers)
             for c in chunks:
                 metrics.bytes_received.inc(len(c))
@@ -327,7 +327,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             log.warning("update refused: %s", e)
             metrics.reject(e.reason)
             if isinstance(e, CodecError) and h is not None:
-                self.coord.update_refused(h.agent_id, h.weights.run_id, e.reason, str(e))
+                self.coord.submissions.update_refused(h.agent_id, h.weights.run_id, e.reason, str(e))
             _abort(context, e)
         return federation_pb2.SubmitReply(accepted=True, round=r, received_bytes=manifest.total_bytes)
 
@@ -366,15 +366,15 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         elif follower and self.coord.evaluators >= MAX_UNVERIFIED_FOLLOWERS:
             follower = False  # without tokens anyone can send the header: only a few count
         if follower:  # counted while its stream is open (and seen, even when there is no run yet)
-            self.coord.evaluator_attached(+1)
+            self.coord.registry.evaluator_attached(+1)
         try:
-            for e in self.coord.watch(request.after_version, context.is_active, run_id=request.run_id):
+            for e in self.coord.lifecycle.watch(request.after_version, context.is_active, run_id=request.run_id):
                 yield event_to_proto(e)
         except ServiceError as e:
             _abort(context, e)
         finally:
             if follower:
-                self.coord.evaluator_attached(-1)
+                self.coord.registry.evaluator_attached(-1)
 
     def ListRuns(self, request, context):
         return control_pb2.RunList(runs=[control_pb2.RunSummary(
@@ -382,11 +382,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             latest_version=r["latest_version"], started_unix=r["started_unix"],
             has_score=r["best_score"] is not None, best_score=r["best_score"] or 0.0,
             best_version=r["best_version"] if r["best_version"] is not None else -1, message=r["message"])
-            for r in self.coord.list_runs(request.limit)])
+            for r in self.coord.lifecycle.list_runs(request.limit)])
 
     def ListVersions(self, request, context):
         try:
-            run_id, versions = self.coord.list_versions(request.run_id)
+            run_id, versions = self.coord.lifecycle.list_versions(request.run_id)
         except ServiceError as e:
             _abort(context, e)
         return control_pb2.VersionList(run_id=run_id, versions=[control_pb2.VersionInfo(**v) for v in versions])

@@ -207,7 +207,7 @@ def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, a
     """A base version that fails verification at the agent (one flipped byte in transit, or a
     manifest declaring a size the model cannot have, refused before a buffer is sized from it)
     is refused, counted, and fetched again; the agent keeps running and the run completes."""
-    real_next_task = aggregator.coord.next_task
+    real_next_task = aggregator.coord.tasks.next_task
     damaged: list[str] = []
 
     def next_task_damaging_the_first_two(agent_id, wait_seconds, **kw):
@@ -224,7 +224,7 @@ def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, a
                                     base.chunk_bytes)
         return t
 
-    aggregator.coord.next_task = next_task_damaging_the_first_two  # the servicer looks it up per call
+    aggregator.coord.tasks.next_task = next_task_damaging_the_first_two  # the servicer looks it up per call
     agents = agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=0)
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2, rounds=2)), timeout=10)

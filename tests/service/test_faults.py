@@ -196,11 +196,11 @@ def test_a_restarted_aggregator_remembers_whose_updates_its_stored_versions_took
             store.version_path(run_id, 2).write_bytes(b"not a safetensors file")
         c = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
         try:
-            assert c.last_accepted_round("a0", run_id) == 0  # not rejoined yet
+            assert c.registry.last_accepted_round("a0", run_id) == 0  # not rejoined yet
             c.join(_agent("a0", 0))
             c.join(_agent("a1", 1))
             done = {a["agent_id"]: a["rounds_submitted"] for a in c.status()["agents"]}
-            return c.last_accepted_round("a0", run_id), c.last_accepted_round("a1", "another-run"), done
+            return c.registry.last_accepted_round("a0", run_id), c.registry.last_accepted_round("a1", "another-run"), done
         finally:
             c.close()
 
@@ -260,7 +260,7 @@ def test_a_close_is_journaled_before_its_version_and_a_restart_drops_one_never_w
     try:
         assert [e["round"] for e in c.run.events if e["kind"] == "ROUND_CLOSED"] == [1, 2]
         assert {a["agent_id"]: a["rounds_submitted"] for a in c.status()["agents"]} == {"a0": 2, "a1": 2}
-        assert c.last_accepted_round("a0", run_id) == 2
+        assert c.registry.last_accepted_round("a0", run_id) == 2
     finally:
         c.close()
 
@@ -589,7 +589,7 @@ def test_restart_while_the_moments_are_summed_gathers_them_again(tmp_path):
     first.join(_agent("a0", 0))
     first.join(_agent("a1", 1))
     assert (first.run.state, first.run.round) == ("running", 0) and first.run.machine.secure is not None
-    assert first.next_task("a0", 0.0)["kind"] == "MOMENTS"
+    assert first.tasks.next_task("a0", 0.0)["kind"] == "MOMENTS"
     first.close()  # "killed" before any agent's keys came
     second = Coordinator(Store(tmp_path / "state"), tick=0.02, resume=True)
     try:
@@ -599,7 +599,7 @@ def test_restart_while_the_moments_are_summed_gathers_them_again(tmp_path):
         second.join(_agent("a0", 0))
         second.join(_agent("a1", 1))
         assert (second.run.state, second.run.round) == ("running", 0)
-        task = second.next_task("a1", 0.0)
+        task = second.tasks.next_task("a1", 0.0)
         assert (task["kind"], task["run_id"], task["round"]) == ("MOMENTS", run_id, 0)
     finally:
         second.close()
