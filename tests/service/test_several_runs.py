@@ -42,16 +42,17 @@ def ended(agg) -> dict | bool:
 
 
 @pytest.mark.parametrize("runs_at_once", [1, 2])
-def test_two_runs_together_make_the_versions_each_makes_alone(aggregator, agent_threads, stand_dataset, tmp_path,
-                                                               one_thread, runs_at_once):
+def test_two_runs_together_make_the_versions_each_makes_alone(step_deadline, aggregator, agent_threads, stand_dataset,
+                                                               tmp_path, one_thread, runs_at_once):
     """In turn (each agent trains one run's round after the other's) or at once (a lane each),
     every version of each run is the one it makes alone, bit for bit."""
     expected = [alone(str(stand_dataset), tmp_path, **r) for r in RUNS]
     agents = agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7, runs_at_once=runs_at_once)
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
-    ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(**r)), timeout=10))["run_id"] for r in RUNS]
-    done = wait_for(lambda: ended(aggregator), what="both runs to end")
+    ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(  # each secure step's
+        config_json=run_config(**r, round_timeout=4 * step_deadline)), timeout=10))["run_id"]  # deadline: taken in turn
+           for r in RUNS]
+    done = wait_for(lambda: ended(aggregator), timeout=60 + 8 * step_deadline, what="both runs to end")
     assert [r["state"] for r in done["runs"]] == ["finished", "finished"], [r["message"] for r in done["runs"]]
     for run_id, r, states in zip(ids, RUNS, expected):
         for v in range(1, r["rounds"] + 1):
