@@ -1,10 +1,13 @@
 """What the system benchmarks read about a run of the real processes: its data (a small random
-Hopper set, made once per run), and a process's CPU time, minor page faults and peak memory from
-``/proc``."""
+Hopper set, made once per run), its aggregator's address and agent processes, and a process's CPU
+time, minor page faults and peak memory from ``/proc``."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 
@@ -12,6 +15,23 @@ def dataset(tmp: Path) -> Path:
     from fedrl.data.make import make_dataset
 
     return make_dataset("Hopper-v5", "random", 0, tmp / "hopper-random.hdf5", transitions=20_000)
+
+
+def aggregator_target(port_file: Path, aggregator: subprocess.Popen, limit: float = 60.0) -> str:
+    """The started aggregator's address, once it has written its port file."""
+    end = time.monotonic() + limit
+    while not port_file.exists():
+        assert time.monotonic() < end and aggregator.poll() is None, "aggregator did not start"
+        time.sleep(0.05)
+    return f"127.0.0.1:{port_file.read_text()}"
+
+
+def start_agents(target: str, data: Path, agents: int, env: dict, *flags: str) -> list[subprocess.Popen]:
+    """``agents`` agent processes, one shard each of ``data``, one torch thread, with ``flags``."""
+    return [subprocess.Popen([sys.executable, "-m", "agent_service", "--aggregator", target, "--dataset",
+                              f"{data}:{agents}", "--shard", str(i), "--trajectories", "5", "--threads", "1",
+                              "--device", "cpu", "--log-level", "WARNING", *flags], env=env)
+            for i in range(agents)]
 
 
 WARMUP_ROUNDS = 3  # the first rounds include connection set-up

@@ -41,7 +41,15 @@ import numpy as np
 from benchmarks.common import RESULTS
 from benchmarks.system.evaluator_rate import bench_evaluator
 from benchmarks.system.inprocess import bench_inprocess
-from benchmarks.system.procs import WARMUP_ROUNDS, cpu_seconds, dataset, minor_faults, peak_rss_mb
+from benchmarks.system.procs import (
+    WARMUP_ROUNDS,
+    aggregator_target,
+    cpu_seconds,
+    dataset,
+    minor_faults,
+    peak_rss_mb,
+    start_agents,
+)
 from benchmarks.system.raw_grpc import raw_grpc
 
 
@@ -69,16 +77,8 @@ def federation_rounds(agents: int, rounds: int, config: dict, tmp: Path, transpo
 
     threading.Thread(target=watchdog, daemon=True).start()
     try:
-        end = time.monotonic() + 60
-        while not port_file.exists():
-            assert time.monotonic() < end, "aggregator did not start"
-            time.sleep(0.05)
-        target = f"127.0.0.1:{port_file.read_text()}"
-        for i in range(agents):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "agent_service", "--aggregator", target, "--dataset", f"{data}:{agents}",
-                 "--shard", str(i), "--trajectories", "5", "--threads", "1", "--device", "cpu",
-                 "--transport", transport, "--log-level", "WARNING"], env=env))
+        target = aggregator_target(port_file, procs[0])
+        procs += start_agents(target, data, agents, env, "--transport", transport)
         with ControlClient(target) as c:
             end = time.monotonic() + 120
             while len(c.status()["agents"]) < agents:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS
-from benchmarks.system.procs import dataset
+from benchmarks.system.procs import aggregator_target, dataset, start_agents
 
 
 def _runs_wall(c, store: Path, ids: list[str]) -> float:
@@ -59,16 +59,8 @@ def measure(agents: int, runs: int, rounds: int, local_steps: int, runs_at_once:
     procs = [subprocess.Popen([sys.executable, "-m", "aggregator_service", "--port", "0", "--port-file",
                                str(port_file), "--state-dir", str(state), "--log-level", "WARNING"], env=env)]
     try:
-        end = time.monotonic() + 60
-        while not port_file.exists():
-            assert time.monotonic() < end and procs[0].poll() is None, "aggregator did not start"
-            time.sleep(0.05)
-        target = f"127.0.0.1:{port_file.read_text()}"
-        for i in range(agents):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "agent_service", "--aggregator", target, "--dataset", f"{data}:{agents}",
-                 "--shard", str(i), "--trajectories", "5", "--threads", "1", "--device", "cpu",
-                 "--runs-at-once", str(runs_at_once), "--log-level", "WARNING"], env=env))
+        target = aggregator_target(port_file, procs[0])
+        procs += start_agents(target, data, agents, env, "--runs-at-once", str(runs_at_once))
         cfg = {"agents": agents, "rounds": rounds, "local_steps": local_steps, "eval_episodes": 0,
                "round_timeout": 600, "join_timeout": 300}
         limit = 600 + 60 * rounds * runs * max(1, local_steps) / 10
