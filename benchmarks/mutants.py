@@ -358,7 +358,9 @@ def _pytest(tree: Path, tests: tuple[str, ...]) -> tuple[int, str]:
     p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", *tests],
                        cwd=tree, env=env, capture_output=True, text=True, timeout=900, check=False)
     out = (p.stdout + p.stderr).strip().splitlines()
-    return p.returncode, next((ln for ln in out if ln.startswith(("FAILED", "ERROR"))), out[-1] if out else "")[:160]
+    # pytest's own FAILED/ERROR lines name a test; a captured log line ("ERROR    fedrl...") does not
+    return p.returncode, next((ln for ln in out if ln.startswith(("FAILED tests/", "ERROR tests/"))),
+                              out[-1] if out else "")[:160]
 
 
 _CLEAN: set[tuple[str, ...]] = set()  # test sets seen to pass on the unmutated tree
