@@ -158,7 +158,7 @@ class RunLifecycle:
             if not 0 <= v <= run.version:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"version {v} does not exist (latest {run.version})", "unknown_version")
-            run.evaluations[v] = dict(report)
+            run.evaluated(v, report)
             self.journal.event(run, "EVALUATED", version=v, round=v, evaluation=dict(report))
             self.s.cond.notify_all()
 
@@ -332,26 +332,15 @@ class RunLifecycle:
         if state is None:
             self.journal.fail(run, "restarted, but no stored global version could be read")
             return
-        run.selected, run.env_id = list(part["selected"]), part["env_id"]
-        run.norms = {a: (m, sd) for a, (m, sd) in part["norms"].items()}
-        run.events = replay_journal(saved["events"], v)
-        last = next((e.get("metrics") for e in reversed(run.events) if e["kind"] == "ROUND_CLOSED"
+        run.chosen(part["selected"], part["env_id"], run.dims, {a: (m, sd) for a, (m, sd) in part["norms"].items()})
+        events = replay_journal(saved["events"], v)
+        last = next((e.get("metrics") for e in reversed(events) if e["kind"] == "ROUND_CLOSED"
                      and e["version"] == v), None)
         # the public sample counts the run was started with (a state directory of an earlier version
         # kept none: the agents' own, as they joined again, or 1)
         samples = part.get("samples") or [getattr(self.registry.agents.get(a), "num_samples", 1) for a in run.selected]
         plan = Plan.of(cfg, run.selected, samples, run_id)
-        run.encoded = {v: encode_version(run, v, state)}
-        for e in run.events:
-            if e["kind"] == "EVALUATED":
-                run.evaluations[e["version"]] = e["evaluation"]
-        # Who contributed to the versions kept (a round whose version was unreadable runs again):
-        # a rejoining agent's count and its last accepted round continue from before the restart.
-        for e in run.events:
-            if e["kind"] == "ROUND_CLOSED":
-                for a in e.get("agents", []):
-                    n, _ = run.accepted_before.get(a, (0, 0))
-                    run.accepted_before[a] = (n + 1, e["round"])
+        run.restored(events, v, encode_version(run, v, state))
         run.begin(RoundMachine(plan, state, version=v, rounds_done=v, clip=resumed_clip(plan, last)))
         self.journal.event(run, "RUN_RESUMED", message=f"restarted; resuming from stored version {v}")
         self.rounds.follow(run, run.machine.begin(time.time()))

@@ -60,6 +60,10 @@ class AgentRecord:
 
 @dataclass
 class Run:
+    """One run the aggregator holds. Its rounds are its machine's; its other fields change only
+    through its own methods (``chosen``, ``begin``, ``opened``, ``written``, ``end``, ...), which
+    the aggregator's parts call under the lock, and its journal appends its events."""
+
     run_id: str
     cfg: RunConfig
     config_json: str
@@ -89,7 +93,27 @@ class Run:
     non_finite: dict[str, tuple[str, float]] = field(default_factory=dict)
     dims: tuple[int, int] = (0, 0)  # (obs_dim, act_dim) of the selected agents, from round 0 on
 
-    # The run's own transitions: the parts call these rather than writing its state themselves.
+    # The run's own transitions: the parts call these rather than writing its fields themselves.
+    def chosen(self, selected: list[str], env_id: str, dims: tuple[int, int],
+               norms: dict[str, tuple[list[float], list[float]]] | None = None) -> None:
+        """Its agents, their task and (once known) each one's normaliser."""
+        self.selected, self.env_id, self.dims = list(selected), env_id, dims
+        if norms is not None:
+            self.norms = dict(norms)
+
+    def restored(self, events: list[dict[str, Any]], version: int, enc: Encoded) -> None:
+        """Picked up after a restart at its stored ``version``: its journal as replayed, its
+        evaluations, and who had contributed to the versions kept (each rejoining agent's count
+        and last accepted round go on from them)."""
+        self.events, self.encoded = events, {version: enc}
+        for e in events:
+            if e["kind"] == "EVALUATED":
+                self.evaluations[e["version"]] = e["evaluation"]
+            elif e["kind"] == "ROUND_CLOSED":
+                for a in e.get("agents", []):
+                    n, _ = self.accepted_before.get(a, (0, 0))
+                    self.accepted_before[a] = (n + 1, e["round"])
+
     def begin(self, machine: RoundMachine) -> None:
         """Its agents are chosen (``selected``, ``env_id``, ``dims``): its rounds run on ``machine``."""
         self.machine, self.state = machine, "running"
@@ -107,6 +131,33 @@ class Run:
         self.encoded = {k: e for k, e in self.encoded.items() if k >= version - 1}
         self.encoded[version] = enc
         self.message, self.closing = "", None
+
+    def closing_journaled(self, event: dict[str, Any]) -> None:
+        """The round's close is journaled (``event``), its version not yet written."""
+        self.closing = event
+
+    def says(self, message: str) -> bool:
+        """Why the run waits, shown in its status; True when it is news (worth a log line)."""
+        news, self.message = self.message != message, message
+        return news
+
+    def non_finite_refused(self, agent_id: str, detail: str) -> None:
+        """``agent_id``'s update of the open round was refused as non-finite, saying ``detail``."""
+        self.non_finite[agent_id] = (detail, time.time())
+
+    def evaluated(self, version: int, report: dict[str, Any]) -> None:
+        self.evaluations[version] = dict(report)
+
+    def versions_dropped(self) -> None:
+        """Over: its versions are served from the state directory from now on."""
+        self.encoded = {}
+
+    @property
+    def hparams(self) -> str:
+        """The learner's hyperparameters as JSON (written into every stored version), made once."""
+        if not self.hparams_json:
+            self.hparams_json = json.dumps(config_to_dict(algo_config(self.cfg.algo, self.cfg.drpo, self.cfg.bc)))
+        return self.hparams_json
 
     @property
     def round(self) -> int:
@@ -230,10 +281,8 @@ def env_mismatch(env_name: str, agent_envs: set[str], obs_dim: int, act_dim: int
 
 def encode_version(run: Run, version: int, state: dict[str, torch.Tensor]) -> Encoded:
     """A global version as sent and as stored: the same bytes, its provenance in the header."""
-    if not run.hparams_json:
-        run.hparams_json = json.dumps(config_to_dict(algo_config(run.cfg.algo, run.cfg.drpo, run.cfg.bc)))
     meta = {"run_id": run.run_id, "version": str(version), "algo": run.cfg.algo,
-            "env_id": run.env_id, "hparams": run.hparams_json}
+            "env_id": run.env_id, "hparams": run.hparams}
     # A version too large to go inline in tasks is fetched as chunk messages: they are built
     # here, each chunk hashed in its message (one pass over the average, not two).
     fetched = sum(t.nbytes for t in state.values()) > INLINE_MAX_BYTES

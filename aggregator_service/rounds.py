@@ -141,13 +141,12 @@ class Rounds:
                 closing = self.journal.new_event(run, "ROUND_CLOSED", version=v, agents=order,
                                                  metrics=closed.metrics, seconds=seconds)
                 self.store.append_event(run.run_id, closing, durable=True)
-                run.closing = closing
+                run.closing_journaled(closing)
             self.store.save_version(run.run_id, v, enc.pieces(), enc.manifest.checksum)
         except OSError as e:
             msg = f"cannot persist version {v}; round {run.round} stays open: {e}"
-            if run.message != msg:
+            if run.says(msg):
                 log.error(msg)
-            run.message = msg
             return
         if run.machine.plan.secure:  # no update came in the clear: the agents' rounds count once summed
             for a in order:

@@ -82,9 +82,7 @@ class RunStart:
         if problem := check_step_bytes(hp, obs_dim, act_dim):  # the agents could not take a step
             self.journal.fail(run, f"{problem} (obs_dim {obs_dim}, act_dim {act_dim})")
             return False
-        run.env_id = cfg.env or (envs.pop() if envs else "")
-        run.selected = [a.agent_id for a in chosen]
-        run.dims = (obs_dim, act_dim)
+        run.chosen([a.agent_id for a in chosen], cfg.env or (envs.pop() if envs else ""), (obs_dim, act_dim))
         plan = Plan.of(cfg, run.selected, [a.num_samples for a in chosen], run.run_id, obs_dim)
         if plan.gather:  # the moments too go masked: round 0, whose sum makes version 0
             run.begin(RoundMachine(plan, None))
@@ -124,9 +122,8 @@ class RunStart:
         except OSError as e:
             self.journal.fail(run, f"cannot write version 0 to the state directory: {e}")
             return None
-        for a in run.selected:
-            m, sd = own.get(a, (g_mean, g_std))
-            run.norms[a] = (m.tolist(), sd.tolist())
+        norms = {a: tuple(x.tolist() for x in own.get(a, (g_mean, g_std))) for a in run.selected}
+        run.chosen(run.selected, run.env_id, run.dims, norms)
         samples = list(run.machine.plan.samples) if run.machine is not None else [
             self.registry.agents[a].num_samples for a in run.selected]
         try:
@@ -135,5 +132,5 @@ class RunStart:
         except OSError as e:
             self.journal.fail(run, f"cannot write the participants to the state directory: {e}")
             return None
-        run.encoded = {0: enc}
+        run.written(0, enc)
         return state

@@ -91,7 +91,7 @@ class Submissions:
             run = self.s.runs.get(run_id)
             if run is None or run.state != "running" or agent_id not in run.selected:
                 return
-            run.non_finite[agent_id] = (detail, time.time())
+            run.non_finite_refused(agent_id, detail)
             self.check_non_finite(run, time.time())
 
     def check_non_finite(self, run: Run, now: float) -> None:

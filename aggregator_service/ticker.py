@@ -50,8 +50,8 @@ class Ticker:
                 self.s.cond.wait(tick)
                 now = time.time()
                 for run in self.s.runs.values():
-                    if run.state not in ACTIVE and run.encoded:  # an ended run's versions are served from the store
-                        run.encoded = {}
+                    if run.state not in ACTIVE and run.encoded:
+                        run.versions_dropped()
                 for run in self.s.active():
                     with self.rounds.failing(run, "the aggregator's clock"):  # the clock goes on for the others
                         self._tick(run, now)
@@ -78,9 +78,8 @@ class Ticker:
             with self.rounds.failing(run, f"round {run.round}'s secure aggregation"):
                 self.rounds.secure_moved(run, sec, m.advance(now))
         elif msg := m.overdue(now):
-            if run.message != msg:
+            if run.says(msg):
                 log.warning(msg)
-                run.message = msg
         elif m.closable(now):
             self.rounds.close_round(run)
             self.s.cond.notify_all()
