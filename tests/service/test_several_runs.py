@@ -176,8 +176,8 @@ def test_a_run_the_fleet_cannot_serve_is_refused_with_the_reason(aggregator):
 
 
 @pytest.mark.parametrize("session", [True, False])
-def test_a_round_an_agent_sits_out_does_not_hold_up_its_other_runs(aggregator, agent_threads, stand_dataset,
-                                                                   monkeypatch, session):
+def test_a_round_an_agent_sits_out_does_not_hold_up_its_other_runs(step_deadline, aggregator, agent_threads,
+                                                                   stand_dataset, monkeypatch, session):
     """agent-1 cannot read the first run's config (a setting newer than it), so it sits that run's
     round out. The round stays open for its deadline, but the agent is not offered it again and
     again: the second run's rounds, which it can train, go on and finish meanwhile."""
@@ -199,14 +199,15 @@ def test_a_round_an_agent_sits_out_does_not_hold_up_its_other_runs(aggregator, a
         seed=2, rounds=3, algo="fed-bc")), timeout=10))["run_id"]
     st = lambda run_id: status_from_proto(aggregator.control.GetStatus(  # noqa: E731
         control_pb2.StatusRequest(run_id=run_id), timeout=10))
-    wait_for(lambda: st(other)["state"] == "finished", what="the other run to finish beside the held round")
+    wait_for(lambda: st(other)["state"] == "finished", timeout=60 + 3 * step_deadline,  # three short rounds
+             what="the other run to finish beside the held round")
     first = st(held)
     assert (first["state"], first["round"]) == ("running", 1)  # still waiting for agent-1, until its deadline
     assert [a["rounds_submitted"] for a in first["agents"]] == [1, 0]
     aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=held), timeout=10)
 
 
-def test_the_evaluator_follows_every_run(aggregator, agent_threads, stand_dataset):
+def test_the_evaluator_follows_every_run(step_deadline, aggregator, agent_threads, stand_dataset):
     """One evaluator, two runs: each run's every version is evaluated and reported to its run,
     and the evaluator's gauges hold each run's latest score under its own label."""
     import threading
@@ -221,7 +222,7 @@ def test_the_evaluator_follows_every_run(aggregator, agent_threads, stand_datase
     try:
         ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
             seed=7, rounds=r, eval_episodes=1, algo="fed-bc")), timeout=10))["run_id"] for r in (2, 3)]
-        wait_for(lambda: len(f.reports) == 5, timeout=120, what="five evaluations")
+        wait_for(lambda: len(f.reports) == 5, timeout=120 + 5 * step_deadline, what="five evaluations")
         assert sorted(f.reports) == sorted([(ids[0], 1), (ids[0], 2), (ids[1], 1), (ids[1], 2), (ids[1], 3)])
         for run_id, last in zip(ids, (2, 3)):
             st = status_from_proto(aggregator.control.GetStatus(control_pb2.StatusRequest(run_id=run_id), timeout=10))
