@@ -149,6 +149,16 @@ def progress_line(st: dict[str, Any]) -> str | None:
         ", ".join(parts)
 
 
+def progress_lines(client, run_id: str = "") -> list[str]:
+    """The progress lines of ``run_id``, or without it of every running run the aggregator holds."""
+    st = client.status(run_id)
+    running = [r["run_id"] for r in st.get("runs", []) if r["state"] == "running"]
+    if run_id or len(running) <= 1:
+        return [x for x in [progress_line(st if not running or running[0] == st.get("run_id")
+                                          else client.status(running[0]))] if x]
+    return [x for x in (progress_line(client.status(r)) for r in running) if x]
+
+
 def follow(client, after_version: int = -1, every: float = 10.0, out=None, run_id: str = "") -> None:
     """``ctl watch`` for people: each round event of ``run_id`` (empty: of every run) as one line,
     and between them, every ``every`` seconds, the agents' local steps in the round in progress
@@ -169,18 +179,20 @@ def follow(client, after_version: int = -1, every: float = 10.0, out=None, run_i
         events.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    last = None
+    last: dict[str, str] = {}  # each run's last progress line printed
     while True:
         try:
             e = events.get(timeout=every)
         except queue.Empty:
             try:
-                line = progress_line(client.status(run_id))
+                lines = progress_lines(client, run_id)
             except Exception:  # noqa: BLE001 - a missed progress line; the stream decides
-                line = None
-            if line is not None and line.split("  ", 1)[1] != last:
-                last = line.split("  ", 1)[1]
-                print(line, file=out, flush=True)
+                lines = []
+            for line in lines:
+                run, text = line.split("  ", 2)[1:]
+                if last.get(run) != text:
+                    last[run] = text
+                    print(line, file=out, flush=True)
             continue
         if e is None:
             return

@@ -73,3 +73,25 @@ def test_ctl_watch_shows_local_steps_between_events():
     lines = out.getvalue().splitlines()
     assert "run started" in lines[0] and lines[-1].endswith("run stopped: done")
     assert any(line.endswith("round 1: local steps a0 640/1000") for line in lines[1:-1]), lines
+
+
+def test_ctl_watch_shows_every_running_runs_local_steps():
+    """Without --run, the progress lines between events are those of every running run."""
+    from fedrl.cli import show
+
+    def st(run_id, done):
+        return {"state": "running", "run_id": run_id, "round": 2,
+                "agents": [{"agent_id": "a0", "steps_done": done, "steps_total": 1000}]}
+
+    class Client:
+        def status(self, run_id=""):
+            if run_id:
+                return st(run_id, {"r1": 100, "r2": 700}[run_id])
+            return {**st("r2", 700), "runs": [{"run_id": "r0", "state": "finished"},
+                                              {"run_id": "r1", "state": "running"},
+                                              {"run_id": "r2", "state": "running"}]}
+
+    lines = show.progress_lines(Client())
+    assert [ln.split("  ", 2)[1:] for ln in lines] == [["r1", "round 2: local steps a0 100/1000"],
+                                                      ["r2", "round 2: local steps a0 700/1000"]]
+    assert [ln.split("  ", 2)[1] for ln in show.progress_lines(Client(), "r1")] == ["r1"]
