@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import require_tool
 from tests.e2e.lingering import lingering_up
-from tests.service.test_federation import wait_for
+from tests.service.test_federation import RPC_BOUND, wait_for
 
 pytestmark = pytest.mark.slow(reason="fedrl up over mutual TLS, every service a real process")
 
@@ -52,7 +52,7 @@ def test_up_secure_runs_and_refuses_callers_without_credentials(stand_dataset, t
             urllib.request.urlopen(targets["aggregator"], context=ctx, timeout=5).read()
         ctx.load_cert_chain(str(out / "tls" / "admin" / "tls.crt"), str(out / "tls" / "admin" / "tls.key"))
         assert re.search(r'^fedrl_aggregator_rounds_completed_total\{run="[^"]+"\} 2\.0$', urllib.request.urlopen(
-            targets["aggregator"], context=ctx, timeout=5).read().decode(), re.M)
+            targets["aggregator"], context=ctx, timeout=RPC_BOUND).read().decode(), re.M)
         prom = re.search(r"prometheus on (http://127\.0\.0\.1:\d+)", printed).group(1)
 
         def scraped():

@@ -14,7 +14,15 @@ from fedrl.federation.simulate import run as simulate
 from fedrl.proto.v1 import control_pb2
 from fedrl.wire.serde import status_from_proto
 from tests.service.conftest import Aggregator
-from tests.service.test_federation import SMALL, SMALL_BC, one_thread, run_config, status, wait_for  # noqa: F401
+from tests.service.test_federation import (  # noqa: F401
+    RPC_BOUND,
+    SMALL,
+    SMALL_BC,
+    one_thread,
+    run_config,
+    status,
+    wait_for,
+)
 
 # Two runs as different as one fleet allows: a clear DRPO run, and a secure Fed-BC one whose
 # round 0 gathers the moments masked, each with its own rounds and local steps (the seed also
@@ -35,6 +43,20 @@ def alone(data: str, tmp_path, algo: str, rounds: int, local_steps: int, seed: i
     return states
 
 
+def start(agg, **cfg) -> dict:
+    """StartRun of ``run_config(**cfg)``: the new run's status."""
+    return status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(**cfg)),
+                                                  timeout=RPC_BOUND))
+
+
+def run_status(agg, run_id: str) -> dict:
+    return status_from_proto(agg.control.GetStatus(control_pb2.StatusRequest(run_id=run_id), timeout=RPC_BOUND))
+
+
+def stop(agg, run_id: str) -> None:
+    agg.control.StopRun(control_pb2.StopRunRequest(run_id=run_id), timeout=RPC_BOUND)
+
+
 def ended(agg) -> dict | bool:
     """The status once every run held has ended (False before)."""
     s = status(agg)
@@ -49,9 +71,8 @@ def test_two_runs_together_make_the_versions_each_makes_alone(step_deadline, agg
     expected = [alone(str(stand_dataset), tmp_path, **r) for r in RUNS]
     agents = agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7, runs_at_once=runs_at_once)
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
-    ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(  # each secure step's
-        config_json=run_config(**r, round_timeout=4 * step_deadline)), timeout=10))["run_id"]  # deadline: taken in turn
-           for r in RUNS]
+    # each secure step's deadline: the agents take the two runs' tasks in turn
+    ids = [start(aggregator, **r, round_timeout=4 * step_deadline)["run_id"] for r in RUNS]
     done = wait_for(lambda: ended(aggregator), timeout=60 + 8 * step_deadline, what="both runs to end")
     assert [r["state"] for r in done["runs"]] == ["finished", "finished"], [r["message"] for r in done["runs"]]
     for run_id, r, states in zip(ids, RUNS, expected):
@@ -61,7 +82,7 @@ def test_two_runs_together_make_the_versions_each_makes_alone(step_deadline, agg
             assert all(torch.equal(stored[k], states[v][k]) for k in stored), f"run {r['algo']}: version {v} differs"
     # each agent took part in both, and counted its rounds per run; each learner went with its run's STOP
     for run_id, r in zip(ids, RUNS):
-        st = status_from_proto(aggregator.control.GetStatus(control_pb2.StatusRequest(run_id=run_id), timeout=10))
+        st = run_status(aggregator, run_id)
         assert [a["rounds_submitted"] for a in st["agents"]] == [r["rounds"]] * 2
     wait_for(lambda: all(not a.learners for a in agents), what="the agents to drop both runs' learners")
     if runs_at_once > 1:  # each agent trained both runs at once at some point
@@ -80,8 +101,7 @@ def test_a_restarted_aggregator_resumes_every_run(tmp_path, agent_threads, stand
     agent_threads.start(agg.target, str(stand_dataset), 2, 2, seed=7)
     wait_for(lambda: len(status(agg)["agents"]) == 2, what="agents to join")
     cfgs = [dict(algo="drpo", rounds=4, local_steps=40, seed=7), dict(algo="fed-bc", rounds=4, local_steps=40, seed=8)]
-    ids = [status_from_proto(agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(**c)),
-                                                  timeout=10))["run_id"] for c in cfgs]
+    ids = [start(agg, **c)["run_id"] for c in cfgs]
     wait_for(lambda: all(r["global_version"] >= 1 for r in status(agg)["runs"]), what="a version of each run")
     agg.close()  # down mid-way: neither run ended
     kept = {i: {v: agg.store.load_version(i, v) for v in agg.store.versions(i)} for i in ids}
@@ -109,20 +129,20 @@ def test_an_agent_in_busy_runs_gets_another_runs_task(aggregator, stand_dataset)
     from tests.service.test_federation import join
 
     join(aggregator, "a0", 0)
-    ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(agents=1, rounds=1, seed=s)), timeout=10))["run_id"] for s in (1, 2)]
+    ids = [start(aggregator, agents=1, rounds=1, seed=s)["run_id"] for s in (1, 2)]
     from fedrl.proto.v1 import federation_pb2
 
     def task(*busy):
         return aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0,
-                                                                  busy_runs=list(busy)), timeout=10)
+                                                                  busy_runs=list(busy)), timeout=RPC_BOUND)
     assert task().run_id == ids[0]  # in turn: the round that opened first
     assert task(ids[0]).run_id == ids[1]
     assert task(*ids).kind == federation_pb2.Task.WAIT
-    probe = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", probe=True, run_id=ids[1]), timeout=10)
+    probe = aggregator.fed.NextTask(federation_pb2.TaskRequest(agent_id="a0", probe=True, run_id=ids[1]),
+                                    timeout=RPC_BOUND)
     assert (probe.kind, probe.run_id) == (federation_pb2.Task.TRAIN, ids[1])
     # a stopped run's STOP names it, and comes before the other run's task
-    aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=ids[1]), timeout=10)
+    stop(aggregator, ids[1])
     t = task()
     assert (t.kind, t.run_id) == (federation_pb2.Task.STOP, ids[1])
     assert task().run_id == ids[0]
@@ -134,19 +154,16 @@ def test_each_run_has_its_own_metric_series(aggregator, field):
     ids = []
     aggregator.coord.lifecycle.max_runs = 2
     for s in (1, 2):
-        ids.append(status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-            config_json=run_config(seed=s)), timeout=10))["run_id"])
+        ids.append(start(aggregator, seed=s)["run_id"])
     reg = aggregator.metrics.registry
     name = f"fedrl_aggregator_{field}"
     assert {i: reg.get_sample_value(name, {"run": i}) for i in ids} == {i: 1.0 if field == "run_active" else 0.0
                                                                         for i in ids}
-    aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=ids[0]), timeout=10)
+    stop(aggregator, ids[0])
     assert reg.get_sample_value("fedrl_aggregator_run_active", {"run": ids[0]}) == 0.0
     assert reg.get_sample_value("fedrl_aggregator_runs_active") == 1.0
     for s in range(3, 9):  # past the ended runs kept: the oldest is forgotten, its series too
-        i = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-            config_json=run_config(seed=s)), timeout=10))["run_id"]
-        aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=i), timeout=10)
+        stop(aggregator, start(aggregator, seed=s)["run_id"])
     assert reg.get_sample_value(name, {"run": ids[0]}) is None
     assert json.loads(json.dumps(status(aggregator)["runs"]))[0]["run_id"] != ids[0]
 
@@ -160,18 +177,15 @@ def test_a_run_the_fleet_cannot_serve_is_refused_with_the_reason(aggregator):
     aggregator.coord.max_agents = 2
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
-    walker = run_config(env="Walker2d-v5")
-    assert_refused(lambda: aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=walker), timeout=10),
-                   grpc.StatusCode.FAILED_PRECONDITION, "the fleet cannot serve this run: env Walker2d-v5, but all 2 "
-                   "agents this aggregator holds (--max-agents 2) are connected, and none has data of it")
+    assert_refused(lambda: start(aggregator, env="Walker2d-v5"), grpc.StatusCode.FAILED_PRECONDITION,
+                   "the fleet cannot serve this run: env Walker2d-v5, but all 2 agents this aggregator holds "
+                   "(--max-agents 2) are connected, and none has data of it")
     assert status(aggregator)["state"] == "idle"  # nothing was started
     for seed in (1, 2):
-        st = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-            config_json=run_config(env="Hopper-v5", seed=seed, rounds=1)), timeout=10))
+        st = start(aggregator, env="Hopper-v5", seed=seed, rounds=1)
         assert st["state"] == "running", st["message"]
     aggregator.coord.max_agents = 3  # room for another agent: the run is taken (and, as every agent connected
-    st = status_from_proto(aggregator.control.StartRun(  # is of another task, fails at its start, saying so)
-        control_pb2.StartRunRequest(config_json=walker), timeout=10))
+    st = start(aggregator, env="Walker2d-v5")  # is of another task, fails at its start, saying so)
     assert st["run_id"] and st["message"] == "env Walker2d-v5 in the run config, but the agents' data is for Hopper-v5"
 
 
@@ -193,18 +207,15 @@ def test_a_round_an_agent_sits_out_does_not_hold_up_its_other_runs(step_deadline
     monkeypatch.setattr(Agent, "_learner_for", newer)
     agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7, session=session)
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
-    held = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
-        seed=1, rounds=1, min_agents=1, round_timeout=3600.0, algo="fed-bc")), timeout=10))["run_id"]
-    other = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
-        seed=2, rounds=3, algo="fed-bc")), timeout=10))["run_id"]
-    st = lambda run_id: status_from_proto(aggregator.control.GetStatus(  # noqa: E731
-        control_pb2.StatusRequest(run_id=run_id), timeout=10))
-    wait_for(lambda: st(other)["state"] == "finished", timeout=60 + 3 * step_deadline,  # three short rounds
+    held = start(aggregator, seed=1, rounds=1, min_agents=1, round_timeout=3600.0, algo="fed-bc")["run_id"]
+    other = start(aggregator, seed=2, rounds=3, algo="fed-bc")["run_id"]
+    wait_for(lambda: run_status(aggregator, other)["state"] == "finished",
+             timeout=60 + 3 * step_deadline,  # three short rounds
              what="the other run to finish beside the held round")
-    first = st(held)
+    first = run_status(aggregator, held)
     assert (first["state"], first["round"]) == ("running", 1)  # still waiting for agent-1, until its deadline
     assert [a["rounds_submitted"] for a in first["agents"]] == [1, 0]
-    aggregator.control.StopRun(control_pb2.StopRunRequest(run_id=held), timeout=10)
+    stop(aggregator, held)
 
 
 def test_the_evaluator_follows_every_run(step_deadline, aggregator, agent_threads, stand_dataset):
@@ -220,12 +231,11 @@ def test_the_evaluator_follows_every_run(step_deadline, aggregator, agent_thread
     t = threading.Thread(target=f.run, daemon=True)
     t.start()
     try:
-        ids = [status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
-            seed=7, rounds=r, eval_episodes=1, algo="fed-bc")), timeout=10))["run_id"] for r in (2, 3)]
+        ids = [start(aggregator, seed=7, rounds=r, eval_episodes=1, algo="fed-bc")["run_id"] for r in (2, 3)]
         wait_for(lambda: len(f.reports) == 5, timeout=120 + 5 * step_deadline, what="five evaluations")
         assert sorted(f.reports) == sorted([(ids[0], 1), (ids[0], 2), (ids[1], 1), (ids[1], 2), (ids[1], 3)])
         for run_id, last in zip(ids, (2, 3)):
-            st = status_from_proto(aggregator.control.GetStatus(control_pb2.StatusRequest(run_id=run_id), timeout=10))
+            st = run_status(aggregator, run_id)
             assert st["evaluated_versions"] == list(range(1, last + 1)) and st["last_evaluation"]["run_id"] == run_id
             assert f.metrics.registry.get_sample_value("fedrl_evaluator_evaluated_version", {"run": run_id}) == last
     finally:
