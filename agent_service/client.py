@@ -325,7 +325,8 @@ class Agent:
         req = federation_pb2.TaskRequest(agent_id=self.cfg.agent_id, wait_seconds=self.cfg.task_wait)
         skip, self._skip_run = self._skip_run, ""
         if self.lanes is None:
-            req.busy_runs.extend([skip] if skip else [])
+            if skip:
+                req.busy_runs.append(skip)
             return stub.NextTask(req, timeout=self.cfg.task_wait + 30)
         with self.lanes.asking:
             busy = self.lanes.others(self.lane) + ([skip] if skip else [])

@@ -164,6 +164,14 @@ class AgentRegistry:
             log.info("agent %s forgotten (last seen %.0fs ago)", a.agent_id, now - a.last_seen,
                      extra={"event": {"kind": "AGENT_FORGOTTEN", "agent_id": a.agent_id}})
 
+    def forget_run(self, run_id: str) -> None:
+        """``run_id`` is no longer held: the agents' records of it go (their counts, its STOP,
+        its rounds sat out). Under the lock."""
+        for a in self.agents.values():
+            a.accepted.pop(run_id, None)
+            a.stops_sent.discard(run_id)
+            a.declined = {x for x in a.declined if x[0] != run_id}
+
     def last_accepted_round(self, agent_id: str, run_id: str) -> int:
         """The last round of ``run_id`` whose update from ``agent_id`` was accepted, 0 if none.
         A restarted aggregator knows those of the rounds whose close it stored (events)."""

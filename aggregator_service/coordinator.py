@@ -50,9 +50,9 @@ class Coordinator:
         self.store, self.max_task_wait = store, max_task_wait
         self.metrics = metrics or AggregatorMetrics()
         self.shared = Shared()
-        self.shared.on_forget = self.metrics.forget_run
         self.journal = Journal(store)
         self.registry = AgentRegistry(self.shared, max_agents, agent_ttl, max_task_wait)
+        self.shared.on_forget = self._forget
         self.start = RunStart(self.shared, self.registry, self.journal, store)
         self.versions = Versions(self.shared, store)
         self.rounds = Rounds(self.shared, self.registry, self.journal, self.start, store, self.metrics)
@@ -121,6 +121,11 @@ class Coordinator:
     @property
     def closed(self) -> bool:
         return self.shared.closed
+
+    def _forget(self, run_id: str) -> None:
+        """A run is no longer held: its metric series and the agents' records of it go."""
+        self.metrics.forget_run(run_id)
+        self.registry.forget_run(run_id)
 
     def close(self) -> None:
         with self.shared.cond:

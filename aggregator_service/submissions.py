@@ -122,9 +122,7 @@ class Submissions:
             clean = {k: float(v) for k, v in metrics.items() if np.isfinite(v)}
             run.machine.take(agent_id, m.round, m.base_version, Update(state, m.num_samples, clean, seconds, flat))
             rec = self.registry.agents[agent_id]
-            n, _ = rec.accepted.get(run.run_id, (0, 0))
-            rec.accepted = {r: x for r, x in rec.accepted.items() if r in self.s.runs}  # of the runs held
-            rec.accepted[run.run_id] = (n + 1, run.round)
+            rec.accepted[run.run_id] = (rec.accepted.get(run.run_id, (0, 0))[0] + 1, run.round)
             self.metrics.accepted.inc()
             r = run.round
             if run.machine.complete:

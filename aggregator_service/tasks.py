@@ -59,7 +59,7 @@ class Tasks:
         for run in runs:
             if run.state not in ACTIVE and run.run_id not in a.stops_sent:
                 if not probe:
-                    a.stops_sent = {r for r in a.stops_sent if r in self.s.runs} | {run.run_id}
+                    a.stops_sent.add(run.run_id)
                 return {"kind": "STOP", "run_id": run.run_id}
         waiting = [r for r in runs if r.state == "running" and r.machine is not None
                    and r.machine.phase in ("gather", "open") and not r.machine.took_part(a.agent_id)

@@ -325,7 +325,7 @@ MUTANTS = (
            "run = min(waiting, key=lambda r: r.round_opened)", "run = max(waiting, key=lambda r: r.round_opened)",
            SEVERAL_RUNS_TESTS),
     Mutant("stop-given-at-every-call", "aggregator_service/tasks.py",
-           "                    a.stops_sent = {r for r in a.stops_sent if r in self.s.runs} | {run.run_id}\n",
+           "                    a.stops_sent.add(run.run_id)\n",
            "                    pass\n", SEVERAL_RUNS_TESTS),
     Mutant("agent-one-learner-for-every-run", "agent_service/client.py", "lr = self.learners.get(task.run_id)",
            "lr = next(iter(self.learners.values()), None)", SEVERAL_RUNS_TESTS),

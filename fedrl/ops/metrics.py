@@ -26,6 +26,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 
 # No ``*_created`` series: Prometheus ignores them in the text format and they double the scrape.
@@ -184,8 +185,6 @@ class _RunGauges:
         return []  # collected at scrape time only (a registry asks describe() at registration)
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
-
         runs = self.runs()
         for key, text in RUN_GAUGES:
             name = f"{self.prefix}_{key}" + ("_timestamp_seconds" if key == "round_deadline" else "")
