@@ -16,8 +16,12 @@ for c in fedrl fedrl-aggregator fedrl-agent fedrl-evaluator sh; do command -v "$
 fedrl-aggregator --host 127.0.0.1 --port "$AGG" --state-dir /state --metrics-port 0 \
   --health-port "$AGG_HEALTH" > /tmp/logs/aggregator.log 2>&1 &
 PIDS=$!
-# the local overlay's agent: hopper-medium-v2 made in its data volume from the shipped policy
-HOSTNAME=fedrl-agent-0 fedrl-agent --aggregator "127.0.0.1:$AGG" --dataset hopper-medium-v2 --shards 1 \
+# the base manifests' agent reads /data/shard.hdf5: made here in the data volume from the shipped
+# behaviour policy (4 episodes: the local overlay's hopper-medium-v2, 200k rows made the same way,
+# took ~40 s of the test; the registry's making is tested outside the image)
+fedrl data make --env Hopper-v5 --quality medium --episodes 4 --out /data/shard.hdf5 \
+  > /tmp/logs/data.log 2>&1 || fail "fedrl data make failed: $(tail -n 5 /tmp/logs/data.log)"
+HOSTNAME=fedrl-agent-0 fedrl-agent --aggregator "127.0.0.1:$AGG" --dataset /data/shard.hdf5 --shards 1 \
   --shard ordinal --trajectories 2 --seed 0 --agent-id fedrl-agent-0 --device cpu --threads 1 \
   --host 127.0.0.1 --health-port "$AGENT_HEALTH" --metrics-port "$AGENT_METRICS" > /tmp/logs/agent.log 2>&1 &
 PIDS="$PIDS $!"
