@@ -207,18 +207,20 @@ def _head(where: Path = ROOT) -> str:
                           check=True).stdout.strip()
 
 
-def measure_suite(loaded_runs: int = 3, burners: int = 2, beside: str = "", after_idle: str = "") -> int:
+def measure_suite(loaded_runs: int = 3, burners: int = 2, beside: str = "", after_idle: str = "",
+                  keep_loaded: bool = False) -> int:
     """The README's test command from a fresh clone: once on the machine as it is (run this on an
     idle machine; with ``loaded_runs`` 0 the file keeps the loaded runs it had, each with its
     commit), then ``loaded_runs`` times beside ``burners`` CPU burners (a busy loop each),
     or beside other work (``beside`` says what, in words; ``after_idle``: a shell command run
-    between the idle run and the loaded ones, e.g. to resume that work)."""
+    between the idle run and the loaded ones, e.g. to resume that work; ``keep_loaded``: the new
+    loaded runs are added to those the file has, not put in their place)."""
     with tempfile.TemporaryDirectory(prefix="fedrl-suite-") as tmp:
         head = _head()
         py = _fresh_clone(Path(tmp))
         runs = [_suite_run(py, Path(tmp) / "clone", 0)]
         kept = []
-        if not loaded_runs and (RESULTS / "suite.json").exists():  # an idle run alone keeps the loaded ones
+        if (keep_loaded or not loaded_runs) and (RESULTS / "suite.json").exists():  # an idle run alone keeps the loaded ones
             kept = json.loads((RESULTS / "suite.json").read_text()).get("loaded", [])
         if after_idle:
             subprocess.run(after_idle, shell=True, check=False)
@@ -411,11 +413,13 @@ def main(argv: list[str] | None = None) -> int:
                                                 "(e.g. other jobs at the tests' priority, with --burners 0)")
     m.add_argument("--after-idle", default="", help="suite: a shell command run after the idle run (e.g. resuming "
                                                     "those jobs)")
+    m.add_argument("--keep-loaded", action="store_true",
+                   help="suite: add the new loaded runs to those the results file has (each keeps its commit)")
     sub.add_parser("render")
     a = ap.parse_args(argv)
     if a.cmd == "measure":
         if a.what == "suite":
-            return measure_suite(a.loaded_runs, a.burners, a.beside, a.after_idle)
+            return measure_suite(a.loaded_runs, a.burners, a.beside, a.after_idle, a.keep_loaded)
         return {"up": measure_up, "by-hand": measure_by_hand}[a.what]()
     README.write_text(replace_blocks(README.read_text(), blocks()))
     PERFORMANCE.write_text(replace_blocks(PERFORMANCE.read_text(), performance_blocks()))
