@@ -311,7 +311,32 @@ def table_md(res: dict) -> str:
                          f"{x['round_ms_p90']:.1f} | {x['mb_per_s']:.0f} | {x['cpu_ms_per_round']['server']:.0f} / "
                          f"{x['cpu_ms_per_round']['clients_total']:.0f} | {x['peak_rss_mb']['server']:.0f} / "
                          f"{x['peak_rss_mb']['client_max']:.0f} | {x['rounds_measured']} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + reading_md(res)
+
+
+def reading_md(res: dict) -> str:
+    """The table's reading, from the same file: our round time over Flower's fastest path's per
+    size (target: at most 0.5x), the deployment engine's rounds and the machine's load."""
+    parts, met = [], []
+    for name, r in res["sizes"].items():
+        label = "the Hopper policy" if name == "hopper_policy" else f"the {r['model_bytes'] / 1e6:.0f} MB model"
+        x = 1 / r["fastest_flower_over_ours_round_time"]
+        parts.append(f"{x:.2f}x" + (" the time of Flower's fastest path" if not parts else "") + f" with {label}")
+        met.append(x <= 0.5 and r["ours"]["mb_per_s"] >= 2 * max(r[s]["mb_per_s"] for s in SIDES if s != "ours" and s in r))
+    text = (f"Reading ({res['date']}, {res['clients']} clients, {res['cores']} cores, 1-minute load "
+            f"{res['machine_state_loadavg_at_start'][0]:.1f} at the start and "
+            f"{res['machine_state_loadavg_at_end'][0]:.1f} at the end): our round takes "
+            + " and ".join(parts) + "; the target (at most half of Flower's "
+            "fastest path's round time, and twice its transfer, in the same run) is "
+            + ("met for every size." if all(met) else "not met for every size."))
+    dep = [r["flower_deployment"] for r in res["sizes"].values() if "flower_deployment" in r]
+    if dep:
+        secs = [d["round_ms_median"] / 1e3 for d in dep]
+        cpu = [d["cpu_ms_per_round"]["clients_total"] / res["clients"] / 1e3 for d in dep]
+        text += (f" The deployment engine starts a Python process per message ({min(cpu):.1f}-{max(cpu):.1f} s of "
+                 f"CPU per node per round), so its round takes {min(secs):.1f}-{max(secs):.1f} s whatever the "
+                 "model's size.")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -426,13 +426,24 @@ def test_peers_table_lists_each_side_measured():
     side = {"round_ms_median": 30.0, "round_ms_p90": 40.0, "mb_per_s": 170.0, "rounds_measured": 60,
             "cpu_ms_per_round": {"server": 22.0, "clients_total": 33.0},
             "peak_rss_mb": {"server": 300.0, "client_max": 270.0}}
-    res = {"sizes": {"hopper_policy": {"model_bytes": 282352, "ours": side, "flower": side},
-                     "model_30mb": {"model_bytes": 30194776, "ours": side, "flower": side,
-                                    "flower_deployment": side}}}
-    rows = table_md(res).splitlines()[2:]
+    slow = {**side, "round_ms_median": 75.0, "mb_per_s": 60.0, "cpu_ms_per_round": {"server": 900.0, "clients_total": 20000.0}}
+    res = {"date": "2026-12-04", "clients": 10, "cores": 2, "machine_state_loadavg_at_start": [1.0, 1, 1],
+           "machine_state_loadavg_at_end": [2.0, 2, 2],
+           "sizes": {"hopper_policy": {"model_bytes": 282352, "ours": side, "flower": slow,
+                                       "fastest_flower_over_ours_round_time": 2.5},
+                     "model_30mb": {"model_bytes": 30194776, "ours": side, "flower": slow,
+                                    "flower_deployment": slow, "fastest_flower_over_ours_round_time": 2.5}}}
+    text = table_md(res)
+    rows = [line for line in text.splitlines()[2:] if line.startswith("|")]
     assert len(rows) == 5  # the deployment engine was measured for one size only
     assert rows[0].startswith("| Hopper policy (0.28 MB) | this federation | 30.0 | 40.0 | 170 | 22 / 33 | 300 / 270 | 60 |")
     assert "deployment engine" in rows[-1] and rows[-1].startswith("| 30 MB model (30.19 MB)")
+    # the reading is rendered from the same numbers: 0.40x each, 2.8x the transfer; the engine's
+    # 20 s of clients' CPU over 10 nodes
+    assert "0.40x the time of Flower's fastest path with the Hopper policy and 0.40x with the 30 MB model" in text
+    assert "is met for every size" in text and "2.0-2.0 s of CPU per node" in text
+    res["sizes"]["model_30mb"]["flower"] = {**slow, "mb_per_s": 100.0}  # transfer under 2x: not met
+    assert "not met for every size" in table_md(res)
 
 
 def test_every_mutant_still_names_one_line_of_the_code():
