@@ -220,7 +220,7 @@ def measure_suite(loaded_runs: int = 3, burners: int = 2, beside: str = "", afte
         py = _fresh_clone(Path(tmp))
         runs = [_suite_run(py, Path(tmp) / "clone", 0)]
         kept = []
-        if (keep_loaded or not loaded_runs) and (RESULTS / "suite.json").exists():  # an idle run alone keeps the loaded ones
+        if (keep_loaded or not loaded_runs) and (RESULTS / "suite.json").exists():  # earlier loaded runs stay
             kept = json.loads((RESULTS / "suite.json").read_text()).get("loaded", [])
         if after_idle:
             subprocess.run(after_idle, shell=True, check=False)
