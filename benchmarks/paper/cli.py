@@ -53,19 +53,19 @@ from benchmarks.paper.cells import (
     work_dir,
 )
 from benchmarks.paper.plots import curves_png, lambda_curves_png, studies_png
-from benchmarks.paper.presets import EXPERIMENTS, PRESETS, Preset, RunSpec, plan, result_path
+from benchmarks.paper.presets import EXPERIMENTS, PRESETS, Preset, RunSpec, plan, planned, result_path
 from benchmarks.paper.tables import STUDIES_MD, columns, md_blocks, render_blocks, study_blocks
 
 
 def cmd_run(a) -> int:
     p = PRESETS[a.preset]
-    seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else p.seeds
+    seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else None
     exps = (p.planned or EXPERIMENTS) if a.experiment == "all" else (a.experiment,)
     root = Path(a.results)
     jobs, agent_threads = getattr(a, "jobs", 1), getattr(a, "agent_threads", 1)
     if jobs < 1 or agent_threads < 1:
         raise SystemExit("--jobs and --agent-threads must be at least 1")
-    todo = [r for e in exps for r in plan(p, e, seeds)]
+    todo = [r for e in exps for r in (plan(p, e, seeds) if seeds else planned(p, e))]
     device = getattr(a, "device", "cpu")
     only = [k for k in (getattr(a, "only", None) or "").split(",") if k]
     if only:  # these cells, in this order
@@ -140,20 +140,25 @@ def cmd_run(a) -> int:
 
 
 def cmd_status(a) -> int:
+    """Per experiment: how many of its planned cells are done, each one in progress (its round,
+    pace, and whether a process holds it), and, for the preset's plan, the cells still to run."""
     p = PRESETS[a.preset]
     root = Path(getattr(a, "results", RESULTS))
     for e in EXPERIMENTS:
-        todo = plan(p, e, p.seeds)
-        n = sum(result_path(p, r, root).exists() for r in todo)
+        todo = planned(p, e)
+        done = [r for r in todo if result_path(p, r, root).exists()]
         going = [(r, rounds_done(work_dir(p, r, root))) for r in todo
                  if not result_path(p, r, root).exists() and work_dir(p, r, root).exists()]
         off_plan = p.planned is not None and e not in p.planned
-        print(f"{e:13s} {n:4d} / {len(todo)} runs done" + "".join(_going(p, r, k, root) for r, k in going)
+        print(f"{e:13s} {len(done):4d} / {len(todo)} runs done" + "".join(_going(p, r, k, root) for r, k in going)
               + (f" (not in the {p.name} preset's plan: runs only when asked for by name)" if off_plan else ""))
-        if n:
+        if done:
             revs = sorted({json.loads(result_path(p, r, root).read_text()).get("code_revision", "unknown")
-                           for r in todo if result_path(p, r, root).exists()})
+                           for r in done})
             print(f"{'':13s} code revisions of the finished runs: {', '.join(revs)}")
+        waiting = [r.key for r in todo if r not in done and not any(r is g for g, _ in going)]
+        if waiting and not off_plan:
+            print(f"{'':13s} not started: {', '.join(waiting)}")
     return 0
 
 

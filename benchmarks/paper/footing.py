@@ -1,7 +1,7 @@
 """DRPO's lead on equal footing and on a second task (issue 83), read from result files only.
 
     python -m benchmarks.paper run --preset verdict --only fed-cql-returns-gradient-medium-s0,...
-    python -m benchmarks.paper run --preset verdict --seeds 3,4 --only drpo-returns-gradient-medium-s3,...
+    python -m benchmarks.paper run --preset verdict --only drpo-returns-gradient-medium-s3,...
     python -m benchmarks.paper run --preset heldout-walker2d
     python -m benchmarks.paper.verdict render            (renders these tables with the verdict's)
 
@@ -28,15 +28,16 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import RESULTS
-from benchmarks.paper import cells as runs, readings as verdict, tables
+from benchmarks.paper import cells as runs, presets, readings as verdict, tables
 
 CQL_METHODS = ("drpo", "fed-cql", "cql")
 GRADIENT = "-returns-gradient"
 CRITICS = (("", "the paper's critic (`none`)"), (GRADIENT, "the gradient stop (`returns-gradient`)"))
 NAMES = {"drpo": "DRPO", "fed-cql": "Fed-CQL", "cql": "CQL alone", "fed-bc": "Fed-BC"}
 SEEDS = verdict.PRESET.seeds  # the verdict's (0, 1, 2)
-ADDED_SEEDS = (3, 4)  # the spread's seeds: DRPO with the gradient stop, and Fed-BC
-SPREAD_METHODS = ("drpo" + GRADIENT, "fed-bc")
+# the spread's added seeds (3, 4): DRPO with the gradient stop, and Fed-BC (the preset plans them)
+SPREAD_METHODS = tuple(m for m, _ in verdict.PRESET.more_seeds)
+ADDED_SEEDS = dict(verdict.PRESET.more_seeds)[SPREAD_METHODS[0]]
 HELD_METHODS = ("fed-bc", "drpo", "drpo" + GRADIENT)
 
 
@@ -108,8 +109,9 @@ def spread_md(results: list[dict[str, Any]]) -> str:
                     + " | ".join(f"{last[m][s]:.1f}" if s in last[m] else "-" for s in seeds) + " |")
     added = sum(s in last[m] for m in SPREAD_METHODS for s in ADDED_SEEDS)
     if added < len(SPREAD_METHODS) * len(ADDED_SEEDS):
+        missing = [f"{m}-{presets.short(verdict.PRESET.datasets[0])}-s{s}" for m in SPREAD_METHODS for s in ADDED_SEEDS if s not in last[m]]
         said = (f"**Five seeds**: not in yet, {added} of {len(SPREAD_METHODS) * len(ADDED_SEEDS)} added cells "
-                f"(`python -m benchmarks.paper run --preset {verdict.PRESET.name} --seeds 3,4`).")
+                f"(`python -m benchmarks.paper run --preset {verdict.PRESET.name} --only {','.join(missing)}`).")
     else:
         a, b = last[SPREAD_METHODS[0]], last[SPREAD_METHODS[1]]
         d = _diff(a, b)

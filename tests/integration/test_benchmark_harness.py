@@ -526,9 +526,13 @@ def test_the_claim_preset_runs_and_reports_its_plan_and_marks_the_rest(tmp_path,
     p = paper.presets.PRESETS["claim"]
     assert p.planned == ("table", "lambdas")
     paper.cli.cmd_status(type("A", (), {"preset": "claim", "results": str(tmp_path)}))
-    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.strip()}
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
     for e in paper.presets.EXPERIMENTS:
         assert ("not in the claim preset's plan" in lines[e]) == (e not in p.planned), lines[e]
+    # the planned experiments name the cells still to run; the others do not list theirs
+    assert out.count("not started: ") == len(p.planned)
+    assert f"not started: {', '.join(r.key for r in paper.presets.plan(p, 'table', p.seeds))}\n" in out
     ran = []
     monkeypatch.setattr(paper.cli, "run_one", lambda name, r, *a: (ran.append(r), (r, {"final": None}, 0.0))[1])
     monkeypatch.setattr(paper.cli, "find_identical", lambda *a: None)

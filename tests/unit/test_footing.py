@@ -51,7 +51,8 @@ def test_neither_critic_when_fed_cql_leads_under_both():
 def test_five_seeds_wait_for_the_added_cells_then_count_the_seeds_drpo_leads():
     five = (0, 1, 2, 3, 4)
     rs = cells({"drpo-returns-gradient": 50.0, "fed-bc": 30.0}, seeds=five, spread=12.0)
-    assert "not in yet, 3 of 4 added cells" in footing.spread_md(rs[:-1])
+    said = footing.spread_md(rs[:-1])  # the command it gives runs just the missing cell
+    assert "not in yet, 3 of 4 added cells" in said and "--preset verdict --only fed-bc-medium-s4`" in said
     said = footing.spread_md(rs)
     assert "DRPO above Fed-BC in 5 of 5 seeds" in said and "| 38.0 | 50.0 | 62.0 | 74.0 | 86.0 |" in said
 
@@ -99,3 +100,16 @@ def test_the_seed_that_never_lifts_is_read_against_its_data_and_its_diagnostics(
     assert "what sets it apart: the agents' data (D4RL score)." in said  # Fed-BC's s1 is the middle of its three
     assert "| s1 | 31 | 28.2 | 30 |" in said
     assert "not in yet, 2 of 3 seeds" in footing.seed_md([r for r in rs if r["seed"] != 2], quality)
+
+
+def test_the_verdict_plans_the_added_seeds_for_the_spread_methods_only():
+    """``run --preset verdict`` (no --seeds) and ``status`` include seeds 3 and 4 of DRPO with the
+    gradient stop and Fed-BC, and no other method's."""
+    from benchmarks.paper import presets
+
+    p = presets.PRESETS["verdict"]
+    keys = [r.key for r in presets.planned(p, "table")]
+    assert keys[:len(p.methods) * 3] == [r.key for r in presets.plan(p, "table", p.seeds)]
+    assert keys[len(p.methods) * 3:] == ["drpo-returns-gradient-medium-s3", "drpo-returns-gradient-medium-s4",
+                                         "fed-bc-medium-s3", "fed-bc-medium-s4"]
+    assert footing.ADDED_SEEDS == (3, 4) and footing.SPREAD_METHODS == ("drpo-returns-gradient", "fed-bc")
