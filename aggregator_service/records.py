@@ -99,7 +99,11 @@ class Run:
         """Its agents, their task and (once known) each one's normaliser."""
         self.selected, self.env_id, self.dims = list(selected), env_id, dims
         if norms is not None:
-            self.norms = dict(norms)
+            self.normalised(norms)
+
+    def normalised(self, norms: dict[str, tuple[list[float], list[float]]]) -> None:
+        """Each selected agent's observation normaliser, fixed with version 0."""
+        self.norms = dict(norms)
 
     def restored(self, events: list[dict[str, Any]], version: int, enc: Encoded) -> None:
         """Picked up after a restart at its stored ``version``: its journal as replayed, its

@@ -123,7 +123,7 @@ class RunStart:
             self.journal.fail(run, f"cannot write version 0 to the state directory: {e}")
             return None
         norms = {a: tuple(x.tolist() for x in own.get(a, (g_mean, g_std))) for a in run.selected}
-        run.chosen(run.selected, run.env_id, run.dims, norms)
+        run.normalised(norms)
         samples = list(run.machine.plan.samples) if run.machine is not None else [
             self.registry.agents[a].num_samples for a in run.selected]
         try:
