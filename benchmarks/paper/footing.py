@@ -123,6 +123,8 @@ def spread_md(results: list[dict[str, Any]]) -> str:
 
 DATA_QUALITY = "data_quality.json"
 AT = ("alpha", "entropy", "reg_data", "q_data")  # the diagnostics read at the last round
+# the other CQL-based methods under the gradient stop: on a seed they hold the same agents' data
+PEERS = tuple(m + GRADIENT for m in CQL_METHODS[1:])
 DIAGNOSTICS = {"alpha": "alpha", "entropy": "entropy", "reg_data": "NLL of the data actions",
                "q_data": "Q on the data", "share": "Q term / regularisers (actor gradient)"}
 
@@ -158,9 +160,11 @@ def _at_last(r: dict[str, Any], key: str) -> float | None:
 def seed_reading(results: list[dict[str, Any]], quality: dict[str, dict[str, float]],
                  method: str = "drpo" + GRADIENT) -> dict[int, dict[str, float]]:
     """Per seed of ``method``: its last rounds' score, the last round's diagnostics (:data:`AT`, the
-    Q term's share of the actor's gradient), its data's score, and Fed-BC's score on that seed."""
+    Q term's share of the actor's gradient), its data's score, and Fed-BC's and the other
+    gradient-stop methods' (:data:`PEERS`) scores on that seed: the same agents' data."""
     seeds = (*SEEDS, *ADDED_SEEDS)
     bc = last_by_seed(results, "fed-bc", seeds)
+    peers = {m: last_by_seed(results, m, seeds) for m in PEERS}
     out = {}
     for r in results:
         if tables.method(r) != method or r["seed"] not in seeds:
@@ -171,6 +175,7 @@ def seed_reading(results: list[dict[str, Any]], quality: dict[str, dict[str, flo
         q = quality.get(str(r["seed"]))
         x["data_score"] = q["score"] if q else None
         x["fed_bc"] = bc.get(r["seed"])
+        x |= {m: peers[m].get(r["seed"]) for m in PEERS}
         out[r["seed"]] = x
     return dict(sorted(out.items()))
 
@@ -183,9 +188,11 @@ def seed_md(results: list[dict[str, Any]], quality: dict[str, dict[str, float]])
     rd = seed_reading(results, quality)
     if len(rd) < len(SEEDS):
         return f"**The seed that never lifts**: not in yet, {len(rd)} of {len(SEEDS)} seeds."
-    cols = ("last", "data_score", "fed_bc", *AT, "share")
+    cols = ("last", *PEERS, "data_score", "fed_bc", *AT, "share")
     head = {"last": f"DRPO, last {verdict.LAST} rounds", "data_score": "the agents' data (D4RL score)",
-            "fed_bc": "Fed-BC, same seed", **{k: f"{DIAGNOSTICS[k]} at the last round" for k in (*AT, "share")}}
+            "fed_bc": "Fed-BC, same seed", **{m: f"{NAMES[m.removesuffix(GRADIENT)]}, gradient stop, same seed"
+                                              for m in PEERS},
+            **{k: f"{DIAGNOSTICS[k]} at the last round" for k in (*AT, "share")}}
     rows = ["| seed | " + " | ".join(head[c] for c in cols) + " |", "| --- | " + " | ".join("---" for _ in cols) + " |"]
     for seed, x in rd.items():
         rows.append(f"| s{seed} | " + " | ".join("-" if x[c] is None else f"{x[c]:.3g}" for c in cols) + " |")
@@ -204,8 +211,25 @@ def seed_md(results: list[dict[str, Any]], quality: dict[str, dict[str, float]])
             f"{verdict.LAST} rounds). At the last round its " + ", ".join(same)
             + (" lie within 5% of the other seeds' range" if same else "")
             + ("; what sets it apart: " + ", ".join(apart) if apart else "; nothing logged sets it apart")
-            + ". Seeds whose data scores lower than the others' are the test of that reading.")
+            + ". " + _peers_said(rd, low)
+            + "Seeds whose data scores lower than the others' are the test of that reading.")
     return "\n".join(rows) + "\n\n" + said
+
+
+def _peers_said(rd: dict[int, dict[str, Any]], low: int) -> str:
+    """Whether the other methods under the gradient stop, on the same agents' data, also lag on
+    the seed DRPO lags on (the seed's data and draws, not DRPO's regularisers), as far as they are in."""
+    out = []
+    for m in PEERS:
+        xs = {k: x[m] for k, x in rd.items() if x[m] is not None}
+        name = f"{NAMES[m.removesuffix(GRADIENT)]} with the gradient stop"
+        if low not in xs or len(xs) < 2:
+            out.append(f"{name}: not in yet on s{low} and another seed")
+            continue
+        lowest = xs[low] < min(v for k, v in xs.items() if k != low)
+        out.append(f"{name} {'also scores lowest' if lowest else 'does not score lowest'} "
+                   f"on s{low} ({xs[low]:.1f}, against {', '.join(f'{xs[k]:.1f}' for k in sorted(xs) if k != low)})")
+    return "On the same agents' data, " + "; ".join(out) + ". "
 
 
 def walker_md(held: list[dict[str, Any]]) -> str:

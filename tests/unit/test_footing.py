@@ -98,8 +98,27 @@ def test_the_seed_that_never_lifts_is_read_against_its_data_and_its_diagnostics(
     assert "**The seed that never lifts** is s1 (DRPO with the gradient stop, 31.0" in said
     assert "alpha, entropy, NLL of the data actions, Q on the data, Q term / regularisers (actor gradient) lie within" in said
     assert "what sets it apart: the agents' data (D4RL score)." in said  # Fed-BC's s1 is the middle of its three
-    assert "| s1 | 31 | 28.2 | 30 |" in said
+    assert "| s1 | 31 | - | - | 28.2 | 30 |" in said  # the other gradient-stop methods not in yet
+    assert "Fed-CQL with the gradient stop: not in yet on s1 and another seed" in said
     assert "not in yet, 2 of 3 seeds" in footing.seed_md([r for r in rs if r["seed"] != 2], quality)
+
+
+@pytest.mark.parametrize("fed_cql_s1, said_of_it", [
+    (15.0, "Fed-CQL with the gradient stop also scores lowest on s1 (15.0, against 19.5, 20.5)"),
+    (19.5, "Fed-CQL with the gradient stop does not score lowest on s1 (19.5, against 19.5, 20.5)"),  # a tie
+    (60.0, "Fed-CQL with the gradient stop does not score lowest on s1 (60.0, against 19.5, 20.5)")])
+def test_the_seed_is_read_against_the_other_gradient_stop_methods_on_the_same_data(fed_cql_s1, said_of_it):
+    """Fed-CQL and CQL alone under the gradient stop hold the same agents' data on a seed: whether
+    they lag on DRPO's lowest seed too tells the seed's data and draws from DRPO's regularisers."""
+    rs = cells({"drpo-returns-gradient": 60.0, "fed-bc": 30.0, "fed-cql-returns-gradient": 20.0})
+    for r in rs:
+        if r["seed"] == 1 and r["variant"].get("method") == "drpo-returns-gradient":
+            r["curve"][-5:] = [{"round": 16 + i, "score_mean": 31.0} for i in range(5)]
+        if r["seed"] == 1 and tables_method(r) == "fed-cql-returns-gradient":
+            r["curve"][-5:] = [{"round": 16 + i, "score_mean": fed_cql_s1} for i in range(5)]
+    said = footing.seed_md(rs, {})
+    assert said_of_it in said
+    assert "CQL alone with the gradient stop: not in yet on s1 and another seed" in said
 
 
 def test_the_verdict_plans_the_added_seeds_for_the_spread_methods_only():
