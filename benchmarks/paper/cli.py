@@ -147,8 +147,8 @@ def cmd_status(a) -> int:
     for e in EXPERIMENTS:
         todo = planned(p, e)
         done = [r for r in todo if result_path(p, r, root).exists()]
-        going = [(r, rounds_done(work_dir(p, r, root))) for r in todo
-                 if not result_path(p, r, root).exists() and work_dir(p, r, root).exists()]
+        rest = [r for r in todo if r not in done]
+        going = [(r, rounds_done(work_dir(p, r, root))) for r in rest if work_dir(p, r, root).exists()]
         off_plan = p.planned is not None and e not in p.planned
         print(f"{e:13s} {len(done):4d} / {len(todo)} runs done" + "".join(_going(p, r, k, root) for r, k in going)
               + (f" (not in the {p.name} preset's plan: runs only when asked for by name)" if off_plan else ""))
@@ -156,7 +156,7 @@ def cmd_status(a) -> int:
             revs = sorted({json.loads(result_path(p, r, root).read_text()).get("code_revision", "unknown")
                            for r in done})
             print(f"{'':13s} code revisions of the finished runs: {', '.join(revs)}")
-        waiting = [r.key for r in todo if r not in done and not any(r is g for g, _ in going)]
+        waiting = [r.key for r in rest if not work_dir(p, r, root).exists()]
         if waiting and not off_plan:
             print(f"{'':13s} not started: {', '.join(waiting)}")
     return 0

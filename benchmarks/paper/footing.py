@@ -109,7 +109,8 @@ def spread_md(results: list[dict[str, Any]]) -> str:
                     + " | ".join(f"{last[m][s]:.1f}" if s in last[m] else "-" for s in seeds) + " |")
     added = sum(s in last[m] for m in SPREAD_METHODS for s in ADDED_SEEDS)
     if added < len(SPREAD_METHODS) * len(ADDED_SEEDS):
-        missing = [f"{m}-{presets.short(verdict.PRESET.datasets[0])}-s{s}" for m in SPREAD_METHODS for s in ADDED_SEEDS if s not in last[m]]
+        missing = [r.key for r in presets.planned(verdict.PRESET, "table")
+                   if r.seed in ADDED_SEEDS and r.seed not in last[r.method]]
         said = (f"**Five seeds**: not in yet, {added} of {len(SPREAD_METHODS) * len(ADDED_SEEDS)} added cells "
                 f"(`python -m benchmarks.paper run --preset {verdict.PRESET.name} --only {','.join(missing)}`).")
     else:

@@ -151,6 +151,11 @@ class RunSpec:
     rounds: int | None = None  # None: the preset's
     eval_every: int | None = None
 
+    @property
+    def method(self) -> str:
+        """Its table column: the algorithm, or the named variant it runs (as ``tables.method``)."""
+        return self.variant.get("method", self.algo)
+
 
 def short(dataset: str) -> str:
     """``hopper-medium-replay-v2`` -> ``medium-replay`` (a preset's datasets share one env)."""
@@ -223,7 +228,7 @@ def planned(p: Preset, experiment: str) -> list[RunSpec]:
     runs = plan(p, experiment, p.seeds)
     if experiment == "table":
         for m, seeds in p.more_seeds:
-            runs += [r for r in plan(p, experiment, seeds) if r.variant.get("method", r.algo) == m]
+            runs += [r for r in plan(p, experiment, seeds) if r.method == m]
     return runs
 
 
