@@ -37,16 +37,46 @@ def save_policy(policy: TanhGaussianPolicy, path: str | Path, metadata: Mapping[
     return path
 
 
+MAX_LAYERS = 64  # trunk layers a policy's tensors may describe (a run's networks have at most 8)
+
+
 def policy_from_state(state: Mapping[str, torch.Tensor], log_std_min: float = -5.0,
                       log_std_max: float = 2.0) -> TanhGaussianPolicy:
-    """Rebuild a float32 policy from ``policy.*`` tensors (widths read from the tensors)."""
-    try:
-        obs_dim = state[f"{POLICY}.obs_mean"].shape[0]
-        act_dim = state[f"{POLICY}.head.bias"].shape[0] // 2
-    except KeyError as e:
-        raise ValueError(f"not a policy: missing tensor {e.args[0]!r}") from None
-    biases = [k for k in state if k.startswith(f"{POLICY}.trunk.") and k.endswith(".bias")]
-    hidden = [state[k].shape[0] for k in sorted(biases, key=lambda k: int(k.split(".")[2]))]
+    """Rebuild a float32 policy from ``policy.*`` tensors (widths read from the tensors).
+
+    Every ``policy.*`` name and shape is checked against the architecture the tensors imply
+    before a parameter is allocated, so the policy built holds exactly the values given: a few
+    bias vectors cannot declare layers gigabytes wide. Tensors that do not make a policy raise
+    ValueError, naming them."""
+    head = f"{POLICY}."
+    given = {k[len(head):]: tuple(v.shape) for k, v in state.items() if k.startswith(head)}
+    for name in ("obs_mean", "head.bias"):
+        if name not in given:
+            raise ValueError(f"not a policy: missing tensor {head + name!r}")
+        if len(given[name]) != 1:
+            raise ValueError(f"not a policy: {head + name} has shape {list(given[name])}, not a vector")
+    layers: dict[int, int] = {}
+    for k, shape in given.items():
+        parts = k.split(".")
+        if parts[0] == "trunk" and parts[-1] == "bias":
+            if len(parts) != 3 or not parts[1].isdigit() or len(shape) != 1:
+                raise ValueError(f"not a policy: tensor {head + k!r} of shape {list(shape)} is no trunk layer's bias")
+            layers[int(parts[1])] = shape[0]
+    if not layers or len(layers) > MAX_LAYERS:
+        raise ValueError(f"not a policy: {len(layers)} trunk layers (a policy has 1 to {MAX_LAYERS})")
+    hidden = [layers[i] for i in sorted(layers)]
+    obs_dim, act_dim = given["obs_mean"][0], given["head.bias"][0] // 2
+    with torch.device("meta"):  # shapes only: nothing allocated
+        want = {k: tuple(v.shape) for k, v in TanhGaussianPolicy(obs_dim, act_dim, hidden).state_dict().items()}
+    if given != want:
+        missing = sorted(want.keys() - given.keys())
+        extra = sorted(given.keys() - want.keys())
+        wrong = [f"{head + k} is {list(given[k])}, not {list(want[k])}" for k in sorted(want.keys() & given.keys())
+                 if given[k] != want[k]]
+        said = ([f"missing {', '.join(head + k for k in missing[:4])}"] if missing else []) + \
+            ([f"unexpected {', '.join(head + k for k in extra[:4])}"] if extra else []) + wrong[:4]
+        raise ValueError(f"not a policy of {obs_dim} observations, {act_dim} actions and hidden layers "
+                         f"{hidden}: {'; '.join(said)}")
     pol = TanhGaussianPolicy(obs_dim, act_dim, hidden, log_std_min, log_std_max)
     load_prefixed(pol, {k: v.float() for k, v in state.items()}, POLICY)
     return pol

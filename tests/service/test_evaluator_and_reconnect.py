@@ -312,3 +312,35 @@ def test_evaluate_refuses_a_declared_size_above_its_limit_before_allocating(eval
     rep = evaluator.Evaluate(_request(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1, seed=1), state),
                              timeout=60)
     assert len(rep.returns) == 1
+
+
+def test_evaluate_refuses_tensors_that_make_no_policy_before_building_one(evaluator):
+    """Two bias vectors of 20,000 units (160 KB sent) declared a policy of two 20,000-unit layers:
+    the evaluator built it (1.7 GB, 15 s of CPU) before finding its weights missing, and answered
+    UNKNOWN. Every name and shape is now checked against the architecture the tensors imply
+    before a parameter exists: a specific refusal naming the tensors, at once."""
+    import resource
+
+    torch.manual_seed(0)
+    state = prefixed_state(POLICY, TanhGaussianPolicy(11, 3, (16, 16)))
+    header = evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1, seed=1)
+    wide = {"policy.obs_mean": torch.zeros(11), "policy.head.bias": torch.zeros(6),
+            "policy.trunk.0.bias": torch.zeros(20_000), "policy.trunk.2.bias": torch.zeros(20_000)}
+    cases = [
+        (wide, "missing policy.head.weight, policy.obs_std, policy.trunk.0.weight, policy.trunk.2.weight"),
+        ({**state, "policy.trunk.0.weight": torch.zeros(16, 12)}, "policy.trunk.0.weight is [16, 12], not [16, 11]"),
+        ({**state, "policy.head.bias": torch.zeros(7)}, "policy.head.bias is [7], not [6]"),
+        ({**state, "policy.obs_mean": torch.tensor(0.0)}, "policy.obs_mean has shape [], not a vector"),
+        ({k: v for k, v in state.items() if ".trunk." not in k}, "0 trunk layers"),
+        ({**state, "policy.trunk.x.bias": torch.zeros(3)}, "'policy.trunk.x.bias' of shape [3] is no trunk layer's bias"),
+        ({**state, **{f"policy.trunk.{2 * i}.bias": torch.zeros(1) for i in range(65)}}, "65 trunk layers (a policy has 1 to 64)"),
+    ]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for st, text in cases:
+        with pytest.raises(grpc.RpcError) as ei:
+            evaluator.Evaluate(_request(header, st), timeout=60)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in ei.value.details(), ei.value.details()
+    # the server runs in this process: the wide policy's 1.6 GB of layers was never allocated
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) << 10 < 400 << 20
+    rep = evaluator.Evaluate(_request(header, state), timeout=60)
+    assert len(rep.returns) == 1
