@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from aggregator_service.store import Store
 from fedrl.federation.machine import Plan, RoundMachine, resumed_clip
 from fedrl.federation.privacy import privacy_spent, warm_epsilon
 from fedrl.federation.runconfig import (
+    LIMITS,
     ConfigError,
     parse_run_config,
 )
@@ -149,6 +151,13 @@ class RunLifecycle:
             return self._status(run)
 
     def report_evaluation(self, report: dict[str, Any]) -> None:
+        """An evaluator's report of a stored version: checked (:func:`report_problem`), then kept
+        with an EVALUATED event. The first report of a version stands; a later one (a second
+        evaluator that raced the first) is acknowledged and changes nothing, so reports cannot
+        grow a run's journal beyond one per version."""
+        if problem := report_problem(report):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"evaluation report of run "
+                               f"{str(report.get('run_id'))[:80]!r}: {problem}", "bad_report")
         with self.s.cond:
             run = self.s.runs.get(str(report.get("run_id")))
             if run is None:
@@ -158,6 +167,8 @@ class RunLifecycle:
             if not 0 <= v <= run.version:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"version {v} does not exist (latest {run.version})", "unknown_version")
+            if v in run.evaluations:
+                return
             run.evaluated(v, report)
             self.journal.event(run, "EVALUATED", version=v, round=v, evaluation=dict(report))
             self.s.cond.notify_all()
@@ -357,3 +368,29 @@ class RunLifecycle:
             return True
         missing = [v for v in range(1, run.version + 1) if v not in run.evaluations]
         return not missing or time.time() - run.ended > self.eval_grace
+
+
+MAX_ENV_ID = 200  # characters of a report's env_id (a gymnasium id is a few dozen)
+
+
+def report_problem(report: dict[str, Any]) -> str | None:
+    """What makes an evaluation report one the aggregator cannot keep, or None: more returns than
+    a run evaluates episodes, a value that is not finite, a negative count, time or spread, an
+    env_id past :data:`MAX_ENV_ID` characters."""
+    returns = report.get("returns", ())
+    n = len(returns)
+    if n > LIMITS["eval_episodes"]:
+        return f"{n} returns; a run evaluates at most {LIMITS['eval_episodes']} episodes"
+    scalars = ("return_mean", "return_std", "score_mean", "score_std", "seconds")
+    bad = [k for k in scalars if not math.isfinite(report.get(k, 0.0))]
+    if not all(math.isfinite(r) for r in returns):
+        bad.append("returns")
+    if bad:
+        return f"{', '.join(bad)} not finite"
+    negative = [k for k in ("return_std", "score_std", "seconds", "env_steps") if report.get(k, 0) < 0]
+    if negative:
+        return f"{', '.join(negative)} negative"
+    env_id = str(report.get("env_id", ""))
+    if len(env_id) > MAX_ENV_ID:
+        return f"an env_id of {len(env_id)} characters (at most {MAX_ENV_ID})"
+    return None

@@ -432,3 +432,42 @@ def test_an_agent_that_cannot_read_the_runs_config_sits_out_and_says_why(step_de
     assert len(closed) == 1 and sorted(closed[0]["agents"]) == ["agent-0", "agent-1"], closed
     assert caplog.text.count("round 1: no part in run") == 1 and "unknown field(s) a_future_setting" in caplog.text
     assert agent_threads.threads[2].is_alive()
+
+
+def test_evaluation_reports_are_checked_and_one_per_version_is_kept(aggregator, agent_threads, stand_dataset):
+    """ReportEvaluation took any report: NaN and Inf scores went into the status and the journal,
+    and each report, however often repeated, was appended to the run's events in memory and on
+    disk (20 reports of 10^6 returns grew the aggregator by 858 MB). A report is now checked
+    (INVALID_ARGUMENT naming the field, nothing kept), and a version's first report stands: a
+    later one is acknowledged and appends nothing."""
+    agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=3)
+    wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents")
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=1)), timeout=RPC_BOUND)
+    wait_for(lambda: status(aggregator)["state"] == "finished", what="run to finish")
+    run_id = status(aggregator)["run_id"]
+
+    def report(**kw):
+        fields = dict(run_id=run_id, version=1, env_id="Hopper-v5", returns=[800.0, 820.0], return_mean=810.0,
+                      return_std=10.0, score_mean=25.5, score_std=0.3, env_steps=400, seconds=1.5)
+        aggregator.control.ReportEvaluation(control_pb2.EvaluationReport(**{**fields, **kw}), timeout=RPC_BOUND)
+
+    for kw, says in [(dict(score_mean=float("nan")), "score_mean not finite"),
+                     (dict(return_mean=float("inf"), score_std=float("-inf")), "return_mean, score_std not finite"),
+                     (dict(returns=[1.0, float("nan")]), "returns not finite"),
+                     (dict(returns=[1.0] * 1001), "1001 returns; a run evaluates at most 1000 episodes"),
+                     (dict(env_steps=-1), "env_steps negative"),
+                     (dict(seconds=-1.0, return_std=-2.0), "return_std, seconds negative"),
+                     (dict(env_id="x" * 201), "an env_id of 201 characters (at most 200)")]:
+        assert_refused(lambda: report(**kw), grpc.StatusCode.INVALID_ARGUMENT, says)
+    assert status(aggregator)["evaluated_versions"] == []
+
+    def evaluated_events():
+        return [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "EVALUATED"]
+
+    report()
+    report(score_mean=99.0, returns=[3000.0])  # a second report of version 1: acknowledged, not kept
+    st = status(aggregator)
+    assert st["evaluated_versions"] == [1] and st["last_evaluation"]["score_mean"] == 25.5
+    assert [e["evaluation"]["score_mean"] for e in evaluated_events()] == [25.5]
+    runs = aggregator.control.ListRuns(control_pb2.ListRunsRequest(), timeout=RPC_BOUND).runs
+    assert [(r.run_id, r.best_score) for r in runs] == [(run_id, 25.5)]
