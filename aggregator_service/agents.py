@@ -25,6 +25,7 @@ from aggregator_service.records import (
 )
 from fedrl.federation.runconfig import (
     JOIN_LIMITS,
+    JOIN_TEXT_LIMITS,
 )
 from fedrl.wire.rpc import ServiceError
 
@@ -95,6 +96,10 @@ class AgentRegistry:
         if rec.obs_dim <= 0 or rec.act_dim <= 0 or rec.num_samples <= 0:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"agent {rec.agent_id}: obs_dim, act_dim and num_samples must be positive")
+        for name, top in JOIN_TEXT_LIMITS.items():
+            if len(v := getattr(rec, name)) > top:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {rec.agent_id}: {name} of {len(v)} "
+                                   f"characters (at most {top})")
         for name, top in JOIN_LIMITS.items():
             v = getattr(rec, name)
             if not 0 <= v <= top:

@@ -94,6 +94,22 @@ def test_agent_ids_outside_the_documented_character_set_are_refused(aggregator, 
     assert status(aggregator)["agents"] == []
 
 
+@pytest.mark.parametrize("field,top", [("env_id", 200), ("device", 64)])
+def test_a_joins_text_fields_are_bounded(aggregator, field, top):
+    """A Join's env_id and device were kept as sent, up to the 8 MiB message: without tokens,
+    the aggregator's 1,024 agent records could hold 8 GiB of them."""
+    def join_with(text):
+        kw = {"env_id": "Hopper-v5", "device": "cpu", field: text}
+        return aggregator.fed.Join(federation_pb2.JoinRequest(agent_id="a0", agent_index=0, num_samples=100,
+                                                              obs_dim=11, act_dim=3, **kw), timeout=RPC_BOUND)
+
+    assert_refused(lambda: join_with("x" * (top + 1) if field == "device" else "Hopper-v5" + "x" * (top - 8)),
+                   grpc.StatusCode.INVALID_ARGUMENT, f"{field} of {top + 1} characters (at most {top})")
+    assert status(aggregator)["agents"] == []
+    join_with("x" * top if field == "device" else "Hopper-v5")
+    assert [a["agent_id"] for a in status(aggregator)["agents"]] == ["a0"]
+
+
 @pytest.mark.parametrize("version", [-2, -(2**63)])
 def test_a_negative_version_other_than_latest_is_refused(aggregator, version):
     join(aggregator, "a0", 0)
