@@ -316,7 +316,7 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
             h, chunks = parts()
             self.auth.check_agent(context, h.agent_id)
             manifest = manifest_from_proto(h.weights)
-            self.coord.submissions.check_header(h.agent_id, manifest)
+            self.coord.submissions.check_header(h.agent_id, manifest, h.metrics)
             asm = Assembler(manifest, self.coord.buffers)
             for c in chunks:
                 metrics.bytes_received.inc(len(c))

@@ -9,6 +9,7 @@ start with an underscore run with the lock held."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -33,16 +34,37 @@ REFUSED_STATUS = {"not_selected": grpc.StatusCode.PERMISSION_DENIED, "duplicate"
                   "secagg_bad": grpc.StatusCode.INVALID_ARGUMENT}
 
 
+# An update's metrics (its header's map, averaged into the round's ROUND_CLOSED event, which the
+# journal keeps): a learner sends about 20 short names; more, or longer, would grow every round's
+# event by up to the 8 MiB message.
+MAX_UPDATE_METRICS = 64
+METRIC_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
+
+
+def metrics_problem(metrics: Mapping[str, float]) -> str | None:
+    """Why an update's metrics cannot be kept, or None."""
+    if len(metrics) > MAX_UPDATE_METRICS:
+        return f"{len(metrics)} metrics; an update carries at most {MAX_UPDATE_METRICS}"
+    bad = next((k for k in metrics if not METRIC_NAME.fullmatch(k)), None)
+    if bad is not None:
+        return (f"metric name {bad[:40]!r}{'...' if len(bad) > 40 else ''}: 1-64 characters of letters, "
+                "digits and _ . : / -")
+    return None
+
+
 class Submissions:
     def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, rounds: Rounds,
                  metrics: AggregatorMetrics, max_task_wait: float) -> None:
         self.s, self.registry, self.journal, self.rounds, self.metrics = shared, registry, journal, rounds, metrics
         self.max_task_wait = max_task_wait
 
-    def check_header(self, agent_id: str, m: Manifest) -> None:
+    def check_header(self, agent_id: str, m: Manifest, metrics: Mapping[str, float] | None = None) -> None:
         """Refuse an update before its chunks are read (unknown agent, wrong run/round, duplicate,
-        tensors or a declared size the global model cannot have: a CodecError, which the servicer
-        maps to its status like any other verification failure)."""
+        metrics past :func:`metrics_problem`'s bounds, tensors or a declared size the global model
+        cannot have: a CodecError, which the servicer maps to its status like any other
+        verification failure)."""
+        if metrics is not None and (problem := metrics_problem(metrics)):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {agent_id}'s update: {problem}", "bad_metrics")
         with self.s.cond:
             self._check_tensors(self._check_submission(agent_id, m), m)
 
@@ -116,6 +138,8 @@ class Submissions:
         """Accept a verified update (``state`` decoded from a payload checked against ``m``,
         and ``flat``, its decoder's flat tensor, where it had one); closes the round when it
         completes. Returns the round."""
+        if problem := metrics_problem(metrics):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"agent {agent_id}'s update: {problem}", "bad_metrics")
         with self.s.cond:
             run = self._check_submission(agent_id, m)
             self._check_tensors(run, m)

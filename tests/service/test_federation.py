@@ -171,23 +171,24 @@ def open_round(aggregator):
 
 
 def submit(agg, agent_id, state, run_id, round=1, base=0, tamper=None, extra_chunks=(), chunk_bytes=1 << 20,
-           inline=False, session=False):
+           inline=False, session=False, metrics=None):
     """An update as a stream (SubmitUpdate) or, with ``inline``, as one message (SubmitUpdateInline),
-    or, with ``session``, as the answer to the first task of a Session stream."""
+    or, with ``session``, as the answer to the first task of a Session stream; ``metrics``: its
+    header's."""
     enc = encode(state, run_id, round, base, 100, chunk_bytes=chunk_bytes)
     m = manifest_to_proto(enc.manifest)
     chunks = list(enc.chunks())
     if tamper:
         m, chunks = tamper(m, chunks)
-    update = federation_pb2.InlineUpdate(header=federation_pb2.UpdateHeader(agent_id=agent_id, weights=m),
-                                         payload=b"".join([*chunks, *extra_chunks]))
+    header = federation_pb2.UpdateHeader(agent_id=agent_id, weights=m, metrics=metrics or {})
+    update = federation_pb2.InlineUpdate(header=header, payload=b"".join([*chunks, *extra_chunks]))
     if session:
         return session_answer(agg, agent_id, federation_pb2.SessionMessage(update=update))
     if inline:
         return agg.fed.SubmitUpdateInline(update, timeout=10)
 
     def parts():
-        yield federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(agent_id=agent_id, weights=m))
+        yield federation_pb2.UpdatePart(header=header)
         for c in [*chunks, *extra_chunks]:
             yield federation_pb2.UpdatePart(chunk=c)
 

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from fedrl.proto.v1 import control_pb2, federation_pb2
-from tests.service.test_federation import assert_refused, join, run_config, status, wait_for
+from tests.service.test_federation import assert_refused, join, open_round, run_config, status, submit, wait_for  # noqa: F401
 from tests.service.test_federation import RPC_BOUND
 
 
@@ -487,3 +487,26 @@ def test_evaluation_reports_are_checked_and_one_per_version_is_kept(aggregator, 
     assert [e["evaluation"]["score_mean"] for e in evaluated_events()] == [25.5]
     runs = aggregator.control.ListRuns(control_pb2.ListRunsRequest(), timeout=RPC_BOUND).runs
     assert [(r.run_id, r.best_score) for r in runs] == [(run_id, 25.5)]
+
+
+@pytest.mark.parametrize("how", ["stream", "inline", "session"])
+def test_an_updates_metrics_are_bounded_before_its_weights_are_read(open_round, how):
+    """An update's metrics are averaged into its round's ROUND_CLOSED event, which the journal
+    keeps: one agent sending 10^5 metrics (or names of kilobytes) grew every round's event by up
+    to the 8 MiB message. More than 64 metrics, or a name outside 1-64 characters of
+    letters, digits and _ . : / -, is refused before the weights are read; the round goes on."""
+    agg, run_id, g, _ = open_round
+    kw = {"inline": how == "inline", "session": how == "session"}
+    many = {f"m{i}": 1.0 for i in range(65)}
+    for metrics, says in [(many, "65 metrics; an update carries at most 64"),
+                          ({"x" * 65: 1.0}, f"metric name {'x' * 40!r}...: 1-64 characters"),
+                          ({"a b": 1.0}, "metric name 'a b'")]:
+        assert_refused(lambda: submit(agg, "a0", g, run_id, metrics=metrics, **kw), grpc.StatusCode.INVALID_ARGUMENT,
+                       says)
+    assert agg.metrics.rejected.labels("bad_metrics")._value.get() == 3
+    honest = {f"m{i}": float(i) for i in range(64)}
+    for a in ("a0", "a1"):
+        submit(agg, a, g, run_id, metrics=honest, **kw)
+    assert wait_for(lambda: status(agg)["global_version"] == 1)
+    closed = next(e for e in agg.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED")
+    assert {k: v for k, v in closed["metrics"].items() if k in honest} == honest
