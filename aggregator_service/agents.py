@@ -17,6 +17,7 @@ import numpy as np
 from aggregator_service.records import (
     AGENT_ID,
     EVALUATOR_SEEN_SECONDS,
+    RUN_ID,
     AgentRecord,
     Shared,
     check_moments,
@@ -207,6 +208,9 @@ class AgentRegistry:
         if not (0 <= done <= total <= 10**12):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"progress {done}/{total}: expected 0 <= steps_done <= steps_total", "bad_progress")
+        if run_id and not RUN_ID.fullmatch(run_id):  # kept with the agent's record: no megabytes of it
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"progress for run {run_id[:40]!r}: not a run id", "bad_progress")
         with self.s.cond:
             a = self.agent(agent_id)
             if not run_id:

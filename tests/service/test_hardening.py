@@ -510,3 +510,29 @@ def test_an_updates_metrics_are_bounded_before_its_weights_are_read(open_round, 
     assert wait_for(lambda: status(agg)["global_version"] == 1)
     closed = next(e for e in agg.store.read_run(run_id)["events"] if e["kind"] == "ROUND_CLOSED")
     assert {k: v for k, v in closed["metrics"].items() if k in honest} == honest
+
+
+def test_a_sessions_progress_is_checked_and_its_run_id_bounded(open_round):
+    """A Session's progress message was checked for its step counts only: its run_id, kept with
+    the agent's record, could be megabytes (1,024 records, 8 MiB each). A run_id that is not a
+    run's, or counts out of order, end the stream with INVALID_ARGUMENT; the agent's status is
+    unchanged."""
+    agg, run_id, _, _ = open_round
+    hello = federation_pb2.SessionMessage(hello=federation_pb2.TaskRequest(agent_id="a0", wait_seconds=1))
+
+    def progress(**kw):
+        msg = federation_pb2.SessionMessage(progress=federation_pb2.TaskProgress(round=1, **kw))
+        call = agg.fed.Session(iter([hello, msg]), timeout=RPC_BOUND)
+        try:
+            assert next(call).kind == federation_pb2.Task.TRAIN
+            next(call)
+        finally:
+            call.cancel()
+
+    for kw, says in [(dict(steps_done=5, steps_total=10, run_id="x" * (1 << 20)), "not a run id"),
+                     (dict(steps_done=5, steps_total=10, run_id="../" + run_id), "not a run id"),
+                     (dict(steps_done=11, steps_total=10, run_id=run_id), "expected 0 <= steps_done <= steps_total")]:
+        assert_refused(lambda: progress(**kw), grpc.StatusCode.INVALID_ARGUMENT, says)
+    mine = next(a for a in status(agg)["agents"] if a["agent_id"] == "a0")
+    assert (mine["steps_done"], mine["steps_total"]) == (0, 0)
+    assert agg.coord.agents["a0"].progress[0] in ("", run_id)
