@@ -23,6 +23,7 @@ from aggregator_service.journal import Journal
 from aggregator_service.records import Run, Shared
 from aggregator_service.rounds import Rounds
 from fedrl.federation.machine import Refused, Update
+from fedrl.federation.privacy import ADAPTIVE_RECORD, PRIVACY_EPSILON
 from fedrl.federation.secure_steps import Message
 from fedrl.ops.metrics import AggregatorMetrics
 from fedrl.wire.codec import Flat, Manifest, check_manifest_matches
@@ -39,12 +40,18 @@ REFUSED_STATUS = {"not_selected": grpc.StatusCode.PERMISSION_DENIED, "duplicate"
 # event by up to the 8 MiB message.
 MAX_UPDATE_METRICS = 64
 METRIC_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
+# The metrics the round machine adds itself, differential privacy's record: an agent's of the same
+# name would stand in the event (and in fedrl up's privacy record) wherever the machine adds none.
+RESERVED_METRICS = frozenset({PRIVACY_EPSILON, *ADAPTIVE_RECORD})
 
 
 def metrics_problem(metrics: Mapping[str, float]) -> str | None:
     """Why an update's metrics cannot be kept, or None."""
     if len(metrics) > MAX_UPDATE_METRICS:
         return f"{len(metrics)} metrics; an update carries at most {MAX_UPDATE_METRICS}"
+    own = sorted(RESERVED_METRICS & set(metrics))
+    if own:
+        return f"metric {own[0]!r} is the aggregator's own (differential privacy's record)"
     bad = next((k for k in metrics if not METRIC_NAME.fullmatch(k)), None)
     if bad is not None:
         return (f"metric name {bad[:40]!r}{'...' if len(bad) > 40 else ''}: 1-64 characters of letters, "

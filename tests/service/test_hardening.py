@@ -494,16 +494,20 @@ def test_an_updates_metrics_are_bounded_before_its_weights_are_read(open_round, 
     """An update's metrics are averaged into its round's ROUND_CLOSED event, which the journal
     keeps: one agent sending 10^5 metrics (or names of kilobytes) grew every round's event by up
     to the 8 MiB message. More than 64 metrics, or a name outside 1-64 characters of
-    letters, digits and _ . : / -, is refused before the weights are read; the round goes on."""
+    letters, digits and _ . : / -, is refused before the weights are read; the round goes on.
+    So is a name the machine uses for differential privacy's record (in a run with fixed clipping
+    an agent's ``dp_clip`` stood in fedrl up's privacy record as the run's clipping norm)."""
     agg, run_id, g, _ = open_round
     kw = {"inline": how == "inline", "session": how == "session"}
     many = {f"m{i}": 1.0 for i in range(65)}
     for metrics, says in [(many, "65 metrics; an update carries at most 64"),
                           ({"x" * 65: 1.0}, f"metric name {'x' * 40!r}...: 1-64 characters"),
-                          ({"a b": 1.0}, "metric name 'a b'")]:
+                          ({"a b": 1.0}, "metric name 'a b'"),
+                          ({"critic_td": 1.0, "dp_clip": 1e-3}, "metric 'dp_clip' is the aggregator's own"),
+                          ({"privacy_epsilon": 0.0}, "metric 'privacy_epsilon' is the aggregator's own")]:
         assert_refused(lambda: submit(agg, "a0", g, run_id, metrics=metrics, **kw), grpc.StatusCode.INVALID_ARGUMENT,
                        says)
-    assert agg.metrics.rejected.labels("bad_metrics")._value.get() == 3
+    assert agg.metrics.rejected.labels("bad_metrics")._value.get() == 5
     honest = {f"m{i}": float(i) for i in range(64)}
     for a in ("a0", "a1"):
         submit(agg, a, g, run_id, metrics=honest, **kw)
