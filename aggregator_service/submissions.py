@@ -32,7 +32,7 @@ from fedrl.wire.rpc import ServiceError
 # The status of an update or message the run does not take, by the machine's reason (others:
 # FAILED_PRECONDITION)
 REFUSED_STATUS = {"not_selected": grpc.StatusCode.PERMISSION_DENIED, "duplicate": grpc.StatusCode.ALREADY_EXISTS,
-                  "secagg_bad": grpc.StatusCode.INVALID_ARGUMENT}
+                  "secagg_bad": grpc.StatusCode.INVALID_ARGUMENT, "wrong_samples": grpc.StatusCode.INVALID_ARGUMENT}
 
 
 # An update's metrics (its header's map, averaged into the round's ROUND_CLOSED event, which the
@@ -93,7 +93,7 @@ class Submissions:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"run {run.run_id} is {run.state}; no round is open", "closed_round")
         try:
-            run.machine.check(agent_id, m.round, m.base_version)
+            run.machine.check(agent_id, m.round, m.base_version, samples=m.num_samples)
         except Refused as e:
             raise ServiceError(REFUSED_STATUS.get(e.reason, grpc.StatusCode.FAILED_PRECONDITION),
                                f"run {run.run_id}: {e}", e.reason) from None

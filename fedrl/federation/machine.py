@@ -250,11 +250,14 @@ class RoundMachine:
         self.agent_states = (state,) * len(self.plan.agents)
         return self._next(1, now)
 
-    def check(self, agent: Hashable, round_: int, base_version: int | None = None, step: str | None = None) -> bool:
+    def check(self, agent: Hashable, round_: int, base_version: int | None = None, step: str | None = None,
+              samples: int | None = None) -> bool:
         """Raise :class:`Refused` unless the open round would take ``agent``'s update of round
-        ``round_`` trained from ``base_version`` (in the order the services check), or with
-        ``step``, its message for that secure aggregation step (False: a repeat of one taken,
-        answered from what the step made)."""
+        ``round_`` trained from ``base_version`` and counting ``samples`` (in the order the
+        services check), or with ``step``, its message for that secure aggregation step (False: a
+        repeat of one taken, answered from what the step made). An update counts its agent's
+        samples as the plan has them (what the agent said when it joined): one that said 0 failed
+        a sample-weighted round, and 10^12 outweighed every other agent."""
         if agent not in self.plan.agents:
             raise Refused("not_selected", f"agent {agent!r} is not a participant of this run")
         if step is not None and not self.plan.secure:
@@ -277,11 +280,16 @@ class RoundMachine:
             raise Refused("secagg_only", "this run takes its updates by secure aggregation, never in the clear")
         if agent in self.taken:
             raise Refused("duplicate", f"agent {agent!r} already submitted for round {self.round}")
+        if samples is not None and self.plan.samples:
+            joined = self.plan.samples[self.plan.agents.index(agent)]
+            if samples != joined:
+                raise Refused("wrong_samples", f"the update counts {samples} samples; agent {agent!r} joined "
+                              f"with {joined}, and its updates weigh as that")
         return True
 
     def take(self, agent: Hashable, round_: int, base_version: int, update: Update) -> bool:
         """Take ``agent``'s update (or raise :class:`Refused`); True once every agent's is in."""
-        self.check(agent, round_, base_version)
+        self.check(agent, round_, base_version, samples=update.num_samples)
         self.taken[agent] = update
         self._pending = None
         return self.complete

@@ -44,7 +44,8 @@ REJECT_REASONS = (
     "unknown_agent", "wrong_run", "not_selected", "closed_round", "stale_round", "future_round",
     "wrong_base", "duplicate", "tensor_mismatch", "bad_stream",
     "bad_manifest", "bad_encoding", "bad_dtype", "bad_payload", "non_finite", "truncated",
-    "checksum_mismatch", "old_contract", "oversize", "bad_metrics", "other",
+    "checksum_mismatch", "old_contract", "oversize", "bad_metrics", "wrong_samples",
+    "other",
 )
 
 # The local-update metrics an agent exports as ``fedrl_agent_loss{term}``: learner key -> term.

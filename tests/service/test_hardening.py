@@ -7,6 +7,8 @@ import grpc
 import pytest
 
 from fedrl.proto.v1 import control_pb2, federation_pb2
+from fedrl.wire.codec import assemble
+from fedrl.wire.serde import read_weight_parts
 from tests.service.test_federation import assert_refused, join, open_round, run_config, status, submit, wait_for  # noqa: F401
 from tests.service.test_federation import RPC_BOUND
 
@@ -540,3 +542,32 @@ def test_a_sessions_progress_is_checked_and_its_run_id_bounded(open_round):
     mine = next(a for a in status(agg)["agents"] if a["agent_id"] == "a0")
     assert (mine["steps_done"], mine["steps_total"]) == (0, 0)
     assert agg.coord.agents["a0"].progress[0] in ("", run_id)
+
+
+@pytest.mark.parametrize("how", ["stream", "inline"])
+def test_an_update_cannot_weigh_more_or_less_than_its_agents_joined_count(aggregator, how):
+    """Under sample-count weighting an update weighed what its manifest said: one agent counting
+    0 failed the run ("sample-count weighting needs positive counts"), and 10^12 outweighed every
+    other agent. An update counting other than its agent's Join is refused before its weights are
+    read (INVALID_ARGUMENT); the run goes on."""
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    st = aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(rounds=2, weighting="samples")), timeout=RPC_BOUND)
+    parts = aggregator.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=st.run_id, version=0), timeout=RPC_BOUND)
+    g = assemble(*read_weight_parts(parts))
+
+    def with_count(n):
+        def tamper(m, chunks):
+            m.num_samples = n
+            return m, chunks
+        return tamper
+
+    for n in (0, 10**12):
+        assert_refused(lambda: submit(aggregator, "a0", g, st.run_id, tamper=with_count(n), inline=how == "inline"),
+                       grpc.StatusCode.INVALID_ARGUMENT, f"the update counts {n} samples; agent 'a0' joined with 100")
+    assert aggregator.metrics.rejected.labels("wrong_samples")._value.get() == 2
+    for a in ("a0", "a1"):  # join() says 100 samples, as submit() counts
+        submit(aggregator, a, g, st.run_id, inline=how == "inline")
+    assert wait_for(lambda: status(aggregator)["global_version"] == 1)
+    assert status(aggregator)["state"] == "running"

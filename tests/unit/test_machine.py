@@ -62,6 +62,21 @@ def test_an_update_the_round_does_not_take_is_refused_by_name(agent, round_, bas
     assert e.value.reason == reason and m.taken == {}
 
 
+@pytest.mark.parametrize("counted", [0, 2, 10**12])
+def test_an_update_counts_the_samples_its_agent_joined_with(counted):
+    """The plan's counts (what the agents said when they joined) are the updates' weights: an
+    update counting other than its agent's is refused, nothing taken."""
+    m = machine(samples=(1, 3))
+    m.begin()
+    with pytest.raises(Refused) as e:
+        m.take("b", 1, 0, Update(state(4.0), counted))
+    assert e.value.reason == "wrong_samples" and "agent 'b' joined with 3" in str(e.value) and m.taken == {}
+    m.take("a", 1, 0, Update(state(1.0), 1))
+    m.take("b", 1, 0, Update(state(4.0), 3))
+    m.commit(m.close())
+    assert torch.equal(m.global_state["w"], torch.tensor([3.25, 0.0]))
+
+
 def test_stale_and_duplicate_updates_are_refused():
     m = machine(rounds=3)
     m.begin()
