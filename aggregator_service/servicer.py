@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any
 
@@ -255,7 +256,10 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         first = None if first is None else _session_message(first, context)
         if first is None or first.WhichOneof("kind") != "hello":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session must start with its hello")
-        agent_id, wait = first.hello.agent_id, max(first.hello.wait_seconds, SESSION_MIN_WAIT)
+        # NaN compares false both ways: max(nan, 1.0) is nan, which waited 0 s, and the stream sent
+        # WAIT heartbeats in a hot loop (13,000 in 2 s)
+        asked = first.hello.wait_seconds
+        agent_id, wait = first.hello.agent_id, SESSION_MIN_WAIT if math.isnan(asked) else max(asked, SESSION_MIN_WAIT)
         self.auth.check_agent(context, agent_id)
         log.info("agent %s connected (session from %s)", agent_id, context.peer(),
                  extra={"event": {"kind": "AGENT_CONNECTED", "agent_id": agent_id}})

@@ -330,3 +330,35 @@ def test_an_agent_kept_out_for_capacity_backs_off_although_its_joins_succeed(tmp
     finally:
         agents.stop()
         agg.close()
+
+
+@pytest.mark.parametrize("asked", [float("nan"), -1.0, 0.0])
+def test_a_sessions_wait_heartbeats_come_at_most_once_a_second_whatever_its_hello_asks(tmp_path, asked):
+    """An idle Session is sent a WAIT task at most every SESSION_MIN_WAIT seconds. A hello asking
+    to wait NaN seconds passed ``max(nan, 1.0)`` as NaN, the wait became 0 and the stream sent WAITs
+    in a hot loop (13,488 in 2 s, a core of the aggregator's for one agent). Timed from below: a
+    loaded machine only makes the heartbeats later."""
+    from aggregator_service.servicer import SESSION_MIN_WAIT
+    from tests.service.test_federation import join
+
+    agg = Aggregator(tmp_path / "state")
+    release = threading.Event()
+
+    def messages():
+        yield federation_pb2.SessionMessage(hello=federation_pb2.TaskRequest(agent_id="a0", wait_seconds=asked))
+        release.wait(60)
+
+    call = None
+    try:
+        join(agg, "a0", 0)
+        call = agg.fed.Session(messages(), timeout=60)
+        t0 = time.monotonic()
+        tasks = [next(call) for _ in range(3)]
+        elapsed = time.monotonic() - t0
+        assert all(t.kind == federation_pb2.Task.WAIT for t in tasks)
+        assert elapsed >= 3 * SESSION_MIN_WAIT * 0.95, f"3 WAITs in {elapsed:.3f} s"
+    finally:
+        release.set()
+        if call is not None:
+            call.cancel()
+        agg.close()
