@@ -282,7 +282,7 @@ def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, pa
         cases.append(("no header", lambda: agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(payload=b"x"), timeout=10),
                       grpc.StatusCode.INVALID_ARGUMENT, "needs its header"))
     if path == "stream":  # the aggregator reads these messages as bytes (RAW_REQUESTS): what is not a chunk
-        enc = encode(g, run_id, 1, 0, 1000)
+        enc = encode(g, run_id, 1, 0, 100)
         head = federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(
             agent_id="a0", weights=manifest_to_proto(enc.manifest))).SerializeToString()
         chunk = federation_pb2.UpdatePart(chunk=enc.payload[:1000]).SerializeToString()
