@@ -57,6 +57,7 @@ SIM_TESTS = ("tests/integration/test_simulate.py",)
 GRAD_TESTS = tuple(f"tests/integration/test_engines_agree.py::test_the_batched_engine_runs_the_per_agent_federation[{c}]"
                    for c in ("drpo-gradient-norms", "fed-cql-gradient-norms"))
 SERVICE_TESTS = ("tests/service/test_federation.py",)
+HARDENING_TESTS = ("tests/service/test_hardening.py",)
 SEVERAL_RUNS_TESTS = ("tests/service/test_several_runs.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
 SA_SUMS, SA_SIM_TESTS = "fedrl/federation/secagg_sums.py", ("tests/integration/test_secure_simulate.py",)
@@ -217,7 +218,7 @@ MUTANTS = (
     Mutant("round-duplicate-taken", MACHINE, "        if agent in self.taken:\n", "        if False:\n", MACHINE_TESTS),
     Mutant("round-close-draws-noise-again", MACHINE, "        if self._pending is not None:\n",
            "        if False:\n", MACHINE_TESTS),
-    Mutant("service-skips-the-rounds-check", SUBS, "            run.machine.check(agent_id, m.round, m.base_version)\n",
+    Mutant("service-skips-the-rounds-check", SUBS, "            run.machine.check(agent_id, m.round, m.base_version, samples=m.num_samples)\n",
            "            pass\n", SERVICE_TESTS),
     # secure aggregation (secagg.py): the masks that must cancel, the shares handed out
     Mutant("secagg-pairwise-signs-agree", SA, "return m if me < peer else (np.uint64(0) - m)", "return m",
@@ -349,6 +350,21 @@ MUTANTS = (
            SEVERAL_RUNS_TESTS),
     Mutant("full-fleet-takes-any-env", "aggregator_service/lifecycle.py",
            "if cfg.env is None or len(live) < self.registry.max_agents:", "if True:", SEVERAL_RUNS_TESTS),
+    # what one hostile caller sends that the services keep or build from
+    Mutant("update-weighs-what-it-counts", MACHINE, "            if samples != joined:\n", "            if False:\n",
+           MACHINE_TESTS),
+    Mutant("update-metrics-unbounded", SUBS, "    if len(metrics) > MAX_UPDATE_METRICS:\n", "    if False:\n",
+           HARDENING_TESTS),
+    Mutant("update-metrics-may-be-privacys", SUBS, "    own = sorted(RESERVED_METRICS & set(metrics))\n",
+           "    own = []\n", HARDENING_TESTS),
+    Mutant("evaluation-reports-unchecked", "aggregator_service/lifecycle.py",
+           "        if problem := report_problem(report):\n", "        if False:\n", HARDENING_TESTS),
+    Mutant("evaluation-report-replaced", "aggregator_service/lifecycle.py",
+           "            if v in run.evaluations:\n                return\n", "", HARDENING_TESTS),
+    Mutant("session-wait-nan-passes", "aggregator_service/servicer.py", "SESSION_MIN_WAIT if math.isnan(asked) else ",
+           "", ("tests/service/test_stream_guard.py",)),
+    Mutant("policy-built-before-its-shapes-are-checked", "fedrl/algos/policy_io.py", "    if given != want:\n",
+           "    if False:\n", ("tests/service/test_evaluator_and_reconnect.py",)),
 )
 
 
