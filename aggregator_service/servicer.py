@@ -23,7 +23,7 @@ from fedrl.proto.v1 import (
 )
 from fedrl.wire.codec import Assembler, CodecError
 from fedrl.wire.rpc import EVALUATOR_HEADER, ServiceError, codec_status
-from fedrl.wire.security import EVALUATOR, Authenticator
+from fedrl.wire.security import AGENT, EVALUATOR, Authenticator
 from fedrl.wire.serde import (
     evaluation_from_proto,
     event_to_proto,
@@ -214,8 +214,10 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
         return reply
 
     def FetchGlobal(self, request, context):
-        try:
-            enc = self.coord.versions.global_weights(request.run_id, request.version)
+        who = self.auth.identify(context.invocation_metadata()) if self.auth.enabled else None
+        try:  # an agent (by its token) fetches only its runs' versions; evaluators and admins any
+            enc = self.coord.versions.global_weights(request.run_id, request.version,
+                                                     agent=who[1] if who and who[0] == AGENT else None)
         except ServiceError as e:
             _abort(context, e)
         parts = self._serialised_parts(enc)

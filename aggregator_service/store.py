@@ -160,6 +160,13 @@ class Store:
     def save_participants(self, run_id: str, data: Mapping[str, Any]) -> None:
         self._write_bytes(self.run_dir(run_id) / "participants.json", json.dumps(data).encode())
 
+    def selected(self, run_id: str) -> list[str]:
+        """The agents a stored run selected (none if it never began, or its file is unreadable)."""
+        try:
+            return list(json.loads((self.run_dir(run_id) / "participants.json").read_text())["selected"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+
     def run_ids(self) -> list[str]:
         """Every stored run's id, oldest first (ids start with their creation time)."""
         base = self.root / "runs"

@@ -22,9 +22,11 @@ class Versions:
     def __init__(self, shared: Shared, store: Store) -> None:
         self.s, self.store = shared, store
 
-    def global_weights(self, run_id: str, version: int) -> Encoded:
+    def global_weights(self, run_id: str, version: int, agent: str | None = None) -> Encoded:
         """A global version: of a run held (``run_id`` empty: the newest), or a stored version of
-        an earlier run of the state directory; ``version`` -1 is the latest."""
+        an earlier run of the state directory; ``version`` -1 is the latest. ``agent``: the
+        caller is that agent (its token says so), and gets only the versions of runs that
+        selected it: a run's model is its participants', not every agent's of the aggregator."""
         if version < -1:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"version {version}: expected a version >= 0, or -1 for the latest", "bad_version")
@@ -32,6 +34,9 @@ class Versions:
             run = self.s.runs.get(run_id) if run_id else self.s.run
             current = run is not None
             if current:
+                if agent is not None and agent not in run.selected:
+                    raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                                       f"agent {agent!r} is not a participant of run {run.run_id}", "not_selected")
                 if run.state == "waiting_for_agents" or (run.state == "running" and not run.encoded):
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "the run has not made its first "
                                        "version yet")
@@ -47,6 +52,9 @@ class Versions:
         else:  # an earlier run's stored version
             if not run_id or not RUN_ID.fullmatch(run_id) or run_id not in self.store.run_ids():
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown run {run_id[:80]!r}", "unknown_run")
+            if agent is not None and agent not in self.store.selected(run_id):
+                raise ServiceError(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"agent {agent!r} is not a participant of run {run_id}", "not_selected")
             stored = self.store.versions(run_id)
             if not stored:
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, f"run {run_id} has no stored version", "unknown_version")

@@ -363,6 +363,9 @@ MUTANTS = (
            "            if v in run.evaluations:\n                return\n", "", HARDENING_TESTS),
     Mutant("session-wait-nan-passes", "aggregator_service/servicer.py", "SESSION_MIN_WAIT if math.isnan(asked) else ",
            "", ("tests/service/test_stream_guard.py",)),
+    Mutant("any-agent-fetches-any-run", "aggregator_service/versions.py",
+           "                if agent is not None and agent not in run.selected:\n", "                if False:\n",
+           ("tests/service/test_security.py",)),
     Mutant("policy-built-before-its-shapes-are-checked", "fedrl/algos/policy_io.py", "    if given != want:\n",
            "    if False:\n", ("tests/service/test_evaluator_and_reconnect.py",)),
 )

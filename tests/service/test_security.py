@@ -323,3 +323,50 @@ def test_only_the_evaluators_token_makes_a_following_evaluator(secure_aggregator
     for ch, call in calls:
         call.cancel()
         ch.close()
+
+
+def test_an_agent_fetches_only_the_versions_of_runs_that_selected_it(tmp_path):
+    """FetchGlobal gave any agent any run's model: on an aggregator serving several runs, an agent
+    of one could take another's, trained on other parties' data. An agent's token now fetches
+    only runs that selected it, held or stored (PERMISSION_DENIED else); the evaluator's and the
+    admin's fetch any."""
+    from fedrl.wire.serde import read_weight_parts
+
+    tokens = {**TOKENS, "agent-2": "agent-2-token-0123456789"}
+    auth = Authenticator(ADMIN, EVALUATOR, tokens)
+
+    def fetch(agg, token, run_id):
+        ch = create_channel(agg.target, None, token)
+        try:
+            return read_weight_parts(federation_pb2_grpc.FederationStub(ch).FetchGlobal(
+                federation_pb2.FetchRequest(run_id=run_id, version=0), timeout=RPC_BOUND))[0]
+        finally:
+            ch.close()
+
+    agg = Aggregator(tmp_path / "state", auth=auth)
+    try:
+        for i in (0, 1):
+            ch, fed, _ = stubs(agg, None, None, tokens[f"agent-{i}"])
+            fed.Join(join_req(f"agent-{i}", i), timeout=RPC_BOUND)
+            ch.close()
+        ch, _, control = stubs(agg, None, None, ADMIN)
+        run_id = control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=RPC_BOUND).run_id
+        ch2, fed2, _ = stubs(agg, None, None, tokens["agent-2"])
+        fed2.Join(join_req("agent-2", 2), timeout=RPC_BOUND)  # the same task, after the run selected its agents
+        ch2.close()
+        assert_refused(lambda: fetch(agg, tokens["agent-2"], run_id), grpc.StatusCode.PERMISSION_DENIED,
+                       f"agent 'agent-2' is not a participant of run {run_id}")
+        for token in (tokens["agent-0"], EVALUATOR, ADMIN):
+            assert fetch(agg, token, run_id).base_version == 0
+        control.StopRun(control_pb2.StopRunRequest(reason="enough", run_id=run_id), timeout=RPC_BOUND)
+        ch.close()
+    finally:
+        agg.close()
+    agg = Aggregator(tmp_path / "state", auth=auth)  # a restart: the run is only stored now
+    try:
+        assert_refused(lambda: fetch(agg, tokens["agent-2"], run_id), grpc.StatusCode.PERMISSION_DENIED,
+                       f"agent 'agent-2' is not a participant of run {run_id}")
+        for token in (tokens["agent-1"], EVALUATOR, ADMIN):
+            assert fetch(agg, token, run_id).base_version == 0
+    finally:
+        agg.close()
