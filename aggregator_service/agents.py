@@ -134,6 +134,14 @@ class AgentRegistry:
                 if (old.obs_dim, old.act_dim) != (rec.obs_dim, rec.act_dim):
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"agent {rec.agent_id} rejoined with different dimensions")
+            for r in mine:  # its updates must count what its runs selected it with (RoundMachine.check)
+                plan = r.machine.plan if r.state == "running" and r.machine is not None else None
+                if plan is not None and plan.samples:
+                    joined = plan.samples[plan.agents.index(rec.agent_id)]
+                    if rec.num_samples != joined:
+                        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                           f"agent {rec.agent_id} rejoined with {rec.num_samples} samples; run "
+                                           f"{r.run_id} selected it with {joined}, which its updates must count")
             if old is not None:  # its counts and the STOPs it was given go on
                 rec.accepted, rec.stops_sent = old.accepted, old.stops_sent
             else:  # first join since a restart: what the runs' stored closes say it gave

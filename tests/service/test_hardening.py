@@ -571,3 +571,18 @@ def test_an_update_cannot_weigh_more_or_less_than_its_agents_joined_count(aggreg
         submit(aggregator, a, g, st.run_id, inline=how == "inline")
     assert wait_for(lambda: status(aggregator)["global_version"] == 1)
     assert status(aggregator)["state"] == "running"
+
+
+def test_an_agent_of_a_running_run_cannot_rejoin_with_another_sample_count(open_round):
+    """Its updates must count what the run selected it with; a rejoin with another count would
+    have every later update refused as wrong_samples. It is refused at the Join, saying so."""
+    agg, run_id, _, _ = open_round
+
+    def rejoin(n):
+        return agg.fed.Join(federation_pb2.JoinRequest(
+            agent_id="a0", agent_index=0, num_samples=n, obs_dim=11, act_dim=3, env_id="Hopper-v5"),
+            timeout=RPC_BOUND)
+
+    assert_refused(lambda: rejoin(50), grpc.StatusCode.FAILED_PRECONDITION,
+                   f"agent a0 rejoined with 50 samples; run {run_id} selected it with 100")
+    assert rejoin(100).run_id == run_id
