@@ -91,7 +91,8 @@ class FederationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchGlobal(self, request, context):
-        """The global policy of a version: a manifest, then chunks.
+        """The global policy of a version: a manifest, then chunks. An agent's token gets only the
+        versions of runs that selected it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
