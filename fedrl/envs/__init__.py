@@ -72,8 +72,8 @@ def env_info(name: str) -> EnvInfo:
     head = low.split("-")[0]
     if head in ENVS:
         return ENVS[head]
-    raise ValueError(
-        f"unknown environment {name!r}; known: "
+    raise ValueError(  # the name cut short: a caller's error must fit a status message
+        f"unknown environment {name[:80]!r}{'...' if len(name) > 80 else ''}; known: "
         + ", ".join(f"{e.gym_id} ({e.key})" for e in ENVS.values())
     )
 

@@ -64,6 +64,9 @@ def test_on_demand_evaluation_and_its_refusals(evaluator):
 
     refused(evaluator_pb2.EvaluateHeader(env_id="Pong-v5", episodes=1), state,
             grpc.StatusCode.INVALID_ARGUMENT, "unknown environment")
+    # a name past gRPC's 16 KiB of trailers, echoed whole, came back as RESOURCE_EXHAUSTED
+    refused(evaluator_pb2.EvaluateHeader(env_id="x" * 100_000, episodes=1), state,
+            grpc.StatusCode.INVALID_ARGUMENT, f"unknown environment {'x' * 80!r}...; known: ")
     refused(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=0), state,
             grpc.StatusCode.INVALID_ARGUMENT, "episodes must be in")
     refused(evaluator_pb2.EvaluateHeader(env_id="Walker2d-v5", episodes=1), state,
