@@ -204,7 +204,7 @@ class AgentRegistry:
     def agent(self, agent_id: str) -> AgentRecord:
         a = self.agents.get(agent_id)
         if a is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown agent {agent_id!r}: call Join first",
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"unknown agent {agent_id[:80]!r}: call Join first",
                                "unknown_agent")
         a.last_seen = time.time()
         return a

@@ -22,7 +22,7 @@ from fedrl.proto.v1 import (
     federation_pb2_grpc,
 )
 from fedrl.wire.codec import Assembler, CodecError
-from fedrl.wire.rpc import EVALUATOR_HEADER, ServiceError, codec_status
+from fedrl.wire.rpc import EVALUATOR_HEADER, ServiceError, codec_status, status_details
 from fedrl.wire.security import AGENT, EVALUATOR, Authenticator
 from fedrl.wire.serde import (
     evaluation_from_proto,
@@ -50,9 +50,9 @@ MAX_BUSY_RUNS = 64  # runs a TaskRequest may name as busy (more than any aggrega
 
 def _abort(context: grpc.ServicerContext, e: Exception) -> None:
     if isinstance(e, ServiceError):
-        context.abort(e.code, e.message)
+        context.abort(e.code, status_details(e.message))
     if isinstance(e, CodecError):
-        context.abort(codec_status(e.reason), str(e))
+        context.abort(codec_status(e.reason), status_details(str(e)))
     raise e
 
 
@@ -295,8 +295,8 @@ class FederationServicer(federation_pb2_grpc.FederationServicer):
                               f"a session answers a MOMENTS task with done, not {which or 'nothing'}")
             if which == "update":
                 if header is not None and header.agent_id != agent_id:
-                    context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the session of agent {agent_id!r} "
-                                  f"carried an update of agent {header.agent_id!r}")
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, f"the session of agent {agent_id[:80]!r} "
+                                  f"carried an update of agent {header.agent_id[:80]!r}")
                 self._submit_inline(context, header, payload)
             elif which == "done" and kind == "TRAIN":  # without its update here: streamed, or sat out
                 self.coord.tasks.declined(agent_id, run_id, header.round)

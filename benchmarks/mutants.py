@@ -366,6 +366,8 @@ MUTANTS = (
     Mutant("any-agent-fetches-any-run", "aggregator_service/versions.py",
            "                if agent is not None and agent not in run.selected:\n", "                if False:\n",
            ("tests/service/test_security.py",)),
+    Mutant("refusals-echo-long-strings-whole", "fedrl/wire/rpc.py", "    if len(message) <= STATUS_DETAILS_MAX:\n",
+           "    if True:\n", HARDENING_TESTS),
     Mutant("policy-built-before-its-shapes-are-checked", "fedrl/algos/policy_io.py", "    if given != want:\n",
            "    if False:\n", ("tests/service/test_evaluator_and_reconnect.py",)),
 )

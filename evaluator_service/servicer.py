@@ -12,7 +12,7 @@ from fedrl.envs.evaluation import evaluate
 from fedrl.ops.metrics import EvaluatorMetrics
 from fedrl.proto.v1 import evaluator_pb2, evaluator_pb2_grpc
 from fedrl.wire.codec import Assembler, CodecError, check_manifest
-from fedrl.wire.rpc import codec_status
+from fedrl.wire.rpc import codec_status, status_details
 from fedrl.wire.serde import evaluation_to_proto, manifest_from_proto
 
 MAX_EPISODES = 1000
@@ -89,15 +89,15 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
             finally:
                 self._release(manifest.total_bytes)
         except CodecError as e:
-            context.abort(codec_status(e.reason), str(e))
+            context.abort(codec_status(e.reason), status_details(str(e)))
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(e)))
         try:
             with self._lock:
                 res = evaluate(policy, h.env_id, int(h.episodes), int(h.seed), self.num_envs)
             self.metrics.rollout("on_demand", len(res.returns), res.env_steps, res.seconds)
         except ValueError as e:  # unknown env, layout mismatch
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(e)))
         d = {"run_id": manifest.run_id, "version": manifest.base_version, **res.as_dict()}
         return evaluation_to_proto(d)
 

@@ -348,6 +348,18 @@ def codec_status(reason: str) -> grpc.StatusCode:
     return _CODEC_STATUS.get(reason, grpc.StatusCode.INVALID_ARGUMENT)
 
 
+STATUS_DETAILS_MAX = 1000  # characters of a refusal's message
+
+
+def status_details(message: str) -> str:
+    """A refusal's message, cut to :data:`STATUS_DETAILS_MAX` characters: it travels in a
+    trailer, and one that echoed a caller's long string whole (an id, a tensor name) passed
+    gRPC's 16 KiB of metadata, and the caller got RESOURCE_EXHAUSTED instead of the refusal."""
+    if len(message) <= STATUS_DETAILS_MAX:
+        return message
+    return f"{message[:STATUS_DETAILS_MAX]}... (cut from {len(message)} characters)"
+
+
 class ServiceError(Exception):
     """A refusal with a specific gRPC status; servicers turn it into ``context.abort``."""
 

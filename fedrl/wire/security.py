@@ -187,7 +187,7 @@ class Authenticator:
         if who is None or who[0] != AGENT or who[1] != agent_id:
             ident = who[1] if who else "nobody"
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"this token belongs to {ident}, which may not act as agent {agent_id!r}")
+                          f"this token belongs to {ident}, which may not act as agent {agent_id[:80]!r}")
 
 
 def allowed_roles(method: str) -> frozenset[str]:

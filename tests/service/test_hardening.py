@@ -586,3 +586,24 @@ def test_an_agent_of_a_running_run_cannot_rejoin_with_another_sample_count(open_
     assert_refused(lambda: rejoin(50), grpc.StatusCode.FAILED_PRECONDITION,
                    f"agent a0 rejoined with 50 samples; run {run_id} selected it with 100")
     assert rejoin(100).run_id == run_id
+
+
+def test_a_refusal_that_names_a_callers_long_string_still_arrives_as_itself(open_round):
+    """Refusals echoed the caller's strings whole: a 100,000-character agent id or tensor name
+    passed gRPC's 16 KiB of trailers, and the caller got RESOURCE_EXHAUSTED ("received metadata
+    size exceeds hard limit") instead of the refusal. Names are cut, and so is every message."""
+    from fedrl.wire.rpc import STATUS_DETAILS_MAX
+
+    agg, run_id, g, _ = open_round
+    long_id = "x" * 100_000
+    assert_refused(lambda: agg.fed.NextTask(federation_pb2.TaskRequest(agent_id=long_id), timeout=RPC_BOUND),
+                   grpc.StatusCode.NOT_FOUND, f"unknown agent {'x' * 80!r}: call Join first")
+
+    def long_name(m, chunks):
+        m.tensors[0].name = "policy." + "y" * 100_000
+        return m, chunks
+
+    with pytest.raises(grpc.RpcError) as ei:
+        submit(agg, "a0", g, run_id, tamper=long_name, inline=True)
+    assert ei.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION), ei.value.details()
+    assert ei.value.details().endswith(" characters)") and len(ei.value.details()) < STATUS_DETAILS_MAX + 50
