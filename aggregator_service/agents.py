@@ -135,10 +135,9 @@ class AgentRegistry:
                     raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"agent {rec.agent_id} rejoined with different dimensions")
             for r in mine:  # its updates must count what its runs selected it with (RoundMachine.check)
-                plan = r.machine.plan if r.state == "running" and r.machine is not None else None
-                if plan is not None and plan.samples:
-                    joined = plan.samples[plan.agents.index(rec.agent_id)]
-                    if rec.num_samples != joined:
+                if r.state == "running" and r.machine is not None:
+                    joined = r.machine.plan.joined(rec.agent_id)
+                    if joined is not None and rec.num_samples != joined:
                         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                            f"agent {rec.agent_id} rejoined with {rec.num_samples} samples; run "
                                            f"{r.run_id} selected it with {joined}, which its updates must count")

@@ -36,6 +36,7 @@ from aggregator_service.store import Store
 from fedrl.federation.machine import Plan, RoundMachine, resumed_clip
 from fedrl.federation.privacy import privacy_spent, warm_epsilon
 from fedrl.federation.runconfig import (
+    JOIN_TEXT_LIMITS,
     LIMITS,
     ConfigError,
     parse_run_config,
@@ -370,13 +371,11 @@ class RunLifecycle:
         return not missing or time.time() - run.ended > self.eval_grace
 
 
-MAX_ENV_ID = 200  # characters of a report's env_id (a gymnasium id is a few dozen)
-
 
 def report_problem(report: dict[str, Any]) -> str | None:
     """What makes an evaluation report one the aggregator cannot keep, or None: more returns than
     a run evaluates episodes, a value that is not finite, a negative count, time or spread, an
-    env_id past :data:`MAX_ENV_ID` characters."""
+    env_id longer than a Join's may be (``JOIN_TEXT_LIMITS``)."""
     returns = report.get("returns", ())
     n = len(returns)
     if n > LIMITS["eval_episodes"]:
@@ -391,6 +390,6 @@ def report_problem(report: dict[str, Any]) -> str | None:
     if negative:
         return f"{', '.join(negative)} negative"
     env_id = str(report.get("env_id", ""))
-    if len(env_id) > MAX_ENV_ID:
-        return f"an env_id of {len(env_id)} characters (at most {MAX_ENV_ID})"
+    if len(env_id) > (top := JOIN_TEXT_LIMITS["env_id"]):
+        return f"an env_id of {len(env_id)} characters (at most {top})"
     return None

@@ -123,6 +123,11 @@ class Plan:
         counts = list(self.samples) if self.samples else [1] * len(self.agents)
         return dict(zip(self.agents, agent_weights(self.weighting, counts)))
 
+    def joined(self, agent: Hashable) -> int | None:
+        """``agent``'s sample count as the plan has it (what it said when it joined), or None
+        where the plan has no counts; its updates must count the same."""
+        return self.samples[self.agents.index(agent)] if self.samples else None
+
     def moment_weights(self) -> dict[Hashable, float]:
         """Each agent's weight in round 0's pooled moments: its sample count whatever the
         weighting (the pool is of observations), else 1."""
@@ -280,8 +285,7 @@ class RoundMachine:
             raise Refused("secagg_only", "this run takes its updates by secure aggregation, never in the clear")
         if agent in self.taken:
             raise Refused("duplicate", f"agent {agent!r} already submitted for round {self.round}")
-        if samples is not None and self.plan.samples:
-            joined = self.plan.samples[self.plan.agents.index(agent)]
+        if samples is not None and (joined := self.plan.joined(agent)) is not None:
             if samples != joined:
                 raise Refused("wrong_samples", f"the update counts {samples} samples; agent {agent!r} joined "
                               f"with {joined}, and its updates weigh as that")
