@@ -370,6 +370,9 @@ MUTANTS = (
            "    if True:\n", HARDENING_TESTS),
     Mutant("policy-built-before-its-shapes-are-checked", "fedrl/algos/policy_io.py", "    if given != want:\n",
            "    if False:\n", ("tests/service/test_evaluator_and_reconnect.py",)),
+    Mutant("evaluator-sizes-buffers-as-declared", "evaluator_service/servicer.py",
+           "Assembler(manifest, grow=True)", "Assembler(manifest, grow=False)",
+           ("tests/service/test_hardening.py::test_the_evaluators_memory_follows_the_bytes_received_not_those_declared",)),
 )
 
 

@@ -168,9 +168,29 @@ def _evaluator(tmp_path, *flags: str):
     return p, f"127.0.0.1:{pf.read_text()}"
 
 
+def _evaluate_messages(tmp_path, *flags: str):
+    """A real evaluator process with its metrics port: (process, target, received), where
+    ``received()`` is its own count of Evaluate stream messages received."""
+    import re
+    import urllib.request
+
+    p, target = _evaluator(tmp_path, *flags, "--metrics-port", "0", "--metrics-port-file", str(tmp_path / "m.port"))
+    wait_for(lambda: (tmp_path / "m.port").exists(), 60, "the evaluator's metrics port")
+    metrics = f"http://127.0.0.1:{(tmp_path / 'm.port').read_text().strip()}/metrics"
+
+    def received() -> int:
+        text = urllib.request.urlopen(metrics, timeout=RPC_BOUND).read().decode()
+        m = re.search(r'^grpc_server_msg_received_total\{[^}]*grpc_method="Evaluate"[^}]*\} (\S+)$', text, re.M)
+        return int(float(m.group(1))) if m else 0
+
+    return p, target, received
+
+
 def _declaring(nbytes: int, hold=None):
-    """An Evaluate stream that declares a policy of ``nbytes`` and sends 1 KiB of it, then waits for
-    ``hold`` (an Event) before it ends."""
+    """An Evaluate stream that declares a policy of ``nbytes`` and sends 2 KiB of it in two chunks,
+    then waits for ``hold`` (an Event) before it ends. The evaluator asks for the second chunk only
+    once it has handled the first, so its count of four messages received says the first chunk's
+    buffer exists."""
     from fedrl.proto.v1 import evaluator_pb2, weights_pb2
 
     manifest = weights_pb2.WeightsManifest(
@@ -179,21 +199,24 @@ def _declaring(nbytes: int, hold=None):
     yield evaluator_pb2.EvaluatePart(header=evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1))
     yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(manifest=manifest))
     yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(chunk=b"\x00" * 1024))
+    yield evaluator_pb2.EvaluatePart(weights=weights_pb2.WeightsPart(chunk=b"\x00" * 1024))
     if hold is not None:
         hold.wait(60)
 
 
 def test_the_evaluators_memory_follows_the_bytes_received_not_those_declared(tmp_path):
-    """Streams each declaring a 60 MiB policy (under --max-policy-mb) and sending 1 KiB held the
+    """Streams each declaring a 60 MiB policy (under --max-policy-mb) and sending 2 KiB held the
     declared size each (40 of them took an evaluator from 255 MiB to 2.8 GiB); now its memory
-    grows by what was sent. A real evaluator process, 8 such streams held open."""
+    grows by what was sent. A real evaluator process whose in-flight budget (--max-inflight-mb)
+    has room for 8 such streams, all held open; it is measured once its own metrics count every
+    stream's messages received."""
     import threading
-    import time
 
     from fedrl.proto.v1 import evaluator_pb2_grpc
     from fedrl.wire.rpc import create_channel
 
-    p, target = _evaluator(tmp_path)
+    streams, per_stream = 8, 4
+    p, target, received = _evaluate_messages(tmp_path, "--max-inflight-mb", "600")  # room for all 8
 
     def rss_mb() -> float:
         for line in open(f"/proc/{p.pid}/status"):
@@ -205,19 +228,21 @@ def test_the_evaluators_memory_follows_the_bytes_received_not_those_declared(tmp
     try:
         ch = create_channel(target)
         stub = evaluator_pb2_grpc.EvaluatorStub(ch)
-        time.sleep(1.0)
+        received()  # the metrics server answers: the evaluator is up
         before = rss_mb()
-        calls = [stub.Evaluate.future(_declaring(60 << 20, release), timeout=60) for _ in range(8)]
-        time.sleep(3.0)  # every stream has sent its header, manifest and chunk
+        calls = [stub.Evaluate.future(_declaring(60 << 20, release), timeout=60) for _ in range(streams)]
+        wait_for(lambda: received() >= streams * per_stream or any(c.done() for c in calls), 60,
+                 "the evaluator to receive every stream's messages")
+        assert not any(c.done() for c in calls), [c.exception() for c in calls if c.done()]
         grew = rss_mb() - before
         release.set()
         for c in calls:
             try:
                 c.result(timeout=60)
             except grpc.RpcError:
-                pass  # the 1 KiB payload is refused as truncated (DATA_LOSS): not what is measured
+                pass  # the 2 KiB payload is refused as truncated (DATA_LOSS): not what is measured
         ch.close()
-        assert grew < 60, f"the evaluator grew by {grew:.0f} MB for 8 KiB received (8 x 60 MiB declared)"
+        assert grew < 60, f"the evaluator grew by {grew:.0f} MB for 16 KiB received (8 x 60 MiB declared)"
     finally:
         release.set()
         p.terminate()
@@ -369,12 +394,11 @@ def test_the_evaluator_holds_a_memory_budget_across_its_streams(tmp_path):
     being received a second is refused at once (RESOURCE_EXHAUSTED, naming the flag); once the
     first ends, another is taken."""
     import threading
-    import time
 
     from fedrl.proto.v1 import evaluator_pb2_grpc
     from fedrl.wire.rpc import create_channel
 
-    p, target = _evaluator(tmp_path, "--max-inflight-mb", "100")
+    p, target, received = _evaluate_messages(tmp_path, "--max-inflight-mb", "100")
     release = threading.Event()
 
     def code(call):
@@ -388,7 +412,8 @@ def test_the_evaluator_holds_a_memory_budget_across_its_streams(tmp_path):
         ch = create_channel(target)
         stub = evaluator_pb2_grpc.EvaluatorStub(ch)
         first = stub.Evaluate.future(_declaring(60 << 20, release), timeout=60)
-        time.sleep(1.5)  # its manifest is in: 60 MiB reserved
+        wait_for(lambda: received() >= 4 or first.done(), 60, "the first stream's messages")
+        assert not first.done(), first.exception()  # its manifest is in: 60 MiB reserved
         c, details = code(stub.Evaluate.future(_declaring(60 << 20), timeout=30))
         assert c == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight-mb" in details, (c, details)
         release.set()
