@@ -154,6 +154,12 @@ class StreamGuard(grpc.ServerInterceptor):
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {why}; retry later")
         return None  # not reached
 
+    @property
+    def open_streams(self) -> int:
+        """Streams counted now (each until its handler returns)."""
+        with self._lock:
+            return self._open
+
     def drained(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every counted call's handler to return (its last
         log line written); whether they all did."""

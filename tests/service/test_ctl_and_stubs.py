@@ -317,29 +317,36 @@ def test_without_tokens_only_a_few_watchers_count_as_evaluators(aggregator):
     """Without tokens anyone can send the evaluator header; 40 such streams held a plain watcher
     open long after its run. Now at most MAX_UNVERIFIED_FOLLOWERS of them count."""
     import threading
-    import time
 
     from aggregator_service.servicer import MAX_UNVERIFIED_FOLLOWERS
     from fedrl.proto.v1 import control_pb2
     from fedrl.wire.rpc import EVALUATOR_HEADER
 
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
-    calls = [aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10,
+    calls = [aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=60,
                                             metadata=((EVALUATOR_HEADER, "1"),)) for _ in range(10)]
-    for c in calls:
-        threading.Thread(target=_drain, args=(c,), daemon=True).start()
-    time.sleep(1.0)
+    settled = []  # a stream's first event (RUN_STARTED) comes after it was counted or not; the
+    for c in calls:  # streams past the per-caller limit end at once (RESOURCE_EXHAUSTED)
+        threading.Thread(target=_drain, args=(c, settled), daemon=True).start()
+    assert wait_for(lambda: len(settled) == len(calls))
     assert aggregator.coord.evaluators == MAX_UNVERIFIED_FOLLOWERS
     for c in calls:
         c.cancel()
     assert wait_for(lambda: aggregator.coord.evaluators == 0)
 
 
-def _drain(call):
+def _drain(call, settled=None):
+    """Read ``call`` to its end; ``settled`` gets one entry when its first message or its end
+    comes, whichever is first."""
+    first = True
     try:
-        list(call)
+        for _ in call:
+            if first and settled is not None:
+                settled.append(True)
+            first = False
     except grpc.RpcError:
-        pass
+        if first and settled is not None:
+            settled.append(True)
 
 
 def _read_until_cancelled(stream) -> None:

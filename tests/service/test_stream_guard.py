@@ -18,7 +18,7 @@ from fedrl.wire.streams import RESERVED_WORKERS
 from fedrl.wire.security import Authenticator, TokenClientInterceptor
 
 from .conftest import Aggregator
-from tests.service.test_federation import RPC_BOUND
+from tests.service.test_federation import RPC_BOUND, wait_for
 
 SUBMIT = "/fedrl.v1.Federation/SubmitUpdate"
 
@@ -132,14 +132,14 @@ def test_one_caller_cannot_hold_more_than_its_streams(tmp_path, idle):
     agg = Aggregator(tmp_path / "s", streams_per_identity=3, stream_idle_seconds=30)
     try:
         first = idle.open(agg.channel, 3)
-        time.sleep(0.5)
+        assert wait_for(lambda: agg.server.guard.open_streams == 3 or any(f.done() for f in first))
         assert not any(f.done() for f in first)
         (fourth,) = idle.open(agg.channel, 1)
         code, details = _code(fourth)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "3 streams open" in details, (code, details)
         other = own_connection(agg.target)  # another caller is not affected
         (theirs,) = idle.open(other, 1)
-        time.sleep(0.5)
+        assert wait_for(lambda: agg.server.guard.open_streams == 4 or theirs.done())
         assert not theirs.done()
         idle.close()
         other.close()
@@ -157,7 +157,7 @@ def test_unauthenticated_streams_are_refused_before_they_count(tmp_path, idle):
         # the agent's own streams still open
         ch = grpc.intercept_channel(own_connection(agg.target), TokenClientInterceptor("agent-secret-0123456789"))
         mine = idle.open(ch, 2)
-        time.sleep(0.5)
+        assert wait_for(lambda: agg.server.guard.open_streams == 2 or any(f.done() for f in mine))
         assert not any(f.done() for f in mine)
         for c in anon:
             c.close()
