@@ -373,6 +373,11 @@ MUTANTS = (
     Mutant("evaluator-sizes-buffers-as-declared", "evaluator_service/servicer.py",
            "Assembler(manifest, grow=True)", "Assembler(manifest, grow=False)",
            ("tests/service/test_hardening.py::test_the_evaluators_memory_follows_the_bytes_received_not_those_declared",)),
+    Mutant("evaluation-steps-non-finite-actions", "fedrl/envs/evaluation.py", "                if not np.isfinite(act).all():\n",
+           "                if False:\n", ("tests/service/test_evaluator_and_reconnect.py",)),
+    Mutant("follower-retries-a-version-it-cannot-evaluate", "evaluator_service/follower.py",
+           "                        if e.code() not in VERSION_FAILURES:\n", "                        if True:\n",
+           ("tests/service/test_evaluator_and_reconnect.py",)),
 )
 
 

@@ -24,6 +24,10 @@ from fedrl.wire.serde import evaluation_to_proto, event_from_proto, read_weight_
 
 log = logging.getLogger("fedrl.evaluator")
 MAX_IDLE_SECONDS = 5.0  # longest wait between looks for a new run
+# What the aggregator answers about one version (its weights damaged or gone, its report refused):
+# that version is not evaluated and the next ones are; any other code is the connection's
+VERSION_FAILURES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS,
+                              grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE})
 
 
 class Follower:
@@ -116,6 +120,12 @@ class Follower:
                         self._evaluate(control, fetch, *key)
                     except (ValueError, RuntimeError) as e:  # a bad model or config: report, go on
                         log.error("run %s version %d not evaluated: %s", key[0], key[1], e)
+                        self.metrics.failures.inc()
+                    except grpc.RpcError as e:
+                        if e.code() not in VERSION_FAILURES:
+                            raise  # the connection: reconnect, and this version is tried again
+                        log.error("run %s version %d not evaluated: %s: %s", key[0], key[1], e.code().name,
+                                  e.details())
                         self.metrics.failures.inc()
                     done.add(key)
         finally:

@@ -55,6 +55,10 @@ def evaluate(policy: TanhGaussianPolicy, env_name: str, episodes: int, seed: int
     Episodes are dealt to ``min(num_envs, episodes)`` envs in fixed quotas so that short episodes
     are not over-represented; every env keeps stepping (its extra episodes are ignored) until all
     quotas are met. Seeded: the same policy and seed give the same returns.
+
+    Raises ``ValueError`` when an action is not finite: finite weights can still overflow to NaN
+    (weights near float32's limit), and MuJoCo given NaN controls returns NaN rewards, not a
+    return.
     """
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
@@ -73,7 +77,12 @@ def evaluate(policy: TanhGaussianPolicy, env_name: str, episodes: int, seed: int
         try:
             obs, _ = envs.reset(seed=seed)
             while (done < quota).any():
-                obs, rew, term, trunc, _ = envs.step(act_fn(obs))
+                with np.errstate(over="ignore", invalid="ignore"):  # said below, once, if it matters
+                    act = act_fn(obs)
+                if not np.isfinite(act).all():
+                    raise ValueError(f"the policy's actions are not finite at step {int(ep_len.max())} of an "
+                                     f"episode in {info.gym_id} (its weights overflow float32): no return to report")
+                obs, rew, term, trunc, _ = envs.step(act)
                 steps += n
                 ep_ret += rew
                 ep_len += 1

@@ -76,6 +76,11 @@ def test_on_demand_evaluation_and_its_refusals(evaluator):
     bad = {**state, "policy.head.bias": torch.full((6,), float("nan"))}
     refused(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1), bad,
             grpc.StatusCode.INVALID_ARGUMENT, "NaN")
+    # finite weights whose actions overflow to NaN: MuJoCo's NaN rewards came back as a return
+    huge = {k: torch.full_like(v, 3e38) if k.startswith("policy.trunk.") and k.endswith(".weight") else v
+            for k, v in state.items()}
+    refused(evaluator_pb2.EvaluateHeader(env_id="Hopper-v5", episodes=1), huge,
+            grpc.StatusCode.INVALID_ARGUMENT, "the policy's actions are not finite at step 0 of an episode in Hopper-v5")
 
     def oversized(parts):  # a manifest declaring 1 GiB for a small policy: refused before any buffer
         parts[0].manifest.total_bytes = 1 << 30
@@ -116,6 +121,52 @@ def test_follower_evaluates_every_version_and_catches_up(aggregator, agent_threa
     g.stop()
     t2.join(10)
     assert g.reports == {}
+
+
+@pytest.mark.parametrize("bad", ["overflowing-policy", "damaged-on-disk"])
+def test_a_version_that_cannot_be_evaluated_holds_up_none_after_it(aggregator, caplog, bad):
+    """A hostile agent's finite update of weights near float32's limit made a finite global version
+    whose actions are NaN: MuJoCo returned NaN rewards, the aggregator refused the NaN report, and
+    the follower took that for a lost connection, evaluating the same version again and again and
+    no version after it (as it did for a version whose file was damaged: DATA_LOSS). Now that
+    version is logged as not evaluated, naming why, and the next one is evaluated."""
+    from tests.service.test_faults import _rewrite_tensor_bytes
+    from fedrl.proto.v1 import federation_pb2
+    from fedrl.wire.codec import assemble
+    from fedrl.wire.serde import read_weight_parts
+    from tests.service.test_federation import join, submit
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    run = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(rounds=2, eval_episodes=1)), timeout=60))["run_id"]
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=run, version=0), timeout=60)))
+    huge = {k: torch.full_like(v, 3e38) if k.startswith("policy.trunk.") and k.endswith(".weight") else v
+            for k, v in g.items()}
+    submit(aggregator, "a0", huge if bad == "overflowing-policy" else g, run)
+    submit(aggregator, "a1", g, run)
+    wait_for(lambda: status(aggregator)["global_version"] == 1, what="round 1 to close")
+    assert all(torch.isfinite(v).all() for v in aggregator.store.load_version(run, 1).values())
+    submit(aggregator, "a0", g, run, round=2, base=1)
+    submit(aggregator, "a1", g, run, round=2, base=1)
+    wait_for(lambda: status(aggregator)["state"] == "finished", what="the run to finish")
+    if bad == "damaged-on-disk":  # a flipped bit
+        _rewrite_tensor_bytes(aggregator.store.version_path(run, 1), lambda raw, at: raw.__setitem__(at + 9, raw[at + 9] ^ 4))
+    f = Follower(aggregator.target, seed=0, num_envs=1)
+    t = threading.Thread(target=f.run, daemon=True)
+    with caplog.at_level(logging.ERROR, logger="fedrl.evaluator"):
+        t.start()
+        try:
+            wait_for(lambda: 2 in status(aggregator)["evaluated_versions"], what="version 2's evaluation")
+        finally:
+            f.stop()
+            t.join(10)
+    assert status(aggregator)["evaluated_versions"] == [2]
+    assert [(r, v) for r, v in f.reports] == [(run, 2)]
+    assert f.metrics.failures._value.get() == 1
+    why = "the policy's actions are not finite" if bad == "overflowing-policy" else "DATA_LOSS"
+    assert f"run {run} version 1 not evaluated: {why}" in caplog.text, caplog.text
 
 
 def test_agent_rejoins_a_restarted_aggregator(tmp_path, agent_threads, stand_dataset, caplog):
