@@ -73,47 +73,47 @@ def test_who_may_call_what(secure_aggregator, ca):
 
     # transport: plaintext to a TLS port, or TLS without a client certificate, never gets in
     ch, _, control = stubs(agg, ca, None, ADMIN)
-    assert_refused(lambda: control.GetStatus(status, timeout=3), grpc.StatusCode.UNAVAILABLE, "")
+    assert_refused(lambda: control.GetStatus(status, timeout=RPC_BOUND), grpc.StatusCode.UNAVAILABLE, "")
     ch.close()
     ch = grpc.secure_channel(agg.target, grpc.ssl_channel_credentials((ca / "ca.crt").read_bytes()))
-    assert_refused(lambda: control_pb2_grpc.ControlStub(ch).GetStatus(status, timeout=3),
+    assert_refused(lambda: control_pb2_grpc.ControlStub(ch).GetStatus(status, timeout=RPC_BOUND),
                    grpc.StatusCode.UNAVAILABLE, "")
     ch.close()
 
     # credentials: none or unknown -> UNAUTHENTICATED
     for token in (None, "not-a-known-token-at-all"):
         ch, fed, control = stubs(agg, ca, "admin", token)
-        assert_refused(lambda: control.GetStatus(status, timeout=3), grpc.StatusCode.UNAUTHENTICATED, "bearer token")
-        assert_refused(lambda: fed.Join(join_req("agent-0"), timeout=3), grpc.StatusCode.UNAUTHENTICATED, "token")
+        assert_refused(lambda: control.GetStatus(status, timeout=RPC_BOUND), grpc.StatusCode.UNAUTHENTICATED, "bearer token")
+        assert_refused(lambda: fed.Join(join_req("agent-0"), timeout=RPC_BOUND), grpc.StatusCode.UNAUTHENTICATED, "token")
         ch.close()
 
     # roles: an agent calling Control, the evaluator starting a run -> PERMISSION_DENIED
     ch, fed, control = stubs(agg, ca, "agent-0", TOKENS["agent-0"])
-    assert_refused(lambda: control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=3),
+    assert_refused(lambda: control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND),
                    grpc.StatusCode.PERMISSION_DENIED, "agent-0 (agent) may not call /fedrl.v1.Control/StartRun")
-    assert_refused(lambda: control.GetStatus(status, timeout=3), grpc.StatusCode.PERMISSION_DENIED, "may not call")
+    assert_refused(lambda: control.GetStatus(status, timeout=RPC_BOUND), grpc.StatusCode.PERMISSION_DENIED, "may not call")
     # an agent acting as another: Join, NextTask, a Session and an update's header
-    assert_refused(lambda: fed.Join(join_req("agent-1", 1), timeout=3), grpc.StatusCode.PERMISSION_DENIED,
+    assert_refused(lambda: fed.Join(join_req("agent-1", 1), timeout=RPC_BOUND), grpc.StatusCode.PERMISSION_DENIED,
                    "belongs to agent-0, which may not act as agent 'agent-1'")
-    assert_refused(lambda: fed.NextTask(federation_pb2.TaskRequest(agent_id="agent-1"), timeout=3),
+    assert_refused(lambda: fed.NextTask(federation_pb2.TaskRequest(agent_id="agent-1"), timeout=RPC_BOUND),
                    grpc.StatusCode.PERMISSION_DENIED, "may not act as agent 'agent-1'")
     hello = federation_pb2.SessionMessage(hello=federation_pb2.TaskRequest(agent_id="agent-1"))
-    assert_refused(lambda: list(fed.Session(iter([hello]), timeout=3)), grpc.StatusCode.PERMISSION_DENIED,
+    assert_refused(lambda: list(fed.Session(iter([hello]), timeout=RPC_BOUND)), grpc.StatusCode.PERMISSION_DENIED,
                    "may not act as agent 'agent-1'")
     header = federation_pb2.UpdatePart(header=federation_pb2.UpdateHeader(agent_id="agent-1"))
-    assert_refused(lambda: fed.SubmitUpdate(iter([header]), timeout=3), grpc.StatusCode.PERMISSION_DENIED,
+    assert_refused(lambda: fed.SubmitUpdate(iter([header]), timeout=RPC_BOUND), grpc.StatusCode.PERMISSION_DENIED,
                    "may not act as agent 'agent-1'")
-    fed.Join(join_req("agent-0"), timeout=3)  # as itself: fine
+    fed.Join(join_req("agent-0"), timeout=RPC_BOUND)  # as itself: fine
     ch.close()
     ch, fed, control = stubs(agg, ca, "evaluator", EVALUATOR)
-    assert_refused(lambda: control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=3),
+    assert_refused(lambda: control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND),
                    grpc.StatusCode.PERMISSION_DENIED, "evaluator (evaluator) may not call")
-    assert_refused(lambda: fed.Join(join_req("agent-0"), timeout=3), grpc.StatusCode.PERMISSION_DENIED, "may not")
-    assert control.GetStatus(status, timeout=3).state == "idle"
+    assert_refused(lambda: fed.Join(join_req("agent-0"), timeout=RPC_BOUND), grpc.StatusCode.PERMISSION_DENIED, "may not")
+    assert control.GetStatus(status, timeout=RPC_BOUND).state == "idle"
     ch.close()
     # the admin may not pose as an agent either
     ch, fed, control = stubs(agg, ca, "admin", ADMIN)
-    assert_refused(lambda: fed.Join(join_req("agent-0"), timeout=3), grpc.StatusCode.PERMISSION_DENIED, "may not")
+    assert_refused(lambda: fed.Join(join_req("agent-0"), timeout=RPC_BOUND), grpc.StatusCode.PERMISSION_DENIED, "may not")
     ch.close()
     # the refusals never reached the coordinator: only agent-0's own join did
     assert list(agg.coord.agents) == ["agent-0"]
@@ -123,15 +123,15 @@ def test_who_may_call_what(secure_aggregator, ca):
 def test_health_needs_no_token_and_the_health_port_opens_nothing_else(secure_aggregator, ca):
     agg = secure_aggregator
     ch, _, _ = stubs(agg, ca, "agent-0", None)  # TLS client cert, no token
-    assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3).status == \
+    assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=RPC_BOUND).status == \
         health_pb2.HealthCheckResponse.SERVING
     ch.close()
     hs = create_health_server("127.0.0.1", 0)
     try:
         plain = create_channel(f"127.0.0.1:{hs.port}")
-        assert health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=3).status == \
+        assert health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=RPC_BOUND).status == \
             health_pb2.HealthCheckResponse.SERVING
-        assert_refused(lambda: control_pb2_grpc.ControlStub(plain).GetStatus(control_pb2.StatusRequest(), timeout=3),
+        assert_refused(lambda: control_pb2_grpc.ControlStub(plain).GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND),
                        grpc.StatusCode.UNIMPLEMENTED, "")
         plain.close()
     finally:
