@@ -39,6 +39,8 @@ class Journal:
             ev = e.get("evaluation") or {}
             msg = f"run {run.run_id}: version {e['version']} evaluated: return {ev.get('return_mean', 0):.1f}, " \
                   f"score {ev.get('score_mean', 0):.1f}"
+        elif k == "NOT_EVALUATED":
+            msg = f"run {run.run_id}: version {e['version']} not evaluated: {e.get('message', '')}"
         elif k == "RUN_FINISHED":
             msg = f"run {run.run_id} finished after {run.round} rounds (version {e['version']})"
         elif k == "RUN_RESUMED":
@@ -46,7 +48,8 @@ class Journal:
         else:
             msg = f"run {run.run_id} {k.lower().removeprefix('run_')}" + (f": {e['message']}" if e.get("message") else "")
         fields = {k2: v for k2, v in e.items() if k2 not in ("metrics", "evaluation")}
-        level = {"RUN_FAILED": logging.ERROR, "RUN_STOPPED": logging.WARNING}.get(k, logging.INFO)
+        level = {"RUN_FAILED": logging.ERROR, "RUN_STOPPED": logging.WARNING,
+                 "NOT_EVALUATED": logging.WARNING}.get(k, logging.INFO)
         log.log(level, msg, extra={"event": fields})
 
     def event(self, run: Run, kind: str, **kw: Any) -> None:

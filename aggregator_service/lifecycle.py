@@ -38,6 +38,7 @@ from fedrl.federation.privacy import privacy_spent, warm_epsilon
 from fedrl.federation.runconfig import (
     JOIN_TEXT_LIMITS,
     LIMITS,
+    NOT_EVALUATED_CHARS,
     ConfigError,
     parse_run_config,
 )
@@ -153,9 +154,10 @@ class RunLifecycle:
 
     def report_evaluation(self, report: dict[str, Any]) -> None:
         """An evaluator's report of a stored version: checked (:func:`report_problem`), then kept
-        with an EVALUATED event. The first report of a version stands; a later one (a second
-        evaluator that raced the first) is acknowledged and changes nothing, so reports cannot
-        grow a run's journal beyond one per version."""
+        with an EVALUATED event, or, when it says why the version could not be evaluated
+        (``not_evaluated``), with a NOT_EVALUATED event. The first report of a version stands; a
+        later one (a second evaluator that raced the first) is acknowledged and changes nothing,
+        so reports cannot grow a run's journal beyond one per version."""
         if problem := report_problem(report):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"evaluation report of run "
                                f"{str(report.get('run_id'))[:80]!r}: {problem}", "bad_report")
@@ -168,10 +170,14 @@ class RunLifecycle:
             if not 0 <= v <= run.version:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"version {v} does not exist (latest {run.version})", "unknown_version")
-            if v in run.evaluations:
+            if v in run.evaluations or v in run.not_evaluated:
                 return
-            run.evaluated(v, report)
-            self.journal.event(run, "EVALUATED", version=v, round=v, evaluation=dict(report))
+            if why := report.get("not_evaluated"):
+                run.not_evaluable(v, why)
+                self.journal.event(run, "NOT_EVALUATED", version=v, round=v, message=why)
+            else:
+                run.evaluated(v, report)
+                self.journal.event(run, "EVALUATED", version=v, round=v, evaluation=dict(report))
             self.s.cond.notify_all()
 
     def status(self, run_id: str = "") -> dict[str, Any]:
@@ -303,7 +309,8 @@ class RunLifecycle:
                     self.s.cond.wait(poll)
                     continue
             for e in new:
-                if e["kind"] in ("ROUND_OPENED", "ROUND_CLOSED", "EVALUATED") and e["version"] <= after_version:
+                if (e["kind"] in ("ROUND_OPENED", "ROUND_CLOSED", "EVALUATED", "NOT_EVALUATED")
+                        and e["version"] <= after_version):
                     continue
                 yield e
             if ended and not new:
@@ -361,13 +368,14 @@ class RunLifecycle:
     def _watch_over(self, run: Run) -> bool:
         """A run's event stream ends once it is over, however it ended (finished, stopped by its
         privacy budget or an operator, failed), and every version it stored has been evaluated
-        (or evaluation is off, or no evaluator follows the run, or ``eval_grace`` seconds passed):
+        (or found not evaluable, or evaluation is off, or no evaluator follows the run, or
+        ``eval_grace`` seconds passed):
         a stop keeps the rounds it paid for."""
         if run.state in ACTIVE:
             return False
         if run.cfg.eval_episodes == 0 or not self.registry.evaluators_following():
             return True
-        missing = [v for v in range(1, run.version + 1) if v not in run.evaluations]
+        missing = [v for v in range(1, run.version + 1) if v not in run.evaluations and v not in run.not_evaluated]
         return not missing or time.time() - run.ended > self.eval_grace
 
 
@@ -375,9 +383,15 @@ class RunLifecycle:
 def report_problem(report: dict[str, Any]) -> str | None:
     """What makes an evaluation report one the aggregator cannot keep, or None: more returns than
     a run evaluates episodes, a value that is not finite, a negative count, time or spread, an
-    env_id longer than a Join's may be (``JOIN_TEXT_LIMITS``)."""
+    env_id longer than a Join's may be (``JOIN_TEXT_LIMITS``); a ``not_evaluated`` reason with
+    returns or of more than ``NOT_EVALUATED_CHARS`` characters."""
     returns = report.get("returns", ())
     n = len(returns)
+    if why := report.get("not_evaluated"):
+        if n:
+            return f"{n} returns with not_evaluated: a report has returns or says why it has none"
+        if len(why) > NOT_EVALUATED_CHARS:
+            return f"a not_evaluated reason of {len(why)} characters (at most {NOT_EVALUATED_CHARS})"
     if n > LIMITS["eval_episodes"]:
         return f"{n} returns; a run evaluates at most {LIMITS['eval_episodes']} episodes"
     scalars = ("return_mean", "return_std", "score_mean", "score_std", "seconds")

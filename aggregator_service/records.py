@@ -80,6 +80,7 @@ class Run:
     env_id: str = ""
     events: list[dict[str, Any]] = field(default_factory=list)
     evaluations: dict[int, dict[str, Any]] = field(default_factory=dict)
+    not_evaluated: dict[int, str] = field(default_factory=dict)  # versions the evaluator could not evaluate: why
     ended: float = 0.0
     hparams_json: str = ""  # the learner's hyperparameters, written into every stored version
     # A resumed run's accepted updates per agent before the restart, from its stored ROUND_CLOSED
@@ -113,6 +114,8 @@ class Run:
         for e in events:
             if e["kind"] == "EVALUATED":
                 self.evaluations[e["version"]] = e["evaluation"]
+            elif e["kind"] == "NOT_EVALUATED":
+                self.not_evaluated[e["version"]] = e.get("message", "")
             elif e["kind"] == "ROUND_CLOSED":
                 for a in e.get("agents", []):
                     n, _ = self.accepted_before.get(a, (0, 0))
@@ -151,6 +154,10 @@ class Run:
 
     def evaluated(self, version: int, report: dict[str, Any]) -> None:
         self.evaluations[version] = dict(report)
+
+    def not_evaluable(self, version: int, why: str) -> None:
+        """The evaluator could not evaluate ``version``, saying ``why``."""
+        self.not_evaluated[version] = why
 
     def versions_dropped(self) -> None:
         """Over: its versions are served from the state directory from now on."""

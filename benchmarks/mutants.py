@@ -378,6 +378,11 @@ MUTANTS = (
     Mutant("follower-retries-a-version-it-cannot-evaluate", "evaluator_service/follower.py",
            "                        if e.code() not in VERSION_FAILURES:\n", "                        if True:\n",
            ("tests/service/test_evaluator_and_reconnect.py",)),
+    Mutant("watch-waits-for-versions-not-evaluable", "aggregator_service/lifecycle.py",
+           " and v not in run.not_evaluated]", "]", ("tests/service/test_evaluator_and_reconnect.py",)),
+    Mutant("not-evaluated-report-keeps-returns", "aggregator_service/lifecycle.py",
+           "        if n:\n            return f\"{n} returns with not_evaluated", "        if False:\n            return f\"{n} returns with not_evaluated",
+           HARDENING_TESTS),
 )
 
 

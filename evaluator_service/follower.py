@@ -14,7 +14,7 @@ import grpc
 from fedrl.algos.policy_io import policy_from_state
 from fedrl.envs.evaluation import evaluate
 from fedrl.federation.round import algo_config
-from fedrl.federation.runconfig import parse_run_config
+from fedrl.federation.runconfig import NOT_EVALUATED_CHARS, parse_run_config
 from fedrl.ops.metrics import EvaluatorMetrics
 from fedrl.proto.v1 import control_pb2, control_pb2_grpc, federation_pb2
 from fedrl.wire.codec import assemble
@@ -108,7 +108,7 @@ class Follower:
                     continue
                 if isinstance(item, dict):
                     key = (item["run_id"], item["version"])
-                    if item["kind"] == "EVALUATED":
+                    if item["kind"] in ("EVALUATED", "NOT_EVALUATED"):
                         done.add(key)
                     elif item["kind"] == "ROUND_CLOSED" and key not in done and key not in pending:
                         pending.append(key)
@@ -119,17 +119,29 @@ class Follower:
                     try:
                         self._evaluate(control, fetch, *key)
                     except (ValueError, RuntimeError) as e:  # a bad model or config: report, go on
-                        log.error("run %s version %d not evaluated: %s", key[0], key[1], e)
-                        self.metrics.failures.inc()
+                        self._not_evaluated(control, *key, str(e))
                     except grpc.RpcError as e:
                         if e.code() not in VERSION_FAILURES:
                             raise  # the connection: reconnect, and this version is tried again
-                        log.error("run %s version %d not evaluated: %s: %s", key[0], key[1], e.code().name,
-                                  e.details())
-                        self.metrics.failures.inc()
+                        self._not_evaluated(control, *key, f"{e.code().name}: {e.details()}")
                     done.add(key)
         finally:
             stream.cancel()
+
+    def _not_evaluated(self, control, run_id: str, version: int, why: str) -> None:
+        """``version`` cannot be evaluated: logged, counted and told to the aggregator, whose
+        watchers then wait for it no longer (a refusal of that report is only logged)."""
+        log.error("run %s version %d not evaluated: %s", run_id, version, why)
+        self.metrics.failures.inc()
+        why = why if len(why) <= NOT_EVALUATED_CHARS else why[:NOT_EVALUATED_CHARS - 3] + "..."
+        try:
+            control.ReportEvaluation(control_pb2.EvaluationReport(run_id=run_id, version=version, not_evaluated=why),
+                                     timeout=30)
+        except grpc.RpcError as e:
+            if e.code() not in VERSION_FAILURES:
+                raise
+            log.error("run %s version %d: the aggregator refused the report that it was not evaluated: %s: %s",
+                      run_id, version, e.code().name, e.details())
 
     def _evaluate(self, control, fetch, run_id: str, version: int) -> None:
         try:

@@ -212,9 +212,7 @@ class Launcher:
         summary = self._write_results(rounds, final)
         if not ok:
             self.log(f"run {final.get('run_id')} {final['state']}: {final.get('message', '')}")
-        best, last = summary["best"], summary["final"]
-        scores = (f"best score {best['score_mean']:.1f} (round {best['round']}), final {last['score_mean']:.1f}; "
-                  if best else "")
+        scores = scores_said(summary["best"], summary["final"], max(rounds, default=0))
         dp = final.get("privacy")
         spent = (f"privacy spent: epsilon {dp['epsilon']:.3g} at delta {dp['delta']:g} over {dp['rounds']} rounds; "
                  if dp else "")
@@ -322,6 +320,8 @@ class Launcher:
                 ev = e["evaluation"]
                 rounds[e["version"]]["eval"] = {k: ev[k] for k in ("return_mean", "return_std", "score_mean", "score_std")}
                 say(round_line(rounds[e["version"]], self.cfg.run))
+            elif e["kind"] == "NOT_EVALUATED" and e["version"] in rounds:  # its record keeps no eval
+                say(round_line(rounds[e["version"]], self.cfg.run) + f"  not evaluated: {e.get('message', '')}")
             elif e["kind"] in ("RUN_FAILED", "RUN_STOPPED"):  # said once the last rounds' evaluations are in
                 ending = f"run {e['kind'].split('_')[1].lower()}: {e.get('message', '')}"
         bar.close()
@@ -416,6 +416,16 @@ def private_rounds(run: RunConfig) -> str:
         budget = f", budget epsilon {run.dp_epsilon_budget:g}" if run.dp_epsilon_budget else ""
         parts.append(f"differential privacy: {clip}, {noise}{budget} at delta {run.dp_delta:g}")
     return "; " + "; ".join(parts) if parts else ""
+
+
+def scores_said(best: dict[str, Any] | None, last: dict[str, Any] | None, stored: int) -> str:
+    """The last line's scores: the best round's and the final one's, which is the last round
+    evaluated; when that is not the last round ``stored`` (its version was not evaluated), it
+    says so."""
+    if not best or not last:
+        return ""
+    late = f" (round {last['round']}, the last evaluated)" if last["round"] != stored else ""
+    return f"best score {best['score_mean']:.1f} (round {best['round']}), final {last['score_mean']:.1f}{late}; "
 
 
 def round_line(r: dict[str, Any], run: RunConfig) -> str:

@@ -129,6 +129,8 @@ def event(e: dict[str, Any]) -> str:
                 f"in {e.get('seconds', 0):.1f}s" + (f"  [{terms}]" if terms else ""))
     elif k == "EVALUATED":
         what = evaluation(e.get("evaluation"))
+    elif k == "NOT_EVALUATED":
+        what = f"version {e['version']} not evaluated: {e.get('message', '')}"
     else:
         what = k.lower().replace("_", " ") + (f": {e['message']}" if e.get("message") else "")
     return f"{t}  {e.get('run_id', '')}  {what}"

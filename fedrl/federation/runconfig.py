@@ -79,6 +79,8 @@ SUB_LIMITS = {"batch_size": 65_536, "cql_n_actions": 1_024, "global_samples": 1_
 JOIN_LIMITS = {"index": LIMITS["agents"] - 1, "obs_dim": 10_000, "act_dim": 1_000, "num_samples": 10**9}
 # ... and the characters of its text fields: a gymnasium id is a few dozen, a device name a few.
 JOIN_TEXT_LIMITS = {"env_id": 200, "device": 64}
+# The longest reason an evaluation report may give for a version it could not evaluate.
+NOT_EVALUATED_CHARS = 1000
 MAX_WIDTH, MAX_DEPTH = 4096, 8
 # The largest global model a run may make (its version 0: the policy, and the critics when they
 # are federated), checked before it is built. 64 MiB holds the benchmarks' 30 MB model with

@@ -295,13 +295,15 @@ def evaluation_to_proto(d: dict | None) -> control_pb2.EvaluationReport | None:
         returns=list(d.get("returns", [])), return_mean=d.get("return_mean", 0.0),
         return_std=d.get("return_std", 0.0), score_mean=d.get("score_mean", 0.0),
         score_std=d.get("score_std", 0.0), env_steps=int(d.get("env_steps", 0)),
-        seconds=d.get("seconds", 0.0))
+        seconds=d.get("seconds", 0.0), not_evaluated=d.get("not_evaluated", ""))
 
 
 def evaluation_from_proto(p: control_pb2.EvaluationReport) -> dict:
+    """A report as a dict; ``not_evaluated`` (why there are no returns) only where it is set."""
     return {"run_id": p.run_id, "version": p.version, "env_id": p.env_id, "returns": list(p.returns),
             "return_mean": p.return_mean, "return_std": p.return_std, "score_mean": p.score_mean,
-            "score_std": p.score_std, "env_steps": p.env_steps, "seconds": p.seconds}
+            "score_std": p.score_std, "env_steps": p.env_steps, "seconds": p.seconds,
+            **({"not_evaluated": p.not_evaluated} if p.not_evaluated else {})}
 
 
 def status_to_proto(s: dict) -> control_pb2.RunStatus:
@@ -354,7 +356,11 @@ def status_from_proto(p: control_pb2.RunStatus) -> dict:
 
 
 def event_from_proto(p: control_pb2.RoundEvent) -> dict:
-    d = {"kind": control_pb2.RoundEvent.Kind.Name(p.kind), "run_id": p.run_id, "round": p.round,
+    """An event as a dict; a kind this client does not know (a newer aggregator's) is named
+    ``KIND_<number>``, for the caller to pass over."""
+    kinds = control_pb2.RoundEvent.Kind
+    kind = kinds.Name(p.kind) if p.kind in kinds.values() else f"KIND_{p.kind}"
+    d = {"kind": kind, "run_id": p.run_id, "round": p.round,
          "version": p.version, "agents": list(p.agents), "metrics": dict(p.metrics),
          "seconds": p.seconds, "message": p.message, "time_unix": p.time_unix}
     if p.HasField("evaluation"):

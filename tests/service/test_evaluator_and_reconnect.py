@@ -25,7 +25,8 @@ from fedrl.wire.codec import Encoded, encode
 from fedrl.wire.rpc import create_channel, create_server
 from fedrl.wire.serde import status_from_proto, weight_parts
 from tests.service.conftest import Aggregator
-from tests.service.test_federation import run_config, status, wait_for
+from fedrl.cli.client import ControlClient
+from tests.service.test_federation import RPC_BOUND, run_config, status, wait_for
 
 
 @pytest.fixture
@@ -129,7 +130,8 @@ def test_a_version_that_cannot_be_evaluated_holds_up_none_after_it(aggregator, c
     whose actions are NaN: MuJoCo returned NaN rewards, the aggregator refused the NaN report, and
     the follower took that for a lost connection, evaluating the same version again and again and
     no version after it (as it did for a version whose file was damaged: DATA_LOSS). Now that
-    version is logged as not evaluated, naming why, and the next one is evaluated."""
+    version is logged and reported as not evaluated, naming why (a NOT_EVALUATED event: a watch
+    of the run waits for it no longer), and the next one is evaluated."""
     from tests.service.test_faults import _rewrite_tensor_bytes
     from fedrl.proto.v1 import federation_pb2
     from fedrl.wire.codec import assemble
@@ -155,18 +157,24 @@ def test_a_version_that_cannot_be_evaluated_holds_up_none_after_it(aggregator, c
         _rewrite_tensor_bytes(aggregator.store.version_path(run, 1), lambda raw, at: raw.__setitem__(at + 9, raw[at + 9] ^ 4))
     f = Follower(aggregator.target, seed=0, num_envs=1)
     t = threading.Thread(target=f.run, daemon=True)
-    with caplog.at_level(logging.ERROR, logger="fedrl.evaluator"):
-        t.start()
-        try:
-            wait_for(lambda: 2 in status(aggregator)["evaluated_versions"], what="version 2's evaluation")
-        finally:
-            f.stop()
-            t.join(10)
-    assert status(aggregator)["evaluated_versions"] == [2]
-    assert [(r, v) for r, v in f.reports] == [(run, 2)]
-    assert f.metrics.failures._value.get() == 1
-    why = "the policy's actions are not finite" if bad == "overflowing-policy" else "DATA_LOSS"
-    assert f"run {run} version 1 not evaluated: {why}" in caplog.text, caplog.text
+    try:
+        with caplog.at_level(logging.ERROR, logger="fedrl.evaluator"):
+            t.start()
+            wait_for(lambda: (run, 2) in f.reports, what="version 2's evaluation")  # kept once reported
+        assert status(aggregator)["evaluated_versions"] == [2]
+        assert [(r, v) for r, v in f.reports] == [(run, 2)]
+        assert f.metrics.failures._value.get() == 1
+        why = "the policy's actions are not finite" if bad == "overflowing-policy" else "DATA_LOSS"
+        assert f"run {run} version 1 not evaluated: {why}" in caplog.text, caplog.text
+        # told to the aggregator: its watchers see why, and end with the run while an evaluator
+        # follows (else they wait out the 120 s grace for version 1: DEADLINE_EXCEEDED here)
+        with ControlClient(aggregator.target) as c:
+            ev = [e for e in c.watch(timeout=RPC_BOUND) if e["kind"] in ("EVALUATED", "NOT_EVALUATED")]
+        assert [(e["kind"], e["version"]) for e in ev] == [("NOT_EVALUATED", 1), ("EVALUATED", 2)]
+        assert ev[0]["message"].startswith(why), ev[0]
+    finally:
+        f.stop()
+        t.join(10)
 
 
 def test_agent_rejoins_a_restarted_aggregator(tmp_path, agent_threads, stand_dataset, caplog):

@@ -500,9 +500,12 @@ def test_evaluation_reports_are_checked_and_one_per_version_is_kept(aggregator, 
                      (dict(returns=[1.0] * 1001), "1001 returns; a run evaluates at most 1000 episodes"),
                      (dict(env_steps=-1), "env_steps negative"),
                      (dict(seconds=-1.0, return_std=-2.0), "return_std, seconds negative"),
-                     (dict(env_id="x" * 201), "an env_id of 201 characters (at most 200)")]:
+                     (dict(env_id="x" * 201), "an env_id of 201 characters (at most 200)"),
+                     (dict(not_evaluated="its actions are not finite"), "2 returns with not_evaluated"),
+                     (dict(returns=[], not_evaluated="x" * 1001), "a not_evaluated reason of 1001 characters")]:
         assert_refused(lambda: report(**kw), grpc.StatusCode.INVALID_ARGUMENT, says)
     assert status(aggregator)["evaluated_versions"] == []
+    assert not [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "NOT_EVALUATED"]
 
     def evaluated_events():
         return [e for e in aggregator.store.read_run(run_id)["events"] if e["kind"] == "EVALUATED"]

@@ -167,3 +167,23 @@ def test_manifests_read_and_written_with_a_remembered_tensor_list_are_exactly_th
         p.tensors[0].shape[0] = 99  # the message read from changes afterwards
         assert manifest_from_proto(manifest_to_proto(m)) == m
         assert manifest_from_proto(p).tensors[0].shape[0] == 99
+
+
+def test_an_event_of_a_kind_this_client_does_not_know_is_named_not_raised():
+    """A newer aggregator's event kind made every older client's watch raise ValueError (the enum
+    has no name for it): it is now named KIND_<n> for the caller to pass over, and a version not
+    evaluated travels with its reason."""
+    from fedrl.cli.show import event
+    from fedrl.proto.v1 import control_pb2
+    from fedrl.wire.serde import evaluation_from_proto, evaluation_to_proto, event_from_proto, event_to_proto
+
+    unknown = control_pb2.RoundEvent(kind=99, run_id="r", version=3, time_unix=1.0)
+    assert event_from_proto(unknown)["kind"] == "KIND_99"
+    e = event_from_proto(event_to_proto({"kind": "NOT_EVALUATED", "run_id": "r", "round": 3, "version": 3,
+                                         "message": "its actions are not finite", "time_unix": 1.0}))
+    assert (e["kind"], e["version"], e["message"]) == ("NOT_EVALUATED", 3, "its actions are not finite")
+    assert event(e).endswith("r  version 3 not evaluated: its actions are not finite")
+    report = evaluation_from_proto(evaluation_to_proto({"run_id": "r", "version": 3, "not_evaluated": "why"}))
+    assert report["not_evaluated"] == "why" and report["returns"] == []
+    assert "not_evaluated" not in evaluation_from_proto(evaluation_to_proto({"run_id": "r", "version": 3,
+                                                                             "returns": [1.0]}))

@@ -71,3 +71,14 @@ def test_a_round_closed_event_becomes_the_record_simulate_writes():
     assert rec["secure_aggregation"] == {"threshold": 2, "agents": 3, "survivors": 2, "dropped": 1}
     assert not any(k.startswith("loss_") for k in flat_row(rec))
     assert flat_row(rec)["privacy_epsilon"] == 7.0 and flat_row(rec)["agents"] == 2
+
+
+def test_the_last_line_says_when_the_final_score_is_not_the_last_rounds():
+    """A last version the evaluator could not evaluate leaves an earlier round's score as the
+    run's final one: the line says which round it is."""
+    from fedrl.cli.launcher import scores_said
+
+    best, last = {"round": 3, "score_mean": 40.0}, {"round": 4, "score_mean": 31.0}
+    assert scores_said(best, last, 4) == "best score 40.0 (round 3), final 31.0; "
+    assert scores_said(best, last, 5) == "best score 40.0 (round 3), final 31.0 (round 4, the last evaluated); "
+    assert scores_said(None, None, 5) == ""

@@ -195,6 +195,7 @@ class RoundEvent(_message.Message):
         RUN_STOPPED: _ClassVar[RoundEvent.Kind]
         RUN_FAILED: _ClassVar[RoundEvent.Kind]
         RUN_RESUMED: _ClassVar[RoundEvent.Kind]
+        NOT_EVALUATED: _ClassVar[RoundEvent.Kind]
     KIND_UNSPECIFIED: RoundEvent.Kind
     RUN_STARTED: RoundEvent.Kind
     ROUND_OPENED: RoundEvent.Kind
@@ -204,6 +205,7 @@ class RoundEvent(_message.Message):
     RUN_STOPPED: RoundEvent.Kind
     RUN_FAILED: RoundEvent.Kind
     RUN_RESUMED: RoundEvent.Kind
+    NOT_EVALUATED: RoundEvent.Kind
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -234,7 +236,7 @@ class RoundEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[RoundEvent.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., version: _Optional[int] = ..., agents: _Optional[_Iterable[str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., seconds: _Optional[float] = ..., evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., message: _Optional[str] = ..., time_unix: _Optional[float] = ...) -> None: ...
 
 class EvaluationReport(_message.Message):
-    __slots__ = ("run_id", "version", "env_id", "returns", "return_mean", "return_std", "score_mean", "score_std", "env_steps", "seconds")
+    __slots__ = ("run_id", "version", "env_id", "returns", "return_mean", "return_std", "score_mean", "score_std", "env_steps", "seconds", "not_evaluated")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class EvaluationReport(_message.Message):
     SCORE_STD_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NOT_EVALUATED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     env_id: str
@@ -255,7 +258,8 @@ class EvaluationReport(_message.Message):
     score_std: float
     env_steps: int
     seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., env_id: _Optional[str] = ..., returns: _Optional[_Iterable[float]] = ..., return_mean: _Optional[float] = ..., return_std: _Optional[float] = ..., score_mean: _Optional[float] = ..., score_std: _Optional[float] = ..., env_steps: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    not_evaluated: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., env_id: _Optional[str] = ..., returns: _Optional[_Iterable[float]] = ..., return_mean: _Optional[float] = ..., return_std: _Optional[float] = ..., score_mean: _Optional[float] = ..., score_std: _Optional[float] = ..., env_steps: _Optional[int] = ..., seconds: _Optional[float] = ..., not_evaluated: _Optional[str] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ()

@@ -103,9 +103,10 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportEvaluation(self, request, context):
-        """The evaluator reports the returns of a global version. A version's first report stands; a later
-        one is acknowledged and changes nothing. A report with a value that is not finite, more than
-        1,000 returns or a negative count, time or spread is refused (INVALID_ARGUMENT).
+        """The evaluator reports the returns of a global version, or (`not_evaluated`) why it could not
+        evaluate it. A version's first report stands; a later one is acknowledged and changes nothing.
+        A report with a value that is not finite, more than 1,000 returns or a negative count, time or
+        spread, or a `not_evaluated` with returns or over 1,000 characters, is refused (INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
