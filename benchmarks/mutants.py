@@ -360,7 +360,7 @@ MUTANTS = (
     Mutant("evaluation-reports-unchecked", "aggregator_service/lifecycle.py",
            "        if problem := report_problem(report):\n", "        if False:\n", HARDENING_TESTS),
     Mutant("evaluation-report-replaced", "aggregator_service/lifecycle.py",
-           "            if v in run.evaluations:\n                return\n", "", HARDENING_TESTS),
+           "            if v in run.evaluations or v in run.not_evaluated:\n                return\n", "", HARDENING_TESTS),
     Mutant("session-wait-nan-passes", "aggregator_service/servicer.py", "SESSION_MIN_WAIT if math.isnan(asked) else ",
            "", ("tests/service/test_stream_guard.py",)),
     Mutant("any-agent-fetches-any-run", "aggregator_service/versions.py",
