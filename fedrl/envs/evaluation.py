@@ -77,7 +77,7 @@ def evaluate(policy: TanhGaussianPolicy, env_name: str, episodes: int, seed: int
         try:
             obs, _ = envs.reset(seed=seed)
             while (done < quota).any():
-                with np.errstate(over="ignore", invalid="ignore"):  # said below, once, if it matters
+                with np.errstate(over="ignore", invalid="ignore"):  # an overflow is one error below, not warnings
                     act = act_fn(obs)
                 if not np.isfinite(act).all():
                     raise ValueError(f"the policy's actions are not finite at step {int(ep_len.max())} of an "
