@@ -94,6 +94,12 @@ def dashboard() -> dict:
                (f"max by (run) (fedrl_aggregator_privacy_clip_norm{RUN})", "{{run}} clipping norm")], 12, 60, 12, 8,
               description="Epsilon each run with dp_clip has spent (at its dp_delta) and the norm its next "
                           "round clips each update to (adaptive clipping moves it)."),
+        panel(22, "Global versions evaluated / not evaluated",
+              [("sum(increase(fedrl_evaluator_evaluations_total{origin=\"follower\"}[$__rate_interval]))", "evaluated"),
+               ("sum(increase(fedrl_evaluator_evaluation_failures_total[$__rate_interval]))", "not evaluated")],
+              0, 68, 12, 8,
+              description="Versions the evaluator could not evaluate (a damaged file, or a policy whose actions are "
+                          "not finite) are NOT_EVALUATED events with their reason: fedrl ctl watch."),
     ]
     return {
         "uid": "fedrl-federation", "title": "fedrl: federated DRPO", "tags": ["fedrl"],
