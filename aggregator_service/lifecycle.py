@@ -283,7 +283,8 @@ class RunLifecycle:
         return {"run_id": run.run_id, "state": run.state, "round": run.round, "rounds": run.cfg.rounds,
                 "global_version": run.version, "agents": listed, "message": run.message,
                 "last_evaluation": last, "config_json": run.config_json, "env_id": run.env_id,
-                "evaluated_versions": sorted(run.evaluations), "evaluators_following": self.registry.evaluators_following(),
+                "evaluated_versions": sorted(run.evaluations), "not_evaluated_versions": sorted(run.not_evaluated),
+                "evaluators_following": self.registry.evaluators_following(),
                 **({"privacy": privacy_spent(run.cfg, run.version, run.machine.clip if run.machine else None)}
                    if run.cfg.dp_clip else {})}
 

@@ -150,7 +150,7 @@ class Follower:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return  # the run is no longer held
             raise
-        if status.run_id != run_id or version in status.evaluated_versions:
+        if status.run_id != run_id or version in status.evaluated_versions or version in status.not_evaluated_versions:
             return  # another (or an earlier) evaluator did it (an aggregator before v1.4: another run)
         cfg = parse_run_config(status.config_json)
         if cfg.eval_episodes == 0:

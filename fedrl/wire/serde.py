@@ -312,6 +312,7 @@ def status_to_proto(s: dict) -> control_pb2.RunStatus:
         global_version=s.get("global_version", 0), message=s.get("message", ""),
         config_json=s.get("config_json", ""), env_id=s.get("env_id", ""),
         evaluated_versions=s.get("evaluated_versions", []), evaluators_following=s.get("evaluators_following", 0),
+        not_evaluated_versions=s.get("not_evaluated_versions", []),
         agents=[control_pb2.AgentInfo(**a) for a in s["agents"]])
     ev = evaluation_to_proto(s.get("last_evaluation"))
     if ev is not None:
@@ -337,6 +338,7 @@ def status_from_proto(p: control_pb2.RunStatus) -> dict:
     d = {"run_id": p.run_id, "state": p.state, "round": p.round, "rounds": p.rounds,
          "global_version": p.global_version, "message": p.message, "config_json": p.config_json,
          "env_id": p.env_id, "evaluated_versions": list(p.evaluated_versions),
+         "not_evaluated_versions": list(p.not_evaluated_versions),
          "evaluators_following": p.evaluators_following, "agents": [{"agent_id": a.agent_id, "agent_index": a.agent_index, "num_samples": a.num_samples,
                      "connected": a.connected, "last_seen_unix": a.last_seen_unix,
                      "rounds_submitted": a.rounds_submitted, "steps_done": a.steps_done,

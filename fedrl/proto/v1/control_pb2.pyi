@@ -121,7 +121,7 @@ class AgentInfo(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., agent_index: _Optional[int] = ..., num_samples: _Optional[int] = ..., connected: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., rounds_submitted: _Optional[int] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "state", "round", "rounds", "global_version", "agents", "message", "last_evaluation", "config_json", "env_id", "evaluated_versions", "evaluators_following", "privacy", "runs")
+    __slots__ = ("run_id", "state", "round", "rounds", "global_version", "agents", "message", "last_evaluation", "config_json", "env_id", "evaluated_versions", "evaluators_following", "privacy", "runs", "not_evaluated_versions")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class RunStatus(_message.Message):
     EVALUATORS_FOLLOWING_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    NOT_EVALUATED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: str
     round: int
@@ -150,7 +151,8 @@ class RunStatus(_message.Message):
     evaluators_following: int
     privacy: PrivacySpent
     runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., global_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., message: _Optional[str] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., config_json: _Optional[str] = ..., env_id: _Optional[str] = ..., evaluated_versions: _Optional[_Iterable[int]] = ..., evaluators_following: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySpent, _Mapping]] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ...) -> None: ...
+    not_evaluated_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., rounds: _Optional[int] = ..., global_version: _Optional[int] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., message: _Optional[str] = ..., last_evaluation: _Optional[_Union[EvaluationReport, _Mapping]] = ..., config_json: _Optional[str] = ..., env_id: _Optional[str] = ..., evaluated_versions: _Optional[_Iterable[int]] = ..., evaluators_following: _Optional[int] = ..., privacy: _Optional[_Union[PrivacySpent, _Mapping]] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., not_evaluated_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrivacySpent(_message.Message):
     __slots__ = ("epsilon", "delta", "rounds", "noise_multiplier", "clip", "epsilon_budget", "clip_quantile", "count_noise", "update_noise_multiplier")
