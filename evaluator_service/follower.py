@@ -42,6 +42,7 @@ class Follower:
         self.metrics = metrics or EvaluatorMetrics()
         self._stop = threading.Event()
         self.reports: dict[tuple[str, int], dict] = {}
+        self.passes = 0  # watches followed to their end: every run then held was over and settled
 
     def stop(self) -> None:
         self._stop.set()
@@ -53,6 +54,7 @@ class Follower:
             try:
                 before = len(self.reports)
                 self._follow(channel)
+                self.passes += 1
                 delay = 0.2
                 # The run is over: look for the next one, less often while nothing happens.
                 idle = 1.0 if len(self.reports) > before else min(idle * 2, MAX_IDLE_SECONDS)

@@ -113,14 +113,16 @@ def test_follower_evaluates_every_version_and_catches_up(aggregator, agent_threa
     finally:
         f.stop()
         t.join(10)
-    # A second follower (a restarted evaluator) re-evaluates nothing.
+    # A second follower (a restarted evaluator) re-evaluates nothing: once it has followed the
+    # run's whole watch, it has reported nothing.
     g = Follower(aggregator.target, seed=0, num_envs=1)
     t2 = threading.Thread(target=g.run, daemon=True)
     t2.start()
-    import time
-    time.sleep(1.5)
-    g.stop()
-    t2.join(10)
+    try:
+        wait_for(lambda: g.passes >= 1, what="the second follower's pass over the run")
+    finally:
+        g.stop()
+        t2.join(10)
     assert g.reports == {}
 
 
