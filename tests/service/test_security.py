@@ -3,7 +3,6 @@ and the exact status a caller without the right credentials gets."""
 
 from __future__ import annotations
 
-import time
 
 import grpc
 import pytest
@@ -305,21 +304,22 @@ def test_only_the_evaluators_token_makes_a_following_evaluator(secure_aggregator
     calls = []
     for client, token in (("admin", ADMIN), ("evaluator", EVALUATOR)):
         ch, _, control = stubs(agg, ca, client, token)
-        call = control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10,
+        call = control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=RPC_BOUND,
                                    metadata=((EVALUATOR_HEADER, "1"),))
         calls.append((ch, call))
+        first = threading.Event()  # its first event (RUN_STARTED) comes after it was counted or not
 
-        def drain(c=call):
+        def drain(c=call, first=first):
             try:
-                list(c)
+                for _ in c:
+                    first.set()
             except grpc.RpcError:
                 pass
 
         threading.Thread(target=drain, daemon=True).start()
-        time.sleep(0.5)
-        if token == ADMIN:
-            assert agg.coord.evaluators == 0  # the admin posing as an evaluator is not one
-    assert wait_for(lambda: agg.coord.evaluators == 1)
+        assert first.wait(RPC_BOUND), f"the {client}'s watch brought no event"
+        # the admin posing as an evaluator is not one; the evaluator is
+        assert agg.coord.evaluators == (0 if token == ADMIN else 1), client
     for ch, call in calls:
         call.cancel()
         ch.close()
