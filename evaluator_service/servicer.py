@@ -96,7 +96,7 @@ class EvaluatorServicer(evaluator_pb2_grpc.EvaluatorServicer):
             with self._lock:
                 res = evaluate(policy, h.env_id, int(h.episodes), int(h.seed), self.num_envs)
             self.metrics.rollout("on_demand", len(res.returns), res.env_steps, res.seconds)
-        except ValueError as e:  # unknown env, layout mismatch
+        except ValueError as e:  # unknown env, layout mismatch, actions not finite
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(e)))
         d = {"run_id": manifest.run_id, "version": manifest.base_version, **res.as_dict()}
         return evaluation_to_proto(d)

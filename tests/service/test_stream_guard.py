@@ -87,9 +87,9 @@ def test_an_idle_stream_is_ended_after_the_idle_limit(tmp_path, idle):
         assert 0.9 < took < 5, took
         # its worker is free again: the guard counts no open stream
         end = time.monotonic() + 5
-        while agg.server.guard._open and time.monotonic() < end:
+        while agg.server.guard.open_streams and time.monotonic() < end:
             time.sleep(0.05)
-        assert agg.server.guard._open == 0
+        assert agg.server.guard.open_streams == 0
     finally:
         agg.close()
 
@@ -277,7 +277,7 @@ def test_an_agent_refused_for_capacity_backs_off_and_comes_in_when_there_is_room
         flood = own_connection(agg.target)
         idle.open(flood, workers)  # more than the streams' share of the workers
         end = time.monotonic() + 10
-        while agg.server.guard._open < agg.server.guard.total and time.monotonic() < end:
+        while agg.server.guard.open_streams < agg.server.guard.total and time.monotonic() < end:
             time.sleep(0.05)
         with caplog.at_level("WARNING"):
             agents.start(agg.target, str(stand_dataset), 1, 2, seed=1)
@@ -310,7 +310,7 @@ def test_an_agent_kept_out_for_capacity_backs_off_although_its_joins_succeed(tmp
         flood = own_connection(agg.target)
         idle.open(flood, workers)
         end = time.monotonic() + 10
-        while agg.server.guard._open < agg.server.guard.total and time.monotonic() < end:
+        while agg.server.guard.open_streams < agg.server.guard.total and time.monotonic() < end:
             time.sleep(0.05)
         joins = []
         real = agg.coord.join
