@@ -87,10 +87,9 @@ def test_two_runs_together_make_the_versions_each_makes_alone(step_deadline, agg
     wait_for(lambda: all(not a.learners for a in agents), what="the agents to drop both runs' learners")
     if runs_at_once > 1:  # each agent trained both runs at once at some point
         assert [a.lanes.peak for a in agents] == [2, 2]
-    # the rounds interleaved: the second run's first round closed before the first run ended
-    events = {i: aggregator.store.read_run(i)["events"] for i in ids}
-    first_close = min(e["time_unix"] for e in events[ids[1]] if e["kind"] == "ROUND_CLOSED")
-    assert first_close < max(e["time_unix"] for e in events[ids[0]] if e["kind"] == "ROUND_CLOSED")
+    # Which run's task comes first is the aggregator's rule (the round that opened first), shown
+    # where it is decided: test_an_agent_in_busy_runs_gets_another_runs_task. How the two runs'
+    # closes fall in time is the machine's pace, not a rule: the first run may end first.
 
 
 def test_a_restarted_aggregator_resumes_every_run(tmp_path, agent_threads, stand_dataset, one_thread):
