@@ -383,6 +383,13 @@ MUTANTS = (
     Mutant("not-evaluated-report-keeps-returns", "aggregator_service/lifecycle.py",
            "        if n:\n            return f\"{n} returns with not_evaluated", "        if False:\n            return f\"{n} returns with not_evaluated",
            HARDENING_TESTS),
+    Mutant("local-round-trains-subnormals", "fedrl/federation/round.py",
+           "        with subnormals_flushed():  # a CQL", "        if True:  # a CQL", ("tests/unit/test_subnormals.py",)),
+    Mutant("batched-round-trains-subnormals", "fedrl/federation/round.py",
+           "        with subnormals_flushed():  # as LocalTrainer's", "        if True:  # as LocalTrainer's",
+           ("tests/unit/test_subnormals.py",)),
+    Mutant("flush-outlives-training", "fedrl/common/device.py", "            torch.set_flush_denormal(False)",
+           "            pass", ("tests/unit/test_subnormals.py",)),
 )
 
 

@@ -364,6 +364,9 @@ def performance_blocks(results: Path = RESULTS) -> dict[str, str]:
         rows.append(f"| `{f.name}` | {t['date']} | {tr['federation']['mb_per_s']:.0f} | {tr['raw_grpc']['mb_per_s']:.0f} | "
                     f"{100 * tr['ratio_to_raw']:.1f}% | {tr['federation']['round_seconds_median']:.2f} s |")
     out["perf-transfer"] = "\n".join(rows)
+    from benchmarks.system.subnormals import table_md as subnormals_md
+
+    out["perf-subnormals"] = subnormals_md(root / "subnormals.json")
     gpu = root / "throughput-batched-cuda.json"
     out["perf-batched-gpu"] = batched_md(gpu) if gpu.exists() else \
         "Not measured yet: it needs a GPU (`python -m benchmarks.system.throughput --batched L1,L2,... --device cuda`)."

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import random
 import sys
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -77,3 +80,29 @@ def tune_allocator() -> bool:
         return False
     _allocator_tuned = bool(ok)
     return _allocator_tuned
+
+
+_flushing = threading.local()
+
+
+@contextlib.contextmanager
+def subnormals_flushed() -> Iterator[None]:
+    """Within: this thread's CPU float arithmetic treats subnormal numbers (below float32's
+    1.2e-38, float64's 2.2e-308) as zero, and rounds results that would be subnormal to zero.
+
+    A CQL critic's logsumexp over sampled actions gives the actions far below the best one
+    weights of exp(-100) and less; as Q grows through a run, more of its backward pass holds
+    such numbers, which x86 CPUs compute many times slower than normal ones: a paper-scale
+    cell's steps slowed ~3x by its middle rounds (docs/performance.md). What is flushed is below float32's smallest normal number: its share of any sum it joins is
+    below float rounding. On exit the thread's setting is off again (the process default);
+    entered again inside, it leaves the setting to the outermost. No effect on CUDA tensors."""
+    depth = getattr(_flushing, "depth", 0)
+    if depth == 0:
+        torch.set_flush_denormal(True)
+    _flushing.depth = depth + 1
+    try:
+        yield
+    finally:
+        _flushing.depth = depth
+        if depth == 0:
+            torch.set_flush_denormal(False)
