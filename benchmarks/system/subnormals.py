@@ -103,7 +103,7 @@ def table_md(path: Path) -> str:
     return (f"{t['device_name']}, one torch thread, torch {t['torch']}, {t['date']}: agent 0 of the cell "
             f"`{t['cell']}` after round {t['rounds_done']}, against the same agent's learner at round 1 "
             f"(`{path.relative_to(ROOT)}`, medians of {t['repeats']} x {t['steps']} steps):\n\n"
-            "| learner | ms per DRPO step | flushed | ratio |\n| --- | --- | --- | --- |\n"
+            "| learner | ms per DRPO step | with the flush | without / with |\n| --- | --- | --- | --- |\n"
             f"| round 1 | {ms['fresh_plain']:.1f} | {ms['fresh_flushed']:.1f} | "
             f"{ms['fresh_plain'] / ms['fresh_flushed']:.2f}x |\n"
             f"| after round {t['rounds_done']} | {ms['late_plain']:.1f} | {ms['late_flushed']:.1f} | "
