@@ -26,6 +26,7 @@ class Ticker:
     def __init__(self, shared: Shared, registry: AgentRegistry, journal: Journal, rounds: Rounds,
                  submissions: Submissions) -> None:
         self.s, self.registry, self.journal, self.rounds, self.submissions = shared, registry, journal, rounds, submissions
+        self.ticks = 0  # ticks done so far (how a test knows that time has acted, however loaded the machine)
 
     def tick_loop(self, tick: float) -> None:
         was_active = False
@@ -55,6 +56,7 @@ class Ticker:
                 for run in self.s.active():
                     with self.rounds.failing(run, "the aggregator's clock"):  # the clock goes on for the others
                         self._tick(run, now)
+                self.ticks += 1
 
     def _tick(self, run: Run, now: float) -> None:
         """What the clock does for ``run`` at ``now``: deadlines of joins, rounds and secure steps.

@@ -80,8 +80,13 @@ def test_an_agent_stops_within_seconds_while_training_or_long_polling(tmp_path, 
             wait_for(lambda: c.status()["state"] == "running", 60, "the run to start", ps.alive())
         ps.agent(1, target)  # not selected: its Session stream brings a WAIT every 10 s
         wait_for(lambda: "joined" in (logs / "agent-1.log").read_text(), 60, "agent-1 to join", ps.alive())
-        time.sleep(2.0)  # agent-0 is well into its local steps, agent-1 into a long-poll
-        took = {name: _stop_seconds(ps.procs[name], name, logs / f"{name}.log") for name in ("agent-0", "agent-1")}
+        with ControlClient(target) as c:  # agent-0 is into its local steps, agent-1 into a long-poll
+            wait_for(lambda: any(a["agent_id"] == "agent-0" and a["steps_done"] > 0 for a in c.status()["agents"]),
+                     60, "agent-0 to train", ps.alive())
+        took, sent = {}, {}
+        for name in ("agent-0", "agent-1"):
+            sent[name] = time.strftime("%H:%M:%S") + f",{int(time.time() * 1000) % 1000:03d}"
+            took[name] = _stop_seconds(ps.procs[name], name, logs / f"{name}.log")
         print("seconds from SIGTERM to exit:", took)
         for name, s in took.items():
             text = (logs / f"{name}.log").read_text()

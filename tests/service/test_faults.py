@@ -22,6 +22,13 @@ from tests.service.test_federation import assert_untouched, status, submit, wait
 open_round = test_federation.open_round  # the fixture, shared with test_federation's bad-input tests
 
 
+def ticks_pass(coord, n: int) -> None:
+    """Wait until the coordinator's clock has ticked ``n`` more times (however loaded the machine:
+    a fixed sleep saw fewer ticks on a busy one, and a negative check then checked less)."""
+    start = coord.ticker.ticks
+    wait_for(lambda: coord.ticker.ticks >= start + n, what=f"{n} ticks of the aggregator's clock")
+
+
 def test_a_dropped_upload_is_never_aggregated_and_can_be_retried(open_round):
     agg, run_id, g, digest = open_round
     enc = encode(g, run_id, 1, 0, 100, chunk_bytes=1000)
@@ -239,7 +246,7 @@ def test_a_close_is_journaled_before_its_version_and_a_restart_drops_one_never_w
     try:
         round_2(c)
         wait_for(lambda: "cannot persist version 2" in c.status()["message"], 10, "the failed write")
-        time.sleep(0.2)  # ten ticks: each retries the close
+        ticks_pass(c, 10)  # each retries the close
         assert c.status()["global_version"] == 1 and closes() == [1, 2]
         assert [e["round"] for e in c.run.events if e["kind"] == "ROUND_CLOSED"] == [1]
     finally:
@@ -360,13 +367,13 @@ def test_a_runs_memory_is_kept_for_its_rounds_and_handed_back_when_it_ends(tmp_p
         held = [coord.buffers.take(1000) for _ in range(2)]  # as the servicer takes them
         del held
         assert coord.buffers.free_buffers() == 2
-        time.sleep(0.2)  # ten ticks after a round: no trim, buffers kept
+        ticks_pass(coord, 10)  # after a round: no trim, buffers kept
         assert trims == [] and coord.buffers.free_buffers() == 2
         for a in ("a0", "a1"):
             coord.submit(a, encode(g, run_id, 2, 1, 100).manifest, g, {}, 0.0)
         assert coord.status()["state"] == "finished"
         wait_for(lambda: trims, 5, "a trim once the run ended")
-        time.sleep(0.2)
+        ticks_pass(coord, 10)  # and no second one
         assert trims == [("aggregator-ticker", True)]
         assert coord.buffers.keep == 0 and coord.buffers.free_buffers() == 0
     finally:
