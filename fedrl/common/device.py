@@ -93,8 +93,9 @@ def subnormals_flushed() -> Iterator[None]:
     A CQL critic's logsumexp over sampled actions gives the actions far below the best one
     weights of exp(-100) and less; as Q grows through a run, more of its backward pass holds
     such numbers, which x86 CPUs compute many times slower than normal ones: a paper-scale
-    cell's steps slowed ~3x by its middle rounds (docs/performance.md). What is flushed is below float32's smallest normal number: its share of any sum it joins is
-    below float rounding. On exit the thread's setting is off again (the process default);
+    cell's steps slowed several-fold by its middle rounds (docs/performance.md). What is
+    flushed is below float32's smallest normal number: its share of any sum it joins is below
+    float rounding. On exit the thread's setting is off again (the process default);
     entered again inside, it leaves the setting to the outermost. No effect on CUDA tensors."""
     depth = getattr(_flushing, "depth", 0)
     if depth == 0:

@@ -134,7 +134,7 @@ class LocalTrainer:
             self.learner.policy.set_normalizer(torch.from_numpy(self.obs_mean),
                                                torch.from_numpy(self.obs_std))
         logs: dict[str, list[torch.Tensor]] = {}
-        with subnormals_flushed():  # a CQL critic's backward slows ~3x as Q grows, without
+        with subnormals_flushed():  # a CQL critic's backward slows as Q grows, without
             for i in range(steps):
                 if stop is not None and stop():
                     raise RoundInterrupted(f"local round abandoned after {i} of {steps} steps")
