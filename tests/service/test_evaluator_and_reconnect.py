@@ -95,7 +95,7 @@ def test_follower_evaluates_every_version_and_catches_up(aggregator, agent_threa
     agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=3)
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents")
     aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(rounds=3, eval_episodes=1)), timeout=10)
+        config_json=run_config(rounds=3, eval_episodes=1)), timeout=RPC_BOUND)
     wait_for(lambda: status(aggregator)["state"] == "finished", what="run to finish")
     # The evaluator starts late: it catches up on all three versions, each reported once.
     f = Follower(aggregator.target, seed=0, num_envs=1)
@@ -108,7 +108,7 @@ def test_follower_evaluates_every_version_and_catches_up(aggregator, agent_threa
         evaluated = [e for e in aggregator.coord.run.events if e["kind"] == "EVALUATED"]
         assert sorted(e["version"] for e in evaluated) == [1, 2, 3]
         kinds = [control_pb2.RoundEvent.Kind.Name(e.kind) for e in
-                 aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10)]
+                 aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=RPC_BOUND)]
         assert kinds[-1] == "EVALUATED"  # the stream stays open until every version is evaluated
     finally:
         f.stop()
@@ -192,7 +192,7 @@ def test_agent_rejoins_a_restarted_aggregator(tmp_path, agent_threads, stand_dat
         wait_for(lambda: len(status(second)["agents"]) == 1, timeout=30, what="agent to rejoin")
         assert f"aggregator at {first.target} unavailable" in caplog.text  # a user can spot a wrong address
         st = status_from_proto(second.control.StartRun(control_pb2.StartRunRequest(
-            config_json=run_config(agents=1, rounds=1)), timeout=10))
+            config_json=run_config(agents=1, rounds=1)), timeout=RPC_BOUND))
         assert st["state"] == "running"
         wait_for(lambda: status(second)["state"] == "finished", what="run on the new aggregator")
     finally:
@@ -209,7 +209,7 @@ def test_agents_fall_back_to_calls_when_the_aggregator_has_no_session(tmp_path, 
     try:
         agents = agent_threads.start(agg.target, str(stand_dataset), 2, 2, seed=0)
         wait_for(lambda: len(status(agg)["agents"]) == 2, what="agents to join")
-        agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=10)
+        agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=RPC_BOUND)
         wait_for(lambda: status(agg)["state"] == "finished", what="the run")
         wait_for(lambda: [a.rounds_done for a in agents] == [2, 2], what="the agents to see their updates taken")
         assert not any(a.use_session for a in agents)
@@ -250,10 +250,10 @@ def test_an_agent_reconnects_when_its_session_goes_quiet(aggregator, agent_threa
     (agent,) = agent_threads.start(aggregator.target, str(stand_dataset), 1, 2, seed=0, rpc_timeout=1.0)
     wait_for(lambda: len(status(aggregator)["agents"]) == 1, what="agent to join")
     aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(agents=1, rounds=6)), timeout=10)
+        config_json=run_config(agents=1, rounds=6)), timeout=RPC_BOUND)
     wait_for(lambda: agent.rounds_done >= 1, what="a first round")
     with aggregator.coord.cond:  # the aggregator hangs
-        wait_for(lambda: "no task for 2s on the session stream" in caplog.text, timeout=10,
+        wait_for(lambda: "no task for 2s on the session stream" in caplog.text, timeout=RPC_BOUND,
                  what="the agent to give up on its session")
     st = wait_for(lambda: (s := status(aggregator))["state"] == "finished" and s, what="the run")
     assert st["agents"][0]["rounds_submitted"] == 6 and agent.metrics.reconnects._value.get() >= 1
@@ -292,7 +292,7 @@ def test_an_agent_asks_again_for_a_global_model_damaged_on_the_way(aggregator, a
     aggregator.coord.tasks.next_task = next_task_damaging_the_first_two  # the servicer looks it up per call
     agents = agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=0)
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2, rounds=2)), timeout=10)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2, rounds=2)), timeout=RPC_BOUND)
     done = wait_for(lambda: (s := status(aggregator))["state"] == "finished" and s, what="run to finish")
     assert len(damaged) == 2 and done["global_version"] == 2
     refused = {a.cfg.agent_id: a.metrics.registry.get_sample_value(
@@ -336,11 +336,11 @@ def test_an_update_taken_as_the_connection_breaks_still_counts_at_its_agent(tmp_
     try:
         agents = agent_threads.start(agg.target, str(stand_dataset), 2, 2, seed=0, session=transport == "session")
         wait_for(lambda: len(status(agg)["agents"]) == 2, what="agents to join")
-        agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=10)
+        agg.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=RPC_BOUND)
         st = wait_for(lambda: (s := status(agg))["state"] == "finished" and s, what="the run")
         (lost_by, lost_round), = servicers[0].lost
         assert lost_round == 1 and [a["rounds_submitted"] for a in st["agents"]] == [3, 3]
-        wait_for(lambda: [a.rounds_done for a in agents] == [3, 3], timeout=10,
+        wait_for(lambda: [a.rounds_done for a in agents] == [3, 3], timeout=RPC_BOUND,
                  what="each agent to count the 3 updates the aggregator took")
         loser = next(a for a in agents if a.cfg.agent_id == lost_by)
         assert loser.metrics.reconnects._value.get() >= 1

@@ -17,7 +17,7 @@ from fedrl.proto.v1 import federation_pb2
 from fedrl.wire.codec import encode
 from fedrl.wire.serde import manifest_to_proto
 from tests.service import test_federation
-from tests.service.test_federation import assert_untouched, status, submit, wait_for
+from tests.service.test_federation import RPC_BOUND, assert_untouched, status, submit, wait_for
 
 open_round = test_federation.open_round  # the fixture, shared with test_federation's bad-input tests
 
@@ -59,7 +59,7 @@ def test_a_dropped_upload_is_never_aggregated_and_can_be_retried(open_round):
                    for m in fam.samples if m.name == "grpc_server_handled_total"
                    and m.labels["grpc_method"] == "SubmitUpdate" and m.labels["grpc_code"] != "OK")
 
-    wait_for(refused_uploads, 10, "the server to see the upload end")
+    wait_for(refused_uploads, RPC_BOUND, "the server to see the upload end")
     assert agg.coord.run.submissions == {}
     assert_untouched(agg, run_id, g, digest)
     # the same agent retries the whole upload: taken (not "already submitted")
@@ -79,7 +79,7 @@ def test_an_unwritable_state_directory_keeps_the_round_open_until_it_heals(open_
     try:
         assert submit(agg, "a0", g, run_id).accepted
         assert submit(agg, "a1", {k: v + 1 for k, v in g.items()}, run_id).accepted
-        st = wait_for(lambda: (s := status(agg))["message"] and s, 10, "the failure to be reported")
+        st = wait_for(lambda: (s := status(agg))["message"] and s, RPC_BOUND, "the failure to be reported")
         assert "cannot persist version 1" in st["message"] and "round 1 stays open" in st["message"]
         assert st["global_version"] == 0 and st["round"] == 1 and st["state"] == "running"
         assert not any(e["kind"] == "ROUND_CLOSED" for e in agg.coord.run.events)
@@ -87,7 +87,7 @@ def test_an_unwritable_state_directory_keeps_the_round_open_until_it_heals(open_
     finally:
         run_dir.unlink()
         aside.rename(run_dir)
-    st = wait_for(lambda: (s := status(agg))["global_version"] == 1 and s, 10, "the round to close after healing")
+    st = wait_for(lambda: (s := status(agg))["global_version"] == 1 and s, RPC_BOUND, "the round to close after healing")
     assert st["message"] == "" and st["round"] == 2
     v1 = agg.store.load_version(run_id, 1)
     assert all(torch.allclose(v1[k], g[k] + 0.5, atol=1e-5) for k in g)  # the mean of g and g + 1
@@ -245,7 +245,7 @@ def test_a_close_is_journaled_before_its_version_and_a_restart_drops_one_never_w
     c = resumed()
     try:
         round_2(c)
-        wait_for(lambda: "cannot persist version 2" in c.status()["message"], 10, "the failed write")
+        wait_for(lambda: "cannot persist version 2" in c.status()["message"], RPC_BOUND, "the failed write")
         ticks_pass(c, 10)  # each retries the close
         assert c.status()["global_version"] == 1 and closes() == [1, 2]
         assert [e["round"] for e in c.run.events if e["kind"] == "ROUND_CLOSED"] == [1]
@@ -300,7 +300,7 @@ def test_a_close_is_on_the_disk_before_its_version_is_written(tmp_path, monkeypa
         m = encode(g, run_id, 2, 1, 100).manifest
         for a in ("a0", "a1"):
             c.submit(a, m, g, {}, 0.0)
-        wait_for(lambda: c.status()["global_version"] == 2, 10, "round 2 to close")
+        wait_for(lambda: c.status()["global_version"] == 2, RPC_BOUND, "round 2 to close")
     finally:
         c.close()
     names = [n for n, _ in synced]
@@ -358,7 +358,7 @@ def test_a_runs_memory_is_kept_for_its_rounds_and_handed_back_when_it_ends(tmp_p
     coord = Coordinator(Store(tmp_path / "state"), tick=0.02)
     try:
         run_id = coord.start_run(run_config(rounds=2))["run_id"]
-        wait_for(lambda: coord.buffers.keep == 2, 5, "a buffer kept per agent of the run")
+        wait_for(lambda: coord.buffers.keep == 2, RPC_BOUND, "a buffer kept per agent of the run")
         coord.join(_agent("a0", 0))
         coord.join(_agent("a1", 1))
         g = coord.run.global_state
@@ -372,7 +372,7 @@ def test_a_runs_memory_is_kept_for_its_rounds_and_handed_back_when_it_ends(tmp_p
         for a in ("a0", "a1"):
             coord.submit(a, encode(g, run_id, 2, 1, 100).manifest, g, {}, 0.0)
         assert coord.status()["state"] == "finished"
-        wait_for(lambda: trims, 5, "a trim once the run ended")
+        wait_for(lambda: trims, RPC_BOUND, "a trim once the run ended")
         ticks_pass(coord, 10)  # and no second one
         assert trims == [("aggregator-ticker", True)]
         assert coord.buffers.keep == 0 and coord.buffers.free_buffers() == 0
@@ -409,7 +409,7 @@ def test_start_run_on_a_full_or_unwritable_state_directory_is_refused_and_leaves
 
     def start():
         with pytest.raises(grpc.RpcError) as ei:
-            aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=cfg), timeout=10)
+            aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=cfg), timeout=RPC_BOUND)
         return ei.value
 
     def no_space(fd):
@@ -429,7 +429,7 @@ def test_start_run_on_a_full_or_unwritable_state_directory_is_refused_and_leaves
     finally:
         runs.unlink()
         runs.mkdir()
-    st = aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=cfg), timeout=10)
+    st = aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=cfg), timeout=RPC_BOUND)
     assert st.run_id and len(list(runs.iterdir())) == 1
 
 
@@ -549,9 +549,9 @@ def test_a_damaged_stored_version_is_refused_not_served_and_ctl_fetch_fails(tmp_
     agg = Aggregator(tmp_path / "state")
     try:
         with pytest.raises(grpc.RpcError) as e:
-            list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=1), timeout=10))
+            list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=1), timeout=RPC_BOUND))
         assert e.value.code() == grpc.StatusCode.DATA_LOSS and "damaged on disk" in e.value.details()
-        list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=2), timeout=10))  # intact
+        list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=2), timeout=RPC_BOUND))  # intact
         p = subprocess.run([sys.executable, "-m", "fedrl.cli", "ctl", "--target", agg.target, "fetch", "--run",
                             run_id, "--version", "1", "--out", str(tmp_path / "p.safetensors")],
                            capture_output=True, text=True, timeout=60)
@@ -642,7 +642,7 @@ def test_a_stored_version_without_a_readable_checksum_is_damage_served_as_data_l
     try:
         shutil.copytree(store.run_dir(run_id), agg.store.run_dir(run_id))
         with pytest.raises(grpc.RpcError) as e:
-            list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=1), timeout=10))
+            list(agg.fed.FetchGlobal(federation_pb2.FetchRequest(run_id=run_id, version=1), timeout=RPC_BOUND))
         assert e.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in e.value.details(), e.value.details()
     finally:
         agg.close()

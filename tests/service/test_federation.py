@@ -104,7 +104,7 @@ def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_
     for v in (0, 1, 2):  # the stored file is the very payload served, with its provenance inside
         path = aggregator.store.version_path(done["run_id"], v)
         manifest, chunks = read_weight_parts(aggregator.fed.FetchGlobal(
-            federation_pb2.FetchRequest(run_id=done["run_id"], version=v), timeout=10))
+            federation_pb2.FetchRequest(run_id=done["run_id"], version=v), timeout=RPC_BOUND))
         assert b"".join(chunks) == path.read_bytes()
         assert manifest.checksum == xxhash.xxh3_128_hexdigest(path.read_bytes())  # an independent XXH3
         with safe_open(str(path), "pt") as f:
@@ -114,7 +114,7 @@ def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_
     old = aggregator.store.version_path(done["run_id"], 0)  # damaged on disk: a clear refusal
     old.write_bytes(b"\x08" + old.read_bytes()[1:])
     assert_refused(lambda: list(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=done["run_id"], version=0), timeout=10)),
+        federation_pb2.FetchRequest(run_id=done["run_id"], version=0), timeout=RPC_BOUND)),
         grpc.StatusCode.DATA_LOSS, "version 0 of run")
     assert [a["rounds_submitted"] for a in done["agents"]] == [2, 2]
     def sample(name, method, kind, **labels):
@@ -134,13 +134,13 @@ def test_grpc_run_equals_in_process_simulation(aggregator, agent_threads, stand_
 def test_watch_streams_round_events_and_replays(aggregator, agent_threads, stand_dataset):
     agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=1)
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
-    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=10)
+    aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=3)), timeout=RPC_BOUND)
     kinds = [control_pb2.RoundEvent.Kind.Name(e.kind) for e in
              aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=60)]
     assert kinds[0] == "RUN_STARTED" and kinds[-1] == "RUN_FINISHED"
     assert kinds.count("ROUND_CLOSED") == 3 and kinds.count("ROUND_OPENED") == 3
     # A watcher that saw version 2 gets only what came after it.
-    later = list(aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=2), timeout=10))
+    later = list(aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=2), timeout=RPC_BOUND))
     closed = [e for e in later if e.kind == control_pb2.RoundEvent.ROUND_CLOSED]
     assert [e.version for e in closed] == [3]
     assert set(closed[0].metrics) >= {"critic_td", "cql_penalty", "reg_data", "reg_global"}
@@ -185,21 +185,21 @@ def submit(agg, agent_id, state, run_id, round=1, base=0, tamper=None, extra_chu
     if session:
         return session_answer(agg, agent_id, federation_pb2.SessionMessage(update=update))
     if inline:
-        return agg.fed.SubmitUpdateInline(update, timeout=10)
+        return agg.fed.SubmitUpdateInline(update, timeout=RPC_BOUND)
 
     def parts():
         yield federation_pb2.UpdatePart(header=header)
         for c in [*chunks, *extra_chunks]:
             yield federation_pb2.UpdatePart(chunk=c)
 
-    return agg.fed.SubmitUpdate(parts(), timeout=10)
+    return agg.fed.SubmitUpdate(parts(), timeout=RPC_BOUND)
 
 
 def session_answer(agg, agent_id, answer, first=None):
     """Open a Session as ``agent_id`` (or with ``first`` as its first message), expect a TRAIN
     task and send ``answer``; the reply is the next message: a task means it was taken."""
     hello = federation_pb2.SessionMessage(hello=federation_pb2.TaskRequest(agent_id=agent_id, wait_seconds=1))
-    call = agg.fed.Session(iter([first or hello, answer]), timeout=10)
+    call = agg.fed.Session(iter([first or hello, answer]), timeout=RPC_BOUND)
     try:
         task = next(call)
         assert task.kind == federation_pb2.Task.TRAIN, task
@@ -279,7 +279,7 @@ def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, pa
          grpc.StatusCode.INVALID_ARGUMENT, "manifest says tensor 'policy.head.weight' is F32[1,"),
     ]
     if path == "inline":
-        cases.append(("no header", lambda: agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(payload=b"x"), timeout=10),
+        cases.append(("no header", lambda: agg.fed.SubmitUpdateInline(federation_pb2.InlineUpdate(payload=b"x"), timeout=RPC_BOUND),
                       grpc.StatusCode.INVALID_ARGUMENT, "needs its header"))
     if path == "stream":  # the aggregator reads these messages as bytes (RAW_REQUESTS): what is not a chunk
         enc = encode(g, run_id, 1, 0, 100)
@@ -324,7 +324,7 @@ def test_bad_updates_are_refused_and_leave_the_global_model_alone(open_round, pa
     # not ask for it: it sends WAIT until the next round opens).
     assert submit_(agg, "a0", g, run_id).accepted
     if path == "session":
-        call = agg.fed.Session(iter([hello]), timeout=10)
+        call = agg.fed.Session(iter([hello]), timeout=RPC_BOUND)
         assert next(call).kind == federation_pb2.Task.WAIT
         call.cancel()
     else:
@@ -679,7 +679,7 @@ def test_join_validates_what_an_agent_declares_and_nothing_changes(aggregator, f
     join(aggregator, "a0", 0)
     join(aggregator, "a1", 1)
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
-    st = wait_for(lambda: (s := status(aggregator))["state"] == "running" and s, 10, "the run to start")
+    st = wait_for(lambda: (s := status(aggregator))["state"] == "running" and s, RPC_BOUND, "the run to start")
     v0 = aggregator.store.load_version(st["run_id"], 0)
     assert all(torch.isfinite(t).all() for t in v0.values())
 
@@ -690,7 +690,7 @@ def test_a_new_run_selects_only_agents_connected_now(aggregator):
     join(aggregator, "a1", 1)
     join(aggregator, "a2", 2)
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config()), timeout=RPC_BOUND)
-    wait_for(lambda: status(aggregator)["state"] == "running", 10, "the run to start")
+    wait_for(lambda: status(aggregator)["state"] == "running", RPC_BOUND, "the run to start")
     assert aggregator.coord.run.selected == ["a1", "a2"]
 
 
@@ -702,7 +702,7 @@ def test_the_aggregator_logs_its_lifecycle_one_line_per_event(aggregator, agent_
     with caplog.at_level(logging.INFO, logger="fedrl.aggregator"):
         agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=1)
         wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
-        aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=10)
+        aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(rounds=2)), timeout=RPC_BOUND)
         wait_for(lambda: status(aggregator)["state"] == "finished", what="the run to finish")
         agent_threads.stop()
         wait_for(lambda: sum(getattr(r, "event", {}).get("kind") == "AGENT_LEFT" for r in caplog.records) == 2,
@@ -728,13 +728,13 @@ def test_differential_privacy_spends_its_budget_and_says_so(aggregator, agent_th
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
     budget = epsilon(1.0, 2, 1e-5) + 1e-9
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
-        algo="fed-bc", rounds=4, dp_clip=0.5, dp_noise=1.0, dp_epsilon_budget=budget)), timeout=10)
+        algo="fed-bc", rounds=4, dp_clip=0.5, dp_noise=1.0, dp_epsilon_budget=budget)), timeout=RPC_BOUND)
     st = wait_for(lambda: (s := status(aggregator))["state"] in ("stopped", "finished", "failed") and s,
                   what="the run to end")
     assert st["state"] == "stopped" and st["global_version"] == 2, st
     assert st["message"].startswith("privacy budget: round 3 would spend epsilon")
     assert st["privacy"]["rounds"] == 2 and st["privacy"]["epsilon"] == pytest.approx(epsilon(1.0, 2, 1e-5))
-    events = list(aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10))
+    events = list(aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=RPC_BOUND))
     closed = [e for e in events if e.kind == control_pb2.RoundEvent.ROUND_CLOSED]
     assert [round(e.metrics["privacy_epsilon"], 6) for e in closed] == \
         [round(epsilon(1.0, r, 1e-5), 6) for r in (1, 2)]
@@ -754,11 +754,11 @@ def test_adaptive_clipping_moves_the_norm_round_by_round_and_status_says_so(aggr
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(
         algo="fed-bc", rounds=3, dp_clip=1e-4, dp_noise=1.0, dp_clip_quantile=0.5, dp_clip_lr=0.5,
-        dp_count_noise=1.0)), timeout=10)
+        dp_count_noise=1.0)), timeout=RPC_BOUND)
     st = wait_for(lambda: (s := status(aggregator))["state"] in ("stopped", "finished", "failed") and s,
                   what="the run to end")
     assert st["state"] == "finished", st
-    events = list(aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=10))
+    events = list(aggregator.control.WatchRounds(control_pb2.WatchRequest(after_version=-1), timeout=RPC_BOUND))
     closed = [dict(e.metrics) for e in events if e.kind == control_pb2.RoundEvent.ROUND_CLOSED]
     assert len(closed) == 3 and closed[0]["dp_clip"] == pytest.approx(1e-4)
     for a, b in zip(closed, closed[1:]):

@@ -12,6 +12,7 @@ import pytest
 from evaluator_service.servicer import EvaluatorServicer
 from fedrl.proto.v1 import control_pb2, evaluator_pb2, evaluator_pb2_grpc, federation_pb2
 from fedrl.wire.rpc import create_channel, create_server
+from tests.service.test_federation import RPC_BOUND
 
 GARBAGE = b"\xff\xff\xff\xff\x0f"  # a varint that never ends: no message parses from it
 
@@ -50,7 +51,7 @@ def test_every_aggregator_rpc_refuses_garbage_specifically(aggregator, caplog):
     assert not [r for r in caplog.records if "deserializ" in r.getMessage().lower()]
     # still answering
     from fedrl.proto.v1 import control_pb2_grpc
-    assert control_pb2_grpc.ControlStub(ch).GetStatus(control_pb2.StatusRequest(), timeout=10) is not None
+    assert control_pb2_grpc.ControlStub(ch).GetStatus(control_pb2.StatusRequest(), timeout=RPC_BOUND) is not None
     ch.close()
 
 
@@ -60,7 +61,7 @@ def test_every_evaluator_rpc_refuses_garbage_specifically():
     ch = create_channel(f"127.0.0.1:{server.port}")
     try:
         _assert_refused(ch, evaluator_pb2.DESCRIPTOR.services_by_name["Evaluator"])
-        assert evaluator_pb2_grpc.EvaluatorStub(ch).GetReports(evaluator_pb2.ReportsRequest(), timeout=10) is not None
+        assert evaluator_pb2_grpc.EvaluatorStub(ch).GetReports(evaluator_pb2.ReportsRequest(), timeout=RPC_BOUND) is not None
     finally:
         ch.close()
         server.stop(0.5)

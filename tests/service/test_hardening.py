@@ -309,7 +309,7 @@ def test_a_run_whose_every_agent_sends_non_finite_updates_fails_saying_why(quick
     assert status(agg)["state"] == "running"  # one agent's is not the run's
     assert_refused(lambda: submit(agg, "a1", nan, run_id), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
     assert status(agg)["state"] == "running"  # until the agents are gone (6 s here)
-    assert wait_for(lambda: status(agg)["state"] == "failed", timeout=15)
+    assert wait_for(lambda: status(agg)["state"] == "failed", timeout=RPC_BOUND)
     assert "every agent's update had NaN or Inf values" in status(agg)["message"]
 
 

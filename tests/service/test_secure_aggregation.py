@@ -25,7 +25,7 @@ def _start(aggregator, agent_threads, data, n, session=True, **cfg):
     agents = agent_threads.start(aggregator.target, str(data), n, 2, seed=7, session=session, share_moments=False)
     wait_for(lambda: len(status(aggregator)["agents"]) == n, what="agents to join")
     st = status_from_proto(aggregator.control.StartRun(
-        control_pb2.StartRunRequest(config_json=run_config(agents=n, **cfg)), timeout=10))
+        control_pb2.StartRunRequest(config_json=run_config(agents=n, **cfg)), timeout=RPC_BOUND))
     assert st["state"] == "running", st
     return agents, st["run_id"]
 
@@ -307,7 +307,7 @@ def test_a_plain_pooled_run_names_the_agents_that_keep_their_moments(aggregator,
     agent_threads.start(aggregator.target, str(stand_dataset), 2, 2, seed=7, share_moments=False)
     wait_for(lambda: len(status(aggregator)["agents"]) == 2, what="agents to join")
     st = status_from_proto(aggregator.control.StartRun(
-        control_pb2.StartRunRequest(config_json=run_config(agents=2, rounds=1)), timeout=10))
+        control_pb2.StartRunRequest(config_json=run_config(agents=2, rounds=1)), timeout=RPC_BOUND))
     done = wait_for(lambda: (s := status(aggregator))["state"] in ("finished", "failed") and s, what="run to end")
     assert done["state"] == "failed", st
     assert "agent-0, agent-1 kept theirs private: set secagg_threshold" in done["message"]
