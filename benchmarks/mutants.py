@@ -58,6 +58,7 @@ GRAD_TESTS = tuple(f"tests/integration/test_engines_agree.py::test_the_batched_e
                    for c in ("drpo-gradient-norms", "fed-cql-gradient-norms"))
 SERVICE_TESTS = ("tests/service/test_federation.py",)
 HARDENING_TESTS = ("tests/service/test_hardening.py",)
+UNEXPECTED_TEST = "tests/service/test_evaluator_and_reconnect.py::test_an_unexpected_error_does_not_end_the_follower"
 SEVERAL_RUNS_TESTS = ("tests/service/test_several_runs.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
 SA_SUMS, SA_SIM_TESTS = "fedrl/federation/secagg_sums.py", ("tests/integration/test_secure_simulate.py",)
@@ -383,6 +384,14 @@ MUTANTS = (
     Mutant("not-evaluated-report-keeps-returns", "aggregator_service/lifecycle.py",
            "        if n:\n            return f\"{n} returns with not_evaluated", "        if False:\n            return f\"{n} returns with not_evaluated",
            HARDENING_TESTS),
+    Mutant("follower-ends-on-an-unexpected-error", "evaluator_service/follower.py",
+           "            except Exception:  # the follower thread must not end",
+           "            except ZeroDivisionError:  # the follower thread must not end", (UNEXPECTED_TEST,)),
+    Mutant("follower-retries-an-unexpected-error-forever", "evaluator_service/follower.py",
+           "                        if tries < UNEXPECTED_TRIES:\n", "                        if True:\n", (UNEXPECTED_TEST,)),
+    Mutant("follower-watch-ends-on-an-unreadable-event", "evaluator_service/follower.py",
+           "            except Exception as e:  # the stream's end", "            except grpc.RpcError as e:  # the stream's end",
+           (UNEXPECTED_TEST,)),
     Mutant("streams-may-take-every-worker", "fedrl/wire/streams.py", "RESERVED_WORKERS = 8\n", "RESERVED_WORKERS = 0\n",
            ("tests/service/test_stream_guard.py::test_a_flood_of_idle_streams_is_refused_and_the_server_keeps_answering",
             "tests/service/test_stream_guard.py::test_a_flood_of_long_polls_is_capped_and_health_status_and_join_still_answer")),

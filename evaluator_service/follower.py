@@ -28,6 +28,9 @@ MAX_IDLE_SECONDS = 5.0  # longest wait between looks for a new run
 # that version is not evaluated and the next ones are; any other code is the connection's
 VERSION_FAILURES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS,
                               grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE})
+# An error of no kind the evaluation names (an OSError, a library's own): tried again after a
+# reconnect, as a passing fault would be, and after this many tries that version is not evaluated
+UNEXPECTED_TRIES = 3
 
 
 class Follower:
@@ -43,11 +46,14 @@ class Follower:
         self._stop = threading.Event()
         self.reports: dict[tuple[str, int], dict] = {}
         self.passes = 0  # watches followed to their end: every run then held was over and settled
+        self._tries: dict[tuple[str, int], int] = {}  # unexpected errors so far, by version
 
     def stop(self) -> None:
         self._stop.set()
 
     def run(self) -> None:
+        """Follow until :meth:`stop`. Nothing ends it early: a lost connection, a version that
+        cannot be evaluated, or an error of any other kind is logged, and it follows again."""
         delay, idle = 0.2, 1.0
         while not self._stop.is_set():
             channel = create_channel(self.target, self.tls, self.token)
@@ -67,6 +73,10 @@ class Follower:
                 log.warning("aggregator at %s unavailable (%s); retrying in %.1fs", self.target, e.code().name, delay)
                 self._stop.wait(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 10.0)
+            except Exception:  # the follower thread must not end: it follows again, after a pause
+                log.exception("following the aggregator at %s failed; following again in %.1fs", self.target, delay)
+                self._stop.wait(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 10.0)
             finally:
                 channel.close()
 
@@ -83,7 +93,7 @@ class Follower:
             try:
                 for ev in stream:
                     events.put(event_from_proto(ev))
-            except grpc.RpcError as e:
+            except Exception as e:  # the stream's end (an RpcError), or an event it cannot read
                 events.put(e)
             events.put(None)
 
@@ -103,7 +113,7 @@ class Follower:
                     if not pending:
                         continue
                     item = "work"
-                if isinstance(item, grpc.RpcError):
+                if isinstance(item, Exception):
                     raise item
                 if item is None:
                     ended = True
@@ -126,6 +136,11 @@ class Follower:
                         if e.code() not in VERSION_FAILURES:
                             raise  # the connection: reconnect, and this version is tried again
                         self._not_evaluated(control, *key, f"{e.code().name}: {e.details()}")
+                    except Exception as e:  # unexpected: tried again after a reconnect, a few times
+                        self._tries[key] = tries = self._tries.get(key, 0) + 1
+                        if tries < UNEXPECTED_TRIES:
+                            raise
+                        self._not_evaluated(control, *key, f"{type(e).__name__}: {e} ({tries} tries)")
                     done.add(key)
         finally:
             stream.cancel()

@@ -180,6 +180,77 @@ def test_a_version_that_cannot_be_evaluated_holds_up_none_after_it(aggregator, c
         t.join(10)
 
 
+def _finished_two_version_run(aggregator) -> str:
+    """A finished run of two versions, each the average of two agents' copies of version 0."""
+    from fedrl.proto.v1 import federation_pb2
+    from fedrl.wire.codec import assemble
+    from fedrl.wire.serde import read_weight_parts
+    from tests.service.test_federation import join, submit
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    run = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(rounds=2, eval_episodes=1)), timeout=RPC_BOUND))["run_id"]
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=run, version=0), timeout=RPC_BOUND)))
+    for r in (1, 2):
+        for a in ("a0", "a1"):
+            submit(aggregator, a, g, run, round=r, base=r - 1)
+        wait_for(lambda: status(aggregator)["global_version"] == r, what=f"round {r} to close")
+    wait_for(lambda: status(aggregator)["state"] == "finished", what="the run to finish")
+    return run
+
+
+@pytest.mark.parametrize("fault", ["passing", "lasting", "unreadable-event"])
+def test_an_unexpected_error_does_not_end_the_follower(aggregator, caplog, monkeypatch, fault):
+    """An error of no kind the evaluation names (an OSError here; a library's own) ended the
+    follower's thread: the evaluator went on answering, and evaluated no version again. Now the
+    follower logs it and follows again after a pause: a passing fault costs nothing, a version
+    that fails every time is reported not evaluated after its tries (and the next is evaluated),
+    and an event the watch cannot read is followed again too."""
+    import evaluator_service.follower as follower_mod
+
+    run = _finished_two_version_run(aggregator)
+    real_evaluate, real_event = follower_mod.evaluate, follower_mod.event_from_proto
+    calls = {"evaluate": 0, "event": 0}
+    fails = {"passing": 2, "lasting": follower_mod.UNEXPECTED_TRIES, "unreadable-event": 0}[fault]
+
+    def evaluate(*a, **k):  # version 1 is evaluated first: its first ``fails`` tries meet the fault
+        calls["evaluate"] += 1
+        if calls["evaluate"] <= fails:
+            raise OSError("the disk went away")
+        return real_evaluate(*a, **k)
+
+    def event_from_proto(ev):
+        calls["event"] += 1
+        if fault == "unreadable-event" and calls["event"] == 1:
+            raise TypeError("an event this follower cannot read")
+        return real_event(ev)
+
+    monkeypatch.setattr(follower_mod, "evaluate", evaluate)
+    monkeypatch.setattr(follower_mod, "event_from_proto", event_from_proto)
+    f = Follower(aggregator.target, seed=0, num_envs=1)
+    t = threading.Thread(target=f.run, daemon=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fedrl.evaluator"):
+            t.start()
+            wait_for(lambda: (run, 2) in f.reports, what="version 2's evaluation")
+        assert t.is_alive()
+        st = status(aggregator)
+        if fault == "lasting":
+            assert (st["evaluated_versions"], st["not_evaluated_versions"]) == ([2], [1])
+            tries = follower_mod.UNEXPECTED_TRIES
+            assert f"run {run} version 1 not evaluated: OSError: the disk went away ({tries} tries)" in caplog.text
+        else:
+            assert (st["evaluated_versions"], st["not_evaluated_versions"]) == ([1, 2], [])
+        failed = caplog.text.count("following the aggregator at")
+        assert failed == {"passing": 2, "lasting": 2, "unreadable-event": 1}[fault], caplog.text
+    finally:
+        f.stop()
+        t.join(RPC_BOUND)
+    assert not t.is_alive()
+
+
 def test_agent_rejoins_a_restarted_aggregator(tmp_path, agent_threads, stand_dataset, caplog):
     first = Aggregator(tmp_path / "s1")
     port = first.server.port
