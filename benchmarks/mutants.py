@@ -58,6 +58,7 @@ GRAD_TESTS = tuple(f"tests/integration/test_engines_agree.py::test_the_batched_e
                    for c in ("drpo-gradient-norms", "fed-cql-gradient-norms"))
 SERVICE_TESTS = ("tests/service/test_federation.py",)
 HARDENING_TESTS = ("tests/service/test_hardening.py",)
+UPKEEP_TEST = "tests/service/test_faults.py::test_the_clocks_upkeep_raising_stops_neither_the_clock_nor_its_runs"
 UNEXPECTED_TEST = "tests/service/test_evaluator_and_reconnect.py::test_an_unexpected_error_does_not_end_the_follower"
 SEVERAL_RUNS_TESTS = ("tests/service/test_several_runs.py",)
 SA, SA_TESTS = "fedrl/federation/secagg.py", ("tests/unit/test_secagg.py",)
@@ -384,6 +385,11 @@ MUTANTS = (
     Mutant("not-evaluated-report-keeps-returns", "aggregator_service/lifecycle.py",
            "        if n:\n            return f\"{n} returns with not_evaluated", "        if False:\n            return f\"{n} returns with not_evaluated",
            HARDENING_TESTS),
+    Mutant("clock-ends-on-an-upkeep-error", "aggregator_service/ticker.py",
+           "            except Exception:  # noqa: BLE001 - memory kept or freed later",
+           "            except ZeroDivisionError:  # noqa: BLE001 - memory kept or freed later", (UPKEEP_TEST,)),
+    Mutant("accountant-warm-up-fails-every-tick", "aggregator_service/ticker.py",
+           "                    self._cold.add(run.run_id)\n", "                    raise\n", (UPKEEP_TEST,)),
     Mutant("follower-ends-on-an-unexpected-error", "evaluator_service/follower.py",
            "            except Exception:  # the follower thread must not end",
            "            except ZeroDivisionError:  # the follower thread must not end", (UNEXPECTED_TEST,)),

@@ -328,6 +328,37 @@ def test_the_journal_replays_the_history_that_the_stored_versions_hold():
     assert replay_journal(first + again, 2) == first[:4] + again
 
 
+@pytest.mark.parametrize("part", ["accountant", "memory"])
+def test_the_clocks_upkeep_raising_stops_neither_the_clock_nor_its_runs(tmp_path, monkeypatch, caplog, part):
+    """Outside the lock the clock computes private runs' accountant values ahead of their close,
+    and keeps or frees the runs' memory; an exception there ended the clock's thread (no join
+    timeout, round deadline or secure step deadline fired again, for any run). Now it is logged
+    (the accountant's once per run), and the clock goes on: a run's join timeout still fails it."""
+    import logging
+
+    from aggregator_service import ticker as ticker_mod
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.store import Store
+    from tests.service.test_federation import run_config
+
+    def broken(*a, **k):
+        raise RuntimeError("the upkeep broke")
+
+    monkeypatch.setattr(ticker_mod, "warm_epsilon" if part == "accountant" else "release_free_memory", broken)
+    coord = Coordinator(Store(tmp_path / "state"), tick=0.02)
+    try:
+        with caplog.at_level(logging.ERROR, logger="fedrl.aggregator"):
+            dp = {"dp_clip": 0.5, "dp_noise": 1.0} if part == "accountant" else {}
+            run_id = coord.start_run(run_config(rounds=1, join_timeout=0.3, **dp))["run_id"]
+            st = wait_for(lambda: (s := coord.status())["state"] == "failed" and s, what="the join timeout")
+            assert run_id == st["run_id"] and "connected within 0.3s" in st["message"], st["message"]
+            ticks_pass(coord, 10)  # the memory, freed once no run is active: the clock goes on after it too
+        said = "could not be computed" if part == "accountant" else "keeping or freeing the runs' memory raised"
+        assert caplog.text.count(said) == 1, caplog.text
+    finally:
+        coord.close()
+
+
 def test_a_runs_memory_is_kept_for_its_rounds_and_handed_back_when_it_ends(tmp_path, monkeypatch):
     """While a run is active the aggregator keeps a receive buffer per agent and its heap (given
     back each round, both were touched afresh the next: page faults that were a quarter of its

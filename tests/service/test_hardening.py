@@ -130,7 +130,7 @@ def test_a_run_short_of_agents_says_how_many_are_connected(aggregator):
     aggregator.control.StartRun(control_pb2.StartRunRequest(config_json=run_config(agents=2, join_timeout=0.3)),
                                 timeout=RPC_BOUND)
     assert wait_for(lambda: status(aggregator)["state"] == "failed")
-    assert status(aggregator)["message"] == "only 1 of the 2 agents the run needs were connected within 0s"
+    assert status(aggregator)["message"] == "only 1 of the 2 agents the run needs were connected within 0.3s"
 
 
 @pytest.mark.parametrize("drpo, says", [
