@@ -101,10 +101,13 @@ class _IdleWatch:
                 for k, _, _ in late:
                     self._waiting.pop(k, None)
             for _, context, method in late:
-                log.warning("%s: no message for %.0fs from %s; stream ended", method, self.limit, context.peer())
-                context._fedrl_idle = True
-                _end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"{method}: no message for {self.limit:g}s; the stream was ended")
+                try:  # one call's trouble (its peer gone, say) ends no other's watch
+                    log.warning("%s: no message for %.0fs from %s; stream ended", method, self.limit, context.peer())
+                    context._fedrl_idle = True
+                    _end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"{method}: no message for {self.limit:g}s; the stream was ended")
+                except Exception:  # noqa: BLE001 - the watch must go on for every other stream
+                    log.exception("%s: ending an idle stream raised; the watch goes on", method)
 
 
 class StreamGuard(grpc.ServerInterceptor):
