@@ -20,7 +20,7 @@ another), each round evaluated in one vectorised pass spread over the machine's 
    seconds each: agent-steps/s.
 2. Fit: from those rates, the most seeds (0, then 1, then 2: every method of a seed together)
    whose 20 rounds fit in the budget, less a margin for start-up, evaluation and packing. If not
-   even one seed fits, seed 0 runs until the budget ends (every round is checkpointed, and the
+   even one seed fits, the first seed runs until the budget ends (every round is checkpointed, and the
    plan says so: ``device.json``'s ``fits``).
 3. Run, stopping before a round that would end after the budget.
 4. Pack: each finished cell's result in the harness's format, every cell's ``rounds.jsonl``, the
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from benchmarks.common import ROOT
 from benchmarks.paper.cells import cell_result
-from benchmarks.paper.presets import PRESETS, plan, result_path, sim_config
+from benchmarks.paper.presets import PRESETS, planned, result_path, sim_config
 
 METHODS = ("drpo", "fed-cql", "cql", "fed-bc")
 MARGIN_S = 45.0  # start-up (data, CUDA), the first round's evaluation beyond the estimate, packing
@@ -66,15 +66,17 @@ def preset(tiny: bool, name: str = "paper"):
 
 
 def plan_cells(p, dataset: str, seeds: tuple[int, ...], device: str, done_in: Path | None = None):
-    """The harness's RunSpecs for the column and their cells (``fedrl.federation.cells.Cell``),
-    less those whose result ``done_in`` already holds."""
+    """The harness's RunSpecs for the column and their cells (``fedrl.federation.cells.Cell``):
+    the cells the preset plans (``presets.planned``: a method's added seeds too, as the verdict's
+    seeds 3-4 of DRPO with the gradient stop) at ``seeds``, less those whose result ``done_in``
+    already holds. A seed the preset plans no cell at is not made up here."""
     from fedrl.federation.cells import Cell
 
     # every column of the preset's table, a named variant's too (the verdict's and the held-out
     # preset's DRPO with the gradient stop): it is the same algorithm with other hyperparameters
-    specs = [r for r in plan(p, "table", seeds) if r.datasets == (dataset,) and r.algo in METHODS]
+    specs = [r for r in planned(p, "table") if r.seed in seeds and r.datasets == (dataset,) and r.algo in METHODS]
     if not specs:
-        raise SystemExit(f"no cells of {dataset} in the {p.name} preset's table")
+        raise SystemExit(f"no cells of {dataset} at seeds {','.join(map(str, seeds))} in the {p.name} preset's table")
     if done_in is not None:
         done = [r.key for r in specs if result_path(p, r, done_in).exists()]
         if done:
@@ -166,7 +168,7 @@ def cmd_run(a) -> int:
     if not fits:
         chosen = seeds[:1]
         log(f"the column does not fit: one seed needs ~{est:.0f}s of training, {left:.0f}s are left; "
-            "running seed 0 until the budget ends")
+            f"running seed {chosen[0]} until the budget ends")
     else:
         log(f"running seeds {','.join(map(str, chosen))}: ~{est:.0f}s of training estimated, {left:.0f}s left")
     run_specs = [s for s in specs if s.seed in chosen]
