@@ -106,7 +106,7 @@ def measure(cells, device: str, seconds: float) -> dict:
             continue
         learner = build_batched(cfgs, 11, 3, dev, torch.Generator(device=dev).manual_seed(0))
         one = TensorBuffer(synthetic_transitions(11, 3), np.zeros(11, np.float32), np.ones(11, np.float32), dev,
-                           returns_gamma(cfgs[0]))
+                           max((returns_gamma(c) or 0.0 for c in cfgs), default=0.0) or None)  # any member's
         buf, gen = StackedBuffer([one] * len(cfgs)), torch.Generator(device=dev).manual_seed(1)
         for _ in range(3):
             learner.update(buf.sample(cfgs[0].batch_size, gen))
