@@ -64,6 +64,23 @@ def _diff(a: dict[int, float], b: dict[int, float]) -> list[float]:
     return [a[s] - b[s] for s in sorted(a) if s in b]
 
 
+BATCHED = "batched cells"  # how a cell run as one batched model names its engine (benchmarks.paper.device)
+
+
+def batched_note(results: list[dict[str, Any]]) -> str:
+    """The cells among ``results`` that ran as one batched model on a device (a lent GPU), named:
+    the same losses, agents' data and evaluation episodes as the per-agent cells of their seed,
+    with the batch's own random draws (so not the per-agent run's numbers draw for draw)."""
+    keys = sorted((r["key"] for r in results if str(r.get("engine", "")).startswith(BATCHED)),
+                  key=lambda k: (int(k.rsplit("-s", 1)[1]), k))
+    if not keys:
+        return ""
+    devices = sorted({str(r.get("device_name") or "a device") for r in results
+                      if str(r.get("engine", "")).startswith(BATCHED)})
+    return (f" Ran on {', '.join(devices)} as one batched model (`python -m benchmarks.paper.device`; the same "
+            f"losses and agents' data, the batch's own random draws): {', '.join(f'`{k}`' for k in keys)}.")
+
+
 def footing_md(results: list[dict[str, Any]]) -> str:
     """The CQL-based methods under both critics, and the paper's ablation on that footing."""
     rows = ["| method | " + " | ".join(name for _, name in CRITICS) + " | gradient stop - paper's, by seed |",
@@ -73,7 +90,9 @@ def footing_md(results: list[dict[str, Any]]) -> str:
         d = _diff(last[m + GRADIENT], last[m])
         rows.append(f"| {NAMES[m]} | " + " | ".join(_cell(last[m + c], len(SEEDS)) for c, _ in CRITICS)
                     + f" | {', '.join(f'{x:+.1f}' for x in d) or '-'} |")
-    return "\n".join(rows) + "\n\n" + footing_sentence(last)
+    said = footing_sentence(last)
+    shown = [r for r in results if tables.method(r) in last and r["seed"] in SEEDS]
+    return "\n".join(rows) + "\n\n" + said + ("" if "not in yet" in said else batched_note(shown))
 
 
 def footing_sentence(last: dict[str, dict[int, float]]) -> str:
@@ -118,7 +137,8 @@ def spread_md(results: list[dict[str, Any]]) -> str:
         d = _diff(a, b)
         said = (f"**Five seeds**: DRPO with the gradient stop {verdict._ms(list(a.values()))}, Fed-BC "
                 f"{verdict._ms(list(b.values()))}; DRPO above Fed-BC in {sum(x > 0 for x in d)} of {len(d)} seeds "
-                f"(by {', '.join(f'{x:+.1f}' for x in d)}).")
+                f"(by {', '.join(f'{x:+.1f}' for x in d)})."
+                + batched_note([r for r in results if tables.method(r) in SPREAD_METHODS and r["seed"] in seeds]))
     return "\n".join(rows) + "\n\n" + said
 
 
@@ -247,7 +267,7 @@ def walker_md(held: list[dict[str, Any]]) -> str:
         said = (f"**The second task** (Walker2d-v5 medium, the verdict's protocol), mean of the last {verdict.LAST} "
                 f"rounds over {len(verdict.HELDOUT.seeds)} seeds: "
                 + ", ".join(f"{verdict.LABEL[k]} {m[k]:.1f} ± {float(np.std([x['last'] for x in s[k]])):.1f}"
-                            for k in ranked) + " (ranked).")
+                            for k in ranked) + " (ranked)." + batched_note(held))
     return "\n".join(rows) + "\n\n" + said
 
 
@@ -272,6 +292,14 @@ def two_task_choice(hop: list[dict[str, Any]], held: list[dict[str, Any]]) -> tu
     prefer = ["none" if x[0] >= x[1] else "returns-gradient" for x in (h, w)]
     agree = ("both tasks prefer the same critic" if prefer[0] == prefer[1] else
              f"the two tasks disagree: hopper-medium prefers `{prefer[0]}`, walker2d-medium `{prefer[1]}`")
+    spread = {}  # a task's margin beside its seeds' spread (the larger of the two critics' std)
+    for name, res, seeds, x in (("hopper-medium", hop, SEEDS, h), ("walker2d-medium", held, verdict.HELDOUT.seeds, w)):
+        sd = max(float(np.std(list(last_by_seed(res, "drpo" + c, seeds).values()))) for c, _ in CRITICS)
+        if abs(x[1] - x[0]) < sd:
+            spread[name] = (abs(x[1] - x[0]), sd)
+    if spread:
+        agree += " (" + "; ".join(f"{k}'s margin, {m:.1f}, is within its seeds' spread, ±{sd:.1f}"
+                                  for k, (m, sd) in spread.items()) + ")"
     return chosen, (f"**By both tasks** (DRPO's mean of the last {verdict.LAST} rounds over seeds, each task "
                     f"weighted equally): hopper-medium, the paper's critic {h[0]:.1f}, the gradient stop {h[1]:.1f}; "
                     f"walker2d-medium {w[0]:.1f} and {w[1]:.1f}; the mean over both tasks {paper:.1f} and "

@@ -132,3 +132,23 @@ def test_the_verdict_plans_the_added_seeds_for_the_spread_methods_only():
     assert keys[len(p.methods) * 3:] == ["drpo-returns-gradient-medium-s3", "drpo-returns-gradient-medium-s4",
                                          "fed-bc-medium-s3", "fed-bc-medium-s4"]
     assert footing.ADDED_SEEDS == (3, 4) and footing.SPREAD_METHODS == ("drpo-returns-gradient", "fed-bc")
+
+
+def test_a_margin_within_the_seeds_spread_is_said_to_be():
+    h = cells({"drpo": 31.0, "drpo-returns-gradient": 54.0})
+    w = cells({"drpo": 27.0, "drpo-returns-gradient": 26.8}, spread=4.0)  # std 3.3 by seed
+    said = footing.two_task_choice(h, w)[1]
+    assert "(walker2d-medium's margin, 0.2, is within its seeds' spread, ±3.3)" in said
+    assert "hopper-medium's margin" not in said  # 23.0 against a spread of 0.4
+
+
+def test_cells_run_as_one_batched_model_are_named_where_their_numbers_are_shown():
+    rs = cells(FOOTING)
+    assert "batched model" not in footing.footing_md(rs)
+    for r in rs:
+        if tables_method(r) == "cql-returns-gradient" and r["seed"] == 2:
+            r.update(key="cql-returns-gradient-medium-s2", engine="batched cells (benchmarks.paper.device)",
+                     device_name="NVIDIA H200")
+    said = footing.footing_md(rs)
+    assert said.endswith("Ran on NVIDIA H200 as one batched model (`python -m benchmarks.paper.device`; the same "
+                         "losses and agents' data, the batch's own random draws): `cql-returns-gradient-medium-s2`.")
