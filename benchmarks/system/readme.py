@@ -274,10 +274,6 @@ def blocks(results: Path = RESULTS) -> dict[str, str]:
                              f"these commands start took {_mmss(bh['by_hand_wall_seconds'])}; a round took {med:.1f} s started by "
                              f"hand with default flags and {upm:.1f} s under `fedrl up` "
                              f"({bh['ratio_of_medians']:.2f}x).")
-    from benchmarks.paper.presets import PRESETS
-    from benchmarks.paper.tables import render_blocks
-
-    out["readme-claim"] = render_blocks(PRESETS["claim"], results.parent)["paper-claim-table"]
     return out
 
 
