@@ -170,8 +170,8 @@ def heldout_reading(chosen: str | None, held: list[dict[str, Any]]) -> str:
         return said + "the verdict has not chosen yet."
     if there == chosen:
         return said + "this task chooses as hopper-medium did."
-    return said + ("this task chooses the other critic, so the default rests on hopper-medium alone; the two tasks "
-                   "disagree.")
+    return said + ("this task chooses the other critic: the two tasks disagree, and the rule over both tasks "
+                   "(below) decides.")
 
 
 GRADS = (("grad_q", "Q term"), ("grad_entropy", "alpha log pi"), ("grad_lambda1", "lambda1 D(pi, pi_b)"),
