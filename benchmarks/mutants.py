@@ -413,6 +413,11 @@ MUTANTS = (
     Mutant("batched-round-trains-subnormals", "fedrl/federation/round.py",
            "        with subnormals_flushed():  # as LocalTrainer's", "        if True:  # as LocalTrainer's",
            ("tests/unit/test_subnormals.py",)),
+    Mutant("flush-skips-torchs-workers", "fedrl/common/device.py",
+           "    if n > 1 and (omp := _openmp()) is not None:", "    if False and (omp := _openmp()) is not None:",
+           ("tests/unit/test_subnormals.py",)),
+    Mutant("flush-outlives-training-in-workers", "fedrl/common/device.py",
+           "GOMP_parallel(_ON_WORKERS[on], ", "GOMP_parallel(_ON_WORKERS[True], ", ("tests/unit/test_subnormals.py",)),
     Mutant("flush-outlives-training", "fedrl/common/device.py", "            torch.set_flush_denormal(False)",
            "            pass", ("tests/unit/test_subnormals.py",)),
 )

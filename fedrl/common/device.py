@@ -83,6 +83,37 @@ def tune_allocator() -> bool:
 
 
 _flushing = threading.local()
+_SET_FLUSH = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+# what each of torch's OpenMP worker threads runs to set its own flag (kept: ctypes needs them alive)
+_ON_WORKERS = {on: _SET_FLUSH(lambda _data, on=on: torch.set_flush_denormal(on)) for on in (False, True)}
+_gomp: ctypes.CDLL | None | bool = False  # not looked up yet
+
+
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch's intra-op threads run in (the libgomp its Linux wheels ship), or
+    None where there is none to reach (another build: only the calling thread is then set)."""
+    global _gomp
+    if _gomp is False:
+        import os
+
+        path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+        try:
+            _gomp = ctypes.CDLL(path) if os.path.exists(path) else None
+            if _gomp is not None and not hasattr(_gomp, "GOMP_parallel"):
+                _gomp = None
+        except OSError:
+            _gomp = None
+    return _gomp
+
+
+def _set_flush(on: bool) -> None:
+    """This thread's flag, and its OpenMP workers' (torch's intra-op threads compute a parallel
+    op's chunks each with its own flag, set only by code run on it: one parallel region runs the
+    setting on every worker of this thread's team)."""
+    torch.set_flush_denormal(on)
+    n = torch.get_num_threads()
+    if n > 1 and (omp := _openmp()) is not None:
+        omp.GOMP_parallel(_ON_WORKERS[on], None, ctypes.c_uint(n), ctypes.c_uint(0))
 
 
 @contextlib.contextmanager
@@ -96,14 +127,16 @@ def subnormals_flushed() -> Iterator[None]:
     cell's steps slowed several-fold by its middle rounds (docs/performance.md). What is
     flushed is below float32's smallest normal number: its share of any sum it joins is below
     float rounding. On exit the thread's setting is off again (the process default);
-    entered again inside, it leaves the setting to the outermost. No effect on CUDA tensors."""
+    entered again inside, it leaves the setting to the outermost. With several torch threads,
+    their OpenMP workers are set too (where torch's libgomp can be reached; elsewhere only the
+    calling thread's share of a parallel op is flushed). No effect on CUDA tensors."""
     depth = getattr(_flushing, "depth", 0)
     if depth == 0:
-        torch.set_flush_denormal(True)
+        _set_flush(True)
     _flushing.depth = depth + 1
     try:
         yield
     finally:
         _flushing.depth = depth
         if depth == 0:
-            torch.set_flush_denormal(False)
+            _set_flush(False)

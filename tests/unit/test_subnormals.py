@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from fedrl.algos import DRPOConfig
@@ -98,3 +99,28 @@ def test_a_batched_round_trains_flushed_and_leaves_the_thread_as_it_was():
 
     during, after = in_thread(check)
     assert during == [True] * 3 and after is False
+
+
+def test_the_flush_reaches_torchs_worker_threads_and_leaves_them_as_it_found_them():
+    """With several torch threads a parallel op's chunks are computed by OpenMP workers, each with
+    its own flag: setting the calling thread's alone left half of a two-thread op unflushed."""
+    from fedrl.common.device import _openmp
+
+    if _openmp() is None:
+        pytest.skip("no libgomp beside this torch: only the calling thread can be set")
+    x = torch.full((4_000_000,), TINY)  # large enough that two threads share the op
+
+    def subnormal_left() -> int:
+        return int(((x * 1.0) != 0).sum())
+
+    def check():
+        with subnormals_flushed():
+            inside = subnormal_left()
+        return inside, subnormal_left()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert in_thread(check) == (0, x.numel())
+    finally:
+        torch.set_num_threads(threads)
