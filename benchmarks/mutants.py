@@ -418,7 +418,7 @@ MUTANTS = (
            ("tests/unit/test_subnormals.py",)),
     Mutant("flush-outlives-training-in-workers", "fedrl/common/device.py",
            "GOMP_parallel(_ON_WORKERS[on], ", "GOMP_parallel(_ON_WORKERS[True], ", ("tests/unit/test_subnormals.py",)),
-    Mutant("flush-outlives-training", "fedrl/common/device.py", "            torch.set_flush_denormal(False)",
+    Mutant("flush-outlives-training", "fedrl/common/device.py", "            _set_flush(False)",
            "            pass", ("tests/unit/test_subnormals.py",)),
 )
 
