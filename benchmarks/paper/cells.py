@@ -133,6 +133,9 @@ def round_losses(rounds_jsonl: Path) -> dict[str, list[float]]:
     return losses
 
 
+BATCHED_ENGINE = "batched cells (benchmarks.paper.device)"  # a result's engine when its cell ran in a batch
+
+
 def cell_result(p, spec, cell, res: dict, wall: float, device: str) -> dict:
     """A finished cell in ``benchmarks.paper``'s result format."""
     import torch
@@ -143,7 +146,7 @@ def cell_result(p, spec, cell, res: dict, wall: float, device: str) -> dict:
             "variant": spec.variant, "config": cell.cfg.as_dict(), "curve": res["curve"], "final": res["final"],
             "losses_per_round": round_losses(res["rounds_jsonl"]), "wall_seconds": round(wall, 1),
             "code_revision": code_revision(), "device_name": device_name(device), "torch": torch.__version__,
-            "shards": res["shards"], "engine": "batched cells (benchmarks.paper.device)",
+            "shards": res["shards"], "engine": BATCHED_ENGINE,
             **({"final_long": res["final_long"]} if "final_long" in res else {})}
 
 

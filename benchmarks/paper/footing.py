@@ -64,19 +64,16 @@ def _diff(a: dict[int, float], b: dict[int, float]) -> list[float]:
     return [a[s] - b[s] for s in sorted(a) if s in b]
 
 
-BATCHED = "batched cells"  # how a cell run as one batched model names its engine (benchmarks.paper.device)
-
-
 def batched_note(results: list[dict[str, Any]]) -> str:
     """The cells among ``results`` that ran as one batched model on a device (a lent GPU), named:
     the same losses, agents' data and evaluation episodes as the per-agent cells of their seed,
     with the batch's own random draws (so not the per-agent run's numbers draw for draw)."""
-    keys = sorted((r["key"] for r in results if str(r.get("engine", "")).startswith(BATCHED)),
+    keys = sorted((r["key"] for r in results if r.get("engine") == runs.BATCHED_ENGINE),
                   key=lambda k: (int(k.rsplit("-s", 1)[1]), k))
     if not keys:
         return ""
     devices = sorted({str(r.get("device_name") or "a device") for r in results
-                      if str(r.get("engine", "")).startswith(BATCHED)})
+                      if r.get("engine") == runs.BATCHED_ENGINE})
     return (f" Ran on {', '.join(devices)} as one batched model (`python -m benchmarks.paper.device`; the same "
             f"losses and agents' data, the batch's own random draws): {', '.join(f'`{k}`' for k in keys)}.")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.paper import footing, verdict
+from benchmarks.paper import cells as runs, footing, verdict
 from tests.unit.test_verdict import cell
 
 
@@ -147,7 +147,7 @@ def test_cells_run_as_one_batched_model_are_named_where_their_numbers_are_shown(
     assert "batched model" not in footing.footing_md(rs)
     for r in rs:
         if tables_method(r) == "cql-returns-gradient" and r["seed"] == 2:
-            r.update(key="cql-returns-gradient-medium-s2", engine="batched cells (benchmarks.paper.device)",
+            r.update(key="cql-returns-gradient-medium-s2", engine=runs.BATCHED_ENGINE,
                      device_name="NVIDIA H200")
     said = footing.footing_md(rs)
     assert said.endswith("Ran on NVIDIA H200 as one batched model (`python -m benchmarks.paper.device`; the same "
