@@ -68,12 +68,11 @@ def batched_note(results: list[dict[str, Any]]) -> str:
     """The cells among ``results`` that ran as one batched model on a device (a lent GPU), named:
     the same losses, agents' data and evaluation episodes as the per-agent cells of their seed,
     with the batch's own random draws (so not the per-agent run's numbers draw for draw)."""
-    keys = sorted((r["key"] for r in results if r.get("engine") == runs.BATCHED_ENGINE),
-                  key=lambda k: (int(k.rsplit("-s", 1)[1]), k))
-    if not keys:
+    batched = [r for r in results if r.get("engine") == runs.BATCHED_ENGINE]
+    if not batched:
         return ""
-    devices = sorted({str(r.get("device_name") or "a device") for r in results
-                      if r.get("engine") == runs.BATCHED_ENGINE})
+    keys = sorted((r["key"] for r in batched), key=lambda k: (int(k.rsplit("-s", 1)[1]), k))
+    devices = sorted({str(r.get("device_name") or "a device") for r in batched})
     return (f" Ran on {', '.join(devices)} as one batched model (`python -m benchmarks.paper.device`; the same "
             f"losses and agents' data, the batch's own random draws): {', '.join(f'`{k}`' for k in keys)}.")
 

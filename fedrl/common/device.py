@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
 import random
 import sys
 import threading
@@ -94,8 +95,6 @@ def _openmp() -> ctypes.CDLL | None:
     None where there is none to reach (another build: only the calling thread is then set)."""
     global _gomp
     if _gomp is False:
-        import os
-
         path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
         try:
             _gomp = ctypes.CDLL(path) if os.path.exists(path) else None

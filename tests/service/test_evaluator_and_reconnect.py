@@ -126,6 +126,28 @@ def test_follower_evaluates_every_version_and_catches_up(aggregator, agent_threa
     assert g.reports == {}
 
 
+def _finished_two_version_run(aggregator, first_of_a0=lambda g: g) -> str:
+    """A finished run of two versions, each the average of two agents' copies of version 0 (agent
+    a0's round-1 update: ``first_of_a0(version 0)``)."""
+    from fedrl.proto.v1 import federation_pb2
+    from fedrl.wire.codec import assemble
+    from fedrl.wire.serde import read_weight_parts
+    from tests.service.test_federation import join, submit
+
+    join(aggregator, "a0", 0)
+    join(aggregator, "a1", 1)
+    run = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
+        config_json=run_config(rounds=2, eval_episodes=1)), timeout=RPC_BOUND))["run_id"]
+    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
+        federation_pb2.FetchRequest(run_id=run, version=0), timeout=RPC_BOUND)))
+    for r in (1, 2):
+        for a in ("a0", "a1"):
+            submit(aggregator, a, first_of_a0(g) if (a, r) == ("a0", 1) else g, run, round=r, base=r - 1)
+        wait_for(lambda: status(aggregator)["global_version"] == r, what=f"round {r} to close")
+    wait_for(lambda: status(aggregator)["state"] == "finished", what="the run to finish")
+    return run
+
+
 @pytest.mark.parametrize("bad", ["overflowing-policy", "damaged-on-disk"])
 def test_a_version_that_cannot_be_evaluated_holds_up_none_after_it(aggregator, caplog, bad):
     """A hostile agent's finite update of weights near float32's limit made a finite global version
@@ -135,26 +157,13 @@ def test_a_version_that_cannot_be_evaluated_holds_up_none_after_it(aggregator, c
     version is logged and reported as not evaluated, naming why (a NOT_EVALUATED event: a watch
     of the run waits for it no longer), and the next one is evaluated."""
     from tests.service.test_faults import _rewrite_tensor_bytes
-    from fedrl.proto.v1 import federation_pb2
-    from fedrl.wire.codec import assemble
-    from fedrl.wire.serde import read_weight_parts
-    from tests.service.test_federation import join, submit
 
-    join(aggregator, "a0", 0)
-    join(aggregator, "a1", 1)
-    run = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(rounds=2, eval_episodes=1)), timeout=60))["run_id"]
-    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=run, version=0), timeout=60)))
-    huge = {k: torch.full_like(v, 3e38) if k.startswith("policy.trunk.") and k.endswith(".weight") else v
-            for k, v in g.items()}
-    submit(aggregator, "a0", huge if bad == "overflowing-policy" else g, run)
-    submit(aggregator, "a1", g, run)
-    wait_for(lambda: status(aggregator)["global_version"] == 1, what="round 1 to close")
+    def huge(g):
+        return {k: torch.full_like(v, 3e38) if k.startswith("policy.trunk.") and k.endswith(".weight") else v
+                for k, v in g.items()}
+
+    run = _finished_two_version_run(aggregator, huge if bad == "overflowing-policy" else lambda g: g)
     assert all(torch.isfinite(v).all() for v in aggregator.store.load_version(run, 1).values())
-    submit(aggregator, "a0", g, run, round=2, base=1)
-    submit(aggregator, "a1", g, run, round=2, base=1)
-    wait_for(lambda: status(aggregator)["state"] == "finished", what="the run to finish")
     if bad == "damaged-on-disk":  # a flipped bit
         _rewrite_tensor_bytes(aggregator.store.version_path(run, 1), lambda raw, at: raw.__setitem__(at + 9, raw[at + 9] ^ 4))
     f = Follower(aggregator.target, seed=0, num_envs=1)
@@ -178,27 +187,6 @@ def test_a_version_that_cannot_be_evaluated_holds_up_none_after_it(aggregator, c
     finally:
         f.stop()
         t.join(10)
-
-
-def _finished_two_version_run(aggregator) -> str:
-    """A finished run of two versions, each the average of two agents' copies of version 0."""
-    from fedrl.proto.v1 import federation_pb2
-    from fedrl.wire.codec import assemble
-    from fedrl.wire.serde import read_weight_parts
-    from tests.service.test_federation import join, submit
-
-    join(aggregator, "a0", 0)
-    join(aggregator, "a1", 1)
-    run = status_from_proto(aggregator.control.StartRun(control_pb2.StartRunRequest(
-        config_json=run_config(rounds=2, eval_episodes=1)), timeout=RPC_BOUND))["run_id"]
-    g = assemble(*read_weight_parts(aggregator.fed.FetchGlobal(
-        federation_pb2.FetchRequest(run_id=run, version=0), timeout=RPC_BOUND)))
-    for r in (1, 2):
-        for a in ("a0", "a1"):
-            submit(aggregator, a, g, run, round=r, base=r - 1)
-        wait_for(lambda: status(aggregator)["global_version"] == r, what=f"round {r} to close")
-    wait_for(lambda: status(aggregator)["state"] == "finished", what="the run to finish")
-    return run
 
 
 @pytest.mark.parametrize("fault", ["passing", "lasting", "unreadable-event"])

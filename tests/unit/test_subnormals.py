@@ -14,11 +14,10 @@ import torch
 
 from fedrl.algos import DRPOConfig
 from fedrl.common.device import subnormals_flushed
-from fedrl.data.d4rl import Transitions
 from fedrl.federation.round import BatchedTrainer, LocalTrainer
+from tests.unit.test_grad_norms import O, transitions  # small random data and its observation size
 
 TINY = 1e-39  # a float32 subnormal: below torch.finfo(torch.float32).tiny
-O, A = 5, 2
 CFG = DRPOConfig(hidden=(16, 16), batch_size=32, cql_n_actions=3)
 
 
@@ -34,13 +33,6 @@ def in_thread(fn):
     t.join(timeout=600)
     assert not t.is_alive() and out, "the check's thread did not finish"
     return out[0]
-
-
-def transitions(n: int = 200) -> Transitions:
-    rng = np.random.default_rng(0)
-    obs = rng.normal(size=(n + 1, O))
-    return Transitions(obs[:-1], np.tanh(rng.normal(size=(n, A))) * 0.9, rng.uniform(0, 1, n), obs[1:],
-                       np.zeros(n), np.arange(n) // 50)
 
 
 def test_the_flush_holds_within_nests_and_ends_with_the_outermost():
